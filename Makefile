@@ -1,0 +1,31 @@
+# The README's two set-up commands. Both create .venv and install with constraints.txt, which
+# pins torch==2.13.0 so pip takes the CPU wheel on machines without a GPU.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: train test lint format bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/shardwise train
+
+test: $(STAMP)
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q --timeout=600 $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff format src tests benchmarks
+	$(BIN)/ruff check --fix src tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,107 @@
+"""`shardwise train | explain`: argument parsing and user-facing error reporting."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from shardwise.config import Config, load_config, reference_markdown
+from shardwise.errors import ShardwiseError
+
+
+def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("config", nargs="?", default=None)
+    parser.add_argument("--nproc", type=int, default=None)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--help-config", action="store_true")
+    parser.add_argument("-h", "--help", action="store_true")
+    known, rest = parser.parse_known_args(argv)
+    if known.config is not None and known.config.startswith("--"):
+        rest.insert(0, known.config)
+        known.config = None
+    return known, rest
+
+
+USAGE = """usage: shardwise {train,explain} [CONFIG.toml] [--nproc N] [--section.key=value ...]
+
+  train     train a model (spawns --nproc local ranks unless under torchrun/srun)
+  explain   print every derived value of a config (degrees, batches, memory) without training
+            (--json for machine-readable output)
+
+  --help-config   list every config key with its default and meaning
+"""
+
+
+def _nproc(args: argparse.Namespace) -> int:
+    from shardwise.device import local_device_count
+
+    if args.nproc is not None and args.nproc < 1:
+        raise ShardwiseError(f"--nproc={args.nproc} must be >= 1. Fix: --nproc 2")
+    return args.nproc or local_device_count()
+
+
+def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
+    from shardwise.launch import adopt_slurm_env, launch_local, rank_main, under_external_launcher
+
+    if under_external_launcher():
+        adopt_slurm_env()
+        rank_main(cfg.to_dict())
+        return
+    from shardwise.explain import explain_record, print_plan
+    from shardwise.runtime import data_spec
+    from shardwise.validate import derive
+
+    nproc = _nproc(args)
+    derived = derive(cfg, nproc)  # every config error before any process starts
+    from shardwise.data import prepare_data
+
+    prepare_data(data_spec(cfg, derived.spec.vocab_size))  # data errors too, and one cache build
+    print_plan(explain_record(cfg, nproc))
+    launch_local(cfg, nproc)
+
+
+def cmd_explain(cfg: Config, args: argparse.Namespace) -> None:
+    from shardwise.explain import explain_record, print_explain
+
+    record = explain_record(cfg, _nproc(args))
+    if args.json:
+        print(json.dumps(record, indent=2))
+    else:
+        print_explain(record)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        if not argv:  # no arguments at all: the default job
+            argv = ["train"]
+        else:
+            print(USAGE)
+            return 0
+    command, rest = argv[0], argv[1:]
+    commands = {"train": cmd_train, "explain": cmd_explain}
+    try:
+        if command not in commands:
+            raise ShardwiseError(f"unknown command '{command}'. Fix: one of {', '.join(commands)}.")
+        args, overrides = _split(rest)
+        if args.help:
+            print(USAGE)
+            return 0
+        if args.help_config:
+            print(reference_markdown())
+            return 0
+        cfg = load_config(args.config, overrides)
+        commands[command](cfg, args)
+    except ShardwiseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,318 @@
+"""The configuration: one typed dataclass tree, loaded from TOML and `--section.key=value`.
+
+Every field carries a help string (the README's config reference is generated from them).
+Unknown keys are rejected with a did-you-mean; values are parsed by the field's type;
+cross-field checks live in `validate()` and print every factor of a failed product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from shardwise.errors import ConfigError
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+def opt(default: Any, help: str) -> Any:
+    """A dataclass field with a help string."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    name: str = opt(
+        "tiny",
+        "Named model: tiny, 125m, 1b, 7b, 13b, 70b, 175b (decoder), "
+        "gpt2-tiny, gpt2-125m (GPT-2 style), resnet18, resnet50 (images).",
+    )
+    n_layers: int = opt(0, "Override the preset's number of transformer blocks (0 = preset).")
+    dim: int = opt(0, "Override the hidden size (0 = preset).")
+    n_heads: int = opt(0, "Override the number of attention heads (0 = preset).")
+    n_kv_heads: int = opt(
+        0, "Override the key/value heads for grouped-query attention (0 = preset)."
+    )
+    ffn_dim: int = opt(0, "Override the MLP hidden size (0 = preset).")
+    vocab_size: int = opt(
+        0, "Override the vocabulary size; the BPE tokenizer is trained to it (0 = preset)."
+    )
+    tie_embeddings: str = opt(
+        "preset", "Share input embedding and output head: true, false or preset."
+    )
+
+
+@dataclass
+class DataConfig:
+    dataset: str = opt(
+        "stdlib",
+        "stdlib (Python's own sources), digits (scikit-learn images), or a "
+        "path/dir/glob of .txt, .jsonl, .json, .parquet files.",
+    )
+    seq_len: int = opt(128, "Tokens per sample (text).")
+    text_field: str = opt("text", "Field holding the text in .jsonl/.json/.parquet files.")
+    val_fraction: float = opt(0.02, "Fraction of documents held out for evaluation.")
+    image_size: int = opt(32, "Digits are resized from 8x8 to this many pixels per side.")
+    cache_dir: str = opt("", "Tokenizer/token cache ('' = $SHARDWISE_CACHE or ~/.cache/shardwise).")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(200, "Optimizer steps to run.")
+    global_batch: int = opt(16, "Samples per optimizer step over all data-parallel ranks.")
+    micro_batch: int = opt(
+        0,
+        "Samples per forward/backward on one rank (0 = global_batch / dp, "
+        "i.e. no gradient accumulation).",
+    )
+    lr: float = opt(3e-3, "Peak learning rate (after warm-up).")
+    seed: int = opt(0, "Seed of parameter init, data order and random streams.")
+    eval_every: int = opt(50, "Evaluate held-out loss every this many steps (0 = only at the end).")
+    eval_batches: int = opt(4, "Global batches per evaluation.")
+
+
+@dataclass
+class OptimConfig:
+    beta1: float = opt(0.9, "AdamW beta1.")
+    beta2: float = opt(
+        0.95,
+        "AdamW beta2 (0.95 is the usual LLM choice: faster second-moment adaptation than 0.999).",
+    )
+    eps: float = opt(1e-8, "AdamW epsilon.")
+    weight_decay: float = opt(0.1, "Decoupled weight decay (not applied to norms and biases).")
+    grad_clip: float = opt(1.0, "Clip the global gradient norm to this (0 = off).")
+    warmup_steps: int = opt(20, "Linear warm-up steps.")
+    schedule: Literal["cosine", "constant"] = opt("cosine", "Learning-rate decay after warm-up.")
+    min_lr_ratio: float = opt(0.1, "Cosine decays to lr * min_lr_ratio.")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = opt(1, "Tensor-parallel degree.")
+    pp: int = opt(1, "Pipeline-parallel degree.")
+    zero: int = opt(0, "ZeRO stage 0-3 over the data-parallel dimension.")
+    sp: bool = opt(False, "Sequence parallelism (with tp).")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zb"] = opt("1f1b", "Pipeline schedule.")
+    pp_virtual: int = opt(1, "Virtual pipeline chunks per rank (interleaved schedule).")
+    bucket_mb: float = opt(
+        25.0, "Gradient bucket size in MB for the overlapped all-reduce (25 MB, like PyTorch DDP)."
+    )
+    timeout_s: float = opt(
+        300.0, "Timeout of every collective; a stuck rank fails the job after it."
+    )
+
+
+@dataclass
+class PrecisionConfig:
+    compute: Precision = opt(
+        "fp32",
+        "Dtype of parameters and activations in forward/backward; "
+        "bf16/fp16 keep fp32 master weights.",
+    )
+    reduce: Precision = opt("fp32", "Dtype of gradient buffers and their communication.")
+    loss_scale: float = opt(65536.0, "Initial dynamic loss scale (fp16 only).")
+    scale_window: int = opt(1000, "Double the fp16 loss scale after this many finite steps.")
+
+
+@dataclass
+class MemoryConfig:
+    recompute: Literal["none", "selective", "full"] = opt(
+        "none",
+        "Activation recomputation: selective recomputes attention/MLP internals, full "
+        "recomputes whole blocks.",
+    )
+    offload: Literal["none", "optimizer", "optimizer+params"] = opt(
+        "none", "Keep optimizer state (and parameters) in host memory."
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = opt(0, "Save a checkpoint every this many steps (0 = off).")
+    keep: int = opt(3, "Checkpoints to keep.")
+
+
+@dataclass
+class LogConfig:
+    every: int = opt(10, "Print a log line every this many steps (metrics.jsonl gets every step).")
+    tensorboard: bool = opt(True, "Write TensorBoard scalars to run.dir/tb.")
+    progress: Literal["auto", "on", "off"] = opt("auto", "Progress bar (auto: on a terminal).")
+
+
+@dataclass
+class RunConfig:
+    dir: str = opt("runs/default", "Output directory: metrics.jsonl, config.json, tb/.")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "Compute device (auto: CUDA if present).")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+def sections() -> dict[str, type]:
+    """Section name -> dataclass type, in declaration order."""
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def field_types(section_type: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_type)
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, t in sections().items() for f in dataclasses.fields(t)]
+
+
+def _unknown(key: str, candidates: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return ConfigError(
+        f"unknown config key '{key}'.{hint} Run `shardwise train --help-config` for "
+        "the list of keys."
+    )
+
+
+def _parse(key: str, raw: Any, typ: Any) -> Any:
+    """Convert a TOML or command-line value to the field's type, or say what was expected."""
+    origin = get_origin(typ)
+    if origin is Literal:
+        choices = get_args(typ)
+        if raw not in choices:
+            opts = " | ".join(map(str, choices))
+            raise ConfigError(f"{key}={raw!r} is not one of {opts}. Fix: --{key}={choices[0]}")
+        return raw
+    if origin in (types.UnionType, typing.Union):
+        typ = next(a for a in get_args(typ) if a is not type(None))
+    if typ is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={raw!r} is not a boolean. Fix: --{key}=true or --{key}=false")
+    if typ is int:
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise ConfigError(f"{key}={raw!r} is not an integer. Fix: e.g. --{key}=8")
+        try:
+            return int(raw) if not isinstance(raw, str) else int(raw.replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{key}={raw!r} is not an integer. Fix: e.g. --{key}=8") from None
+    if typ is float:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{key}={raw!r} is not a number. Fix: e.g. --{key}=0.001")
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"{key}={raw!r} is not a number. Fix: e.g. --{key}=0.001") from None
+    if typ is str:
+        if not isinstance(raw, str):
+            raise ConfigError(f"{key}={raw!r} must be a string. Fix: quote it in the TOML file.")
+        return raw
+    raise TypeError(f"unsupported config type {typ} for {key}")
+
+
+def _set(cfg: Config, key: str, raw: Any) -> None:
+    section, _, name = key.partition(".")
+    secs = sections()
+    if section not in secs or not name:
+        raise _unknown(key, all_keys())
+    hints = field_types(secs[section])
+    if name not in hints:
+        raise _unknown(key, all_keys())
+    setattr(getattr(cfg, section), name, _parse(key, raw, hints[name]))
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{path}' does not exist. Fix: pass an existing .toml file.")
+    try:
+        with p.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(
+            f"config file '{path}' is not valid TOML: {exc}. Fix the line it names."
+        ) from None
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """`--section.key=value` or `--section.key value` pairs, in order."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(
+                f"unexpected argument '{arg}'. Overrides look like "
+                "--section.key=value, e.g. --train.steps=100"
+            )
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(args):
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"'{arg}' has no value. Fix: {arg}=VALUE")
+        pairs.append((key, value))
+        i += 1
+    return pairs
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file, then command-line overrides (later wins)."""
+    cfg = Config()
+    if path is not None:
+        for section, values in load_toml(path).items():
+            if not isinstance(values, dict):
+                raise _unknown(section, list(sections()))
+            for name, raw in values.items():
+                _set(cfg, f"{section}.{name}", raw)
+    for key, raw in parse_overrides(overrides or []):
+        _set(cfg, key, raw)
+    return cfg
+
+
+def config_from_dict(values: dict[str, dict[str, Any]]) -> Config:
+    """Rebuild a Config from `Config.to_dict()` output (e.g. a run's config.json)."""
+    cfg = Config()
+    for section, fields in values.items():
+        for name, raw in fields.items():
+            _set(cfg, f"{section}.{name}", raw)
+    return cfg
+
+
+def reference_markdown() -> str:
+    """The config reference table for the README, generated from the help strings."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for section, typ in sections().items():
+        for f in dataclasses.fields(typ):
+            default = f.default
+            shown = (
+                f'"{default}"'
+                if isinstance(default, str)
+                else str(default).lower()
+                if isinstance(default, bool)
+                else str(default)
+            )
+            lines.append(f"| `{section}.{f.name}` | `{shown}` | {f.metadata['help']} |")
+    return "\n".join(lines)

@@ -1,0 +1,274 @@
+"""Text corpora: where documents come from and which of them are held out.
+
+A corpus is either the Python standard library's own sources ("stdlib": ~10M tokens of real
+text that every machine already has, so nothing is downloaded) or the user's files. Both end
+up as a sorted list of files whose names, sizes and mtimes identify the cache, and as lists of
+documents split into train and held-out sets by a stable hash of each document's id, so the
+split never changes between runs, processes or machines.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardwise.errors import DataError
+
+SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+_FIX_DATASET = (
+    "Fix: pass an existing .txt/.jsonl/.json/.parquet file, a directory or glob of them, "
+    "'stdlib' or 'digits'."
+)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What to train on; mirrors the `data.*` config section."""
+
+    dataset: str = "stdlib"  # "stdlib" | "digits" | a .txt/.jsonl/.json/.parquet file, dir or glob
+    seq_len: int = 128  # tokens per sample (text)
+    vocab_size: int = 4096  # BPE vocabulary size to train (text)
+    text_field: str = "text"  # field holding the text in jsonl/json/parquet rows
+    val_fraction: float = 0.02  # held-out fraction (documents for text, images for digits)
+    image_size: int = 32  # digits are resized (bilinear) from 8x8 to this
+    cache_dir: str = ""  # "" -> $SHARDWISE_CACHE or ~/.cache/shardwise
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dataset, str) or not self.dataset.strip():
+            raise DataError(f"data.dataset={self.dataset!r} is empty. {_FIX_DATASET}")
+        if self.seq_len < 1:
+            raise DataError(f"data.seq_len={self.seq_len} must be >= 1. Fix: use e.g. 128.")
+        # A byte-level BPE needs its 256 byte tokens plus the end-of-text token.
+        # Image models have no vocabulary (vocab_size 0), so only text data checks it.
+        if self.dataset != "digits" and self.vocab_size < 257:
+            raise DataError(
+                f"data.vocab_size={self.vocab_size} is below the 257 tokens a byte-level BPE "
+                "needs (256 bytes + <|endoftext|>). Fix: use e.g. 4096."
+            )
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise DataError(
+                f"data.val_fraction={self.val_fraction} must be in [0, 1). Fix: use e.g. 0.02."
+            )
+        if self.image_size < 1:
+            raise DataError(f"data.image_size={self.image_size} must be >= 1. Fix: use e.g. 32.")
+
+    def cache_root(self) -> Path:
+        """The directory holding every cached corpus."""
+        root = self.cache_dir or os.environ.get("SHARDWISE_CACHE", "")
+        return Path(root).expanduser() if root else Path.home() / ".cache" / "shardwise"
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved corpus: its files (absolute) and each file's stable document-id prefix."""
+
+    label: str  # short human name, used in the cache directory name
+    files: tuple[Path, ...]
+    ids: tuple[str, ...]  # relative paths; documents are hashed by these, not absolute paths
+    is_stdlib: bool
+
+    def identity(self) -> list[tuple[str, int, int]]:
+        """(path, size, mtime_ns) per file: changes whenever any file does."""
+        out = []
+        for path in self.files:
+            st = path.stat()
+            out.append((str(path), st.st_size, st.st_mtime_ns))
+        return out
+
+
+def stable_unit(key: str) -> float:
+    """A number in [0, 1) from `key`, equal on every run and machine (unlike `hash()`)."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+def resolve_source(spec: DataSpec) -> Source:
+    """Find the files behind `spec.dataset`; raise DataError if there are none usable."""
+    if spec.dataset == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(_walk(root, (".py",), skip={"site-packages"}), key=lambda p: p.as_posix())
+        return Source("stdlib", tuple(files), tuple(_rel(p, root) for p in files), True)
+    raw = spec.dataset
+    path = Path(os.path.expanduser(raw))
+    if path.is_file():
+        if path.suffix.lower() not in SUPPORTED_SUFFIXES:
+            raise DataError(
+                f"data.dataset={raw!r} has the unsupported extension {path.suffix!r}. "
+                f"Fix: use a .txt, .jsonl, .json or .parquet file (or 'stdlib' or 'digits')."
+            )
+        path = path.resolve()
+        return Source(_label(path.stem), (path,), (path.name,), False)
+    if path.is_dir():
+        root = path.resolve()
+        files = sorted(_walk(root, SUPPORTED_SUFFIXES, skip=set()), key=lambda p: p.as_posix())
+        if not files:
+            others = sorted({p.suffix or p.name for p in _walk(root, None, skip=set())})[:8]
+            found = f"only {others} files" if others else "no files"
+            raise DataError(
+                f"data.dataset={raw!r} is a directory with {found}, no .txt/.jsonl/.json/"
+                ".parquet files. Fix: point it at a directory holding such files."
+            )
+        return Source(_label(root.name), tuple(files), tuple(_rel(p, root) for p in files), False)
+    if any(ch in raw for ch in "*?["):
+        matches = sorted(
+            Path(m).resolve() for m in glob.glob(os.path.expanduser(raw), recursive=True)
+        )
+        matches = [m for m in matches if m.is_file()]
+        files = [m for m in matches if m.suffix.lower() in SUPPORTED_SUFFIXES]
+        if not files:
+            what = f"{len(matches)} files, none of them" if matches else "no files, so no"
+            raise DataError(
+                f"data.dataset={raw!r} matches {what} .txt/.jsonl/.json/.parquet files. "
+                "Fix: change the pattern so it matches such files."
+            )
+        root = Path(os.path.commonpath([str(f.parent) for f in files]))
+        return Source(
+            _label(root.name or "glob"), tuple(files), tuple(_rel(f, root) for f in files), False
+        )
+    raise DataError(f"data.dataset={raw!r} does not exist. {_FIX_DATASET}")
+
+
+def read_documents(source: Source, text_field: str) -> Iterator[tuple[str, str]]:
+    """Yield (document id, text) for every non-empty document, in file order."""
+    if source.is_stdlib:
+        for path, rel in zip(source.files, source.ids, strict=True):
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue  # the stdlib ships a few deliberately broken/latin-1 test files
+            if text:
+                yield rel, text
+        return
+    for path, rel in zip(source.files, source.ids, strict=True):
+        suffix = path.suffix.lower()
+        if suffix == ".txt":
+            text = _read_txt(path)
+            if text:
+                yield rel, text  # a .txt file is one document
+        else:
+            yield from _read_rows(path, rel, suffix, text_field)
+
+
+def split_documents(
+    docs: list[tuple[str, str]], val_fraction: float, dataset: str
+) -> tuple[list[str], list[str]]:
+    """Split into (train texts, val texts) by the stable hash of each document id.
+
+    Never random per run. If the hash picks no held-out document although val_fraction > 0,
+    the document with the smallest hash is held out. A corpus of one document (e.g. a single
+    .txt file) is instead cut at a line break so that its tail holds val_fraction of the text.
+    """
+    if not docs or not any(text for _, text in docs):
+        raise DataError(
+            f"data.dataset={dataset!r} holds no text (0 documents or 0 characters). "
+            "Fix: point it at non-empty files."
+        )
+    if val_fraction <= 0:
+        return [text for _, text in docs], []
+    if len(docs) == 1:
+        text = docs[0][1]
+        cut = int(len(text) * (1.0 - val_fraction))
+        newline = text.rfind("\n", 0, cut)
+        cut = newline + 1 if newline > 0 else cut
+        return [text[:cut]], [text[cut:]]
+    units = [stable_unit(doc_id) for doc_id, _ in docs]
+    is_val = [u < val_fraction for u in units]
+    if not any(is_val):
+        is_val[min(range(len(docs)), key=units.__getitem__)] = True
+    if all(is_val):  # keep at least one training document
+        is_val[max(range(len(docs)), key=units.__getitem__)] = False
+    train = [text for (_, text), v in zip(docs, is_val, strict=True) if not v]
+    val = [text for (_, text), v in zip(docs, is_val, strict=True) if v]
+    return train, val
+
+
+def _walk(root: Path, suffixes: tuple[str, ...] | None, skip: set[str]) -> Iterator[Path]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Hidden directories (.git, .cache) never hold the user's corpus.
+        dirnames[:] = [d for d in dirnames if d not in skip and not d.startswith(".")]
+        for name in filenames:
+            if suffixes is None or name.lower().endswith(suffixes):
+                yield Path(dirpath) / name
+
+
+def _rel(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+def _label(name: str) -> str:
+    clean = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)[:40]
+    return clean or "data"
+
+
+def _read_txt(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"data file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}). "
+            "Fix: re-encode it as UTF-8."
+        ) from exc
+    except OSError as exc:
+        raise DataError(f"data file {str(path)!r} cannot be read: {exc}. Fix: check it.") from exc
+
+
+def _read_rows(path: Path, rel: str, suffix: str, text_field: str) -> Iterator[tuple[str, str]]:
+    values = _load_column(path, "parquet" if suffix == ".parquet" else "json", text_field)
+    for i, value in enumerate(values):
+        if value is None or value == "":
+            continue
+        if not isinstance(value, str):
+            raise DataError(
+                f"data.text_field={text_field!r} holds a {type(value).__name__} in row {i} of "
+                f"{str(path)!r}, not text. Fix: set data.text_field to a string column."
+            )
+        yield f"{rel}#{i}", value
+
+
+def _load_column(path: Path, builder: str, text_field: str) -> list:
+    """Load one json/parquet file with `datasets`, quietly, and return its text column."""
+    import tempfile
+
+    import datasets
+    from datasets.utils import logging as ds_logging
+
+    verbosity, bars = ds_logging.get_verbosity(), ds_logging.is_progress_bar_enabled()
+    ds_logging.set_verbosity_error()
+    ds_logging.disable_progress_bar()
+    try:
+        # The arrow copy is only needed while we read it; keep it out of ~/.cache/huggingface.
+        with tempfile.TemporaryDirectory(prefix="shardwise-hf-") as tmp:
+            ds = datasets.load_dataset(
+                builder, data_files=[str(path)], split="train", cache_dir=tmp
+            )
+            if text_field not in ds.column_names:
+                raise DataError(
+                    f"data.text_field={text_field!r} is not a column of {str(path)!r}; its "
+                    f"columns are {ds.column_names}. Fix: set data.text_field to the column "
+                    "holding the text."
+                )
+            return ds.data.column(text_field).to_pylist()
+    except DataError:
+        raise
+    except Exception as exc:
+        kind = "JSON / JSON lines" if builder == "json" else "Parquet"
+        raise DataError(
+            f"data file {str(path)!r} cannot be read as {kind}: {_root_cause(exc)}. "
+            f"Fix: check that it is valid {kind}."
+        ) from exc
+    finally:
+        ds_logging.set_verbosity(verbosity)
+        if bars:
+            ds_logging.enable_progress_bar()
+
+
+def _root_cause(exc: BaseException) -> str:
+    # datasets wraps the parser's error in a generic "error occurred while generating".
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return f"{type(exc).__name__}: {exc}".strip()

@@ -1,0 +1,82 @@
+"""Everything device- and backend-specific lives here; CPU+gloo and CUDA+NCCL share the rest."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.errors import ConfigError
+
+# Dense peak FLOP/s per dtype from vendor data sheets (SXM parts, no sparsity); used for MFU.
+_PEAKS = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
+    "4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12},
+}
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    type: str  # "cpu" | "cuda"
+    backend: str  # "gloo" | "nccl"
+    device: torch.device
+    name: str
+
+    def peak_flops(self, precision: str) -> float | None:
+        """Dense peak FLOP/s for MFU, or None when unknown (CPUs)."""
+        for key, peaks in _PEAKS.items():
+            if key in self.name:
+                return peaks[precision]
+        return None
+
+
+def detect(preference: str = "auto", local_rank: int = 0) -> DeviceInfo:
+    """Choose the device for this rank: CUDA+NCCL when present (or asked for), else CPU+gloo."""
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "run.device='cuda' but no CUDA device is visible. Fix: --run.device=cpu or auto."
+        )
+    if preference in ("auto", "cuda") and torch.cuda.is_available():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return DeviceInfo(
+            "cuda", "nccl", torch.device("cuda", index), torch.cuda.get_device_name(index)
+        )
+    return DeviceInfo("cpu", "gloo", torch.device("cpu"), "cpu")
+
+
+def local_device_count() -> int:
+    """Ranks to start on this machine by default: one per GPU, or 2 CPU ranks."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def dtype_of(precision: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def synchronize(info: DeviceInfo) -> None:
+    """Wait for queued device work, so wall-clock step times are honest."""
+    if info.type == "cuda":
+        torch.cuda.synchronize(info.device)
+
+
+def reset_peak_memory(info: DeviceInfo) -> None:
+    if info.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(info.device)
+
+
+def peak_memory(info: DeviceInfo) -> int | None:
+    """The allocator's peak bytes since the last reset (CUDA only; CPU has no such counter)."""
+    if info.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(info.device))
+    return None
+
+
+def set_cpu_threads() -> None:
+    """Several CPU ranks on few cores: one intra-op thread each unless the user set one."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)

@@ -1,0 +1,78 @@
+"""Exact per-rank memory by category, counted from the engine's own tensors.
+
+Model states are summed from the tensors that hold them. Activations are the bytes saved for
+backward, seen through `torch.autograd.graph.saved_tensors_hooks` and de-duplicated by storage
+(a tensor saved by two ops, or two views of one storage, count once; parameters saved by the
+ops that use them are not activations). Backward only frees saved tensors, so the peak within
+a micro-batch is reached when its forward ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class ActivationMeter:
+    """Counts bytes saved for backward during forward passes run inside `measure()`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._exclude = {_storage_key(p) for p in model.parameters()}
+        self._seen: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in self._exclude and key not in self._seen:
+            nbytes = t.untyped_storage().nbytes()
+            self._seen[key] = nbytes
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        return t
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        """Wrap one micro-batch's forward. Its saved bytes start from zero: the previous
+        micro-batch's backward has already released everything it saved."""
+        self._seen.clear()
+        self.current = 0
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield
+
+    def take_peak(self) -> int:
+        peak, self.peak = self.peak, 0
+        return peak
+
+
+def model_state_bytes(model: nn.Module, reducer, optimizer) -> dict[str, int]:
+    """Bytes of the persistent categories on this rank."""
+    params = list(model.parameters())  # de-duplicated: a tied weight counts once
+    buffers = [b for b in model.buffers()]
+    return {
+        "params": tensor_bytes(params),
+        "grads": reducer.grad_bytes,
+        "master": optimizer.master_bytes,
+        "optimizer": optimizer.state_bytes,
+        "buffers": tensor_bytes(buffers),
+    }
+
+
+def step_memory(states: dict[str, int], activations: int) -> dict[str, int]:
+    """All categories plus `total`: persistent states are resident for the whole step, so the
+    peak of the sum is states + the activation peak."""
+    out = dict(states)
+    out["activations"] = activations
+    out["total"] = sum(states.values()) + activations
+    return out

@@ -1,0 +1,108 @@
+"""Per-step records: `run.dir/metrics.jsonl` (the contract in DESIGN.md), TensorBoard scalars,
+one log line per logged step and a progress bar on a terminal. Only rank 0 writes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from torch import nn
+
+from shardwise.models import count_params
+
+
+def flops_per_token(model: nn.Module, derived) -> float:
+    """Training FLOPs per token, 6N + 12·L·h·s (PaLM, Chowdhery et al. 2022, appendix B), with
+    N the non-embedding parameters (the head matmul counts; a lookup is not a matmul).
+    Zero for image models, whose FLOPs are not proportional to a token count."""
+    spec = derived.spec
+    if spec.arch.startswith("resnet"):
+        return 0.0
+    n = count_params(model, exclude_embedding=True)  # a tied head stays counted
+    return 6.0 * n + 12.0 * spec.n_layers * spec.dim * derived.tokens_per_sample
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def format_line(r: dict, total_steps: int) -> str:
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+    parts = [
+        f"step {r['step']}/{total_steps}",
+        f"loss {r['loss']:.4f}",
+        f"lr {r['lr']:.2e}",
+        f"{1000 * r['step_time_s']:.0f} ms",
+        f"{r['tokens_per_s']:,.0f} tok/s",
+        f"mfu {mfu}",
+        f"mem {human_bytes(r['mem_bytes']['total'])}",
+    ]
+    if "eval_loss" in r:
+        parts.append(f"eval {r['eval_loss']:.4f}")
+    if r.get("skipped"):
+        parts.append(f"SKIPPED (non-finite grads, loss scale -> {r['loss_scale'] / 2:g})")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    def __init__(self, run) -> None:
+        self.enabled = run.topo.rank == 0
+        self.cfg = run.cfg
+        self.total = run.cfg.train.steps
+        if not self.enabled:
+            return
+        out = Path(run.cfg.run.dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(run.cfg.to_dict(), indent=2))
+        self.file = (out / "metrics.jsonl").open("w")
+        self.tb = None
+        if run.cfg.log.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tb"))
+        mode = run.cfg.log.progress
+        self.progress = None
+        if mode == "on" or (mode == "auto" and sys.stdout.isatty()):
+            from rich.progress import BarColumn, Progress, TimeRemainingColumn
+
+            self.progress = Progress(
+                "[progress.description]{task.description}",
+                BarColumn(),
+                "{task.completed}/{task.total}",
+                TimeRemainingColumn(),
+            )
+            self.task = self.progress.add_task("training", total=self.total)
+            self.progress.start()
+
+    def log(self, r: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(r) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "eval_loss"):
+                if r.get(key) is not None:
+                    self.tb.add_scalar(f"train/{key}", r[key], r["step"])
+            self.tb.add_scalar("memory/total_bytes", r["mem_bytes"]["total"], r["step"])
+        if r["step"] % self.cfg.log.every == 0 or r["step"] in (1, self.total) or r["skipped"]:
+            line = format_line(r, self.total)
+            if self.progress is not None:
+                self.progress.console.print(line)
+            else:
+                print(line, flush=True)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=r["step"])
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.progress is not None:
+            self.progress.stop()
+        if self.tb is not None:
+            self.tb.close()
+        self.file.close()

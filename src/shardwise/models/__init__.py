@@ -1,0 +1,65 @@
+"""Plain PyTorch models (no rank logic): specs, named presets, builders and initialisation.
+
+Typical use, never holding the full model in memory before it is sharded::
+
+    with torch.device("meta"):
+        model = build_model(preset("7b"))
+    ...  # parallelize, then materialise local shards
+    model.to_empty(device=device)
+    init_weights(model, seed)
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardwise.models.decoder import Decoder
+from shardwise.models.init import init_weights
+from shardwise.models.presets import PRESETS, ModelSpec, preset
+from shardwise.models.resnet import ResNet
+
+__all__ = [
+    "PRESETS",
+    "Decoder",
+    "ModelSpec",
+    "ResNet",
+    "build_model",
+    "count_params",
+    "init_weights",
+    "preset",
+]
+
+
+def build_model(spec: ModelSpec) -> nn.Module:
+    """Build the model for `spec` on the current default device, with torch's default init.
+
+    Use ``with torch.device("meta"):`` for models that do not fit, and `init_weights` after
+    materialising: the values torch leaves here are not layout-invariant.
+    """
+    if spec.is_transformer:
+        return Decoder(spec)
+    return ResNet(spec)
+
+
+def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Number of distinct parameters (a tied weight counts once); works on meta models.
+
+    `exclude_embedding` drops parameters used only as lookup tables (token and position
+    embeddings): they cost no FLOPs, so the 6N FLOPs-per-token estimate (Kaplan et al.
+    2020; PaLM app. B) leaves them out. A weight tied to the output head is a matmul and
+    stays counted (as nanoGPT and torchtitan do).
+    """
+    params = {id(p): p for p in model.parameters()}
+    if exclude_embedding:
+        lookup = {
+            id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+        }
+        other = {
+            id(p)
+            for m in model.modules()
+            if not isinstance(m, nn.Embedding)
+            for p in m.parameters(recurse=False)
+        }
+        for key in lookup - other:
+            params.pop(key, None)
+    return sum(p.numel() for p in params.values())

@@ -1,0 +1,243 @@
+"""Transformer decoders as plain PyTorch modules: Llama-style ("decoder") and GPT-2 ("gpt2").
+
+Module paths are a contract: activation recomputation and tensor-parallel plans match on
+names such as ``blocks.3.attn.wq`` or ``blocks.3.mlp.act``, and parameter init is keyed by
+the fully-qualified parameter name. Nothing here knows about ranks.
+
+Tensor-parallel friendliness: heads are inferred from the projected width
+(``view(B, S, -1, head_dim)``), so column-sharded ``wq/wk/wv`` and row-sharded ``wo`` work
+unchanged. Pipeline friendliness: a stage may set ``embed`` (and ``pos_embed``) to None to
+take hidden states, set ``norm``/``head`` to None to return hidden states, and may replace
+``blocks`` by an ``nn.ModuleDict`` keyed by the original indices so parameter names (and so
+their init) stay those of the full model (as torchtitan does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.models.presets import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 and cast back to the input dtype.
+
+    Reducing the mean square in bf16/fp16 loses precision over thousands of channels, so the
+    whole normalisation runs in float32 (as in the Llama reference code).
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return y.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with bias (Ba et al. 2016), computed in float32 like `RMSNorm`."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight.float(), self.bias.float()
+        return F.layer_norm(x.float(), (x.shape[-1],), w, b, self.eps).to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos/sin tables [S, head_dim] for RoPE (Su et al. 2021, "RoFormer", eq. 34).
+
+    Computed from `positions` on their device at every call, never stored at construction,
+    so a model built on meta and materialised with `to_empty` needs no buffer fix-up.
+    """
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
+    inv_freq = 1.0 / (theta ** (exponents / head_dim))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [S, head_dim/2]
+    angles = torch.cat([angles, angles], dim=-1)  # half-split layout, see apply_rope
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate x [B, S, H, D] by position (RoPE), in float32, cast back to x's dtype.
+
+    Uses the half-split ("rotate_half", GPT-NeoX / Hugging Face Llama) pairing of channels
+    (i, i + D/2), so Hugging Face Llama checkpoints load without permuting wq/wk.
+    """
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class AttentionCore(nn.Module):
+    """Parameter-free attention: RoPE (decoder only), GQA kv repeat, causal SDPA.
+
+    forward(q [B, S, H, D], k/v [B, S, KV, D]) -> [B, S, H, D]. A separate module so that
+    selective recomputation (Korthikanti et al. 2022, §5) can target exactly this part.
+    """
+
+    def __init__(self, rope_theta: float | None) -> None:
+        super().__init__()
+        self.rope_theta = rope_theta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n_heads, n_kv = q.shape[2], k.shape[2]
+        if n_heads % n_kv:
+            raise ValueError(f"{n_heads} query heads are not a multiple of {n_kv} kv heads")
+        if self.rope_theta is not None:
+            positions = torch.arange(q.shape[1], device=q.device)
+            q, k = (
+                apply_rope(q, positions, self.rope_theta),
+                apply_rope(k, positions, self.rope_theta),
+            )
+        if n_kv != n_heads:
+            # Grouped-query attention (Ainslie et al. 2023): query head h reads kv head
+            # h // (H / KV), as Llama's repeat_kv. An explicit repeat rather than SDPA's
+            # enable_gqa keeps every SDPA backend (flash, memory-efficient, cuDNN) eligible.
+            k = k.repeat_interleave(n_heads // n_kv, dim=2)
+            v = v.repeat_interleave(n_heads // n_kv, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query self-attention with separate q, k, v, o projections."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        bias = spec.arch == "gpt2"
+        self.head_dim = spec.head_dim
+        self.wq = nn.Linear(spec.dim, spec.n_heads * spec.head_dim, bias=bias)
+        self.wk = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=bias)
+        self.wv = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=bias)
+        self.wo = nn.Linear(spec.n_heads * spec.head_dim, spec.dim, bias=bias)
+        self.core = AttentionCore(spec.rope_theta if spec.arch == "decoder" else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        return self.wo(self.core(q, k, v).reshape(b, s, -1))
+
+
+class SwiGLUAct(nn.Module):
+    """silu(a) * b (Shazeer 2020, "GLU Variants Improve Transformer"); parameter-free."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.silu(a) * b
+
+
+class GELUAct(nn.Module):
+    """tanh-approximated GELU, as in GPT-2 (Hendrycks & Gimpel 2016); parameter-free."""
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return F.gelu(a, approximate="tanh")
+
+
+class MLP(nn.Module):
+    """decoder: w2(silu(w1 x) * w3 x), no biases; gpt2: w2(gelu(w1 x)), with biases."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gated = spec.arch == "decoder"
+        bias = not self.gated
+        self.w1 = nn.Linear(spec.dim, spec.ffn_dim, bias=bias)
+        if self.gated:
+            self.w3 = nn.Linear(spec.dim, spec.ffn_dim, bias=False)
+        self.w2 = nn.Linear(spec.ffn_dim, spec.dim, bias=bias)
+        self.act: nn.Module = SwiGLUAct() if self.gated else GELUAct()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.w2(self.act(self.w1(x), self.w3(x)))
+        return self.w2(self.act(self.w1(x)))
+
+
+def _norm(spec: ModelSpec) -> nn.Module:
+    return (
+        LayerNorm(spec.dim, spec.norm_eps)
+        if spec.arch == "gpt2"
+        else RMSNorm(spec.dim, spec.norm_eps)
+    )
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.attn_norm = _norm(spec)
+        self.attn = Attention(spec)
+        self.mlp_norm = _norm(spec)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """Causal language model: tokens [B, S] -> logits [B, S, vocab] (no loss inside).
+
+    Built with torch's default initialisation; call `shardwise.models.init_weights`.
+    """
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        if not spec.is_transformer:
+            raise ValueError(f"Decoder needs arch 'decoder' or 'gpt2', got {spec.arch!r}")
+        self.spec = spec
+        self.embed: nn.Embedding | None = nn.Embedding(spec.vocab_size, spec.dim)
+        self.pos_embed: nn.Embedding | None = None
+        if spec.arch == "gpt2":  # learned absolute positions (Radford et al. 2019)
+            self.pos_embed = nn.Embedding(spec.max_seq_len, spec.dim)
+        self.blocks: nn.ModuleList | nn.ModuleDict = nn.ModuleList(
+            Block(spec) for _ in range(spec.n_layers)
+        )
+        self.norm: nn.Module | None = _norm(spec)
+        self.head: nn.Linear | None = nn.Linear(spec.dim, spec.vocab_size, bias=False)
+        if spec.tie_embeddings:  # one Parameter, seen once by .parameters() and optimizers
+            self.head.weight = self.embed.weight
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Decoder:
+        # Moving meta -> a real device (`to_empty`) creates a new Parameter per module and
+        # silently unties the head from the embedding; tie them again after any conversion.
+        out = super()._apply(fn, recurse)
+        if self.spec.tie_embeddings and self.embed is not None and self.head is not None:
+            self.head.weight = self.embed.weight
+        return out
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] (or hidden states [B, S, dim] when `embed` is None)."""
+        h = self.embed(tokens) if self.embed is not None else tokens
+        if self.pos_embed is not None:
+            seq_len = h.shape[1]
+            if seq_len > self.spec.max_seq_len:
+                raise ValueError(
+                    f"sequence length {seq_len} exceeds max_seq_len={self.spec.max_seq_len} "
+                    "of the learned position table; raise model.max_seq_len or shorten data"
+                )
+            h = h + self.pos_embed(torch.arange(seq_len, device=h.device))
+        blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
+        for block in blocks:
+            h = block(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.head(h) if self.head is not None else h

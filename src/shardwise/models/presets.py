@@ -1,0 +1,149 @@
+"""Model shapes: the `ModelSpec` dataclass and the named sizes users pick with `model.name`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from shardwise.errors import ConfigError
+
+Arch = Literal["decoder", "gpt2", "resnet18", "resnet50"]
+ARCHS: tuple[str, ...] = get_args(Arch)
+TRANSFORMER_ARCHS = ("decoder", "gpt2")
+RESNET_ARCHS = ("resnet18", "resnet50")
+
+
+def llama_ffn_dim(dim: int, multiple_of: int = 256) -> int:
+    """SwiGLU hidden size used by Llama: 2/3 of 4*dim, rounded up to `multiple_of`.
+
+    Three SwiGLU matrices of 2/3*4d hold as many parameters as two GELU matrices of 4d
+    (Shazeer 2020, "GLU Variants Improve Transformer", §2).
+    """
+    hidden = int(2 * 4 * dim / 3)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a model. Zero `n_kv_heads`/`ffn_dim` are filled in (MHA; 4*dim or Llama rule)."""
+
+    arch: Arch  # "decoder" (Llama-style) | "gpt2" | "resnet18" | "resnet50"
+    n_layers: int = 0
+    dim: int = 0
+    n_heads: int = 0
+    n_kv_heads: int = 0  # < n_heads: grouped-query attention (Ainslie et al. 2023)
+    ffn_dim: int = 0
+    vocab_size: int = 0
+    max_seq_len: int = 2048  # gpt2: size of the learned position table; decoder: data default
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # RoPE base (Su et al. 2021, eq. 15)
+    num_classes: int = 10  # resnet only
+    cifar_stem: bool = True  # resnet only: 3x3/1 stem and no max-pool, for 32x32 images
+    in_channels: int = 1  # resnet only
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ConfigError(f"model arch {self.arch!r} is unknown. Fix: one of {list(ARCHS)}.")
+        if self.arch in RESNET_ARCHS:
+            _require_positive(self, ("num_classes", "in_channels"))
+            return
+        _require_positive(self, ("n_layers", "dim", "n_heads", "vocab_size", "max_seq_len"))
+        # Fill defaults so that every consumer (memory model, TP plan) reads concrete numbers.
+        if self.n_kv_heads == 0:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.ffn_dim == 0:
+            ffn = 4 * self.dim if self.arch == "gpt2" else llama_ffn_dim(self.dim)
+            object.__setattr__(self, "ffn_dim", ffn)
+        _require_positive(self, ("n_kv_heads", "ffn_dim"))
+        if self.dim % self.n_heads:
+            raise ConfigError(
+                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}. "
+                "Fix: pick n_heads dividing dim."
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} is not divisible by "
+                f"model.n_kv_heads={self.n_kv_heads}. Fix: n_kv_heads must divide n_heads."
+            )
+        if self.arch == "decoder" and self.head_dim % 2:
+            raise ConfigError(
+                f"head dim dim/n_heads={self.dim}/{self.n_heads}={self.head_dim} is odd; "
+                "RoPE rotates pairs of channels. Fix: choose dim and n_heads with an even ratio."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.dim // self.n_heads
+
+    @property
+    def is_transformer(self) -> bool:
+        """True for the token models ("decoder", "gpt2")."""
+        return self.arch in TRANSFORMER_ARCHS
+
+
+def _require_positive(spec: ModelSpec, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(spec, name)
+        if value <= 0:
+            raise ConfigError(
+                f"model.{name}={value} must be > 0 for arch {spec.arch!r}. Fix: set it positive."
+            )
+
+
+def _decoder(
+    n_layers: int, dim: int, n_heads: int, n_kv: int, ffn: int, vocab: int, max_seq_len: int = 2048
+) -> ModelSpec:
+    return ModelSpec("decoder", n_layers, dim, n_heads, n_kv, ffn, vocab, max_seq_len)
+
+
+def _gpt2(n_layers: int, dim: int, n_heads: int, vocab: int, seq: int) -> ModelSpec:
+    return ModelSpec(
+        "gpt2", n_layers, dim, n_heads, n_heads, 4 * dim, vocab, seq, tie_embeddings=True
+    )
+
+
+PRESETS: dict[str, ModelSpec] = {
+    "tiny": _decoder(4, 128, 4, 2, 352, 4096, max_seq_len=512),
+    "125m": _decoder(12, 768, 12, 12, 2048, 32000),
+    # 1.3B class (the GPT-3 "XL" depth/width) with a Llama-style block.
+    "1b": _decoder(24, 2048, 16, 16, 5504, 32000),
+    # Llama 2 (Touvron et al. 2023, Table 1 / released configs).
+    "7b": _decoder(32, 4096, 32, 32, 11008, 32000),
+    "13b": _decoder(40, 5120, 40, 40, 13824, 32000),
+    "70b": _decoder(80, 8192, 64, 8, 28672, 32000),
+    # GPT-3 175B depth/width/heads (Brown et al. 2020, Table 2.1). GPT-3's MLP is 2 matrices
+    # of 4d = 49152; a SwiGLU block has 3 matrices, so it uses 2/3 * 4d = 32768 to keep the
+    # 175B parameter count (Shazeer 2020). 49152 with SwiGLU would be 233B.
+    "175b": _decoder(96, 12288, 96, 96, 32768, 50304),
+    "gpt2-tiny": _gpt2(4, 128, 4, 4096, 512),
+    # GPT-2 small (Radford et al. 2019) with the vocabulary padded to a multiple of 64.
+    "gpt2-125m": _gpt2(12, 768, 12, 50304, 1024),
+    "resnet18": ModelSpec("resnet18"),
+    "resnet50": ModelSpec("resnet50"),
+}
+
+
+class UnknownPresetError(ConfigError, KeyError):
+    """A preset name that is not in `PRESETS` (a `KeyError` and a `ConfigError`)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+def preset(name: str, **overrides: object) -> ModelSpec:
+    """The named `ModelSpec`, with optional field overrides (validated again)."""
+    if name not in PRESETS:
+        raise UnknownPresetError(
+            f"unknown model preset {name!r}. Fix: one of the known presets {list(PRESETS)}."
+        )
+    fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ConfigError(
+            f"unknown model field(s) {unknown}. Fix: use the fields {sorted(fields)}."
+        )
+    spec = PRESETS[name]
+    return dataclasses.replace(spec, **overrides) if overrides else spec  # type: ignore[arg-type]

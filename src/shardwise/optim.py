@@ -1,0 +1,133 @@
+"""AdamW over fp32 master weights, dynamic loss scaling, and the learning-rate schedule.
+
+With `precision.compute` fp32 the model parameters are their own masters; with bf16/fp16 the
+model holds low-precision compute copies and this module keeps fp32 masters beside them
+(Micikevicius et al. 2018, "Mixed Precision Training"): gradients are up-cast, unscaled,
+clipped and applied in fp32, then the updated masters are copied back into the compute copies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardwise.config import Config
+
+
+@dataclass
+class LossScaler:
+    """Dynamic loss scaling for fp16: halve on overflow (and skip the step), double after
+    `window` finite steps. Inactive (scale 1) for fp32 and bf16, whose range needs none."""
+
+    enabled: bool
+    scale: float = 1.0
+    window: int = 1000
+    good_steps: int = 0
+
+    def update(self, finite: bool) -> None:
+        if not self.enabled:
+            return
+        if not finite:
+            self.scale = max(self.scale / 2.0, 1.0)
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.window:
+            self.scale *= 2.0
+            self.good_steps = 0
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    skipped: bool
+
+
+class MixedPrecisionAdamW:
+    """One level of composition: fp32 masters + torch.optim.AdamW + clipping + loss scale."""
+
+    def __init__(self, model: nn.Module, cfg: Config) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.separate_master = any(p.dtype != torch.float32 for p in self.params)
+        if self.separate_master:
+            self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        else:
+            self.masters = self.params
+        # No weight decay on gains and biases (1-D), as in GPT-2/LLaMA training recipes.
+        decay = [m for m in self.masters if m.ndim >= 2]
+        no_decay = [m for m in self.masters if m.ndim < 2]
+        o = cfg.optim
+        self.inner = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": o.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=cfg.train.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            foreach=True,
+        )
+        self.grad_clip = o.grad_clip
+        p = cfg.precision
+        self.scaler = LossScaler(
+            p.compute == "fp16", p.loss_scale if p.compute == "fp16" else 1.0, p.scale_window
+        )
+
+    @property
+    def master_bytes(self) -> int:
+        if not self.separate_master:
+            return 0
+        return sum(m.numel() * m.element_size() for m in self.masters)
+
+    @property
+    def state_bytes(self) -> int:
+        total = 0
+        for state in self.inner.state.values():
+            for v in state.values():
+                if torch.is_tensor(v):
+                    total += v.numel() * v.element_size()
+        return total
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """Gradients are in each parameter's reduced `main_grad`; returns the global norm."""
+        for p, m in zip(self.params, self.masters, strict=True):
+            g = p.main_grad
+            m.grad = g if g.dtype == torch.float32 else g.float()
+        grads = [m.grad for m in self.masters]
+        if self.scaler.scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+        norm_value = float(norm)  # the step's one host sync: needed to decide skip and clip
+        finite = math.isfinite(norm_value)
+        self.scaler.update(finite)
+        if finite:
+            if self.grad_clip > 0 and norm_value > self.grad_clip:
+                torch._foreach_mul_(grads, self.grad_clip / (norm_value + 1e-6))
+            self.inner.step()
+            if self.separate_master:
+                torch._foreach_copy_(self.params, self.masters)
+        for m in self.masters:
+            m.grad = None
+        return StepResult(norm_value, not finite)
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warm-up to train.lr, then cosine (or constant) down to lr·min_lr_ratio.
+
+    `step` counts from 0; step 0 already uses a non-zero lr (1/warmup of the peak)."""
+    peak, o, total = cfg.train.lr, cfg.optim, cfg.train.steps
+    if step < o.warmup_steps:
+        return peak * (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return peak
+    progress = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+    floor = peak * o.min_lr_ratio
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * min(progress, 1.0)))

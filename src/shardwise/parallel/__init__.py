@@ -1,0 +1,1 @@
+"""Parallelisms as transformations of a plain model; one `apply_*` entry per module."""

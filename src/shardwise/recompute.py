@@ -1,0 +1,51 @@
+"""Activation recomputation as a transformation: which modules to recompute is data.
+
+`full` recomputes whole transformer blocks (only each block's input is saved, 2sbh bytes per
+layer in bf16 as in Korthikanti et al. 2022); `selective` recomputes the cheap element-wise
+internals (RoPE + attention core, the MLP activation product) while the matmul outputs, which
+are expensive to recompute and cheap to keep, stay saved. The forward is patched in place so
+parameter names (and hence layout-invariant init and checkpoints) are unchanged.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardwise.errors import ConfigError
+
+PLANS: dict[str, dict[str, list[str]]] = {
+    "decoder": {"full": ["blocks.*"], "selective": ["blocks.*.attn.core", "blocks.*.mlp.act"]},
+    "gpt2": {"full": ["blocks.*"], "selective": ["blocks.*.attn.core", "blocks.*.mlp.act"]},
+    "resnet": {"full": ["layer*.*"]},
+}
+
+
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def apply_recompute(model: nn.Module, family: str, mode: str) -> int:
+    """Wrap the modules that `mode` names for `family`; returns how many were wrapped."""
+    if mode == "none":
+        return 0
+    patterns = PLANS[family].get(mode)
+    if patterns is None:
+        modes = ", ".join(["none", *PLANS[family]])
+        raise ConfigError(
+            f"memory.recompute='{mode}' is not available for {family} models. "
+            f"Fix: choose one of {modes}."
+        )
+    wrapped = 0
+    for name, module in model.named_modules():
+        if any(
+            fnmatch.fnmatchcase(name, pat) and name.count(".") == pat.count(".") for pat in patterns
+        ):
+            module.forward = _checkpointed(module.forward)
+            wrapped += 1
+    return wrapped

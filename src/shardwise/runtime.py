@@ -1,0 +1,157 @@
+"""From a validated config to a ready-to-train run on this rank: process group, topology,
+model (built on meta, transformed, then materialised), data and optimizer."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise import device as dev
+from shardwise.comm import Comm
+from shardwise.config import Config
+from shardwise.data import DataSpec, GlobalSampler, load_data
+from shardwise.memory import ActivationMeter
+from shardwise.models import build_model, init_weights
+from shardwise.optim import MixedPrecisionAdamW
+from shardwise.parallel.data import GradReducer, apply_data_parallel
+from shardwise.recompute import apply_recompute
+from shardwise.topology import Topology, build_topology
+from shardwise.validate import Derived, derive
+
+
+def data_spec(cfg: Config, vocab_size: int) -> DataSpec:
+    d = cfg.data
+    return DataSpec(
+        dataset=d.dataset,
+        seq_len=d.seq_len,
+        vocab_size=vocab_size,
+        text_field=d.text_field,
+        val_fraction=d.val_fraction,
+        image_size=d.image_size,
+        cache_dir=d.cache_dir,
+    )
+
+
+def init_distributed(cfg: Config) -> dev.DeviceInfo:
+    """Join the job's process group: from torchrun/elastic env vars when present, else a
+    one-rank group, so 1 and N ranks run the same code."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    info = dev.detect(cfg.run.device, local_rank)
+    if dist.is_initialized():
+        return info
+    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(info.backend, timeout=timeout)
+    else:
+        dist.init_process_group(
+            info.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    return info
+
+
+@dataclass
+class Run:
+    cfg: Config
+    derived: Derived
+    info: dev.DeviceInfo
+    topo: Topology
+    comm: Comm
+    model: nn.Module
+    reducer: GradReducer
+    optimizer: MixedPrecisionAdamW
+    meter: ActivationMeter
+    train_data: object
+    val_data: object
+    sampler: GlobalSampler
+
+    @property
+    def dp_rank(self) -> int:
+        return self.topo.coord("dp")
+
+    def loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed (not averaged) loss: the caller divides by the *global* count, so any split
+        of the global batch over ranks and micro-batches yields the same gradient."""
+        logits = self.model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
+
+
+def parallelize(
+    model: nn.Module, run_cfg: Config, derived: Derived, comm: Comm, info: dev.DeviceInfo
+) -> tuple[nn.Module, GradReducer]:
+    """Apply the parallel transformations in the one order that works (DESIGN.md)."""
+    # 1. Pipeline split would cut the meta model into stages here (pp = 1: the whole model).
+    # 2. Tensor parallelism would replace layers by sharded ones here (tp = 1: unchanged).
+    # 3. Recomputation wraps module forwards; names stay, so init and checkpoints are unchanged.
+    apply_recompute(model, derived.family, run_cfg.memory.recompute)
+    # 4. Materialise: without ZeRO the local shard is the whole model. Values depend only on
+    #    (seed, parameter name), so every rank builds identical weights without a broadcast.
+    model.to_empty(device=info.device)
+    init_weights(model, run_cfg.train.seed)
+    _cast_for_compute(model, dev.dtype_of(run_cfg.precision.compute))
+    # 5. Data parallelism attaches gradient buckets to the materialised parameters.
+    reducer = apply_data_parallel(
+        model, comm, dev.dtype_of(run_cfg.precision.reduce), run_cfg.parallel.bucket_mb
+    )
+    return model, reducer
+
+
+def _cast_for_compute(model: nn.Module, dtype: torch.dtype) -> None:
+    """Low-precision compute copies; BatchNorm stays fp32 (its statistics need the range)."""
+    if dtype == torch.float32:
+        return
+    model.to(dtype)
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.float()
+
+
+def verify_replicas(model: nn.Module, comm: Comm) -> None:
+    """Check once that every rank holds the same parameters (they are built identically)."""
+    if comm.topo.world == 1:
+        return
+    sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
+    hi, lo = sums.clone(), sums.clone()
+    comm.all_reduce_world(hi, "max")
+    comm.all_reduce_world(lo, "min")
+    bad = [n for (n, _), a, b in zip(model.named_parameters(), hi, lo, strict=True) if a != b]
+    if bad:
+        raise RuntimeError(f"parameters differ across ranks after init: {bad[:5]}")
+
+
+def build_run(cfg: Config) -> Run:
+    """Everything one rank needs for `fit()`. The process group must exist (init_distributed)."""
+    info = init_distributed(cfg)
+    derived = derive(cfg, dist.get_world_size())
+    if info.type == "cpu":
+        dev.set_cpu_threads()
+    topo = build_topology(cfg.parallel.tp, cfg.parallel.pp, info.type, cfg.parallel.timeout_s)
+    comm = Comm(topo)
+    spec = derived.spec
+    train_data = load_data(data_spec(cfg, spec.vocab_size), "train")
+    val_data = load_data(data_spec(cfg, spec.vocab_size), "val")
+    with torch.device("meta"):
+        model = build_model(spec)
+    model, reducer = parallelize(model, cfg, derived, comm, info)
+    verify_replicas(model, comm)
+    optimizer = MixedPrecisionAdamW(model, cfg)
+    sampler = GlobalSampler(len(train_data), cfg.train.global_batch, cfg.train.seed)
+    return Run(
+        cfg,
+        derived,
+        info,
+        topo,
+        comm,
+        model,
+        reducer,
+        optimizer,
+        ActivationMeter(model),
+        train_data,
+        val_data,
+        sampler,
+    )

@@ -1,0 +1,83 @@
+"""The parity harness: one spawned world of N gloo ranks runs a list of cases.
+
+Process start-up dominates on small machines, so a world is started once and every case
+(a list of `--section.key=value` overrides, optionally a hook or the PyTorch-peer flag) runs
+in it in turn. Each rank returns its losses, per-step records and final parameters."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from shardwise.launch import free_port
+
+BASE = ["--log.tensorboard=false", "--log.progress=off", "--log.every=1000000"]
+
+
+def _resolve(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _run_case(case: dict, run_dir: str) -> dict:
+    from shardwise.config import load_config
+    from shardwise.runtime import build_run
+    from shardwise.train import fit
+
+    cfg = load_config(None, [*BASE, f"--run.dir={run_dir}", *case.get("overrides", [])])
+    if case.get("peer"):
+        return _resolve(case["peer"])(cfg)
+    run = build_run(cfg)
+    if case.get("hook"):
+        _resolve(case["hook"])(run)
+    records = fit(run)
+    params = {n: p.detach().float().cpu().clone() for n, p in run.model.named_parameters()}
+    return {
+        "losses": [r["loss"] for r in records],
+        "records": records,
+        "params": params,
+        "scales": [r["loss_scale"] for r in records],
+        "skipped": [r["skipped"] for r in records],
+    }
+
+
+def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    results = []
+    for i, case in enumerate(cases):
+        try:
+            results.append(_run_case(case, os.path.join(out_dir, f"case{i}")))
+        except Exception as exc:  # returned to the test, which reports it
+            results.append({"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"})
+        dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as fh:
+        pickle.dump(results, fh)
+    dist.destroy_process_group()
+
+
+def run_world(nproc: int, cases: list[dict]) -> list[list[dict]]:
+    """Run `cases` on `nproc` ranks; returns results[case][rank]."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _worker, args=(nproc, free_port(), cases, out_dir), nprocs=nproc, start_method="spawn"
+        )
+        per_rank = [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(nproc)]
+    return [[per_rank[r][i] for r in range(nproc)] for i in range(len(cases))]

@@ -1,0 +1,19 @@
+"""Hooks the tests apply to a built run before `fit()` (fault injection)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def inject_inf_on_rank1_step3(run) -> None:
+    """Make one gradient infinite on dp rank 1 during the 3rd optimizer step's backward."""
+    if run.topo.rank != 1:
+        return
+    calls = {"n": 0}
+    first = next(p for p in run.model.parameters() if p.requires_grad)
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        return torch.full_like(grad, float("inf")) if calls["n"] == 3 else grad
+
+    first.register_hook(poison)

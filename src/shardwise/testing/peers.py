@@ -1,0 +1,75 @@
+"""The PyTorch peers run on exactly our model, data order, optimizer and schedule, so their
+numbers are oracles for ours (DESIGN.md: tests and benchmarks compare against them)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise import device as dev
+from shardwise.config import Config
+from shardwise.data import GlobalSampler, load_data, split_for_rank
+from shardwise.models import build_model, init_weights
+from shardwise.optim import lr_at
+from shardwise.runtime import data_spec, init_distributed
+from shardwise.validate import derive
+
+
+def ddp_peer(cfg: Config) -> dict:
+    """Train `cfg` (data parallel, fp32) with torch's DistributedDataParallel."""
+    info = init_distributed(cfg)
+    d = derive(cfg, dist.get_world_size())
+    data = load_data(data_spec(cfg, d.spec.vocab_size), "train")
+    with torch.device(info.device):
+        model = build_model(d.spec)
+    init_weights(model, cfg.train.seed)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.parallel.bucket_mb)
+    o = cfg.optim
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": o.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.train.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        foreach=True,
+    )
+    sampler = GlobalSampler(len(data), cfg.train.global_batch, cfg.train.seed)
+    rank_count = cfg.train.global_batch // d.dp * d.tokens_per_sample
+    losses, times = [], []
+    for step in range(cfg.train.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        t0 = time.perf_counter()
+        micro = split_for_rank(sampler.global_indices(step), dist.get_rank(), d.dp, d.micro_batch)
+        total = torch.zeros(())
+        for i, idx in enumerate(micro):
+            x, y = (t.to(info.device) for t in data.get_batch(idx))
+            ctx = ddp.no_sync() if i < len(micro) - 1 else contextlib.nullcontext()
+            with ctx:
+                logits = ddp(x)
+                # DDP averages gradients over ranks, so each rank normalises by its own count.
+                loss = (
+                    F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), reduction="sum")
+                    / rank_count
+                )
+                loss.backward()
+            total += loss.detach()
+        if o.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dev.synchronize(info)
+        times.append(time.perf_counter() - t0)
+        dist.all_reduce(total)
+        losses.append(float(total) / d.dp)
+    params = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "step_times": times}

@@ -1,0 +1,114 @@
+"""The training loop: fetch → micro-steps → clip → step → log, top to bottom."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from shardwise import device as dev
+from shardwise.data import GlobalSampler, split_for_rank
+from shardwise.memory import model_state_bytes, step_memory
+from shardwise.metrics import MetricsLogger, flops_per_token
+from shardwise.optim import lr_at
+from shardwise.parallel.data import sync_buffers
+from shardwise.runtime import Run
+
+
+def fit(run: Run) -> list[dict]:
+    """Train for `train.steps` optimizer steps; returns the per-step metric records."""
+    cfg, d, model = run.cfg, run.derived, run.model
+    device = run.info.device
+    global_count = cfg.train.global_batch * d.tokens_per_sample  # the loss normaliser
+    peak = run.info.peak_flops(cfg.precision.compute)
+    step_flops = flops_per_token(model, d) * d.tokens_per_step
+    logger = MetricsLogger(run)
+    records = []
+    for step in range(cfg.train.steps):
+        lr = lr_at(step, cfg)
+        run.optimizer.set_lr(lr)
+        dev.reset_peak_memory(run.info)
+        t0 = time.perf_counter()
+        # fetch: this rank's slice of the step's global batch, cut into micro-batches
+        micro = split_for_rank(run.sampler.global_indices(step), run.dp_rank, d.dp, d.micro_batch)
+        run.reducer.zero_grad()
+        loss_sum = torch.zeros((), device=device)
+        act_peak = 0
+        scale = run.optimizer.scaler.scale
+        # micro-steps: gradient sync only while the last micro-batch runs backward
+        for i, idx in enumerate(micro):
+            run.reducer.sync = i == len(micro) - 1
+            run.reducer.start_micro_batch()
+            inputs, targets = (
+                t.to(device, non_blocking=True) for t in run.train_data.get_batch(idx)
+            )
+            with run.meter.measure():
+                loss = run.loss_sum(inputs, targets) / global_count
+            act_peak = max(act_peak, run.meter.take_peak())
+            (loss * scale).backward()
+            loss_sum += loss.detach()
+        run.reducer.finish()
+        # clip + step (skipped on every rank alike when the reduced gradient is not finite)
+        result = run.optimizer.step()
+        sync_buffers(model, run.comm)
+        dev.synchronize(run.info)
+        step_time = time.perf_counter() - t0
+        # log: bookkeeping collectives are counted apart from the step's traffic
+        comm_bytes = run.comm.take_step_bytes()
+        run.comm.all_reduce_world(loss_sum)
+        mem = step_memory(model_state_bytes(model, run.reducer, run.optimizer), act_peak)
+        device_peak = dev.peak_memory(run.info)
+        if device_peak is not None:
+            mem["device_peak"] = device_peak
+        mem = _max_over_ranks(run, mem)
+        tokens_per_s = d.tokens_per_step / step_time
+        record = {
+            "step": step + 1,
+            "loss": float(loss_sum),
+            "grad_norm": result.grad_norm,
+            "lr": lr,
+            "tokens": d.tokens_per_step * (step + 1),
+            "step_time_s": step_time,
+            "tokens_per_s": tokens_per_s,
+            "mfu": step_flops / step_time / (peak * d.world) if peak else None,
+            "mem_bytes": mem,
+            "comm_bytes": comm_bytes,
+            "skipped": result.skipped,
+            "loss_scale": scale,
+        }
+        eval_every = cfg.train.eval_every
+        if cfg.train.eval_batches and (
+            (eval_every and (step + 1) % eval_every == 0) or step + 1 == cfg.train.steps
+        ):
+            record["eval_loss"] = evaluate(run)
+        logger.log(record)
+        records.append(record)
+    logger.close()
+    return records
+
+
+def _max_over_ranks(run: Run, mem: dict[str, int]) -> dict[str, int]:
+    keys = sorted(mem)
+    values = torch.tensor([mem[k] for k in keys], dtype=torch.float64, device=run.info.device)
+    run.comm.all_reduce_world(values, "max")
+    return {k: int(v) for k, v in zip(keys, values.tolist(), strict=True)}
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """Mean loss over the first `train.eval_batches` global batches of the held-out split."""
+    cfg, d = run.cfg, run.derived
+    n_val = len(run.val_data)
+    batch = min(cfg.train.global_batch, n_val - n_val % d.dp)
+    sampler = GlobalSampler(n_val, batch, cfg.train.seed)
+    total = torch.zeros((), dtype=torch.float64, device=run.info.device)
+    count = 0
+    run.model.eval()  # BatchNorm uses its running statistics
+    for step in range(cfg.train.eval_batches):
+        for idx in split_for_rank(sampler.global_indices(step), run.dp_rank, d.dp, batch // d.dp):
+            inputs, targets = (t.to(run.info.device) for t in run.val_data.get_batch(idx))
+            total += run.loss_sum(inputs, targets).double()
+        count += batch * d.tokens_per_sample
+    run.model.train()
+    run.comm.all_reduce_world(total)
+    return float(total) / count

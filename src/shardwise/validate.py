@@ -1,0 +1,178 @@
+"""Cross-field checks and derived values. Runs before any process group starts.
+
+Every message names the offending values, prints every factor of a failed product, and says
+the fix (STYLE.md rule 8)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from shardwise.config import Config
+from shardwise.errors import ConfigError, NotYetSupportedError
+from shardwise.models import PRESETS, ModelSpec, preset
+from shardwise.topology import degrees
+
+
+@dataclass(frozen=True)
+class Derived:
+    world: int
+    pp: int
+    dp: int
+    tp: int
+    micro_batch: int
+    micro_batches: int  # per rank per step (gradient accumulation steps)
+    tokens_per_sample: int
+    spec: ModelSpec
+
+    @property
+    def family(self) -> str:
+        return "resnet" if self.spec.arch.startswith("resnet") else self.spec.arch
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch * self.micro_batches * self.dp * self.tokens_per_sample
+
+
+def model_spec(cfg: Config) -> ModelSpec:
+    """The preset named by model.name with the non-zero overrides applied."""
+    m = cfg.model
+    if m.name not in PRESETS:
+        names = ", ".join(PRESETS)
+        raise ConfigError(f"model.name='{m.name}' is not a known model. Fix: one of {names}.")
+    spec = preset(m.name)
+    overrides = {
+        k: getattr(m, k)
+        for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+        if getattr(m, k)
+    }
+    for key, value in overrides.items():
+        if value < 0:
+            raise ConfigError(f"model.{key}={value} must be positive (0 keeps the preset).")
+    if m.tie_embeddings not in ("preset", "true", "false"):
+        raise ConfigError(
+            f"model.tie_embeddings='{m.tie_embeddings}' must be true, false or preset."
+        )
+    if m.tie_embeddings != "preset":
+        overrides["tie_embeddings"] = m.tie_embeddings == "true"
+    if spec.arch.startswith("resnet") and overrides:
+        raise ConfigError(
+            f"model.{next(iter(overrides))} does not apply to model.name='{m.name}'"
+            " (a ResNet). Fix: remove it, or use a transformer model."
+        )
+    if "n_heads" in overrides and "n_kv_heads" not in overrides:
+        overrides["n_kv_heads"] = min(spec.n_kv_heads, overrides["n_heads"])
+    spec = dataclasses.replace(spec, **overrides)
+    if not spec.arch.startswith("resnet"):
+        _check_transformer(spec, cfg)
+    return spec
+
+
+def _check_transformer(spec: ModelSpec, cfg: Config) -> None:
+    if spec.dim % spec.n_heads:
+        raise ConfigError(
+            f"model.dim={spec.dim} is not divisible by model.n_heads="
+            f"{spec.n_heads}. Fix: pick n_heads dividing dim."
+        )
+    if spec.n_kv_heads and spec.n_heads % spec.n_kv_heads:
+        raise ConfigError(
+            f"model.n_heads={spec.n_heads} is not divisible by model.n_kv_heads="
+            f"{spec.n_kv_heads}. Fix: n_kv_heads must divide n_heads."
+        )
+    tp = cfg.parallel.tp
+    if tp > 1 and spec.n_heads % tp:
+        raise ConfigError(
+            f"model.n_heads={spec.n_heads} is not divisible by parallel.tp={tp}. "
+            "Fix: choose tp dividing the number of heads."
+        )
+    if cfg.data.seq_len > spec.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len="
+            f"{spec.max_seq_len}. Fix: --data.seq_len={spec.max_seq_len} or less."
+        )
+
+
+def _positive(cfg: Config) -> None:
+    checks = {
+        "train.steps": cfg.train.steps,
+        "train.global_batch": cfg.train.global_batch,
+        "data.seq_len": cfg.data.seq_len,
+        "train.lr": cfg.train.lr,
+        "parallel.bucket_mb": cfg.parallel.bucket_mb,
+        "parallel.timeout_s": cfg.parallel.timeout_s,
+        "log.every": cfg.log.every,
+        "data.image_size": cfg.data.image_size,
+        "precision.scale_window": cfg.precision.scale_window,
+    }
+    for key, value in checks.items():
+        if value <= 0:
+            raise ConfigError(f"{key}={value} must be positive. Fix: --{key}=<a value > 0>.")
+    nonneg = {
+        "train.micro_batch": cfg.train.micro_batch,
+        "optim.grad_clip": cfg.optim.grad_clip,
+        "optim.warmup_steps": cfg.optim.warmup_steps,
+        "train.eval_every": cfg.train.eval_every,
+        "train.eval_batches": cfg.train.eval_batches,
+        "optim.weight_decay": cfg.optim.weight_decay,
+        "checkpoint.every": cfg.checkpoint.every,
+    }
+    for key, value in nonneg.items():
+        if value < 0:
+            raise ConfigError(f"{key}={value} must not be negative.")
+    if not 0 <= cfg.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1).")
+    if not (0 <= cfg.optim.beta1 < 1 and 0 <= cfg.optim.beta2 < 1):
+        raise ConfigError(
+            f"optim.beta1={cfg.optim.beta1} and optim.beta2={cfg.optim.beta2} must be in [0, 1)."
+        )
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1].")
+
+
+def _not_yet(cfg: Config) -> None:
+    """Valid requests whose issues have not landed: the exact wording is a contract."""
+    p = cfg.parallel
+    for key, value, off in (
+        ("parallel.tp", p.tp, 1),
+        ("parallel.pp", p.pp, 1),
+        ("parallel.zero", p.zero, 0),
+        ("parallel.sp", p.sp, False),
+        ("memory.offload", cfg.memory.offload, "none"),
+        ("checkpoint.every", cfg.checkpoint.every, 0),
+    ):
+        if value != off:
+            raise NotYetSupportedError(
+                f"{key}={value}: not yet supported in this version of "
+                f"shardwise. Fix: --{key}={str(off).lower()}."
+            )
+
+
+def derive(cfg: Config, world: int) -> Derived:
+    """Validate `cfg` for `world` ranks and compute the values every later stage needs."""
+    _positive(cfg)
+    p = cfg.parallel
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero={p.zero} must be 0, 1, 2 or 3.")
+    if p.pp_virtual < 1:
+        raise ConfigError(f"parallel.pp_virtual={p.pp_virtual} must be >= 1.")
+    spec = model_spec(cfg)
+    pp, dp, tp = degrees(world, p.tp, p.pp)
+    is_image = spec.arch.startswith("resnet")
+    if is_image != (cfg.data.dataset == "digits"):
+        kind = "an image model" if is_image else "a text model"
+        fix = "--data.dataset=digits" if is_image else "--model.name=resnet18"
+        raise ConfigError(
+            f"model.name='{cfg.model.name}' is {kind} but data.dataset="
+            f"'{cfg.data.dataset}' is not its kind of data. Fix: {fix}."
+        )
+    t = cfg.train
+    micro = t.micro_batch or t.global_batch // dp
+    if micro == 0 or t.global_batch % (micro * dp):
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not divisible by "
+            f"train.micro_batch({micro}) * dp({dp}) = {micro * dp}. Fix: make "
+            "global_batch a multiple of micro_batch * dp (dp = world / (tp * pp))."
+        )
+    _not_yet(cfg)
+    tokens = 1 if is_image else cfg.data.seq_len
+    return Derived(world, pp, dp, tp, micro, t.global_batch // (micro * dp), tokens, spec)
