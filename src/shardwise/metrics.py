@@ -44,6 +44,8 @@ def format_line(r: dict, total_steps: int) -> str:
     ]
     if "eval_loss" in r:
         parts.append(f"eval {r['eval_loss']:.4f}")
+    if "eval_accuracy" in r:
+        parts.append(f"acc {100 * r['eval_accuracy']:.1f}%")
     if r.get("skipped"):
         parts.append(f"SKIPPED (non-finite grads, loss scale -> {r['loss_scale'] / 2:g})")
     return " | ".join(parts)
@@ -85,7 +87,15 @@ class MetricsLogger:
         self.file.write(json.dumps(r) + "\n")
         self.file.flush()
         if self.tb is not None:
-            for key in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "eval_loss"):
+            for key in (
+                "loss",
+                "grad_norm",
+                "lr",
+                "tokens_per_s",
+                "step_time_s",
+                "eval_loss",
+                "eval_accuracy",
+            ):
                 if r.get(key) is not None:
                     self.tb.add_scalar(f"train/{key}", r[key], r["step"])
             self.tb.add_scalar("memory/total_bytes", r["mem_bytes"]["total"], r["step"])

@@ -74,11 +74,14 @@ class Run:
     def dp_rank(self) -> int:
         return self.topo.coord("dp")
 
-    def loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor, return_logits: bool = False):
         """Summed (not averaged) loss: the caller divides by the *global* count, so any split
         of the global batch over ranks and micro-batches yields the same gradient."""
+        if inputs.is_floating_point():  # images enter in the compute dtype
+            inputs = inputs.to(dev.dtype_of(self.cfg.precision.compute))
         logits = self.model(inputs)
-        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
+        loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
+        return (loss, logits) if return_logits else loss
 
 
 def parallelize(
@@ -134,7 +137,8 @@ def build_run(cfg: Config) -> Run:
     comm = Comm(topo)
     spec = derived.spec
     train_data = load_data(data_spec(cfg, spec.vocab_size), "train")
-    val_data = load_data(data_spec(cfg, spec.vocab_size), "val")
+    has_val = cfg.data.val_fraction > 0 or cfg.data.dataset == "digits"
+    val_data = load_data(data_spec(cfg, spec.vocab_size), "val") if has_val else None
     with torch.device("meta"):
         model = build_model(spec)
     model, reducer = parallelize(model, cfg, derived, comm, info)

@@ -77,10 +77,12 @@ def fit(run: Run) -> list[dict]:
             "loss_scale": scale,
         }
         eval_every = cfg.train.eval_every
-        if cfg.train.eval_batches and (
-            (eval_every and (step + 1) % eval_every == 0) or step + 1 == cfg.train.steps
+        if (
+            run.val_data is not None
+            and cfg.train.eval_batches
+            and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == cfg.train.steps)
         ):
-            record["eval_loss"] = evaluate(run)
+            record.update(evaluate(run))
         logger.log(record)
         records.append(record)
     logger.close()
@@ -95,20 +97,26 @@ def _max_over_ranks(run: Run, mem: dict[str, int]) -> dict[str, int]:
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> float:
-    """Mean loss over the first `train.eval_batches` global batches of the held-out split."""
+def evaluate(run: Run) -> dict[str, float]:
+    """Mean loss (and accuracy for classifiers) over the first `train.eval_batches` global
+    batches of the held-out split."""
     cfg, d = run.cfg, run.derived
     n_val = len(run.val_data)
     batch = min(cfg.train.global_batch, n_val - n_val % d.dp)
     sampler = GlobalSampler(n_val, batch, cfg.train.seed)
-    total = torch.zeros((), dtype=torch.float64, device=run.info.device)
+    sums = torch.zeros(2, dtype=torch.float64, device=run.info.device)  # loss, correct
     count = 0
     run.model.eval()  # BatchNorm uses its running statistics
     for step in range(cfg.train.eval_batches):
         for idx in split_for_rank(sampler.global_indices(step), run.dp_rank, d.dp, batch // d.dp):
             inputs, targets = (t.to(run.info.device) for t in run.val_data.get_batch(idx))
-            total += run.loss_sum(inputs, targets).double()
+            loss, logits = run.loss_sum(inputs, targets, return_logits=True)
+            sums[0] += loss.double()
+            sums[1] += (logits.argmax(-1) == targets).sum().double()
         count += batch * d.tokens_per_sample
     run.model.train()
-    run.comm.all_reduce_world(total)
-    return float(total) / count
+    run.comm.all_reduce_world(sums)
+    out = {"eval_loss": float(sums[0]) / count}
+    if d.family == "resnet":
+        out["eval_accuracy"] = float(sums[1]) / count
+    return out
