@@ -1,12 +1,15 @@
 """`shardwise explain`: every derived value of a config, without starting training.
 
 Model-state bytes are exact (from the parameter count and dtypes). Activation bytes are
-measured, not estimated: one forward of a micro-batch runs on the meta device (no memory, no
-compute) under the same saved-tensor hooks that the engine uses while training."""
+measured, not estimated: one forward and loss of a micro-batch run on fake tensors (shapes and
+dtypes only: no memory, no compute, but the same kernel choices as the real device, which the
+meta device does not make for attention) under the saved-tensor hooks the engine uses."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardwise import device as dev
 from shardwise.config import Config
@@ -14,6 +17,7 @@ from shardwise.memory import ActivationMeter, step_memory, tensor_bytes
 from shardwise.metrics import human_bytes
 from shardwise.models import build_model, count_params
 from shardwise.recompute import apply_recompute
+from shardwise.runtime import cast_for_compute
 from shardwise.validate import derive
 
 
@@ -23,38 +27,35 @@ def _bytes(precision: str) -> int:
 
 def predicted_memory(cfg: Config, derived) -> tuple[int, dict[str, int]]:
     """(parameter count, per-rank bytes by category) for data parallelism (no sharding)."""
-    with torch.device("meta"):
-        model = build_model(derived.spec)
-    n = count_params(model)
     compute, reduce = cfg.precision.compute, cfg.precision.reduce
-    states = {
-        "params": n * _bytes(compute),
-        "grads": n * _bytes(reduce),
-        "master": 0 if compute == "fp32" else 4 * n,
-        "optimizer": 8 * n,  # AdamW: two fp32 moments per parameter
-        "buffers": tensor_bytes(model.buffers()),
-    }
-    apply_recompute(model, derived.family, cfg.memory.recompute)
-    model.to(dev.dtype_of(compute))
-    meter = ActivationMeter(model)
-    shape = (
-        (derived.micro_batch, cfg.data.seq_len)
-        if derived.family != "resnet"
-        else (
-            derived.micro_batch,
-            derived.spec.in_channels,
-            cfg.data.image_size,
-            cfg.data.image_size,
-        )
-    )
-    with torch.device("meta"):
-        inputs = (
-            torch.zeros(shape, dtype=torch.long)
-            if derived.family != "resnet"
-            else torch.zeros(shape, dtype=dev.dtype_of(compute))
-        )
+    with FakeTensorMode():
+        model = build_model(derived.spec)
+        n = count_params(model)
+        n_tensors = len([p for p in model.parameters() if p.requires_grad])
+        states = {
+            "params": n * _bytes(compute),
+            "grads": n * _bytes(reduce),
+            "master": 0 if compute == "fp32" else 4 * n,
+            # AdamW: two fp32 moments per parameter and one fp32 step count per tensor
+            "optimizer": 8 * n + 4 * n_tensors,
+            "buffers": tensor_bytes(model.buffers()),
+        }
+        apply_recompute(model, derived.family, cfg.memory.recompute)
+        cast_for_compute(model, dev.dtype_of(compute))
+        meter = ActivationMeter(model)
+        b = derived.micro_batch
+        if derived.family == "resnet":
+            size = cfg.data.image_size
+            inputs = torch.zeros(
+                b, derived.spec.in_channels, size, size, dtype=dev.dtype_of(compute)
+            )
+            targets = torch.zeros(b, dtype=torch.long)
+        else:
+            inputs = torch.zeros(b, cfg.data.seq_len, dtype=torch.long)
+            targets = torch.zeros(b, cfg.data.seq_len, dtype=torch.long)
         with meter.measure():
-            model(inputs).float().sum()
+            logits = model(inputs)
+            F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
     return n, step_memory(states, meter.take_peak())
 
 

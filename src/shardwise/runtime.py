@@ -96,7 +96,7 @@ def parallelize(
     #    (seed, parameter name), so every rank builds identical weights without a broadcast.
     model.to_empty(device=info.device)
     init_weights(model, run_cfg.train.seed)
-    _cast_for_compute(model, dev.dtype_of(run_cfg.precision.compute))
+    cast_for_compute(model, dev.dtype_of(run_cfg.precision.compute))
     # 5. Data parallelism attaches gradient buckets to the materialised parameters.
     reducer = apply_data_parallel(
         model, comm, dev.dtype_of(run_cfg.precision.reduce), run_cfg.parallel.bucket_mb
@@ -104,14 +104,23 @@ def parallelize(
     return model, reducer
 
 
-def _cast_for_compute(model: nn.Module, dtype: torch.dtype) -> None:
-    """Low-precision compute copies; BatchNorm stays fp32 (its statistics need the range)."""
+def cast_for_compute(model: nn.Module, dtype: torch.dtype) -> None:
+    """Low-precision compute copies; BatchNorm stays fp32 (its statistics need the range).
+
+    Parameters are replaced module by module (a tied weight once, so it stays tied); this
+    also works on fake tensors, which `Module.to` cannot swap."""
     if dtype == torch.float32:
         return
-    model.to(dtype)
+    cast: dict[int, nn.Parameter] = {}
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            module.float()
+            continue
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_floating_point():
+                continue
+            if id(p) not in cast:
+                cast[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            module._parameters[name] = cast[id(p)]
 
 
 def verify_replicas(model: nn.Module, comm: Comm) -> None:

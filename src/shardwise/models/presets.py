@@ -111,9 +111,9 @@ PRESETS: dict[str, ModelSpec] = {
     # 1.3B class (the GPT-3 "XL" depth/width) with a Llama-style block.
     "1b": _decoder(24, 2048, 16, 16, 5504, 32000),
     # Llama 2 (Touvron et al. 2023, Table 1 / released configs).
-    "7b": _decoder(32, 4096, 32, 32, 11008, 32000),
-    "13b": _decoder(40, 5120, 40, 40, 13824, 32000),
-    "70b": _decoder(80, 8192, 64, 8, 28672, 32000),
+    "7b": _decoder(32, 4096, 32, 32, 11008, 32000, max_seq_len=4096),
+    "13b": _decoder(40, 5120, 40, 40, 13824, 32000, max_seq_len=4096),
+    "70b": _decoder(80, 8192, 64, 8, 28672, 32000, max_seq_len=4096),
     # GPT-3 175B depth/width/heads (Brown et al. 2020, Table 2.1). GPT-3's MLP is 2 matrices
     # of 4d = 49152; a SwiGLU block has 3 matrices, so it uses 2/3 * 4d = 32768 to keep the
     # 175B parameter count (Shazeer 2020). 49152 with SwiGLU would be 233B.
