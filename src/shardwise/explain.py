@@ -80,7 +80,16 @@ def explain_record(cfg: Config, world: int) -> dict:
         "precision": cfg.precision.compute,
         "reduce": cfg.precision.reduce,
         "recompute": cfg.memory.recompute,
+        "dataset": cfg.data.dataset,
+        "seq_len": cfg.data.seq_len,
+        "steps": cfg.train.steps,
         "mem_bytes": mem,
+        # all-reduce of every gradient once per step: 2(n-1)/n of the gradient bytes per rank
+        "comm_bytes": {
+            "dp": 2 * (d.dp - 1) / d.dp * n * _bytes(cfg.precision.reduce),
+            "tp": 0.0,
+            "pp": 0.0,
+        },
     }
 
 
@@ -109,6 +118,9 @@ def print_explain(r: dict) -> None:
         ("tokens per step", f"{r['tokens_per_step']:,}"),
         ("compute / reduce precision", f"{r['precision']} / {r['reduce']}"),
         ("recompute", r["recompute"]),
+        ("data", f"{r['dataset']} (seq_len {r['seq_len']})"),
+        ("steps", r["steps"]),
+        ("gradient all-reduce per step/rank", human_bytes(r["comm_bytes"]["dp"])),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
