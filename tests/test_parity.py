@@ -50,6 +50,15 @@ WORLD2 = {
         hook="shardwise.testing.hooks:inject_inf_on_rank1_step3",
     ),
 }
+RESNET = [
+    "--model.name=resnet18",
+    "--data.dataset=digits",
+    "--data.image_size=8",
+    "--train.global_batch=8",
+    "--train.steps=2",
+    "--train.eval_batches=1",
+]
+WORLD2["resnet"] = {"overrides": RESNET, "hook": "shardwise.testing.hooks:return_buffers"}
 WORLD4 = {
     "dp": case(),
     "dp_accum": case("--train.micro_batch=1"),
@@ -153,3 +162,16 @@ def test_fp16_inf_on_one_rank_skips_everywhere(worlds):
         torch.equal(per_rank[0]["params"][k], per_rank[1]["params"][k])
         for k in per_rank[0]["params"]
     )
+
+
+def test_batchnorm_buffers_stay_identical_across_replicas(worlds):
+    a, b = worlds[2]["resnet"]
+    assert a["buffers"].keys() == b["buffers"].keys() and a["buffers"]
+    for key in a["buffers"]:
+        assert torch.equal(a["buffers"][key], b["buffers"][key]), key
+    # and the statistics did move away from their initial values
+    assert not torch.equal(
+        a["buffers"]["bn1.running_mean"], torch.zeros_like(a["buffers"]["bn1.running_mean"])
+    )
+    for key in a["params"]:
+        assert torch.equal(a["params"][key], b["params"][key]), key

@@ -39,7 +39,15 @@ def _run_case(case: dict, run_dir: str) -> dict:
         _resolve(case["hook"])(run)
     records = fit(run)
     params = {n: p.detach().float().cpu().clone() for n, p in run.model.named_parameters()}
+    buffers = {}
+    if getattr(run, "return_buffers", False):
+        buffers = {
+            n: b.detach().float().cpu().clone()
+            for n, b in run.model.named_buffers()
+            if b.is_floating_point()
+        }
     return {
+        "buffers": buffers,
         "losses": [r["loss"] for r in records],
         "records": records,
         "params": params,

@@ -17,3 +17,8 @@ def inject_inf_on_rank1_step3(run) -> None:
         return torch.full_like(grad, float("inf")) if calls["n"] == 3 else grad
 
     first.register_hook(poison)
+
+
+def return_buffers(run) -> None:
+    """Ask the harness to return the model's floating buffers (BatchNorm statistics)."""
+    run.return_buffers = True
