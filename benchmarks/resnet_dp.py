@@ -111,7 +111,7 @@ def main() -> int:
         diff = [abs(x - y) for x, y in zip(a, b, strict=True)]
         worst = max(range(len(diff)), key=diff.__getitem__)
         print(
-            f"  {precision}: max |dloss| {diff[worst]:.4f} (step {worst + 1}), last {diff[-1]:.4f}"
+            f"  {precision}: max abs dloss {diff[worst]:.4f} (step {worst + 1}), last {diff[-1]:.4f}"
         )
 
     low = [s["name"] for s in runs.values() if s["acc"] < MIN_ACCURACY]

@@ -66,7 +66,8 @@ def the_error(stderr: str) -> str:
 
 
 def has_fix(msg: str) -> bool:
-    return "Fix" in msg or "Did you mean" in msg or "--help-config" in msg
+    remedies = ("Fix", "Did you mean", "--help-config", "Overrides look like --section.key=value")
+    return any(remedy in msg for remedy in remedies)
 
 
 def check(code: int, stderr: str, needles: list[str]) -> str:
@@ -80,6 +81,8 @@ def check(code: int, stderr: str, needles: list[str]) -> str:
 
 # Commands that must never start a real run if validation lets them through by mistake.
 SAFE_TRAIN = ["--train.steps=1", "--log.tensorboard=false"]
+
+HEADS_3 = ["--model.dim=96", "--model.n_heads=3", "--model.n_kv_heads=1"]
 
 CONFIG_CASES = [
     # unknown keys and syntax
@@ -103,10 +106,6 @@ CONFIG_CASES = [
         ["explain", "{d}/flat.toml"],
         ["'steps'", "train.steps"],
         id="toml-key-outside-a-section",
-        marks=xfail(
-            "config.py load_config: a top-level TOML key is matched against section names "
-            "only, so `steps = 1` gets no hint; match its name against every field"
-        ),
     ),
     pytest.param(
         ["explain", "--train.steps"], ["'--train.steps' has no value", "=VALUE"], id="no-value"
@@ -122,11 +121,6 @@ CONFIG_CASES = [
         ["explain", "--nproc", "two"],
         ["--nproc", "'two'"],
         id="nproc-not-a-number",
-        marks=xfail(
-            "cli/main.py _split: argparse type=int exits with its own usage text "
-            "('shardwise: error: argument --nproc: invalid int value') and main() raises "
-            "SystemExit instead of returning 2"
-        ),
     ),
     # files
     pytest.param(
@@ -139,7 +133,6 @@ CONFIG_CASES = [
         ["explain", "{d}/nodir"],
         ["'{d}/nodir'", "directory"],
         id="toml-is-a-directory",
-        marks=xfail("config.py load_toml says a directory 'does not exist'"),
     ),
     # types
     pytest.param(["explain", "--train.steps=abc"], ["train.steps='abc'"], id="not-int"),
@@ -156,7 +149,6 @@ CONFIG_CASES = [
         ["explain", "--train.lr=nan"],
         ["train.lr=nan"],
         id="non-finite-float",
-        marks=xfail("config.py _parse accepts nan/inf for floats and validate.py lets them pass"),
     ),
     # ranges
     pytest.param(["explain", "--train.steps=-1"], ["train.steps=-1"], id="negative-steps"),
@@ -168,49 +160,41 @@ CONFIG_CASES = [
         ["explain", "--data.val_fraction=1.5"],
         ["data.val_fraction=1.5"],
         id="val-fraction",
-        marks=xfail("validate.py _positive: 'must be in [0, 1).' says no fix"),
     ),
     pytest.param(
         ["explain", "--train.micro_batch=-1"],
         ["train.micro_batch=-1"],
         id="negative-micro-batch",
-        marks=xfail("validate.py _positive: 'must not be negative.' says no fix"),
     ),
     pytest.param(
         ["explain", "--optim.beta1=1"],
         ["optim.beta1=1.0"],
         id="beta1",
-        marks=xfail("validate.py _positive: betas 'must be in [0, 1).' says no fix"),
     ),
     pytest.param(
         ["explain", "--parallel.zero=5"],
         ["parallel.zero=5"],
         id="zero-stage-5",
-        marks=xfail("validate.py derive: 'must be 0, 1, 2 or 3.' says no fix"),
     ),
     pytest.param(
         ["explain", "--parallel.pp_virtual=0"],
         ["parallel.pp_virtual=0"],
         id="pp-virtual-0",
-        marks=xfail("validate.py derive: 'must be >= 1.' says no fix"),
     ),
     pytest.param(
         ["explain", "--parallel.tp=0"],
         ["parallel.tp=0"],
         id="tp-0",
-        marks=xfail("topology.py degrees: 'must be >= 1.' says no fix"),
     ),
     pytest.param(
         ["explain", "--model.n_layers=-2"],
         ["model.n_layers=-2"],
         id="negative-model-override",
-        marks=xfail("validate.py model_spec: 'must be positive (0 keeps the preset).' no fix"),
     ),
     pytest.param(
         ["explain", "--model.tie_embeddings=maybe"],
         ["model.tie_embeddings='maybe'"],
         id="tie-embeddings",
-        marks=xfail("validate.py model_spec: 'must be true, false or preset.' says no fix"),
     ),
     # products and divisibility: every factor printed
     pytest.param(
@@ -225,10 +209,14 @@ CONFIG_CASES = [
     ),
     # model shapes
     pytest.param(
-        ["explain", "--nproc", "2", "--parallel.tp=2"]
-        + ["--model.dim=96", "--model.n_heads=3", "--model.n_kv_heads=1"],
+        ["explain", "--nproc", "2", "--parallel.tp=2", *HEADS_3],
         ["model.n_heads=3", "parallel.tp=2"],
         id="heads-not-divisible-by-tp",
+    ),
+    pytest.param(
+        ["explain", "--model.dim=96", "--model.n_heads=3"],
+        ["model.n_heads=3", "n_kv_heads=2", "--model.n_kv_heads="],
+        id="heads-vs-preset-kv-heads",
     ),
     pytest.param(
         ["explain", "--model.n_heads=4", "--model.n_kv_heads=3"],
@@ -236,7 +224,7 @@ CONFIG_CASES = [
         id="heads-not-divisible-by-kv-heads",
     ),
     pytest.param(
-        ["explain", "--model.dim=100", "--model.n_heads=3"],
+        ["explain", "--model.dim=100", "--model.n_heads=3", "--model.n_kv_heads=1"],
         ["model.dim=100", "model.n_heads=3"],
         id="dim-not-divisible-by-heads",
     ),
@@ -257,10 +245,6 @@ CONFIG_CASES = [
         ["train", "--nproc", "1", "--model.vocab_size=100", *SAFE_TRAIN],
         ["model.vocab_size=100", "257"],
         id="vocab-below-byte-bpe",
-        marks=xfail(
-            "data/corpus.py DataSpec names 'data.vocab_size', a key that does not exist; "
-            "the user set model.vocab_size (check it in validate.model_spec)"
-        ),
     ),
     # model and data kinds
     pytest.param(
@@ -305,11 +289,6 @@ DATA_CASES = [
         ["{d}/broken.jsonl"],
         ["'{d}/broken.jsonl'", "JSON"],
         id="jsonl-invalid",
-        marks=xfail(
-            "data/corpus.py _load_column: set_verbosity_error() still lets `datasets` log "
-            "'Failed to load JSON from file ...' to stderr before our message; use "
-            "set_verbosity(CRITICAL) (or silence the 'datasets' logger) while loading"
-        ),
     ),
 ]
 
@@ -362,10 +341,6 @@ def test_global_batch_below_dp_names_the_real_problem(capsys: pytest.CaptureFixt
             "parallel.sp",
             "true",
             "false",
-            marks=xfail(
-                "validate.py _not_yet prints the Python value 'parallel.sp=True'; print "
-                "str(value).lower() for booleans, as the Fix part already does"
-            ),
         ),
     ],
 )
@@ -381,12 +356,6 @@ def test_not_yet_supported_wording(
 
 
 @NO_CUDA
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: run.device=cuda on a machine without CUDA is only detected inside "
-    "rank_main (runtime.py init_distributed), after launch: it prints 'error (rank 0): ...' "
-    "and raises SystemExit instead of returning 2; check it in validate.derive / cmd_train",
-)
 def test_cuda_requested_without_cuda(bad: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["train", "--nproc", "1", "--run.device=cuda", f"--run.dir={bad / 'run'}", *SAFE_TRAIN]
     code, err = run_main(argv, capsys)
@@ -421,14 +390,6 @@ def test_script_bad_toml_and_bad_data(bad: Path) -> None:
 
 @NO_CUDA
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: a rank-side error under `train --nproc 2` (here run.device=cuda without "
-    "CUDA, only checked in runtime.init_distributed) is printed once per rank and followed by "
-    "torch elastic's logged 'Traceback ... ProcessExitedException' (launch.py launch_local); "
-    "validate the device before launch and silence the "
-    "torch.distributed.elastic.multiprocessing.api logger around elastic_launch",
-)
 def test_script_rank_side_error_has_no_traceback(bad: Path) -> None:
     proc = _script(
         "train",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -43,7 +44,7 @@ class ModelConfig:
     vocab_size: int = opt(
         0, "Override the vocabulary size; the BPE tokenizer is trained to it (0 = preset)."
     )
-    tie_embeddings: str = opt(
+    tie_embeddings: Literal["preset", "true", "false"] = opt(
         "preset", "Share input embedding and output head: true, false or preset."
     )
 
@@ -196,6 +197,8 @@ def _parse(key: str, raw: Any, typ: Any) -> Any:
     origin = get_origin(typ)
     if origin is Literal:
         choices = get_args(typ)
+        if isinstance(raw, bool) and str(raw).lower() in choices:  # TOML `key = true`
+            raw = str(raw).lower()
         if raw not in choices:
             opts = " | ".join(map(str, choices))
             raise ConfigError(f"{key}={raw!r} is not one of {opts}. Fix: --{key}={choices[0]}")
@@ -222,9 +225,12 @@ def _parse(key: str, raw: Any, typ: Any) -> Any:
         if isinstance(raw, bool):
             raise ConfigError(f"{key}={raw!r} is not a number. Fix: e.g. --{key}=0.001")
         try:
-            return float(raw)
+            value = float(raw)
         except ValueError:
             raise ConfigError(f"{key}={raw!r} is not a number. Fix: e.g. --{key}=0.001") from None
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}={value} is not a finite number. Fix: e.g. --{key}=0.001")
+        return value
     if typ is str:
         if not isinstance(raw, str):
             raise ConfigError(f"{key}={raw!r} must be a string. Fix: quote it in the TOML file.")
@@ -245,6 +251,10 @@ def _set(cfg: Config, key: str, raw: Any) -> None:
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(
+            f"config file '{path}' is a directory, not a file. Fix: pass a .toml file."
+        )
     if not p.is_file():
         raise ConfigError(f"config file '{path}' does not exist. Fix: pass an existing .toml file.")
     try:
@@ -284,7 +294,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         for section, values in load_toml(path).items():
             if not isinstance(values, dict):
-                raise _unknown(section, list(sections()))
+                owners = [k for k in all_keys() if k.split(".", 1)[1] == section]
+                if owners:
+                    sec, name = owners[0].split(".", 1)
+                    raise ConfigError(
+                        f"'{section}' in '{path}' is outside any section. Fix: put "
+                        f"it under [{sec}] (as {sec}.{name})."
+                    )
+                raise _unknown(section, all_keys())
             for name, raw in values.items():
                 _set(cfg, f"{section}.{name}", raw)
     for key, raw in parse_overrides(overrides or []):

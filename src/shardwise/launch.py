@@ -3,6 +3,7 @@ external `torchrun` / `srun` already started. No launcher protocol of our own.""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -40,29 +41,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_main(cfg_dict: dict) -> None:
-    """Entry point of every rank (picklable, so the elastic launcher can start it)."""
+def train_here(cfg: Config) -> None:
+    """Train as one rank of the current job (errors propagate to the caller)."""
     import torch.distributed as dist
 
     from shardwise.runtime import build_run
     from shardwise.train import fit
 
-    cfg = config_from_dict(cfg_dict)
     try:
         fit(build_run(cfg))
-    except ShardwiseError as exc:
-        rank = os.environ.get("RANK", "0")
-        print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def rank_main(cfg_dict: dict) -> None:
+    """Entry point of every rank the elastic launcher starts (picklable). A user error is
+    printed once, by the rank that hit it, without a traceback."""
+    try:
+        train_here(config_from_dict(cfg_dict))
+    except ShardwiseError as exc:
+        rank = os.environ.get("RANK", "0")
+        print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def launch_local(cfg: Config, nproc: int) -> None:
     """Run `nproc` ranks on this machine (in-process when nproc == 1)."""
     if nproc == 1:
-        rank_main(cfg.to_dict())
+        train_here(cfg)
         return
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -77,6 +84,10 @@ def launch_local(cfg: Config, nproc: int) -> None:
         max_restarts=0,
         monitor_interval=0.2,
     )
+    # The ranks print their own one-line errors; torch elastic would add a traceback per rank.
+    quiet = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, rank_main)(cfg.to_dict())
     except ChildFailedError as exc:
@@ -85,3 +96,5 @@ def launch_local(cfg: Config, nproc: int) -> None:
         raise ShardwiseError(
             f"rank(s) {ranks} failed with exit code(s) {codes}; their messages are printed above."
         ) from None
+    finally:
+        quiet.setLevel(level)

@@ -50,7 +50,10 @@ class Topology:
 def degrees(world: int, tp: int, pp: int) -> tuple[int, int, int]:
     """(pp, dp, tp) with dp = world / (tp·pp), or a message printing every factor."""
     if tp < 1 or pp < 1:
-        raise ConfigError(f"parallel.tp={tp} and parallel.pp={pp} must be >= 1.")
+        raise ConfigError(
+            f"parallel.tp={tp} and parallel.pp={pp} must be >= 1. Fix: "
+            "--parallel.tp=1 --parallel.pp=1 for data parallelism only."
+        )
     if world % (tp * pp):
         raise ConfigError(
             f"world size {world} is not divisible by tp({tp}) * pp({pp}) = {tp * pp}."

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 from shardwise.config import Config
 from shardwise.errors import ConfigError, NotYetSupportedError
 from shardwise.models import PRESETS, ModelSpec, preset
@@ -48,11 +50,10 @@ def model_spec(cfg: Config) -> ModelSpec:
     }
     for key, value in overrides.items():
         if value < 0:
-            raise ConfigError(f"model.{key}={value} must be positive (0 keeps the preset).")
-    if m.tie_embeddings not in ("preset", "true", "false"):
-        raise ConfigError(
-            f"model.tie_embeddings='{m.tie_embeddings}' must be true, false or preset."
-        )
+            raise ConfigError(
+                f"model.{key}={value} must be positive. Fix: a positive value, or "
+                f"--model.{key}=0 to keep the preset's."
+            )
     if m.tie_embeddings != "preset":
         overrides["tie_embeddings"] = m.tie_embeddings == "true"
     if spec.arch.startswith("resnet") and overrides:
@@ -61,7 +62,21 @@ def model_spec(cfg: Config) -> ModelSpec:
             " (a ResNet). Fix: remove it, or use a transformer model."
         )
     if "n_heads" in overrides and "n_kv_heads" not in overrides:
-        overrides["n_kv_heads"] = min(spec.n_kv_heads, overrides["n_heads"])
+        heads, kv = overrides["n_heads"], spec.n_kv_heads
+        if heads % kv:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise ConfigError(
+                f"model.n_heads={heads} is not divisible by the preset's "
+                f"n_kv_heads={kv} ({m.name}). Fix: also set --model.n_kv_heads="
+                f"<one of {divisors}>."
+            )
+        overrides["n_kv_heads"] = min(kv, heads)
+    if "vocab_size" in overrides and overrides["vocab_size"] < 257:
+        raise ConfigError(
+            f"model.vocab_size={overrides['vocab_size']} is below 257, the 256 "
+            "bytes of the byte-level BPE plus its end-of-text token. Fix: "
+            "--model.vocab_size=4096 (or 0 for the preset's)."
+        )
     spec = dataclasses.replace(spec, **overrides)
     if not spec.arch.startswith("resnet"):
         _check_transformer(spec, cfg)
@@ -103,6 +118,9 @@ def _positive(cfg: Config) -> None:
         "log.every": cfg.log.every,
         "data.image_size": cfg.data.image_size,
         "precision.scale_window": cfg.precision.scale_window,
+        "precision.loss_scale": cfg.precision.loss_scale,
+        "optim.eps": cfg.optim.eps,
+        "checkpoint.keep": cfg.checkpoint.keep,
     }
     for key, value in checks.items():
         if value <= 0:
@@ -118,15 +136,23 @@ def _positive(cfg: Config) -> None:
     }
     for key, value in nonneg.items():
         if value < 0:
-            raise ConfigError(f"{key}={value} must not be negative.")
+            raise ConfigError(f"{key}={value} must not be negative. Fix: --{key}=0 or more.")
     if not 0 <= cfg.data.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1).")
-    if not (0 <= cfg.optim.beta1 < 1 and 0 <= cfg.optim.beta2 < 1):
         raise ConfigError(
-            f"optim.beta1={cfg.optim.beta1} and optim.beta2={cfg.optim.beta2} must be in [0, 1)."
+            f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1). Fix: e.g. "
+            "--data.val_fraction=0.02"
         )
+    for key, value, example in (
+        ("optim.beta1", cfg.optim.beta1, 0.9),
+        ("optim.beta2", cfg.optim.beta2, 0.95),
+    ):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{key}={value} must be in [0, 1). Fix: e.g. --{key}={example}")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
-        raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1].")
+        raise ConfigError(
+            f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]. Fix: e.g. "
+            "--optim.min_lr_ratio=0.1"
+        )
 
 
 def _not_yet(cfg: Config) -> None:
@@ -137,12 +163,15 @@ def _not_yet(cfg: Config) -> None:
         ("parallel.pp", p.pp, 1),
         ("parallel.zero", p.zero, 0),
         ("parallel.sp", p.sp, False),
+        ("parallel.pp_schedule", p.pp_schedule, "1f1b"),
+        ("parallel.pp_virtual", p.pp_virtual, 1),
         ("memory.offload", cfg.memory.offload, "none"),
         ("checkpoint.every", cfg.checkpoint.every, 0),
     ):
         if value != off:
+            shown = str(value).lower() if isinstance(value, bool) else value
             raise NotYetSupportedError(
-                f"{key}={value}: not yet supported in this version of "
+                f"{key}={shown}: not yet supported in this version of "
                 f"shardwise. Fix: --{key}={str(off).lower()}."
             )
 
@@ -152,9 +181,17 @@ def derive(cfg: Config, world: int) -> Derived:
     _positive(cfg)
     p = cfg.parallel
     if p.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero={p.zero} must be 0, 1, 2 or 3.")
+        raise ConfigError(
+            f"parallel.zero={p.zero} must be 0, 1, 2 or 3. Fix: e.g. --parallel.zero=0"
+        )
     if p.pp_virtual < 1:
-        raise ConfigError(f"parallel.pp_virtual={p.pp_virtual} must be >= 1.")
+        raise ConfigError(
+            f"parallel.pp_virtual={p.pp_virtual} must be >= 1. Fix: --parallel.pp_virtual=1"
+        )
+    if cfg.run.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "run.device='cuda' but no CUDA device is visible. Fix: --run.device=cpu or auto."
+        )
     spec = model_spec(cfg)
     pp, dp, tp = degrees(world, p.tp, p.pp)
     is_image = spec.arch.startswith("resnet")
@@ -166,6 +203,12 @@ def derive(cfg: Config, world: int) -> Derived:
             f"'{cfg.data.dataset}' is not its kind of data. Fix: {fix}."
         )
     t = cfg.train
+    if t.global_batch < dp:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} < dp({dp}): every data-parallel "
+            f"rank needs at least one sample. Fix: --train.global_batch={dp} or "
+            "more (dp = world / (tp * pp))."
+        )
     micro = t.micro_batch or t.global_batch // dp
     if micro == 0 or t.global_batch % (micro * dp):
         raise ConfigError(

@@ -11,17 +11,30 @@ from shardwise.errors import ShardwiseError
 
 
 def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Separate `--section.key[=| ]value` overrides from the command's own options first, so a
+    space-separated override value is never mistaken for the config file."""
+    overrides, own, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "." in arg.split("=", 1)[0]:
+            overrides.append(arg)
+            if "=" not in arg and i + 1 < len(argv):
+                overrides.append(argv[i + 1])
+                i += 1
+        else:
+            own.append(arg)
+        i += 1
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("config", nargs="?", default=None)
-    parser.add_argument("--nproc", type=int, default=None)
+    parser.add_argument("--nproc", default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--help-config", action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
-    known, rest = parser.parse_known_args(argv)
-    if known.config is not None and known.config.startswith("--"):
+    known, rest = parser.parse_known_args(own)
+    if known.config is not None and known.config.startswith("-"):
         rest.insert(0, known.config)
         known.config = None
-    return known, rest
+    return known, rest + overrides
 
 
 USAGE = """usage: shardwise {train,explain} [CONFIG.toml] [--nproc N] [--section.key=value ...]
@@ -37,9 +50,17 @@ USAGE = """usage: shardwise {train,explain} [CONFIG.toml] [--nproc N] [--section
 def _nproc(args: argparse.Namespace) -> int:
     from shardwise.device import local_device_count
 
-    if args.nproc is not None and args.nproc < 1:
-        raise ShardwiseError(f"--nproc={args.nproc} must be >= 1. Fix: --nproc 2")
-    return args.nproc or local_device_count()
+    if args.nproc is None:
+        return local_device_count()
+    try:
+        nproc = int(args.nproc)
+    except ValueError:
+        raise ShardwiseError(
+            f"--nproc {args.nproc!r} is not a whole number. Fix: --nproc 2"
+        ) from None
+    if nproc < 1:
+        raise ShardwiseError(f"--nproc={nproc} must be >= 1. Fix: --nproc 2")
+    return nproc
 
 
 def cmd_train(cfg: Config, args: argparse.Namespace) -> None:

@@ -224,7 +224,8 @@ def _read_rows(path: Path, rel: str, suffix: str, text_field: str) -> Iterator[t
             continue
         if not isinstance(value, str):
             raise DataError(
-                f"data.text_field={text_field!r} holds a {type(value).__name__} in row {i} of "
+                f"data.text_field={text_field!r} holds a value of type {type(value).__name__} in "
+                f"row {i} of "
                 f"{str(path)!r}, not text. Fix: set data.text_field to a string column."
             )
         yield f"{rel}#{i}", value
@@ -238,7 +239,7 @@ def _load_column(path: Path, builder: str, text_field: str) -> list:
     from datasets.utils import logging as ds_logging
 
     verbosity, bars = ds_logging.get_verbosity(), ds_logging.is_progress_bar_enabled()
-    ds_logging.set_verbosity_error()
+    ds_logging.set_verbosity(ds_logging.CRITICAL + 10)  # silence its own error log too
     ds_logging.disable_progress_bar()
     try:
         # The arrow copy is only needed while we read it; keep it out of ~/.cache/huggingface.
