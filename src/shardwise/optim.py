@@ -9,6 +9,7 @@ clipped and applied in fp32, then the updated masters are copied back into the c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,20 +47,49 @@ class StepResult:
     skipped: bool
 
 
-class MixedPrecisionAdamW:
-    """One level of composition: fp32 masters + torch.optim.AdamW + clipping + loss scale."""
+@dataclass
+class Target:
+    """One tensor the optimizer updates: the compute copy (or its local shard) the update must
+    land in, where its reduced gradient lives, and whether weight decay applies."""
 
-    def __init__(self, model: nn.Module, cfg: Config) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
+    param: torch.Tensor
+    grad: Callable[[], torch.Tensor]
+    decay: bool
+
+
+def replicated_targets(model: nn.Module) -> list[Target]:
+    """Data parallelism: every parameter, its gradient in the bucket view `main_grad`.
+    No weight decay on gains and biases (1-D), as in GPT-2/LLaMA training recipes."""
+    return [
+        Target(p, (lambda p=p: p.main_grad), p.ndim >= 2)
+        for p in model.parameters()
+        if p.requires_grad
+    ]
+
+
+class MixedPrecisionAdamW:
+    """One level of composition: fp32 masters + torch.optim.AdamW + clipping + loss scale.
+
+    `sum_over_shards` adds up partial squared norms when each rank holds only a shard of the
+    gradients (ZeRO); `after_step` publishes updated compute copies (e.g. all-gathers them)."""
+
+    def __init__(
+        self,
+        targets: list[Target],
+        cfg: Config,
+        sum_over_shards: Callable[[torch.Tensor], None] | None = None,
+        after_step: Callable[[], None] | None = None,
+    ) -> None:
+        self.targets = targets
+        self.params = [t.param for t in targets]
         self.separate_master = any(p.dtype != torch.float32 for p in self.params)
         if self.separate_master:
-            self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+            self.masters = [p.detach().float().clone() for p in self.params]
         else:
             self.masters = self.params
-        # No weight decay on gains and biases (1-D), as in GPT-2/LLaMA training recipes.
-        decay = [m for m in self.masters if m.ndim >= 2]
-        no_decay = [m for m in self.masters if m.ndim < 2]
         o = cfg.optim
+        decay = [m for m, t in zip(self.masters, targets, strict=True) if t.decay]
+        no_decay = [m for m, t in zip(self.masters, targets, strict=True) if not t.decay]
         self.inner = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": o.weight_decay},
@@ -71,6 +101,8 @@ class MixedPrecisionAdamW:
             foreach=True,
         )
         self.grad_clip = o.grad_clip
+        self.sum_over_shards = sum_over_shards
+        self.after_step = after_step
         p = cfg.precision
         self.scaler = LossScaler(
             p.compute == "fp16", p.loss_scale if p.compute == "fp16" else 1.0, p.scale_window
@@ -97,15 +129,21 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def step(self) -> StepResult:
-        """Gradients are in each parameter's reduced `main_grad`; returns the global norm."""
-        for p, m in zip(self.params, self.masters, strict=True):
-            g = p.main_grad
+        """Unscale, measure the global norm, clip and step; returns the norm and whether the
+        step was skipped (a non-finite norm skips it on every rank alike)."""
+        for t, m in zip(self.targets, self.masters, strict=True):
+            g = t.grad()
             m.grad = g if g.dtype == torch.float32 else g.float()
         grads = [m.grad for m in self.masters]
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-        norm_value = float(norm)  # the step's one host sync: needed to decide skip and clip
+        if grads:
+            norm_sq = torch.stack(torch._foreach_norm(grads, 2.0)).double().square().sum()
+        else:
+            norm_sq = torch.zeros((), dtype=torch.float64)
+        if self.sum_over_shards is not None:
+            self.sum_over_shards(norm_sq)
+        norm_value = math.sqrt(float(norm_sq))  # the step's one host sync: skip and clip need it
         finite = math.isfinite(norm_value)
         self.scaler.update(finite)
         if finite:
@@ -114,6 +152,8 @@ class MixedPrecisionAdamW:
             self.inner.step()
             if self.separate_master:
                 torch._foreach_copy_(self.params, self.masters)
+            if self.after_step is not None:
+                self.after_step()
         for m in self.masters:
             m.grad = None
         return StepResult(norm_value, not finite)

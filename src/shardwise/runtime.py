@@ -18,7 +18,7 @@ from shardwise.config import Config
 from shardwise.data import DataSpec, GlobalSampler, load_data
 from shardwise.memory import ActivationMeter
 from shardwise.models import build_model, init_weights
-from shardwise.optim import MixedPrecisionAdamW
+from shardwise.optim import MixedPrecisionAdamW, replicated_targets
 from shardwise.parallel.data import GradReducer, apply_data_parallel
 from shardwise.recompute import apply_recompute
 from shardwise.topology import Topology, build_topology
@@ -152,7 +152,7 @@ def build_run(cfg: Config) -> Run:
         model = build_model(spec)
     model, reducer = parallelize(model, cfg, derived, comm, info)
     verify_replicas(model, comm)
-    optimizer = MixedPrecisionAdamW(model, cfg)
+    optimizer = MixedPrecisionAdamW(replicated_targets(model), cfg)
     sampler = GlobalSampler(len(train_data), cfg.train.global_batch, cfg.train.seed)
     return Run(
         cfg,
