@@ -3,8 +3,8 @@
 What it measures: on 2 gloo ranks in fp32, the same decoder model, data order, seed,
 AdamW settings and learning-rate schedule are trained by shardwise (bucketed, overlapped
 all-reduce in `parallel/data.py`) and by the PyTorch peer `shardwise.testing.peers:ddp_peer`.
-All cases run in ONE spawned world, interleaved (ours, theirs, ours, theirs, ...) so that
-drift on a shared machine hits both alike. Per case: the median step time over the steps
+All cases run in ONE spawned world, interleaved with alternating order (ours, DDP; DDP,
+ours; ...) so that drift on a shared machine hits both alike. Per case: the median step time over the steps
 after warm-up (max over ranks per step); per size: the median over rounds, the ratio
 ours/theirs (target <= 1.00, hard limit 1.10), and the gradient bytes each sends per step per
 rank. Ours come from `comm_bytes["dp"]`; DDP's are measured by a byte-counting comm hook in a
@@ -74,9 +74,10 @@ def main() -> int:
     )
 
     cases, keys = [], []
-    for r in range(rounds):  # interleaved: every size, ours then theirs, round after round
+    pair = (("ours", {}), ("ddp", {"peer": DDP}))
+    for r in range(rounds):  # interleaved A B, B A, A B, ...: drift hits both alike
         for size in sizes:
-            for who, extra in (("ours", {}), ("ddp", {"peer": DDP})):
+            for who, extra in pair if r % 2 == 0 else pair[::-1]:
                 cases.append({"overrides": overrides(size, steps), **extra})
                 keys.append((size, who, r))
     for size in sizes:  # DDP's bytes, measured apart from the timed runs
@@ -92,7 +93,10 @@ def main() -> int:
         for who in ("ours", "ddp"):
             meds = [median(steady(step_times(by_key[size, who, r]))) for r in range(rounds)]
             med[who] = median(meds)
+            med[who, "rounds"] = meds
             per_round.append([size, who, *(f"{m * 1000:.1f}" for m in meds)])
+        paired = [a / b for a, b in zip(med["ours", "rounds"], med["ddp", "rounds"], strict=True)]
+        per_round.append([size, "ours/DDP", *(f"{x:.3f}" for x in paired)])
         ratio = med["ours"] / med["ddp"]
         worst = max(worst, ratio)
         ours0 = by_key[size, "ours", 0][0]
@@ -109,6 +113,7 @@ def main() -> int:
                 f"{med['ours'] * 1000:.1f}",
                 f"{med['ddp'] * 1000:.1f}",
                 f"{ratio:.3f}",
+                f"{median(paired):.3f}",
                 mb(ours_bytes),
                 mb(ddp_bytes),
                 mb(formula),
@@ -125,6 +130,7 @@ def main() -> int:
                 "ours ms",
                 "DDP ms",
                 "time ours/DDP",
+                "median of round ratios",
                 "ours MB/step",
                 "DDP MB/step (hook)",
                 "formula MB",
@@ -134,7 +140,7 @@ def main() -> int:
             rows,
         )
     )
-    print("\nper-round median step time (ms), in the order they ran:")
+    print("\nper-round median step time (ms) and ratio; odd rounds ran ours first, even DDP first:")
     print(table(["size", "who", *(f"round {r + 1}" for r in range(rounds))], per_round))
     verdict = "meets target" if worst <= 1.0 else "within limit" if worst <= 1.10 else "TOO SLOW"
     print(f"\nworst time ratio {worst:.3f}: {verdict} (target <= 1.00, hard limit 1.10)")

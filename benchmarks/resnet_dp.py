@@ -74,7 +74,7 @@ def main() -> int:
     print(f"$ {command_line()}")
     precisions = ("fp32", "bf16")
     print("cases:", " ".join(overrides(steps, image_size, "<fp32|bf16>")))
-    print(f"step time: median of steps {WARMUP_STEPS + 1}..{steps}; memory: peak over steps\n")
+    print(f"timing: median of steps {WARMUP_STEPS + 1}..{steps}; memory: peak over steps\n")
 
     runs = {}
     for nproc in (1, 2):

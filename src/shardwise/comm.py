@@ -18,6 +18,10 @@ import torch.distributed as dist
 
 from shardwise.topology import Topology
 
+# torch 2.13 renamed the flat collectives; keep working on the older releases we support.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -94,7 +98,7 @@ class Comm:
             out.copy_(full)
             return _Done() if async_op else None
         self._record("reduce_scatter", dim, full, (n - 1) / n, False)
-        return dist.reduce_scatter_tensor(out, full, group=self.topo.group(dim), async_op=async_op)
+        return _reduce_scatter(out, full, group=self.topo.group(dim), async_op=async_op)
 
     def all_gather(self, full: torch.Tensor, part: torch.Tensor, dim: str, async_op: bool = False):
         """Concatenate every rank's `part` along dim 0 into `full`."""
@@ -103,9 +107,7 @@ class Comm:
             full.copy_(part)
             return _Done() if async_op else None
         self._record("all_gather", dim, full, (n - 1) / n, False)
-        return dist.all_gather_into_tensor(
-            full, part, group=self.topo.group(dim), async_op=async_op
-        )
+        return _all_gather(full, part, group=self.topo.group(dim), async_op=async_op)
 
     def broadcast(self, t: torch.Tensor, dim: str, src_coord: int = 0, control: bool = False):
         """Broadcast from the rank at index `src_coord` along `dim`."""

@@ -58,14 +58,14 @@ class ActivationMeter:
 
 def model_state_bytes(model: nn.Module, reducer, optimizer) -> dict[str, int]:
     """Bytes of the persistent categories on this rank."""
-    params = list(model.parameters())  # de-duplicated: a tied weight counts once
     buffers = [b for b in model.buffers()]
     return {
-        "params": tensor_bytes(params),
+        "params": reducer.param_bytes,  # local copies or shards; a tied weight counts once
         "grads": reducer.grad_bytes,
         "master": optimizer.master_bytes,
         "optimizer": optimizer.state_bytes,
-        "buffers": tensor_bytes(buffers),
+        # module buffers plus the peak of gathered ZeRO-3 units and in-flight gradient buffers
+        "buffers": tensor_bytes(buffers) + reducer.peak_transient,
     }
 
 

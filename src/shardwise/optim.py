@@ -138,7 +138,10 @@ class MixedPrecisionAdamW:
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         if grads:
-            norm_sq = torch.stack(torch._foreach_norm(grads, 2.0)).double().square().sum()
+            # fp64 accumulation: an fp32 norm of a large tensor is off by ~1e-6 relative, and by
+            # a different amount when the tensor is cut into other shards (layout invariance)
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+            norm_sq = torch.stack(norms).square().sum()
         else:
             norm_sq = torch.zeros((), dtype=torch.float64)
         if self.sum_over_shards is not None:

@@ -20,6 +20,7 @@ from shardwise.memory import ActivationMeter
 from shardwise.models import build_model, init_weights
 from shardwise.optim import MixedPrecisionAdamW, replicated_targets
 from shardwise.parallel.data import GradReducer, apply_data_parallel
+from shardwise.parallel.zero import ZeroEngine, apply_zero
 from shardwise.recompute import apply_recompute
 from shardwise.topology import Topology, build_topology
 from shardwise.validate import Derived, derive
@@ -63,7 +64,7 @@ class Run:
     topo: Topology
     comm: Comm
     model: nn.Module
-    reducer: GradReducer
+    reducer: GradReducer | ZeroEngine
     optimizer: MixedPrecisionAdamW
     meter: ActivationMeter
     train_data: object
@@ -86,22 +87,28 @@ class Run:
 
 def parallelize(
     model: nn.Module, run_cfg: Config, derived: Derived, comm: Comm, info: dev.DeviceInfo
-) -> tuple[nn.Module, GradReducer]:
+) -> tuple[nn.Module, GradReducer | ZeroEngine]:
     """Apply the parallel transformations in the one order that works (DESIGN.md)."""
+    compute = dev.dtype_of(run_cfg.precision.compute)
+    reduce = dev.dtype_of(run_cfg.precision.reduce)
     # 1. Pipeline split would cut the meta model into stages here (pp = 1: the whole model).
     # 2. Tensor parallelism would replace layers by sharded ones here (tp = 1: unchanged).
     # 3. Recomputation wraps module forwards; names stay, so init and checkpoints are unchanged.
     apply_recompute(model, derived.family, run_cfg.memory.recompute)
+    stage = run_cfg.parallel.zero
+    if stage:
+        # 4. ZeRO flattens the still-meta parameters into units and materialises only what
+        #    this rank keeps (its slices under ZeRO-3), straight from the (seed, name) init.
+        return model, apply_zero(
+            model, comm, stage, compute, reduce, info.device, run_cfg.train.seed
+        )
     # 4. Materialise: without ZeRO the local shard is the whole model. Values depend only on
     #    (seed, parameter name), so every rank builds identical weights without a broadcast.
     model.to_empty(device=info.device)
     init_weights(model, run_cfg.train.seed)
-    cast_for_compute(model, dev.dtype_of(run_cfg.precision.compute))
+    cast_for_compute(model, compute)
     # 5. Data parallelism attaches gradient buckets to the materialised parameters.
-    reducer = apply_data_parallel(
-        model, comm, dev.dtype_of(run_cfg.precision.reduce), run_cfg.parallel.bucket_mb
-    )
-    return model, reducer
+    return model, apply_data_parallel(model, comm, reduce, run_cfg.parallel.bucket_mb)
 
 
 def cast_for_compute(model: nn.Module, dtype: torch.dtype) -> None:
@@ -151,8 +158,13 @@ def build_run(cfg: Config) -> Run:
     with torch.device("meta"):
         model = build_model(spec)
     model, reducer = parallelize(model, cfg, derived, comm, info)
-    verify_replicas(model, comm)
-    optimizer = MixedPrecisionAdamW(replicated_targets(model), cfg)
+    if isinstance(reducer, ZeroEngine):
+        optimizer = MixedPrecisionAdamW(
+            reducer.targets(), cfg, reducer.sum_over_shards, reducer.after_step
+        )
+    else:
+        verify_replicas(model, comm)
+        optimizer = MixedPrecisionAdamW(replicated_targets(model), cfg)
     sampler = GlobalSampler(len(train_data), cfg.train.global_batch, cfg.train.seed)
     return Run(
         cfg,

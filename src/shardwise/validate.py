@@ -161,7 +161,6 @@ def _not_yet(cfg: Config) -> None:
     for key, value, off in (
         ("parallel.tp", p.tp, 1),
         ("parallel.pp", p.pp, 1),
-        ("parallel.zero", p.zero, 0),
         ("parallel.sp", p.sp, False),
         ("parallel.pp_schedule", p.pp_schedule, "1f1b"),
         ("parallel.pp_virtual", p.pp_virtual, 1),

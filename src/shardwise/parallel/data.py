@@ -38,6 +38,7 @@ class GradReducer:
         self.comm = comm
         self.sync = True  # the one visible flag: False on accumulation micro-batches
         params = [p for p in model.parameters() if p.requires_grad]
+        self._params = list(model.parameters())
         # Reverse registration order approximates the order backward produces gradients.
         self.buckets = _make_buckets(list(reversed(params)), reduce_dtype, bucket_bytes)
         self._of: dict[int, Bucket] = {}
@@ -46,6 +47,12 @@ class GradReducer:
                 self._of[id(p)] = bucket
                 p.register_post_accumulate_grad_hook(self._on_grad)
         self._next = 0
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self._params)
+
+    peak_transient = 0  # no gathered units or temporary gradient buffers
 
     @property
     def grad_bytes(self) -> int:

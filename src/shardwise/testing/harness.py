@@ -38,7 +38,15 @@ def _run_case(case: dict, run_dir: str) -> dict:
     if case.get("hook"):
         _resolve(case["hook"])(run)
     records = fit(run)
-    params = {n: p.detach().float().cpu().clone() for n, p in run.model.named_parameters()}
+    if hasattr(run.reducer, "full_parameters"):  # ZeRO: gather shards back to full shape
+        params = run.reducer.full_parameters()
+        zero = {
+            "peak_gathered": run.reducer.peak_gathered,
+            "unit_bytes": [u.full_bytes for u in run.reducer.units],
+        }
+    else:
+        params = {n: p.detach().float().cpu().clone() for n, p in run.model.named_parameters()}
+        zero = {}
     buffers = {}
     if getattr(run, "return_buffers", False):
         buffers = {
@@ -48,6 +56,7 @@ def _run_case(case: dict, run_dir: str) -> dict:
         }
     return {
         "buffers": buffers,
+        "zero": zero,
         "losses": [r["loss"] for r in records],
         "records": records,
         "params": params,

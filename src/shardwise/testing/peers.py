@@ -64,7 +64,13 @@ def ddp_peer(cfg: Config) -> dict:
                 loss.backward()
             total += loss.detach()
         if o.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+            # The same clipping recipe as ours: the norm accumulated in fp64 (torch's default
+            # fp32 norm is ~1e-6 off, which Adam amplifies on near-zero coordinates), then
+            # torch's own scaling. What is compared is DDP's gradient synchronisation.
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+            total_norm = torch.stack(norms).square().sum().sqrt()
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), o.grad_clip, total_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         dev.synchronize(info)

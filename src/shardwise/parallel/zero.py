@@ -1,0 +1,263 @@
+"""ZeRO stages 1-3 (Rajbhandari et al. 2020) on one mechanism: flat, padded, evenly split units.
+
+Parameters are grouped into units: one per repeated block (transformer block, ResNet stage) and
+one per other top-level child that owns parameters (embedding, final norm, head, ...). A unit
+owns a flat buffer in the compute dtype, padded to a multiple of the dp degree; rank r owns
+slice r. Every parameter is an alias of its place in that buffer (with its own autograd
+version counter, so refilling the buffer between forward and backward is legal).
+
+* ZeRO-1: full parameters and full gradient buffers stay; on the syncing micro-batch each
+  unit's gradients are reduce-scattered (not all-reduced); the fp32 master and optimizer state
+  exist for the local slice only; the updated slices are all-gathered after the step.
+* ZeRO-2: as 1, but each unit's gradients are reduce-scattered as soon as its backward ends,
+  on every micro-batch, into a gradient shard; full gradients live only transiently.
+* ZeRO-3: as 2, and the parameters themselves are sharded: a unit is all-gathered just before
+  its forward (the next unit prefetched), freed after it, gathered again before its backward
+  and freed once its gradients are reduce-scattered.
+
+Traffic per step without accumulation, Ψ parameters over n ranks: ZeRO-1/2 send
+(n-1)/n·Ψ (reduce-scatter) + (n-1)/n·Ψ (all-gather) = DDP; ZeRO-3 adds a second all-gather.
+With accumulation ZeRO-1 reduces once per step, ZeRO-2/3 once per micro-batch (and ZeRO-3
+gathers twice per micro-batch).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from shardwise.comm import Comm
+from shardwise.models.init import canonical_name, find_spec, initial_value
+from shardwise.optim import Target
+from shardwise.parallel.zero_units import Unit, unit_roots
+
+# The embedding's inputs are token ids: its backward pre-hook fires on the output gradient,
+# which is exactly when ZeRO-3 must gather it, so torch's warning about that is expected.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class ZeroEngine:
+    """Owns the units of one model; the training loop drives it like the DP reducer."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        stage: int,
+        compute: torch.dtype,
+        reduce: torch.dtype,
+        device: torch.device,
+        seed: int,
+    ) -> None:
+        self.comm, self.stage = comm, stage
+        self.sync = True
+        n, rank = comm.topo.size("dp"), comm.topo.coord("dp")
+        self.units = [
+            Unit(name, entries, modules, n, rank, stage, compute, reduce, device)
+            for name, entries, modules in unit_roots(model)
+        ]
+        replaced = {k: v for u in self.units for k, v in u.replaced.items()}
+        for module in model.modules():  # every use of an old parameter, tied ones included
+            for leaf, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[leaf] = replaced[id(p)]
+        self._of_param = {id(p): u for u in self.units for *_, p in u.entries}
+        self._materialise(model, seed, device)
+        self._next = 0
+        self._pending: list = []
+        self.transient = 0  # bytes of gathered units and in-flight gradient buffers now
+        self.peak_transient = 0
+        self.gathered_bytes = 0  # bytes of gathered ZeRO-3 units now, and their peak
+        self.peak_gathered = 0
+        for unit in self.units:
+            for p in unit.params:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._on_grad)
+        if stage == 3:
+            self._hook_modules(model)
+            self.transient = sum(u.full_bytes for u in self.units)  # built gathered
+            self.gathered_bytes = self.transient
+            for unit in self.units:
+                self._free(unit)
+        self.peak_transient = 0
+
+    # -- set-up -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _materialise(self, model: nn.Module, seed: int, device: torch.device) -> None:
+        """Each rank fills only what it keeps: the full unit (ZeRO-1/2) or its own slice
+        (ZeRO-3), from the (seed, name) init; one parameter's value exists at a time."""
+        spec = find_spec(model)
+        for unit in self.units:
+            for (name, module, leaf, p), off in zip(unit.entries, unit.offsets, strict=False):
+                value = initial_value(
+                    module, leaf, canonical_name(name, spec), tuple(p.shape), seed, spec
+                ).flatten()
+                unit.load(off, value)
+        for module in model.modules():  # buffers (BatchNorm statistics) are replicated
+            for key, buf in list(module._buffers.items()):
+                if buf is not None and buf.is_meta:
+                    module._buffers[key] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.reset_running_stats()
+
+    def _hook_modules(self, model: nn.Module) -> None:
+        for unit in self.units:
+            for module in unit.modules:
+                module.register_forward_pre_hook(lambda m, a, u=unit: self._before(u, 1))
+                module.register_forward_hook(lambda m, a, o, u=unit: self._after_forward(u))
+                module.register_full_backward_pre_hook(lambda m, g, u=unit: self._before(u, -1))
+
+    # -- ZeRO-3 gather / free -------------------------------------------------------------------
+    def _gather(self, unit: Unit, async_op: bool) -> None:
+        if unit.gathered or unit.handle is not None:
+            return
+        unit.allocate()
+        self._grow(unit.full_bytes)
+        self.gathered_bytes += unit.full_bytes
+        self.peak_gathered = max(self.peak_gathered, self.gathered_bytes)
+        unit.handle = self.comm.all_gather(unit.full, unit.shard, "dp", async_op=async_op)
+
+    def _ensure(self, unit: Unit) -> None:
+        self._gather(unit, async_op=False)
+        if unit.handle is not None:
+            unit.handle.wait()
+            unit.handle = None
+        unit.gathered = True
+
+    def _free(self, unit: Unit) -> None:
+        if self.stage == 3 and unit.gathered:
+            unit.release()
+            self._grow(-unit.full_bytes)
+            self.gathered_bytes -= unit.full_bytes
+
+    def _before(self, unit: Unit, direction: int) -> None:
+        """Gather `unit` before its forward (+1) or backward (-1) and prefetch the next one
+        in that direction (units are registered in forward order)."""
+        self._ensure(unit)
+        i = self.units.index(unit) + direction
+        if 0 <= i < len(self.units) and not (direction < 0 and self.units[i].done):
+            self._gather(self.units[i], async_op=True)
+
+    def _after_forward(self, unit: Unit) -> None:
+        if not _in_backward():  # a recomputation inside backward still needs it
+            self._free(unit)
+
+    def _grow(self, nbytes: int) -> None:
+        self.transient += nbytes
+        self.peak_transient = max(self.peak_transient, self.transient)
+
+    # -- gradients ------------------------------------------------------------------------------
+    @property
+    def grad_bytes(self) -> int:
+        return sum(u.grad_bytes for u in self.units)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(u.param_bytes for u in self.units)
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.zero_grad()
+        self.peak_transient = self.transient
+        self.peak_gathered = self.gathered_bytes
+        self.start_micro_batch()
+
+    def start_micro_batch(self) -> None:
+        for unit in self.units:
+            unit.reported.clear()
+            unit.done = False
+        self._next = 0
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        unit = self._of_param[id(p)]
+        if id(p) in unit.reported:
+            return
+        unit.add_grad(p)
+        p.grad = None
+        unit.reported.add(id(p))
+        if len(unit.reported) == unit.n_trainable and (self.stage >= 2 or self.sync):
+            self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        """Reduce units strictly in backward order so every rank issues the same sequence."""
+        order = self.units[::-1]
+        while self._next < len(order):
+            unit = order[self._next]
+            if not force and len(unit.reported) < unit.n_trainable:
+                return
+            flat = unit.grad_to_reduce()
+            if flat is not unit.grad_full:
+                self._grow(flat.numel() * flat.element_size())
+            # in place: the owned slice of the summed buffer lands where it already lives
+            handle = self.comm.reduce_scatter(flat[unit.lo : unit.hi], flat, "dp", async_op=True)
+            self._pending.append((unit, flat, handle))
+            while len(self._pending) > 2:  # overlap with backward, bounded to two buffers
+                self._complete()
+            unit.done = True
+            if self.stage == 3:
+                self._free(unit)  # the reduce-scatter reads gradients, not parameters
+            self._next += 1
+
+    def _complete(self) -> None:
+        unit, flat, handle = self._pending.pop(0)
+        handle.wait()
+        unit.take_reduced(flat)
+        if flat is not unit.grad_full:
+            self._grow(-flat.numel() * flat.element_size())
+
+    def finish(self) -> None:
+        """End of the micro-batch's backward: reduce units some of whose parameters got no
+        gradient (they count as zero), and free anything still gathered."""
+        if self.stage >= 2 or self.sync:
+            self._launch_ready(force=True)
+        while self._pending:
+            self._complete()
+        for unit in self.units:
+            self._free(unit)
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter at full shape on CPU, by its model name (collective: all dp ranks
+        must call it). For tests and export; ZeRO-3 gathers one unit at a time."""
+        out = {}
+        for unit in self.units:
+            was_gathered = unit.gathered
+            self._ensure(unit)
+            for name, _, _, p in unit.entries:
+                out[name] = p.detach().float().cpu().clone()
+            if not was_gathered:
+                self._free(unit)
+        return out
+
+    # -- optimizer ------------------------------------------------------------------------------
+    def targets(self) -> list[Target]:
+        return [t for u in self.units for t in u.targets()]
+
+    def sum_over_shards(self, norm_sq: torch.Tensor) -> None:
+        """Each rank holds a disjoint gradient slice: the squared norms add up (bookkeeping)."""
+        self.comm.all_reduce(norm_sq, "dp", control=True)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        if self.stage < 3:  # publish the updated slices to every replica
+            for unit in self.units:
+                self.comm.all_gather(unit.full, unit.full[unit.lo : unit.hi], "dp")
+
+
+def apply_zero(
+    model: nn.Module,
+    comm: Comm,
+    stage: int,
+    compute: torch.dtype,
+    reduce: torch.dtype,
+    device: torch.device,
+    seed: int,
+) -> ZeroEngine:
+    """Shard a model that is still on the meta device; returns the engine driving it."""
+    return ZeroEngine(model, comm, stage, compute, reduce, device, seed)

@@ -1,0 +1,177 @@
+"""The unit of ZeRO sharding: a flat, padded, evenly split buffer of some parameters."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardwise.optim import Target
+
+
+def _alias(storage: torch.UntypedStorage, offset: int, shape, dtype, device) -> torch.Tensor:
+    """A tensor on `storage` with its own autograd version counter: writes through the unit
+    buffer (a re-gather) must not look like in-place edits of a parameter saved for backward."""
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape)
+
+
+Entry = tuple[str, nn.Module, str, nn.Parameter]  # (qualified name, owner, attribute, param)
+
+
+def unit_roots(model: nn.Module) -> list[tuple[str, list[Entry], list[nn.Module]]]:
+    """Units in forward order: each block of a repeated container (`blocks`, a ResNet
+    `layerN`) and each other top-level child owning parameters. A tied parameter belongs to
+    the first unit that reaches it; every root module using a unit's parameters is listed
+    with it (a tied head needs the embedding's unit gathered)."""
+    roots: list[tuple[str, nn.Module]] = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleList) or (
+            name.startswith("layer") and isinstance(child, nn.Sequential)
+        ):
+            roots += [(f"{name}.{i}", block) for i, block in child.named_children()]
+        elif any(True for _ in child.parameters()):
+            roots.append((name, child))
+    owner: dict[int, int] = {}
+    units: list[tuple[str, list[Entry], list[nn.Module]]] = []
+    for root_name, root in roots:
+        entries = []
+        for mod_name, module in root.named_modules():
+            for leaf, p in module.named_parameters(recurse=False):
+                if id(p) not in owner:
+                    owner[id(p)] = len(units)
+                    prefix = f"{root_name}.{mod_name}" if mod_name else root_name
+                    entries.append((f"{prefix}.{leaf}", module, leaf, p))
+        if entries:
+            units.append((root_name, entries, []))
+    for _, root in roots:
+        for index in dict.fromkeys(owner[id(p)] for p in root.parameters()):
+            units[index][2].append(root)
+    if len(owner) != len({id(p) for p in model.parameters()}):
+        raise ValueError("parameters registered directly on the model root cannot be sharded")
+    return units
+
+
+class Unit:
+    def __init__(
+        self,
+        name: str,
+        entries: list[Entry],
+        modules: list[nn.Module],
+        n: int,
+        rank: int,
+        stage: int,
+        compute: torch.dtype,
+        reduce: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.name, self.stage = name, stage
+        self.modules = modules  # root modules whose forward/backward need this unit
+        sizes = [p.numel() for *_, p in entries]
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        numel = sum(sizes)
+        self.shard_size = -(-numel // n)
+        self.padded = self.shard_size * n
+        self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
+        self.full = torch.zeros(self.padded, dtype=compute, device=device)
+        self.full_bytes = self.full.numel() * self.full.element_size()
+        self.shard = (
+            torch.zeros(self.shard_size, dtype=compute, device=device)
+            if stage == 3
+            else self.full[self.lo : self.hi]
+        )
+        storage = self.full.untyped_storage()
+        # New parameters aliasing the buffer; `replaced` maps old ids so the engine can re-point
+        # every use in the model (tied uses included).
+        self.replaced: dict[int, nn.Parameter] = {
+            id(p): nn.Parameter(
+                _alias(storage, off, p.shape, compute, device), requires_grad=p.requires_grad
+            )
+            for (*_, p), off in zip(entries, self.offsets, strict=True)
+        }
+        self.entries = [(n_, m, leaf, self.replaced[id(p)]) for n_, m, leaf, p in entries]
+        self.params = [e[3] for e in self.entries]
+        self.n_trainable = sum(p.requires_grad for p in self.params)
+        self.reported: set[int] = set()
+        self.done = False
+        self.gathered = True
+        self.handle = None
+        if stage == 1:  # full gradients, reduce-scattered in place once per step
+            self.grad_full = torch.zeros(self.padded, dtype=reduce, device=device)
+            for p, off in zip(self.params, self.offsets, strict=True):
+                p.main_grad = self.grad_full[off : off + p.numel()].view_as(p)
+            self.grad_shard = self.grad_full[self.lo : self.hi]
+        else:
+            self.grad_full = None
+            self.grad_shard = torch.zeros(self.shard_size, dtype=reduce, device=device)
+        self.reduce_dtype = reduce
+
+    # -- values ---------------------------------------------------------------------------------
+    def load(self, offset: int, value: torch.Tensor) -> None:
+        """Write a parameter's full initial value (flat) at `offset`, keeping only what this
+        rank stores."""
+        if self.stage < 3:
+            self.full[offset : offset + value.numel()].copy_(value)
+            return
+        lo, hi = max(offset, self.lo), min(offset + value.numel(), self.hi)
+        if lo < hi:
+            self.shard[lo - self.lo : hi - self.lo].copy_(value[lo - offset : hi - offset])
+
+    def allocate(self) -> None:
+        self.full.untyped_storage().resize_(self.full_bytes)
+
+    def release(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    @property
+    def param_bytes(self) -> int:
+        t = self.shard if self.stage == 3 else self.full
+        return t.numel() * t.element_size()
+
+    @property
+    def grad_bytes(self) -> int:
+        t = self.grad_full if self.stage == 1 else self.grad_shard
+        return t.numel() * t.element_size()
+
+    # -- gradients ------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        (self.grad_full if self.stage == 1 else self.grad_shard).zero_()
+
+    def add_grad(self, p: nn.Parameter) -> None:
+        if self.stage == 1:
+            p.main_grad.add_(p.grad)
+        else:
+            if not hasattr(self, "_staged"):
+                self._staged = {}
+            self._staged[id(p)] = p.grad
+
+    def grad_to_reduce(self) -> torch.Tensor:
+        """The buffer to reduce-scatter: the persistent one (ZeRO-1) or a fresh flat copy of
+        this micro-batch's gradients (ZeRO-2/3; parameters without a gradient count as 0)."""
+        if self.stage == 1:
+            return self.grad_full
+        flat = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.grad_shard.device)
+        staged = getattr(self, "_staged", {})
+        for p, off in zip(self.params, self.offsets, strict=True):
+            g = staged.get(id(p))
+            if g is not None:
+                flat[off : off + p.numel()].copy_(g.flatten())
+        self._staged = {}
+        return flat
+
+    def take_reduced(self, flat: torch.Tensor) -> None:
+        if self.stage >= 2:
+            self.grad_shard.add_(flat[self.lo : self.hi])
+
+    # -- optimizer ------------------------------------------------------------------------------
+    def targets(self) -> list[Target]:
+        """One target per parameter piece inside this rank's slice (decay decided per piece)."""
+        out = []
+        for p, off in zip(self.params, self.offsets, strict=True):
+            lo, hi = max(off, self.lo), min(off + p.numel(), self.hi)
+            if lo >= hi or not p.requires_grad:
+                continue
+            a, b = lo - self.lo, hi - self.lo
+            out.append(
+                Target(self.shard[a:b], (lambda a=a, b=b: self.grad_shard[a:b]), p.ndim >= 2)
+            )
+        return out

@@ -1,0 +1,139 @@
+"""ZeRO-1/2/3: parity with data parallelism and the single-process run, exact memory and traffic.
+
+One spawned world per size runs every case."""
+
+import pytest
+
+from shardwise.testing import run_world
+
+pytestmark = pytest.mark.slow
+
+# As in test_parity: a fine-tuning-sized lr keeps Adam's amplification of rounding-level
+# gradient differences (summation order differs between layouts) below the 1e-5 bound.
+SMALL = [
+    "--model.n_layers=2",
+    "--data.seq_len=32",
+    "--train.global_batch=8",
+    "--train.steps=20",
+    "--train.eval_every=0",
+    "--train.eval_batches=0",
+    "--optim.warmup_steps=5",
+    "--train.lr=1e-3",
+]
+BF16 = ["--precision.compute=bf16", "--precision.reduce=bf16", "--train.steps=2"]
+
+
+def case(*overrides):
+    return {"overrides": [*SMALL, *overrides]}
+
+
+def zero_cases(accum: str) -> dict:
+    cases = {"dp": case()}
+    for z in (1, 2, 3):
+        cases[f"z{z}"] = case(f"--parallel.zero={z}")
+        cases[f"z{z}_accum"] = case(f"--parallel.zero={z}", accum)
+        cases[f"z{z}_bf16"] = case(f"--parallel.zero={z}", *BF16)
+    cases["dp_accum"] = case(accum)
+    cases["dp_bf16"] = case(*BF16)
+    cases["z3_tied"] = case("--parallel.zero=3", "--model.tie_embeddings=true")
+    cases["dp_tied"] = case("--model.tie_embeddings=true")
+    return cases
+
+
+WORLD1 = {
+    "ref": case(),
+    "ref_tied": case("--model.tie_embeddings=true"),
+    "z3": case("--parallel.zero=3"),
+}
+WORLD2 = zero_cases("--train.micro_batch=2")
+WORLD4 = zero_cases("--train.micro_batch=1")
+
+
+def _run(cases: dict, nproc: int) -> dict:
+    out = {}
+    for name, per_rank in zip(cases, run_world(nproc, list(cases.values())), strict=True):
+        for r in per_rank:
+            assert "error" not in r, f"{name}: {r['error']}"
+        out[name] = per_rank
+    return out
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    return {1: _run(WORLD1, 1), 2: _run(WORLD2, 2), 4: _run(WORLD4, 4)}
+
+
+def max_rel(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def max_param_diff(pa, pb):
+    assert pa.keys() == pb.keys()
+    return max((pa[k] - pb[k]).abs().max().item() for k in pa)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("accum", ["", "_accum"])
+def test_zero_matches_dp_and_single_process(worlds, nproc, stage, accum):
+    got = worlds[nproc][f"z{stage}{accum}"]
+    dp = worlds[nproc][f"dp{accum}"][0]
+    ref = worlds[1]["ref"][0]
+    bound = 1e-6 if stage < 3 else 1e-5  # the issue's bounds: vs DP for 1/2, vs 1 process for 3
+    assert max_rel(got[0]["losses"], dp["losses"]) <= bound
+    assert max_rel(got[0]["losses"], ref["losses"]) <= 1e-5
+    assert max_param_diff(got[0]["params"], ref["params"]) <= 1e-5
+    for other in got[1:]:  # every rank reassembles the same model
+        assert max_param_diff(other["params"], got[0]["params"]) == 0.0
+
+
+def test_zero3_on_one_process_is_the_single_process_run(worlds):
+    assert max_rel(worlds[1]["z3"][0]["losses"], worlds[1]["ref"][0]["losses"]) <= 1e-6
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_zero3_tied_embeddings(worlds, nproc):
+    got, ref = worlds[nproc]["z3_tied"][0], worlds[1]["ref_tied"][0]
+    assert "head.weight" not in got["params"]  # one shared parameter
+    assert max_rel(got["losses"], ref["losses"]) <= 1e-5
+    assert max_param_diff(got["params"], ref["params"]) <= 1e-5
+
+
+def _states(res) -> int:
+    mem = res["records"][-1]["mem_bytes"]
+    return sum(mem[k] for k in ("params", "grads", "master", "optimizer"))
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize(
+    ("stage", "formula"),
+    [(1, lambda n: 4 + 12 / n), (2, lambda n: 2 + 14 / n), (3, lambda n: 16 / n)],
+)
+def test_model_state_bytes_match_the_zero_paper(worlds, nproc, stage, formula):
+    """bf16 compute, fp32 master Adam: DDP 16Ψ, ZeRO-1 4Ψ+12Ψ/N, ZeRO-2 2Ψ+14Ψ/N, ZeRO-3 16Ψ/N
+    (Rajbhandari et al. 2020, fig. 1), up to padding and AdamW's 4-byte step counters."""
+    dp, z = worlds[nproc]["dp_bf16"][0], worlds[nproc][f"z{stage}_bf16"][0]
+    psi = sum(p.numel() for p in dp["params"].values())
+    n_units = len(z["zero"]["unit_bytes"])
+    slack = 16 * n_units * (nproc - 1) + 4 * (len(dp["params"]) + n_units)
+    assert abs(_states(dp) - 16 * psi) <= 4 * len(dp["params"])
+    assert abs(_states(z) - formula(nproc) * psi) <= slack, (_states(z), formula(nproc) * psi)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_traffic_zero12_equal_dp_zero3_one_and_a_half(worlds, nproc):
+    dp = worlds[nproc]["dp"][0]["records"][-1]["comm_bytes"]["dp"]
+    padded = sum(worlds[nproc]["z3"][0]["zero"]["unit_bytes"])  # fp32 unit buffers, padded
+    ring = (nproc - 1) / nproc
+    for stage, factor in ((1, 2), (2, 2), (3, 3)):
+        for rec in worlds[nproc][f"z{stage}"][0]["records"]:
+            assert rec["comm_bytes"]["dp"] == factor * ring * padded
+            assert rec["comm_bytes"]["tp"] == rec["comm_bytes"]["pp"] == 0
+        assert abs(factor * ring * padded / dp - factor / 2) <= 1e-3  # padding only
+
+
+def test_zero3_holds_at_most_two_unsharded_units(worlds):
+    for nproc in (2, 4):
+        z = worlds[nproc]["z3"][0]["zero"]
+        two_largest = sum(sorted(z["unit_bytes"])[-2:])
+        assert 0 < z["peak_gathered"] <= two_largest, (z["peak_gathered"], z["unit_bytes"])
