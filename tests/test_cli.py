@@ -194,7 +194,7 @@ def test_explain_plain_prints_the_derived_values(
     assert rows["micro-batches per step (accumulation)"] == str(r["micro_batches_per_step"])
     assert rows["recompute"] == r["recompute"]
     assert rows["layers / hidden size"] == f"{r['n_layers']} / {r['dim']}"
-    assert "gradient all-reduce per step/rank" in rows
+    assert "dp traffic per step/rank" in rows
     for key, value in r["mem_bytes"].items():
         assert any(
             line.split()[:1] == [key] and f"({value:,} B)" in line for line in out.splitlines()

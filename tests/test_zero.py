@@ -137,3 +137,17 @@ def test_zero3_holds_at_most_two_unsharded_units(worlds):
         z = worlds[nproc]["z3"][0]["zero"]
         two_largest = sum(sorted(z["unit_bytes"])[-2:])
         assert 0 < z["peak_gathered"] <= two_largest, (z["peak_gathered"], z["unit_bytes"])
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_explain_predicts_zero_model_states_exactly(worlds, nproc, stage):
+    from shardwise.config import load_config
+    from shardwise.explain import explain_record
+
+    cfg = load_config(None, [*SMALL, f"--parallel.zero={stage}", *BF16])
+    predicted = explain_record(cfg, nproc)
+    measured = worlds[nproc][f"z{stage}_bf16"][0]["records"][-1]
+    for key in ("params", "grads", "master", "optimizer"):
+        assert predicted["mem_bytes"][key] == measured["mem_bytes"][key], key
+    assert predicted["comm_bytes"]["dp"] == measured["comm_bytes"]["dp"]

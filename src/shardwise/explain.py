@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardwise import device as dev
@@ -16,6 +17,7 @@ from shardwise.config import Config
 from shardwise.memory import ActivationMeter, step_memory, tensor_bytes
 from shardwise.metrics import human_bytes
 from shardwise.models import build_model, count_params
+from shardwise.parallel.zero_units import unit_roots
 from shardwise.recompute import apply_recompute
 from shardwise.runtime import cast_for_compute
 from shardwise.validate import derive
@@ -25,21 +27,66 @@ def _bytes(precision: str) -> int:
     return torch.tensor([], dtype=dev.dtype_of(precision)).element_size()
 
 
+def model_states(model: nn.Module, cfg: Config, dp: int) -> dict[str, int]:
+    """Exact model-state bytes of rank 0 (the largest: its slices hold no padding) for the
+    configured ZeRO stage, from the same unit layout the engine builds."""
+    bc, br = _bytes(cfg.precision.compute), _bytes(cfg.precision.reduce)
+    stage, master = cfg.parallel.zero, 0 if cfg.precision.compute == "fp32" else 4
+    buffers = tensor_bytes(model.buffers())
+    if stage == 0:
+        n = count_params(model)
+        tensors = len([p for p in model.parameters() if p.requires_grad])
+        # AdamW: two fp32 moments per parameter and one fp32 step count per tensor
+        return {
+            "params": n * bc,
+            "grads": n * br,
+            "master": master * n,
+            "optimizer": 8 * n + 4 * tensors,
+            "buffers": buffers,
+        }
+    padded = 0
+    own = [0] * dp  # parameter elements in rank r's slices (the last rank's hold padding)
+    pieces = [0] * dp  # parameter pieces there: AdamW keeps a step counter for each
+    gathered = []
+    for _, entries, _ in unit_roots(model):
+        offsets = _offsets(entries)
+        numel = sum(p.numel() for *_, p in entries)
+        shard = -(-numel // dp)
+        padded += shard * dp
+        gathered.append(shard * dp)
+        for r in range(dp):
+            lo, hi = r * shard, (r + 1) * shard
+            own[r] += max(0, min(hi, numel) - lo)
+            pieces[r] += sum(
+                1
+                for (*_, p), off in zip(entries, offsets, strict=True)
+                if off < hi and off + p.numel() > lo
+            )
+    two = sum(sorted(gathered)[-2:])
+    # ZeRO-3 holds up to two gathered units (compute dtype) and two in-flight gradient
+    # buffers (reduce dtype); ZeRO-2 only the gradient buffers. An estimate, not a count.
+    transient = {1: 0, 2: two * br, 3: two * (bc + br)}[stage]
+    return {
+        "params": (padded if stage < 3 else padded // dp) * bc,
+        "grads": (padded if stage == 1 else padded // dp) * br,
+        "master": master * max(own),
+        "optimizer": max(8 * o + 4 * c for o, c in zip(own, pieces, strict=True)),
+        "buffers": buffers + transient,
+    }
+
+
+def _offsets(entries) -> list[int]:
+    sizes = [p.numel() for *_, p in entries]
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
 def predicted_memory(cfg: Config, derived) -> tuple[int, dict[str, int]]:
-    """(parameter count, per-rank bytes by category) for data parallelism (no sharding)."""
-    compute, reduce = cfg.precision.compute, cfg.precision.reduce
+    """(parameter count, per-rank bytes by category)."""
+    compute = cfg.precision.compute
     with FakeTensorMode():
         model = build_model(derived.spec)
         n = count_params(model)
-        n_tensors = len([p for p in model.parameters() if p.requires_grad])
-        states = {
-            "params": n * _bytes(compute),
-            "grads": n * _bytes(reduce),
-            "master": 0 if compute == "fp32" else 4 * n,
-            # AdamW: two fp32 moments per parameter and one fp32 step count per tensor
-            "optimizer": 8 * n + 4 * n_tensors,
-            "buffers": tensor_bytes(model.buffers()),
-        }
+        states = model_states(model, cfg, derived.dp)
         apply_recompute(model, derived.family, cfg.memory.recompute)
         cast_for_compute(model, dev.dtype_of(compute))
         meter = ActivationMeter(model)
@@ -57,6 +104,34 @@ def predicted_memory(cfg: Config, derived) -> tuple[int, dict[str, int]]:
             logits = model(inputs)
             F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
     return n, step_memory(states, meter.take_peak())
+
+
+def predicted_comm(cfg: Config, derived, n: int, padded: int) -> dict[str, float]:
+    """Ring-equivalent bytes per rank per step over dp (DESIGN.md accounting)."""
+    d, ring = derived.dp, (derived.dp - 1) / derived.dp
+    bc, br = _bytes(cfg.precision.compute), _bytes(cfg.precision.reduce)
+    m = derived.micro_batches
+    stage = cfg.parallel.zero
+    dp_bytes = (
+        {
+            0: 2 * ring * n * br,  # one all-reduce of every gradient per step
+            1: ring * padded * (br + bc),  # reduce-scatter once + all-gather of updated slices
+            2: ring * padded * (m * br + bc),  # reduce-scatter every micro-batch
+            3: ring * padded * m * (br + 2 * bc),  # + gather before forward and before backward
+        }[stage]
+        if d > 1
+        else 0.0
+    )
+    return {"dp": dp_bytes, "tp": 0.0, "pp": 0.0}
+
+
+def padded_params(cfg: Config, derived) -> int:
+    with FakeTensorMode():
+        model = build_model(derived.spec)
+        return sum(
+            -(-sum(p.numel() for *_, p in e) // derived.dp) * derived.dp
+            for _, e, _ in unit_roots(model)
+        )
 
 
 def explain_record(cfg: Config, world: int) -> dict:
@@ -84,12 +159,7 @@ def explain_record(cfg: Config, world: int) -> dict:
         "seq_len": cfg.data.seq_len,
         "steps": cfg.train.steps,
         "mem_bytes": mem,
-        # all-reduce of every gradient once per step: 2(n-1)/n of the gradient bytes per rank
-        "comm_bytes": {
-            "dp": 2 * (d.dp - 1) / d.dp * n * _bytes(cfg.precision.reduce),
-            "tp": 0.0,
-            "pp": 0.0,
-        },
+        "comm_bytes": predicted_comm(cfg, d, n, padded_params(cfg, d)),
     }
 
 
@@ -121,7 +191,7 @@ def print_explain(r: dict) -> None:
         ("recompute", r["recompute"]),
         ("data", f"{r['dataset']} (seq_len {r['seq_len']})"),
         ("steps", r["steps"]),
-        ("gradient all-reduce per step/rank", human_bytes(r["comm_bytes"]["dp"])),
+        ("dp traffic per step/rank", human_bytes(r["comm_bytes"]["dp"])),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
