@@ -3,15 +3,16 @@
 What it measures: on 2 gloo ranks in fp32, the same decoder model, data order, seed,
 AdamW settings and learning-rate schedule are trained by shardwise (bucketed, overlapped
 all-reduce in `parallel/data.py`) and by the PyTorch peer `shardwise.testing.peers:ddp_peer`.
-All cases run in ONE spawned world, interleaved with alternating order (ours, DDP; DDP,
-ours; ...) so that drift on a shared machine hits both alike. Per case: the median step time over the steps
-after warm-up (max over ranks per step); per size: the median over rounds, the ratio
-ours/theirs (target <= 1.00, hard limit 1.10), and the gradient bytes each sends per step per
-rank. Ours come from `comm_bytes["dp"]`; DDP's are measured by a byte-counting comm hook in a
-separate short run (a Python hook would slow DDP, so the timed runs go without it) and checked
-against the formula 2(n-1)/n * psi * 4 bytes. The loss curves of the two must agree, which
-shows that both train the same thing. Why: the engine is ours, DDP is the peer to beat
-(DESIGN.md); a slower engine needs an explanation, not a shrug.
+All cases run in ONE spawned world, interleaved with alternating order (ours, DDP; DDP, ours;
+...) so that drift on a shared machine hits both alike. Per case: the median step time over
+the steps after warm-up (max over ranks per step); per size: the median over rounds, the
+ratio ours/DDP (target <= 1.00, hard limit 1.10; exit status 1 above it), the median of the
+per-round ratios, and the gradient bytes each sends per step per rank. Ours come from
+`comm_bytes["dp"]`; DDP's are measured by a byte-counting comm hook in a separate short run
+(a Python hook would slow DDP, so the timed runs go without it) and checked against the
+formula 2(n-1)/n * psi * 4 bytes. The two loss curves must agree, which shows that both train
+the same thing. Why: the engine is ours, DDP is the peer to beat (DESIGN.md); a slower engine
+needs an explanation, not a shrug.
 """
 
 from __future__ import annotations

@@ -110,9 +110,8 @@ def main() -> int:
         a, b = runs[1, precision]["losses"], runs[2, precision]["losses"]
         diff = [abs(x - y) for x, y in zip(a, b, strict=True)]
         worst = max(range(len(diff)), key=diff.__getitem__)
-        print(
-            f"  {precision}: max abs dloss {diff[worst]:.4f} (step {worst + 1}), last {diff[-1]:.4f}"
-        )
+        at = f"{diff[worst]:.4f} at step {worst + 1}"
+        print(f"  {precision}: max abs dloss {at}, last {diff[-1]:.4f}")
 
     low = [s["name"] for s in runs.values() if s["acc"] < MIN_ACCURACY]
     if low:

@@ -47,6 +47,7 @@ GOLDEN_KEYS = [
     "train.seed",
     "train.eval_every",
     "train.eval_batches",
+    "train.freeze",
     "optim.beta1",
     "optim.beta2",
     "optim.eps",

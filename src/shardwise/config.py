@@ -76,6 +76,11 @@ class TrainConfig:
     seed: int = opt(0, "Seed of parameter init, data order and random streams.")
     eval_every: int = opt(50, "Evaluate held-out loss every this many steps (0 = only at the end).")
     eval_batches: int = opt(4, "Global batches per evaluation.")
+    freeze: str = opt(
+        "",
+        "Comma-separated parameter-name patterns (fnmatch) to freeze, e.g. "
+        "'embed.*,blocks.0.*': not trained, not reduced, not in the optimizer.",
+    )
 
 
 @dataclass

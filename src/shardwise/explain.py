@@ -19,7 +19,7 @@ from shardwise.metrics import human_bytes
 from shardwise.models import build_model, count_params
 from shardwise.parallel.zero_units import unit_roots
 from shardwise.recompute import apply_recompute
-from shardwise.runtime import cast_for_compute
+from shardwise.runtime import cast_for_compute, freeze
 from shardwise.validate import derive
 
 
@@ -85,6 +85,7 @@ def predicted_memory(cfg: Config, derived) -> tuple[int, dict[str, int]]:
     compute = cfg.precision.compute
     with FakeTensorMode():
         model = build_model(derived.spec)
+        freeze(model, cfg.train.freeze)
         n = count_params(model)
         states = model_states(model, cfg, derived.dp)
         apply_recompute(model, derived.family, cfg.memory.recompute)

@@ -4,6 +4,7 @@ model (built on meta, transformed, then materialised), data and optimizer."""
 from __future__ import annotations
 
 import datetime
+import fnmatch
 import os
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from shardwise import device as dev
 from shardwise.comm import Comm
 from shardwise.config import Config
 from shardwise.data import DataSpec, GlobalSampler, load_data
+from shardwise.errors import ConfigError
 from shardwise.memory import ActivationMeter
 from shardwise.models import build_model, init_weights
 from shardwise.optim import MixedPrecisionAdamW, replicated_targets
@@ -83,6 +85,26 @@ class Run:
         logits = self.model(inputs)
         loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
         return (loss, logits) if return_logits else loss
+
+
+def freeze(model: nn.Module, patterns: str) -> None:
+    """Turn off gradients for parameters matching any pattern; every pattern must match."""
+    pats = [p.strip() for p in patterns.split(",") if p.strip()]
+    for pat in pats:
+        hits = [n for n, p in model.named_parameters() if fnmatch.fnmatchcase(n, pat)]
+        if not hits:
+            raise ConfigError(
+                f"train.freeze pattern '{pat}' matches no parameter. Fix: use "
+                "names like 'embed.weight' or 'blocks.0.*'."
+            )
+        for name, p in model.named_parameters():
+            if fnmatch.fnmatchcase(name, pat):
+                p.requires_grad_(False)
+    if pats and not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(
+            f"train.freeze='{patterns}' freezes every parameter. Fix: leave "
+            "some parameters trainable."
+        )
 
 
 def parallelize(
@@ -157,6 +179,7 @@ def build_run(cfg: Config) -> Run:
     val_data = load_data(data_spec(cfg, spec.vocab_size), "val") if has_val else None
     with torch.device("meta"):
         model = build_model(spec)
+    freeze(model, cfg.train.freeze)
     model, reducer = parallelize(model, cfg, derived, comm, info)
     if isinstance(reducer, ZeroEngine):
         optimizer = MixedPrecisionAdamW(

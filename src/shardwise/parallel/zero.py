@@ -191,6 +191,9 @@ class ZeroEngine:
             unit = order[self._next]
             if not force and len(unit.reported) < unit.n_trainable:
                 return
+            if unit.n_trainable == 0:  # a frozen unit: nothing to reduce
+                self._next += 1
+                continue
             flat = unit.grad_to_reduce()
             if flat is not unit.grad_full:
                 self._grow(flat.numel() * flat.element_size())
