@@ -26,6 +26,11 @@ def command_line() -> str:
     return f"{env} {argv}".strip()
 
 
+def load() -> str:
+    """The 1/5/15-minute load averages: how busy the shared machine was."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def steady(times: Sequence[float], warmup: int = WARMUP_STEPS) -> list[float]:
     """Step times after the warm-up steps (all of them if the run is too short)."""
     return list(times[warmup:]) or list(times)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import WARMUP_STEPS, check, command_line, mb, median, steady, table
+from common import WARMUP_STEPS, check, command_line, load, mb, median, steady, table
 from shardwise.testing import run_world
 
 GLOBAL_BATCH = 72  # divides 360, so 5 eval batches cover the held-out split
@@ -74,7 +74,8 @@ def main() -> int:
     print(f"$ {command_line()}")
     precisions = ("fp32", "bf16")
     print("cases:", " ".join(overrides(steps, image_size, "<fp32|bf16>")))
-    print(f"timing: median of steps {WARMUP_STEPS + 1}..{steps}; memory: peak over steps\n")
+    print(f"timing: median of steps {WARMUP_STEPS + 1}..{steps}; memory: peak over steps")
+    print(f"load average at the start: {load()} (2 cores, shared)\n")
 
     runs = {}
     for nproc in (1, 2):
@@ -113,6 +114,7 @@ def main() -> int:
         at = f"{diff[worst]:.4f} at step {worst + 1}"
         print(f"  {precision}: max abs dloss {at}, last {diff[-1]:.4f}")
 
+    print(f"\nload average at the end: {load()}")
     low = [s["name"] for s in runs.values() if s["acc"] < MIN_ACCURACY]
     if low:
         print(f"\nFAIL: held-out accuracy below {MIN_ACCURACY:.0%}: {', '.join(low)}")

@@ -50,6 +50,15 @@ WORLD1 = {
     "ref_unused": {**case("--train.steps=10"), "hook": UNUSED},
 }
 WORLD2 = zero_cases("--train.micro_batch=2")
+for _z in (1, 2, 3):
+    WORLD2[f"z{_z}_offload"] = case(f"--parallel.zero={_z}", "--memory.offload=optimizer")
+    WORLD2[f"z{_z}_offload_bf16"] = case(
+        f"--parallel.zero={_z}", "--memory.offload=optimizer", *BF16
+    )
+WORLD2["z3_offload_params"] = case("--parallel.zero=3", "--memory.offload=optimizer+params")
+WORLD2["z3_offload_params_bf16"] = case(
+    "--parallel.zero=3", "--memory.offload=optimizer+params", *BF16
+)
 for _z in (0, 1, 2, 3):
     WORLD2[f"z{_z}_frozen"] = case(f"--parallel.zero={_z}", *FROZEN)
     WORLD2[f"z{_z}_unused"] = {**case(f"--parallel.zero={_z}", "--train.steps=10"), "hook": UNUSED}
@@ -198,3 +207,36 @@ def test_unused_parameters_neither_hang_nor_drift(worlds, stage):
     # stage alike: Adam's per-coordinate normalisation amplifies summation-order rounding of
     # near-cancelling gradients (see test_parity); the losses above agree to 1e-5.
     assert max_param_diff(got["params"], dp["params"]) <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["z1_offload", "z2_offload", "z3_offload", "z3_offload_params"])
+def test_offload_trains_identically(worlds, name):
+    stage = name[1]
+    got, base = worlds[2][name][0], worlds[2][f"z{stage}"][0]
+    assert got["losses"] == base["losses"]  # the same fp32 arithmetic, on the host
+    assert max_param_diff(got["params"], base["params"]) == 0.0
+
+
+@pytest.mark.parametrize("name", ["z1_offload", "z2_offload", "z3_offload", "z3_offload_params"])
+def test_offload_moves_state_to_host_exactly(worlds, name):
+    from shardwise.config import load_config
+    from shardwise.explain import explain_record
+
+    stage = name[1]
+    mem = worlds[2][f"{name}_bf16"][0]["records"][-1]["mem_bytes"]
+    base = worlds[2][f"z{stage}_bf16"][0]["records"][-1]["mem_bytes"]
+    assert mem["master"] == mem["optimizer"] == 0
+    assert mem["host_master"] == base["master"] and mem["host_optimizer"] == base["optimizer"]
+    if name.endswith("params"):
+        assert mem["params"] == 0 and mem["host_params"] == base["params"]
+    device_total = sum(
+        v for k, v in mem.items() if k not in ("total",) and not k.startswith("host_")
+    )
+    assert mem["total"] == device_total
+    offload = "optimizer+params" if name.endswith("params") else "optimizer"
+    cfg = load_config(
+        None, [*SMALL, f"--parallel.zero={stage}", f"--memory.offload={offload}", *BF16]
+    )
+    predicted = explain_record(cfg, 2)["mem_bytes"]
+    for key in ("params", "grads", "master", "optimizer", "host_master", "host_optimizer"):
+        assert predicted[key] == mem[key], key

@@ -28,10 +28,25 @@ def _bytes(precision: str) -> int:
 
 
 def model_states(model: nn.Module, cfg: Config, dp: int) -> dict[str, int]:
+    """Device (and, with offload, host) model-state bytes per rank; see `_states`."""
+    states = _states(model, cfg, dp)
+    offload = cfg.memory.offload
+    if offload != "none":  # offloaded masters and Adam state: a host budget of their own
+        states["host_master"] = states["master"]
+        states["host_optimizer"] = states["optimizer"]
+        states["master"] = states["optimizer"] = 0
+    if offload == "optimizer+params":
+        states["host_params"] = states["params"]
+        states["params"] = 0
+    return states
+
+
+def _states(model: nn.Module, cfg: Config, dp: int) -> dict[str, int]:
     """Exact model-state bytes of rank 0 (the largest: its slices hold no padding) for the
     configured ZeRO stage, from the same unit layout the engine builds."""
     bc, br = _bytes(cfg.precision.compute), _bytes(cfg.precision.reduce)
-    stage, master = cfg.parallel.zero, 0 if cfg.precision.compute == "fp32" else 4
+    fp32_master = cfg.precision.compute != "fp32" or cfg.memory.offload != "none"
+    stage, master = cfg.parallel.zero, 4 if fp32_master else 0
     buffers = tensor_bytes(model.buffers())
     if stage == 0:
         n = count_params(model)

@@ -59,7 +59,7 @@ class ActivationMeter:
 def model_state_bytes(model: nn.Module, reducer, optimizer) -> dict[str, int]:
     """Bytes of the persistent categories on this rank."""
     buffers = [b for b in model.buffers()]
-    return {
+    states = {
         "params": reducer.param_bytes,  # local copies or shards; a tied weight counts once
         "grads": reducer.grad_bytes,
         "master": optimizer.master_bytes,
@@ -67,12 +67,21 @@ def model_state_bytes(model: nn.Module, reducer, optimizer) -> dict[str, int]:
         # module buffers plus the peak of gathered ZeRO-3 units and in-flight gradient buffers
         "buffers": tensor_bytes(buffers) + reducer.peak_transient,
     }
+    if getattr(optimizer, "offload", False):  # host memory is a budget of its own
+        states["host_master"] = states.pop("master")
+        states["host_optimizer"] = states.pop("optimizer")
+        states["master"] = states["optimizer"] = 0
+    if getattr(reducer, "host_param_bytes", 0):
+        states["host_params"] = reducer.host_param_bytes
+        states["params"] -= reducer.host_param_bytes
+    return states
 
 
 def step_memory(states: dict[str, int], activations: int) -> dict[str, int]:
-    """All categories plus `total`: persistent states are resident for the whole step, so the
-    peak of the sum is states + the activation peak."""
+    """All categories plus `total` (device memory only): persistent states are resident for
+    the whole step, so the peak of the sum is states + the activation peak. Offloaded
+    `host_*` categories are reported beside it, not in it."""
     out = dict(states)
     out["activations"] = activations
-    out["total"] = sum(states.values()) + activations
+    out["total"] = sum(v for k, v in states.items() if not k.startswith("host_")) + activations
     return out

@@ -79,12 +79,20 @@ class MixedPrecisionAdamW:
         cfg: Config,
         sum_over_shards: Callable[[torch.Tensor], None] | None = None,
         after_step: Callable[[], None] | None = None,
+        offload: bool = False,
     ) -> None:
         self.targets = targets
         self.params = [t.param for t in targets]
-        self.separate_master = any(p.dtype != torch.float32 for p in self.params)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        # Offload (ZeRO-Offload, Ren et al. 2021): fp32 masters and Adam state live in host
+        # memory and the update runs on the CPU; only gradients go down, parameters come up.
+        self.offload = offload
+        self.separate_master = offload or any(p.dtype != torch.float32 for p in self.params)
         if self.separate_master:
-            self.masters = [p.detach().float().clone() for p in self.params]
+            host = torch.device("cpu") if offload else None
+            self.masters = [
+                _host_copy(p) if host else p.detach().float().clone() for p in self.params
+            ]
         else:
             self.masters = self.params
         o = cfg.optim
@@ -133,7 +141,7 @@ class MixedPrecisionAdamW:
         step was skipped (a non-finite norm skips it on every rank alike)."""
         for t, m in zip(self.targets, self.masters, strict=True):
             g = t.grad()
-            m.grad = g if g.dtype == torch.float32 else g.float()
+            m.grad = g.to(m.device, torch.float32, non_blocking=True)
         grads = [m.grad for m in self.masters]
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
@@ -144,6 +152,7 @@ class MixedPrecisionAdamW:
             norm_sq = torch.stack(norms).square().sum()
         else:
             norm_sq = torch.zeros((), dtype=torch.float64)
+        norm_sq = norm_sq.to(self.device)  # collectives run on the compute device
         if self.sum_over_shards is not None:
             self.sum_over_shards(norm_sq)
         norm_value = math.sqrt(float(norm_sq))  # the step's one host sync: skip and clip need it
@@ -153,13 +162,26 @@ class MixedPrecisionAdamW:
             if self.grad_clip > 0 and norm_value > self.grad_clip:
                 torch._foreach_mul_(grads, self.grad_clip / (norm_value + 1e-6))
             self.inner.step()
-            if self.separate_master:
+            if self.offload:
+                for p, m in zip(self.params, self.masters, strict=True):
+                    p.copy_(m, non_blocking=True)
+            elif self.separate_master:
                 torch._foreach_copy_(self.params, self.masters)
             if self.after_step is not None:
                 self.after_step()
         for m in self.masters:
             m.grad = None
         return StepResult(norm_value, not finite)
+
+
+def _host_copy(p: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy in host memory, pinned when the parameter is on a GPU so the copies back
+    and forth can overlap with compute."""
+    out = torch.empty(
+        p.shape, dtype=torch.float32, device="cpu", pin_memory=p.device.type == "cuda"
+    )
+    out.copy_(p.detach())
+    return out
 
 
 def lr_at(step: int, cfg: Config) -> float:

@@ -121,8 +121,9 @@ def parallelize(
     if stage:
         # 4. ZeRO flattens the still-meta parameters into units and materialises only what
         #    this rank keeps (its slices under ZeRO-3), straight from the (seed, name) init.
+        offload_params = run_cfg.memory.offload == "optimizer+params"
         return model, apply_zero(
-            model, comm, stage, compute, reduce, info.device, run_cfg.train.seed
+            model, comm, stage, compute, reduce, info.device, run_cfg.train.seed, offload_params
         )
     # 4. Materialise: without ZeRO the local shard is the whole model. Values depend only on
     #    (seed, parameter name), so every rank builds identical weights without a broadcast.
@@ -182,8 +183,9 @@ def build_run(cfg: Config) -> Run:
     freeze(model, cfg.train.freeze)
     model, reducer = parallelize(model, cfg, derived, comm, info)
     if isinstance(reducer, ZeroEngine):
+        offload = cfg.memory.offload != "none"
         optimizer = MixedPrecisionAdamW(
-            reducer.targets(), cfg, reducer.sum_over_shards, reducer.after_step
+            reducer.targets(), cfg, reducer.sum_over_shards, reducer.after_step, offload
         )
     else:
         verify_replicas(model, comm)

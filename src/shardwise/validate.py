@@ -164,7 +164,6 @@ def _not_yet(cfg: Config) -> None:
         ("parallel.sp", p.sp, False),
         ("parallel.pp_schedule", p.pp_schedule, "1f1b"),
         ("parallel.pp_virtual", p.pp_virtual, 1),
-        ("memory.offload", cfg.memory.offload, "none"),
         ("checkpoint.every", cfg.checkpoint.every, 0),
     ):
         if value != off:
@@ -186,6 +185,17 @@ def derive(cfg: Config, world: int) -> Derived:
     if p.pp_virtual < 1:
         raise ConfigError(
             f"parallel.pp_virtual={p.pp_virtual} must be >= 1. Fix: --parallel.pp_virtual=1"
+        )
+    if cfg.memory.offload != "none" and p.zero == 0:
+        raise ConfigError(
+            f"memory.offload='{cfg.memory.offload}' needs sharded optimizer state: "
+            "parallel.zero=0. Fix: --parallel.zero=1 (or 2, 3)."
+        )
+    if cfg.memory.offload == "optimizer+params" and p.zero != 3:
+        raise ConfigError(
+            f"memory.offload='optimizer+params' needs parameter sharding, but "
+            f"parallel.zero={p.zero}. Fix: --parallel.zero=3, or "
+            "--memory.offload=optimizer."
         )
     if cfg.run.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(

@@ -54,12 +54,13 @@ class ZeroEngine:
         reduce: torch.dtype,
         device: torch.device,
         seed: int,
+        offload_params: bool = False,
     ) -> None:
         self.comm, self.stage = comm, stage
         self.sync = True
         n, rank = comm.topo.size("dp"), comm.topo.coord("dp")
         self.units = [
-            Unit(name, entries, modules, n, rank, stage, compute, reduce, device)
+            Unit(name, entries, modules, n, rank, stage, compute, reduce, device, offload_params)
             for name, entries, modules in unit_roots(model)
         ]
         replaced = {k: v for u in self.units for k, v in u.replaced.items()}
@@ -118,16 +119,18 @@ class ZeroEngine:
         if unit.gathered or unit.handle is not None:
             return
         unit.allocate()
+        unit.staging = unit.shard.to(unit.full.device, non_blocking=True)  # host -> device
         self._grow(unit.full_bytes)
         self.gathered_bytes += unit.full_bytes
         self.peak_gathered = max(self.peak_gathered, self.gathered_bytes)
-        unit.handle = self.comm.all_gather(unit.full, unit.shard, "dp", async_op=async_op)
+        unit.handle = self.comm.all_gather(unit.full, unit.staging, "dp", async_op=async_op)
 
     def _ensure(self, unit: Unit) -> None:
         self._gather(unit, async_op=False)
         if unit.handle is not None:
             unit.handle.wait()
             unit.handle = None
+        unit.staging = None
         unit.gathered = True
 
     def _free(self, unit: Unit) -> None:
@@ -160,6 +163,10 @@ class ZeroEngine:
     @property
     def param_bytes(self) -> int:
         return sum(u.param_bytes for u in self.units)
+
+    @property
+    def host_param_bytes(self) -> int:
+        return sum(u.param_bytes for u in self.units if u.host_shard)
 
     def zero_grad(self) -> None:
         for unit in self.units:
@@ -261,6 +268,8 @@ def apply_zero(
     reduce: torch.dtype,
     device: torch.device,
     seed: int,
+    offload_params: bool = False,
 ) -> ZeroEngine:
-    """Shard a model that is still on the meta device; returns the engine driving it."""
-    return ZeroEngine(model, comm, stage, compute, reduce, device, seed)
+    """Shard a model that is still on the meta device; returns the engine driving it.
+    `offload_params` (ZeRO-3) keeps each rank's parameter slices in host memory."""
+    return ZeroEngine(model, comm, stage, compute, reduce, device, seed, offload_params)

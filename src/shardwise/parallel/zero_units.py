@@ -62,8 +62,10 @@ class Unit:
         compute: torch.dtype,
         reduce: torch.dtype,
         device: torch.device,
+        host_shard: bool = False,
     ) -> None:
         self.name, self.stage = name, stage
+        self.host_shard = host_shard
         self.modules = modules  # root modules whose forward/backward need this unit
         sizes = [p.numel() for *_, p in entries]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -73,11 +75,16 @@ class Unit:
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
         self.full = torch.zeros(self.padded, dtype=compute, device=device)
         self.full_bytes = self.full.numel() * self.full.element_size()
-        self.shard = (
-            torch.zeros(self.shard_size, dtype=compute, device=device)
-            if stage == 3
-            else self.full[self.lo : self.hi]
-        )
+        if stage == 3:  # the persistent slice; in host memory with optimizer+params offload
+            where = torch.device("cpu") if host_shard else device
+            self.shard = torch.zeros(
+                self.shard_size,
+                dtype=compute,
+                device=where,
+                pin_memory=host_shard and device.type == "cuda",
+            )
+        else:
+            self.shard = self.full[self.lo : self.hi]
         storage = self.full.untyped_storage()
         # New parameters aliasing the buffer; `replaced` maps old ids so the engine can re-point
         # every use in the model (tied uses included).

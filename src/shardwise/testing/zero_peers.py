@@ -1,24 +1,30 @@
-"""ZeRO peers: PyTorch FSDP2 (`fully_shard`) and DeepSpeed ZeRO-1/2/3 on exactly our model, data
-order, AdamW groups, schedule, loss normalisation and clipping, as oracles and benchmark peers.
+"""ZeRO peers: PyTorch FSDP2 (`fully_shard`) and DeepSpeed ZeRO-1/2/3, trained on exactly our
+model, data order, AdamW groups, lr schedule, loss normalisation and clipping, as oracles for
+`parallel/zero.py` and as the engines it is benchmarked against.
 
 Same contract as `shardwise.testing.peers.ddp_peer`: a function of the config that runs inside
 a `run_world` world and returns `losses` (global mean per step), `params` (full-shape fp32 CPU
-tensors by our parameter names, gathered on every rank), `step_times`, and `state_bytes`: the
-model-state bytes this rank holds by category, counted from the peer's own tensors.
+tensors by our parameter names, gathered on every rank) and `step_times`; plus
+`state_bytes` (model states this rank holds, by our categories, counted from the peer's own
+tensors) and `comm_bytes` (ring-equivalent bytes this rank sent per step, counted at
+`torch.distributed`, see `count_collectives`).
 
-DeepSpeed is optional (the `bench` extra). It runs on CPU under `DS_ACCELERATOR=cpu` with the
-gloo group the harness created; our torch AdamW is its client optimizer, so none of its C++
-optimizer ops is needed, but its communication backend builds a shared-memory op on first use:
-`TORCH_EXTENSIONS_DIR` defaults to a folder under the shardwise cache so that happens once.
+DeepSpeed is optional (the `bench` extra). It runs under `DS_ACCELERATOR=cpu` on the gloo
+group the harness made, with our torch AdamW as its client optimizer, so none of its C++
+optimizer ops is built; its CPU communication backend still JIT-compiles a shared-memory op
+(unused by training) on first initialisation: ~2.5 min on 2 cores, once per
+`TORCH_EXTENSIONS_DIR`, which defaults here to `$SHARDWISE_CACHE/torch_extensions`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -33,21 +39,137 @@ from shardwise.optim import lr_at
 from shardwise.runtime import data_spec, init_distributed
 from shardwise.validate import Derived, derive
 
+# -- byte counting at torch.distributed --------------------------------------------------------
+# name -> (argument holding the full-size tensor(s), ring factor as a function of n), the
+# conventions of DESIGN.md: all-reduce 2(n-1)/n·S, reduce-scatter/all-gather (n-1)/n·S of the
+# full tensor, broadcast (n-1)/n·S.
+_COLLECTIVES: dict[str, tuple[str, Callable[[int], float]]] = {
+    "all_reduce": ("tensor", lambda n: 2 * (n - 1) / n),
+    "all_reduce_coalesced": ("tensors", lambda n: 2 * (n - 1) / n),
+    "reduce_scatter_single": ("input", lambda n: (n - 1) / n),
+    "reduce_scatter_tensor": ("input", lambda n: (n - 1) / n),
+    "_reduce_scatter_base": ("input", lambda n: (n - 1) / n),
+    "reduce_scatter": ("input_list", lambda n: (n - 1) / n),
+    "all_gather_single": ("output_tensor", lambda n: (n - 1) / n),
+    "all_gather_into_tensor": ("output_tensor", lambda n: (n - 1) / n),
+    "_all_gather_base": ("output_tensor", lambda n: (n - 1) / n),
+    "all_gather": ("tensor_list", lambda n: (n - 1) / n),
+    "broadcast": ("tensor", lambda n: (n - 1) / n),
+}
+
 
 @dataclass
-class _Setup:
-    """What every peer shares with ours: the model (full, on this rank), data and optimizer."""
+class CollectiveCounter:
+    """Ring-equivalent bytes sent by this rank while `active`, by collective name. Tensors of
+    one element (loss, norm and overflow scalars) are control traffic, counted apart."""
 
+    active: bool = False
+    bytes: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    control_bytes: float = 0.0
+    _depth: int = 0  # a deprecated alias calls its successor: count the outer call only
+
+    @property
+    def total(self) -> float:
+        return sum(self.bytes.values())
+
+
+def _counting(name: str, fn: Callable, counter: CollectiveCounter) -> Callable:
+    arg, factor = _COLLECTIVES[name]
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if counter.active and counter._depth == 0:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            tensors = bound.get(arg)
+            tensors = [tensors] if torch.is_tensor(tensors) else list(tensors or [])
+            numel = sum(t.numel() for t in tensors)
+            sent = factor(dist.get_world_size(bound.get("group"))) * sum(
+                t.numel() * t.element_size() for t in tensors
+            )
+            if numel <= 1:
+                counter.control_bytes += sent
+            else:
+                counter.bytes[name] = counter.bytes.get(name, 0.0) + sent
+                counter.calls[name] = counter.calls.get(name, 0) + 1
+        counter._depth += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            counter._depth -= 1
+
+    wrapper.__wrapped_collective__ = fn
+    return wrapper
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[CollectiveCounter]:
+    """Wrap torch.distributed's collectives (and the ones DeepSpeed's backend captured when
+    it initialised) with byte counters; everything is restored on exit. The wrappers cost a
+    signature bind per call while counting, microseconds against steps of 10-100 ms."""
+    from torch.distributed import distributed_c10d as c10d
+
+    counter = CollectiveCounter()
+    saved: list[tuple[object, str, object]] = []
+
+    def patch(owner: object, attr: str, name: str) -> None:
+        fn = getattr(owner, attr, None)
+        if fn is not None and not hasattr(fn, "__wrapped_collective__"):
+            saved.append((owner, attr, fn))
+            setattr(owner, attr, _counting(name, fn, counter))
+
+    for name in _COLLECTIVES:
+        patch(dist, name, name)
+        patch(c10d, name, name)
+    try:
+        yield counter
+    finally:
+        for owner, attr, fn in reversed(saved):
+            setattr(owner, attr, fn)
+        _restore_deepspeed_backend()
+
+
+def _patch_deepspeed_backend() -> None:
+    """DeepSpeed's torch backend keeps the flat gather/scatter functions it found at start-up:
+    point them at the (counting) module functions."""
+    backend = _deepspeed_backend()
+    if backend is not None:
+        backend.all_gather_function = dist.all_gather_into_tensor
+        backend.reduce_scatter_function = dist.reduce_scatter_tensor
+
+
+def _restore_deepspeed_backend() -> None:
+    backend = _deepspeed_backend()
+    if backend is None:
+        return
+    for attr in ("all_gather_function", "reduce_scatter_function"):
+        fn = getattr(backend, attr, None)
+        if hasattr(fn, "__wrapped_collective__"):
+            setattr(backend, attr, fn.__wrapped_collective__)
+
+
+def _deepspeed_backend():
+    import sys
+
+    comm = sys.modules.get("deepspeed.comm.comm")
+    return getattr(comm, "cdb", None) if comm is not None else None
+
+
+# -- what every peer shares with ours ---------------------------------------------------------
+@dataclass
+class _Setup:
     cfg: Config
     d: Derived
     info: dev.DeviceInfo
     model: nn.Module
     data: object
     sampler: GlobalSampler
-    rank_count: int  # tokens of this rank's part of the global batch: the loss normaliser
+    rank_count: int  # tokens in this rank's part of the global batch: the loss normaliser
 
 
 def _setup(cfg: Config) -> _Setup:
+    """Model, data and sampler exactly as `ddp_peer` builds them."""
     info = init_distributed(cfg)
     d = derive(cfg, dist.get_world_size())
     data = load_data(data_spec(cfg, d.spec.vocab_size), "train")
@@ -60,7 +182,7 @@ def _setup(cfg: Config) -> _Setup:
 
 
 def _adamw(cfg: Config, params: list[nn.Parameter]) -> torch.optim.AdamW:
-    """Our AdamW: decay only on matrices (ndim >= 2), foreach implementation."""
+    """Our AdamW: weight decay only on matrices (ndim >= 2), foreach implementation."""
     o = cfg.optim
     return torch.optim.AdamW(
         [
@@ -79,17 +201,23 @@ def _loss_sum(model: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), reduction="sum")
 
 
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and aliases count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            s = _local(t).untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
 def _optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(
-        _nbytes([_local(v)]) for state in opt.state.values() for v in state.values() if torch.is_tensor(v)
+    return _storage_bytes(
+        v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)
     )
 
 
@@ -98,9 +226,10 @@ def _train(
     opt: torch.optim.Optimizer,
     micro_step: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor],
     optimizer_step: Callable[[], None],
+    counter: CollectiveCounter,
 ) -> tuple[list[float], list[float]]:
     """The loop of `ddp_peer`: lr, micro-batches, step. `micro_step(x, y, i, n)` returns the
-    detached rank-normalised loss of micro-batch i of n."""
+    detached rank-normalised loss of micro-batch i of n; collectives count inside the step."""
     losses, times = [], []
     for step in range(s.cfg.train.steps):
         for group in opt.param_groups:
@@ -110,10 +239,12 @@ def _train(
             s.sampler.global_indices(step), dist.get_rank(), s.d.dp, s.d.micro_batch
         )
         total = torch.zeros(())
+        counter.active = True
         for i, idx in enumerate(micro):
             x, y = (t.to(s.info.device) for t in s.data.get_batch(idx))
             total += micro_step(x, y, i, len(micro)).cpu()
         optimizer_step()
+        counter.active = False
         dev.synchronize(s.info)
         times.append(time.perf_counter() - t0)
         dist.all_reduce(total)
@@ -121,10 +252,22 @@ def _train(
     return losses, times
 
 
+def _result(losses, times, params, state, counter: CollectiveCounter, steps: int) -> dict:
+    return {
+        "losses": losses,
+        "params": params,
+        "step_times": times,
+        "state_bytes": state,
+        "comm_bytes": counter.total / steps,
+        "comm_by_op": {k: v / steps for k, v in counter.bytes.items()},
+        "comm_calls": {k: v / steps for k, v in counter.calls.items()},
+    }
+
+
 # -- FSDP2 ------------------------------------------------------------------------------------
 def _fsdp2_units(model: nn.Module) -> list[nn.Module]:
-    """Each block of a repeated container (as our ZeRO units), then the root."""
-    out = []
+    """Each block of a repeated container (the blocks that are our ZeRO units), then the root."""
+    out: list[nn.Module] = []
     for name, child in model.named_children():
         if isinstance(child, nn.ModuleList) or (
             name.startswith("layer") and isinstance(child, nn.Sequential)
@@ -134,55 +277,56 @@ def _fsdp2_units(model: nn.Module) -> list[nn.Module]:
 
 
 def fsdp2_peer(cfg: Config) -> dict:
-    """Train `cfg` with torch FSDP2 (`fully_shard` per block, then the root): ZeRO-3's peer.
+    """Train `cfg` with torch FSDP2 (`fully_shard` on each block, then the root): ZeRO-3's peer.
 
-    fp32 unless `precision.compute` is bf16/fp16, then `MixedPrecisionPolicy` computes in it
-    (reducing in `precision.reduce`) over fp32 sharded parameters."""
+    fp32, or with `precision.compute` bf16/fp16 a `MixedPrecisionPolicy` computing in it and
+    reducing in `precision.reduce` over fp32 sharded parameters (which are the masters)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    s = _setup(cfg)
-    compute = dev.dtype_of(cfg.precision.compute)
-    policy = MixedPrecisionPolicy(
-        param_dtype=compute if compute != torch.float32 else None,
-        reduce_dtype=dev.dtype_of(cfg.precision.reduce) if compute != torch.float32 else None,
-    )
-    mesh = init_device_mesh(s.info.type, (dist.get_world_size(),))
-    for module in _fsdp2_units(s.model):
-        fully_shard(module, mesh=mesh, mp_policy=policy)
-    model = s.model
-    params = list(model.parameters())
-    opt = _adamw(cfg, params)
-    state: dict[str, int] = {}
+    with count_collectives() as counter:
+        s = _setup(cfg)
+        low = cfg.precision.compute != "fp32"
+        policy = MixedPrecisionPolicy(
+            param_dtype=dev.dtype_of(cfg.precision.compute) if low else None,
+            reduce_dtype=dev.dtype_of(cfg.precision.reduce) if low else None,
+        )
+        mesh = init_device_mesh(s.info.type, (dist.get_world_size(),))
+        for module in _fsdp2_units(s.model):
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+        model = s.model
+        params = list(model.parameters())
+        opt = _adamw(cfg, params)
+        state: dict[str, int] = {}
 
-    def micro_step(x, y, i, n):
-        model.set_requires_gradient_sync(i == n - 1)  # accumulate unsharded until the last
-        loss = _loss_sum(model, x, y) / s.rank_count  # FSDP2 averages over ranks, like DDP
-        loss.backward()
-        return loss.detach()
+        def micro_step(x, y, i, n):
+            model.set_requires_gradient_sync(i == n - 1)  # accumulate unsharded until the last
+            loss = _loss_sum(model, x, y) / s.rank_count  # FSDP2 averages over ranks, as DDP
+            loss.backward()
+            return loss.detach()
 
-    def optimizer_step():
-        if cfg.optim.grad_clip > 0:
-            # Our recipe: the norm of the local shards accumulated in fp64, summed over ranks
-            # (Shard(0) pieces are disjoint), then torch's own scaling.
-            local = [_local(p.grad) for p in params if p.grad is not None]
-            norms = torch._foreach_norm(local, 2.0, dtype=torch.float64)
-            norm_sq = torch.stack(norms).square().sum()
-            dist.all_reduce(norm_sq)
-            torch.nn.utils.clip_grads_with_norm_(params, cfg.optim.grad_clip, norm_sq.sqrt())
-        opt.step()
-        if not state:
-            state.update(
-                params=_nbytes(_local(p) for p in params),
-                grads=_nbytes(_local(p.grad) for p in params if p.grad is not None),
-                master=0,  # the sharded parameters are fp32: they are the masters
-                optimizer=_optimizer_state_bytes(opt),
-            )
-        opt.zero_grad(set_to_none=True)
+        def optimizer_step():
+            if cfg.optim.grad_clip > 0:
+                # Our recipe: the norm of the local shards accumulated in fp64, summed over
+                # ranks (Shard(0) pieces are disjoint), then torch's own scaling.
+                local = [_local(p.grad) for p in params if p.grad is not None]
+                norm_sq = torch.stack(torch._foreach_norm(local, 2.0, dtype=torch.float64))
+                norm_sq = norm_sq.square().sum()
+                dist.all_reduce(norm_sq)
+                torch.nn.utils.clip_grads_with_norm_(params, cfg.optim.grad_clip, norm_sq.sqrt())
+            opt.step()
+            if not state:  # after the first step every state exists
+                state.update(
+                    params=_storage_bytes(params),
+                    grads=_storage_bytes(p.grad for p in params),
+                    master=0,  # the fp32 sharded parameters are the masters
+                    optimizer=_optimizer_state_bytes(opt),
+                )
+            opt.zero_grad(set_to_none=True)
 
-    losses, times = _train(s, opt, micro_step, optimizer_step)
-    full = {n: _full(p) for n, p in model.named_parameters()}
-    return {"losses": losses, "params": full, "step_times": times, "state_bytes": state}
+        losses, times = _train(s, opt, micro_step, optimizer_step, counter)
+        full = {n: _full(p) for n, p in model.named_parameters()}
+    return _result(losses, times, full, state, counter, cfg.train.steps)
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -191,26 +335,19 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 
 # -- DeepSpeed --------------------------------------------------------------------------------
-def deepspeed_available() -> bool:
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _deepspeed_env() -> None:
+def deepspeed_env() -> None:
+    """CPU accelerator, and one cached build folder for its JIT-compiled ops."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     cache = os.environ.get("SHARDWISE_CACHE", os.path.expanduser("~/.cache/shardwise"))
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(cache, "torch_extensions"))
 
 
 def deepspeed_config(cfg: Config, d: Derived) -> dict:
-    """DeepSpeed's config for our run: its defaults except what must match ours."""
+    """DeepSpeed's config for our run: its defaults, except what must match ours."""
     zero: dict = {"stage": cfg.parallel.zero}
     if cfg.parallel.zero == 3:
-        # Shard every parameter (its default keeps those < 1e5 elements whole on every rank),
-        # so the model states are ZeRO-3's 16Ψ/N like ours and FSDP2's.
+        # Shard every parameter (by default it keeps those under 1e5 elements whole on every
+        # rank), so that the model states are ZeRO-3's 16Ψ/N, as ours and FSDP2's.
         zero["stage3_param_persistence_threshold"] = 0
     return {
         "train_batch_size": cfg.train.global_batch,
@@ -227,49 +364,74 @@ def deepspeed_config(cfg: Config, d: Derived) -> dict:
 
 
 def deepspeed_peer(cfg: Config) -> dict:
-    """Train `cfg` with DeepSpeed ZeRO stage `parallel.zero` (1-3) and its own clipping."""
-    return _deepspeed_run(cfg)
+    """Train `cfg` with DeepSpeed ZeRO stage `parallel.zero` (1-3).
 
-
-def _deepspeed_run(cfg: Config) -> dict:
-    _deepspeed_env()
+    Clipping is DeepSpeed's own (`gradient_clipping`): its 0.19 norm accumulates each tensor's
+    norm in fp64 like ours but sums their squares in fp32, and scales by 1/((norm+1e-6)/clip)
+    instead of clip/(norm+1e-6): a uniform relative difference of ~1e-7 in the gradients."""
+    deepspeed_env()
     t0 = time.perf_counter()
     import deepspeed
 
     import_s = time.perf_counter() - t0
     if cfg.parallel.zero not in (1, 2, 3):
         raise ValueError(f"deepspeed_peer needs parallel.zero in 1..3, got {cfg.parallel.zero}")
-    s = _setup(cfg)
-    client = _adamw(cfg, list(s.model.parameters()))
-    t0 = time.perf_counter()
-    engine, _, _, _ = deepspeed.initialize(
-        model=s.model,
-        optimizer=client,
-        config=deepspeed_config(cfg, s.d),
-        dist_init_required=False,
-    )
-    init_s = time.perf_counter() - t0
-    state: dict[str, int] = {}
+    with count_collectives() as counter:
+        s = _setup(cfg)
+        client = _adamw(cfg, list(s.model.parameters()))
+        t0 = time.perf_counter()
+        engine, _, _, _ = deepspeed.initialize(
+            model=s.model,
+            optimizer=client,
+            config=deepspeed_config(cfg, s.d),
+            dist_init_required=False,
+        )
+        init_s = time.perf_counter() - t0
+        _patch_deepspeed_backend()
+        state: dict[str, int] = {}
+        last = cfg.train.steps - 1
 
-    def micro_step(x, y, i, n):
-        # DeepSpeed divides by gradient_accumulation_steps and averages over ranks itself
-        loss = _loss_sum(engine, x, y) / (s.rank_count // n)
-        engine.backward(loss)
-        if i == n - 1 and not state:
-            state.update(_deepspeed_state_bytes(engine, client))
-        engine.step()
-        return loss.detach() / n
+        def micro_step(x, y, i, n):
+            # DeepSpeed divides by gradient_accumulation_steps and averages over ranks itself
+            loss = _loss_sum(engine, x, y) / (s.rank_count // n)
+            engine.backward(loss)
+            if i == n - 1 and engine.global_steps == last:
+                state.update(_deepspeed_grad_bytes(engine))  # gradients exist now
+            engine.step()  # after every backward: it counts micro-batches, steps on the last
+            return loss.detach() / n
 
-    # engine.step() after every backward: it counts micro-batches and steps on the last
-    losses, times = _train(s, client, micro_step, lambda: None)
-    full = _deepspeed_full_params(engine, cfg.parallel.zero)
+        losses, times = _train(s, client, micro_step, lambda: None, counter)
+        state.update(_deepspeed_state_bytes(engine, client))
+        full = _deepspeed_full_params(engine, cfg.parallel.zero)
+    out = _result(losses, times, full, state, counter, cfg.train.steps)
+    out.update(import_s=import_s, init_s=init_s)
+    return out
+
+
+def _deepspeed_grad_bytes(engine) -> dict[str, int]:
+    opt = engine.optimizer
+    grads = [p.grad for p in engine.module.parameters()]
+    for name in ("averaged_gradients", "grad_partitions_flat_buffer"):
+        value = getattr(opt, name, None)
+        if torch.is_tensor(value):
+            value = [value]
+        for v in value.values() if isinstance(value, dict) else value or []:
+            grads += [v] if torch.is_tensor(v) else list(v or [])
+    return {"grads": _storage_bytes(grads)}
+
+
+def _deepspeed_state_bytes(engine, client: torch.optim.Optimizer) -> dict[str, int]:
+    """Parameters (its flat compute-dtype groups, or their partitions under ZeRO-3), fp32
+    partitions (a separate copy even in fp32, counted as master) and optimizer state."""
+    opt = engine.optimizer
+    params = getattr(opt, "bit16_groups_flat", None) or opt.fp16_partitioned_groups_flat
+    masters = getattr(opt, "single_partition_of_fp32_groups", None)
+    if masters is None:
+        masters = opt.fp32_partitioned_groups_flat
     return {
-        "losses": losses,
-        "params": full,
-        "step_times": times,
-        "state_bytes": state,
-        "import_s": import_s,
-        "init_s": init_s,
+        "params": _storage_bytes(params),
+        "master": _storage_bytes(masters),
+        "optimizer": _optimizer_state_bytes(client),
     }
 
 
@@ -277,19 +439,10 @@ def _deepspeed_full_params(engine, stage: int) -> dict[str, torch.Tensor]:
     import deepspeed
 
     module = engine.module
-    ctx = (
+    gathered = (
         deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
         if stage == 3
         else contextlib.nullcontext()
     )
-    with ctx:
+    with gathered:
         return {n: p.detach().float().cpu().clone() for n, p in module.named_parameters()}
-
-
-def _deepspeed_state_bytes(engine, client: torch.optim.Optimizer) -> dict[str, int]:
-    return {}
-
-
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield
