@@ -115,6 +115,26 @@ CONFIG_CASES = [
     ),
     pytest.param(["explain", "--model"], ["'--model'", "--section.key=value"], id="bare-section"),
     pytest.param(["frobnicate"], ["'frobnicate'", "train, explain"], id="unknown-command"),
+    pytest.param(
+        ["explain", "--memory.offload=optimizer"],
+        ["memory.offload='optimizer'", "parallel.zero=0", "--parallel.zero=1"],
+        id="offload-without-zero",
+    ),
+    pytest.param(
+        ["explain", "--nproc", "2", "--parallel.zero=2", "--memory.offload=optimizer+params"],
+        ["memory.offload='optimizer+params'", "parallel.zero=2", "--parallel.zero=3"],
+        id="param-offload-without-zero3",
+    ),
+    pytest.param(
+        ["explain", "--train.freeze=blocks.99.*"],
+        ["train.freeze pattern 'blocks.99.*'", "blocks.0.*"],
+        id="freeze-pattern-matches-nothing",
+    ),
+    pytest.param(
+        ["explain", "--train.freeze=*"],
+        ["train.freeze='*'", "freezes every parameter"],
+        id="freeze-everything",
+    ),
     pytest.param(["explain", "--nproc", "0"], ["--nproc=0", "--nproc 2"], id="nproc-zero"),
     pytest.param(["explain", "--nproc=-1"], ["--nproc=-1"], id="nproc-negative"),
     pytest.param(
@@ -330,11 +350,10 @@ def test_global_batch_below_dp_names_the_real_problem(capsys: pytest.CaptureFixt
 @pytest.mark.parametrize(
     ("argv", "key", "value", "off"),
     [
-        (["--parallel.zero=1"], "parallel.zero", "1", "0"),
-        (["--parallel.zero=3", "--nproc", "2"], "parallel.zero", "3", "0"),
         (["--parallel.tp=2", "--nproc", "2"], "parallel.tp", "2", "1"),
         (["--parallel.pp=2", "--nproc", "2"], "parallel.pp", "2", "1"),
-        (["--memory.offload=optimizer"], "memory.offload", "optimizer", "none"),
+        (["--parallel.pp_schedule=gpipe"], "parallel.pp_schedule", "gpipe", "1f1b"),
+        (["--parallel.pp_virtual=2"], "parallel.pp_virtual", "2", "1"),
         (["--checkpoint.every=5"], "checkpoint.every", "5", "0"),
         pytest.param(
             ["--parallel.sp=true"],
