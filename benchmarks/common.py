@@ -8,6 +8,7 @@ import os
 import shlex
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 
 import torch
@@ -96,3 +97,52 @@ def counting_ddp_peer(cfg) -> dict:
         peers.DistributedDataParallel = plain
     out["comm_bytes_per_step"] = state["bytes"] / cfg.train.steps
     return out
+
+
+def paired_peer(cfg) -> dict:
+    """Alternate single steps of ours (`fit` with one step) and of DDP in the same processes,
+    with the order flipped every step: the two see the same load at the same moments, which
+    a comparison of whole runs on a busy shared machine cannot promise. The DDP step is the
+    body of `shardwise.testing.peers.ddp_peer` (no gradient accumulation). Timing only: both
+    repeat global batch 0 at the learning rate of step 0."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from shardwise.data import split_for_rank
+    from shardwise.models import build_model, init_weights
+    from shardwise.runtime import build_run
+    from shardwise.train import fit
+
+    steps, cfg.train.steps = cfg.train.steps, 1
+    run = build_run(cfg)
+    d, o = run.derived, cfg.optim
+    with torch.device(run.info.device):
+        model = build_model(d.spec)
+    init_weights(model, cfg.train.seed)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.parallel.bucket_mb)
+    groups = [
+        {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    betas = (o.beta1, o.beta2)
+    opt = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=betas, eps=o.eps, foreach=True)
+    count = cfg.train.global_batch // d.dp * d.tokens_per_sample
+
+    def ddp_step() -> float:
+        t0 = time.perf_counter()
+        (idx,) = split_for_rank(run.sampler.global_indices(0), run.dp_rank, d.dp, d.micro_batch)
+        x, y = (t.to(run.info.device) for t in run.train_data.get_batch(idx))
+        logits = ddp(x).float().flatten(0, -2)
+        (F.cross_entropy(logits, y.flatten(), reduction="sum") / count).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    times: dict[str, list[float]] = {"ours": [], "ddp": []}
+    pair = [("ours", lambda: fit(run)[0]["step_time_s"]), ("ddp", ddp_step)]
+    for i in range(steps):
+        for who, step in pair if i % 2 == 0 else pair[::-1]:
+            times[who].append(step())
+            torch.distributed.barrier()  # both start the next step together, as in `fit`
+    return times

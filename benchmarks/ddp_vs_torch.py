@@ -11,9 +11,11 @@ above it); the median of the per-round ratios and the ratio of the fastest steps
 disturbed by other load), as cross-checks; the gradient bytes each sends per step per rank.
 Ours come from `comm_bytes["dp"]`; DDP's are measured by a byte-counting comm hook in a
 separate short run (a Python hook would slow DDP, so the timed runs go without it) and
-checked against the formula 2(n-1)/n * psi * 4 bytes. The two loss curves must agree, which
-shows that both train the same thing. Why: the engine is ours, DDP is the peer to beat
-(DESIGN.md); a slower engine needs an explanation, not a shrug.
+checked against the formula 2(n-1)/n * psi * 4 bytes. A last cross-check per size
+alternates single steps of ours and DDP inside one case (`common.paired_peer`), so both see
+the same load at the same moments: on a busy shared machine that is the steadier ratio. The
+two loss curves must agree, which shows that both train the same thing. Why: the engine is
+ours, DDP is the peer to beat (DESIGN.md); a slower engine needs an explanation.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from shardwise.testing import run_world
 NPROC = 2
 DDP = "shardwise.testing.peers:ddp_peer"
 COUNTING_DDP = "common:counting_ddp_peer"
+PAIRED = "common:paired_peer"
 SIZES = {  # name -> model overrides; every size measured is printed
     "L4 d256": ["--model.n_layers=4", "--model.dim=256"],
     "L4 d512": ["--model.n_layers=4", "--model.dim=512", "--model.ffn_dim=1408"],
@@ -84,9 +87,11 @@ def main() -> int:
             for who, extra in pair if r % 2 == 0 else pair[::-1]:
                 cases.append({"overrides": overrides(size, steps), **extra})
                 keys.append((size, who, r))
-    for size in sizes:  # DDP's bytes, measured apart from the timed runs
+    for size in sizes:  # DDP's bytes, measured apart from the timed runs; then step-paired
         cases.append({"overrides": overrides(size, 3), "peer": COUNTING_DDP})
         keys.append((size, "ddp-bytes", 0))
+        cases.append({"overrides": overrides(size, steps), "peer": PAIRED})
+        keys.append((size, "paired", 0))
     results = run_world(NPROC, cases)
     check(results)
     by_key = dict(zip(keys, results, strict=True))
@@ -132,6 +137,20 @@ def main() -> int:
     print(table([*header, "bytes ours/DDP", "max abs dloss"], rows))
     print("\nper-round median step time (ms) and ratio; odd rounds ran ours first, even DDP first:")
     print(table(["size", "who", *(f"round {r + 1}" for r in range(rounds))], per_round))
+    paired_rows = []
+    for size in sizes:
+        per_rank = by_key[size, "paired", 0]
+        t = {}
+        for who in ("ours", "ddp"):
+            t[who] = steady([max(x) for x in zip(*(r[who] for r in per_rank), strict=True)])
+        step_ratios = [a / b for a, b in zip(t["ours"], t["ddp"], strict=True)]
+        ours_ms, ddp_ms = median(t["ours"]), median(t["ddp"])
+        paired_rows.append(
+            [size, f"{ours_ms * 1000:.1f}", f"{ddp_ms * 1000:.1f}", f"{ours_ms / ddp_ms:.3f}"]
+        )
+        paired_rows[-1].append(f"{median(step_ratios):.3f}")
+    print("\ncross-check, single steps interleaved in the same processes (ours DDP, DDP ours, ..):")
+    print(table(["size", "ours ms", "DDP ms", "ours/DDP", "median step ratio"], paired_rows))
     print(f"\nload average at the end: {load()}")
     verdict = "meets target" if worst <= 1.0 else "within limit" if worst <= 1.10 else "TOO SLOW"
     print(f"worst ours/DDP {worst:.3f}: {verdict} (target <= 1.00, hard limit 1.10)")

@@ -212,7 +212,7 @@ def test_content_errors(tmp_path: Path) -> None:
     (tmp_path / "bad.parquet").write_bytes(b"garbage, not parquet")
     _raises(_spec(tmp_path, tmp_path / "bad.parquet"), "cannot be read as Parquet")
     (tmp_path / "nums.jsonl").write_text('{"text": 3}\n')
-    _raises(_spec(tmp_path, tmp_path / "nums.jsonl"), "holds a int in row 0")
+    _raises(_spec(tmp_path, tmp_path / "nums.jsonl"), "holds a value of type int in row 0")
 
 
 def test_too_few_tokens(tmp_path: Path, txt_dir: Path) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import inspect
 import os
 import time
@@ -335,6 +336,14 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 
 # -- DeepSpeed --------------------------------------------------------------------------------
+def deepspeed_available() -> bool:
+    """Whether DeepSpeed is installed (found without importing it: that takes seconds)."""
+    try:
+        return importlib.util.find_spec("deepspeed") is not None
+    except (ImportError, ValueError):  # blocked (sys.modules entry None) or broken
+        return False
+
+
 def deepspeed_env() -> None:
     """CPU accelerator, and one cached build folder for its JIT-compiled ops."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -376,7 +385,8 @@ def deepspeed_peer(cfg: Config) -> dict:
     import_s = time.perf_counter() - t0
     if cfg.parallel.zero not in (1, 2, 3):
         raise ValueError(f"deepspeed_peer needs parallel.zero in 1..3, got {cfg.parallel.zero}")
-    with count_collectives() as counter:
+    linear = F.linear  # ZeRO-3 replaces it process-wide ("persists unless manually reset")
+    with count_collectives() as counter, _restoring(F, "linear", linear):
         s = _setup(cfg)
         client = _adamw(cfg, list(s.model.parameters()))
         t0 = time.perf_counter()
@@ -406,6 +416,14 @@ def deepspeed_peer(cfg: Config) -> dict:
     out = _result(losses, times, full, state, counter, cfg.train.steps)
     out.update(import_s=import_s, init_s=init_s)
     return out
+
+
+@contextlib.contextmanager
+def _restoring(owner: object, attr: str, value: object) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        setattr(owner, attr, value)
 
 
 def _deepspeed_grad_bytes(engine) -> dict[str, int]:
