@@ -46,8 +46,8 @@ def fit(run: Run) -> list[dict]:
                 loss = run.loss_sum(inputs, targets) / global_count
             act_peak = max(act_peak, run.meter.take_peak())
             (loss * scale).backward()
+            run.reducer.finish()
             loss_sum += loss.detach()
-        run.reducer.finish()
         # clip + step (skipped on every rank alike when the reduced gradient is not finite)
         result = run.optimizer.step()
         sync_buffers(model, run.comm)

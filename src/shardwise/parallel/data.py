@@ -88,8 +88,10 @@ class GradReducer:
             self._next += 1
 
     def finish(self) -> None:
-        """After the syncing micro-batch's backward: reduce what never filled (parameters
-        unused this step keep a zero gradient) and wait for every bucket."""
+        """After a micro-batch's backward; on the syncing one, reduce what never filled
+        (parameters unused this step keep a zero gradient) and wait for every bucket."""
+        if not self.sync:
+            return
         for b in self.buckets[self._next :]:
             b.pending = 0
         self._launch_ready()

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from shardwise.comm import Comm
+from shardwise.errors import ShardwiseError
 from shardwise.models.init import canonical_name, find_spec, initial_value
 from shardwise.optim import Target
 from shardwise.parallel.zero_units import Unit, unit_roots
@@ -142,6 +143,25 @@ class ZeroEngine:
     def _before(self, unit: Unit, direction: int) -> None:
         """Gather `unit` before its forward (+1) or backward (-1) and prefetch the next one
         in that direction (units are registered in forward order)."""
+        try:
+            self._gather_for(unit, direction)
+        except RuntimeError as exc:  # a timed-out or mismatched collective
+            raise self._diverged(
+                unit, "before its " + ("forward" if direction > 0 else "backward"), exc
+            ) from None
+
+    def _diverged(self, unit: Unit, when: str, exc: Exception) -> ShardwiseError:
+        return ShardwiseError(
+            f"ZeRO-3: the all-gather of unit '{unit.name}' {when} failed on dp rank "
+            f"{self.comm.topo.coord('dp')} ({str(exc).splitlines()[0][:160]}). Another rank "
+            "stopped or ran different units: ZeRO-3 gathers every unit collectively, so the "
+            "forward must call the same modules on every rank. Fix: make the control flow "
+            "independent of the rank's data, or use --parallel.zero=2."
+        )
+
+    def _gather_for(self, unit: Unit, direction: int) -> None:
+        if direction > 0 and not _in_backward():
+            unit.forward_calls += 1
         self._ensure(unit)
         i = self.units.index(unit) + direction
         if 0 <= i < len(self.units) and not (direction < 0 and self.units[i].done):
@@ -179,6 +199,7 @@ class ZeroEngine:
         for unit in self.units:
             unit.reported.clear()
             unit.done = False
+            unit.forward_calls = 0
         self._next = 0
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -222,14 +243,50 @@ class ZeroEngine:
             self._grow(-flat.numel() * flat.element_size())
 
     def finish(self) -> None:
-        """End of the micro-batch's backward: reduce units some of whose parameters got no
-        gradient (they count as zero), and free anything still gathered."""
+        """End of a micro-batch's backward. ZeRO-2/3 (every micro-batch) and ZeRO-1 (the
+        syncing one) reduce units some of whose parameters got no gradient (they count as
+        zero); anything still gathered is freed."""
+        if self.stage == 3:
+            try:
+                self._check_same_units()
+            except RuntimeError as exc:
+                raise ShardwiseError(
+                    f"ZeRO-3: the per-unit consistency check failed on dp rank "
+                    f"{self.comm.topo.coord('dp')} ({str(exc).splitlines()[0][:160]}): another "
+                    "rank stopped or ran different units. Fix: make the control flow independent "
+                    "of the rank's data, or use --parallel.zero=2."
+                ) from None
         if self.stage >= 2 or self.sync:
             self._launch_ready(force=True)
-        while self._pending:
-            self._complete()
+            while self._pending:
+                self._complete()
         for unit in self.units:
             self._free(unit)
+
+    def _check_same_units(self) -> None:
+        """ZeRO-3 gathers units collectively, so every dp rank must run the same units. A
+        rank whose forward skipped a unit would silently pair its collectives with another
+        unit's; compare the per-unit forward counts (a few bytes of bookkeeping) instead."""
+        counts = torch.tensor(
+            [u.forward_calls for u in self.units],
+            dtype=torch.float64,
+            device=self.units[0].grad_shard.device,
+        )
+        hi, lo = counts.clone(), counts.clone()
+        self.comm.all_reduce(hi, "dp", op="max", control=True)
+        self.comm.all_reduce(lo, "dp", op="min", control=True)
+        bad = [u for u, a, b in zip(self.units, hi.tolist(), lo.tolist(), strict=True) if a != b]
+        if bad:
+            mine = {u.name: u.forward_calls for u in bad}
+            raise ShardwiseError(
+                f"ZeRO-3: the ranks ran different units this micro-batch: unit(s) "
+                f"{[u.name for u in bad]} ran {mine} time(s) on dp rank "
+                f"{self.comm.topo.coord('dp')} but between {int(min(lo.tolist()))} and "
+                f"{int(max(hi.tolist()))} times across the dp ranks. ZeRO-3 gathers every unit "
+                "collectively, so the forward must call the same modules on every rank. Fix: "
+                "make the control flow independent of the rank's data, or use "
+                "--parallel.zero=2."
+            )
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:

@@ -99,6 +99,7 @@ class Unit:
         self.n_trainable = sum(p.requires_grad for p in self.params)
         self.reported: set[int] = set()
         self.done = False
+        self.forward_calls = 0  # forward gathers this micro-batch (ZeRO-3 consistency check)
         self.gathered = True
         self.handle = None
         if stage == 1:  # full gradients, reduce-scattered in place once per step

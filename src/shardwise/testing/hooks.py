@@ -36,3 +36,23 @@ def skip_mlp_on_even_steps(run) -> None:
         return torch.zeros_like(x) if calls["n"] % 2 == 0 else forward(x)
 
     block.mlp.forward = maybe_skip
+
+
+class _SkipOnce(torch.nn.ModuleList):
+    """Iterates like its blocks, except that one call of the model's forward skips one."""
+
+    skip_at = 2  # the forward call (1-based) that leaves a block out
+    skip_index = 1
+    calls = 0
+
+    def __iter__(self):
+        type(self).calls += 1
+        for i, block in enumerate(super().__iter__()):
+            if not (type(self).calls == self.skip_at and i == self.skip_index):
+                yield block
+
+
+def skip_block1_on_rank1(run) -> None:
+    """Rank 1 alone leaves block 1 out of its 2nd forward: control flow differs by rank."""
+    if run.topo.rank == 1:
+        run.model.blocks.__class__ = _SkipOnce

@@ -228,14 +228,15 @@ def _train(
     micro_step: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor],
     optimizer_step: Callable[[], None],
     counter: CollectiveCounter,
-) -> tuple[list[float], list[float]]:
+) -> tuple[list[float], list[float], list[float]]:
     """The loop of `ddp_peer`: lr, micro-batches, step. `micro_step(x, y, i, n)` returns the
-    detached rank-normalised loss of micro-batch i of n; collectives count inside the step."""
-    losses, times = [], []
+    detached rank-normalised loss of micro-batch i of n; collectives count inside the step.
+    Returns the losses, the wall-clock and the process CPU time of every step."""
+    losses, times, cpu = [], [], []
     for step in range(s.cfg.train.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s.cfg)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         micro = split_for_rank(
             s.sampler.global_indices(step), dist.get_rank(), s.d.dp, s.d.micro_batch
         )
@@ -248,16 +249,19 @@ def _train(
         counter.active = False
         dev.synchronize(s.info)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         dist.all_reduce(total)
         losses.append(float(total) / s.d.dp)
-    return losses, times
+    return losses, times, cpu
 
 
-def _result(losses, times, params, state, counter: CollectiveCounter, steps: int) -> dict:
+def _result(losses, timing, params, state, counter: CollectiveCounter, steps: int) -> dict:
+    times, cpu = timing
     return {
         "losses": losses,
         "params": params,
         "step_times": times,
+        "step_cpu_times": cpu,  # CPU time of the whole process (gloo threads included)
         "state_bytes": state,
         "comm_bytes": counter.total / steps,
         "comm_by_op": {k: v / steps for k, v in counter.bytes.items()},
@@ -266,15 +270,23 @@ def _result(losses, times, params, state, counter: CollectiveCounter, steps: int
 
 
 # -- FSDP2 ------------------------------------------------------------------------------------
-def _fsdp2_units(model: nn.Module) -> list[nn.Module]:
-    """Each block of a repeated container (the blocks that are our ZeRO units), then the root."""
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of repeated containers (transformer blocks, ResNet stages' blocks)."""
     out: list[nn.Module] = []
     for name, child in model.named_children():
         if isinstance(child, nn.ModuleList) or (
             name.startswith("layer") and isinstance(child, nn.Sequential)
         ):
             out += list(child)
-    return [*out, model]
+    return out
+
+
+def _unit_sizes(model: nn.Module) -> list[int]:
+    """Elements of each of our ZeRO units: each block, each other top-level child."""
+    blocks = _blocks(model)
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    rest = [c for c in model.children() if not any(id(p) in inside for p in c.parameters())]
+    return [sum(p.numel() for p in m.parameters()) for m in [*blocks, *rest]]
 
 
 def fsdp2_peer(cfg: Config) -> dict:
@@ -293,7 +305,7 @@ def fsdp2_peer(cfg: Config) -> dict:
             reduce_dtype=dev.dtype_of(cfg.precision.reduce) if low else None,
         )
         mesh = init_device_mesh(s.info.type, (dist.get_world_size(),))
-        for module in _fsdp2_units(s.model):
+        for module in [*_blocks(s.model), s.model]:
             fully_shard(module, mesh=mesh, mp_policy=policy)
         model = s.model
         params = list(model.parameters())
@@ -325,9 +337,9 @@ def fsdp2_peer(cfg: Config) -> dict:
                 )
             opt.zero_grad(set_to_none=True)
 
-        losses, times = _train(s, opt, micro_step, optimizer_step, counter)
+        losses, *timing = _train(s, opt, micro_step, optimizer_step, counter)
         full = {n: _full(p) for n, p in model.named_parameters()}
-    return _result(losses, times, full, state, counter, cfg.train.steps)
+    return _result(losses, timing, full, state, counter, cfg.train.steps)
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -351,13 +363,22 @@ def deepspeed_env() -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(cache, "torch_extensions"))
 
 
-def deepspeed_config(cfg: Config, d: Derived) -> dict:
-    """DeepSpeed's config for our run: its defaults, except what must match ours."""
+def deepspeed_config(cfg: Config, d: Derived, model: nn.Module, strict: bool = True) -> dict:
+    """DeepSpeed's config for our run: its defaults, except what must match ours.
+
+    `strict` makes ZeRO-3 the algorithm ours and FSDP2 run: every parameter sharded (by
+    default those under 1e5 elements stay whole on every rank), freed after its forward and
+    gathered again for its backward, with about one unit prefetched. By default a gathered
+    parameter is kept whenever it is reused within 1e9 elements, and 5e7 elements are
+    prefetched, i.e. all of a small model stays gathered from its forward to its backward:
+    ZeRO-2's traffic and peak parameter memory."""
     zero: dict = {"stage": cfg.parallel.zero}
-    if cfg.parallel.zero == 3:
-        # Shard every parameter (by default it keeps those under 1e5 elements whole on every
-        # rank), so that the model states are ZeRO-3's 16Ψ/N, as ours and FSDP2's.
-        zero["stage3_param_persistence_threshold"] = 0
+    if cfg.parallel.zero == 3 and strict:
+        zero.update(
+            stage3_param_persistence_threshold=0,
+            stage3_max_reuse_distance=0,
+            stage3_prefetch_bucket_size=max(_unit_sizes(model)),
+        )
     return {
         "train_batch_size": cfg.train.global_batch,
         "train_micro_batch_size_per_gpu": d.micro_batch,
@@ -373,6 +394,16 @@ def deepspeed_config(cfg: Config, d: Derived) -> dict:
 
 
 def deepspeed_peer(cfg: Config) -> dict:
+    """Train `cfg` with DeepSpeed ZeRO stage `parallel.zero` (1-3); ZeRO-3 as ours runs it."""
+    return _deepspeed_peer(cfg, strict=True)
+
+
+def deepspeed_default_peer(cfg: Config) -> dict:
+    """`deepspeed_peer` with DeepSpeed's own ZeRO-3 defaults (see `STRICT_ZERO3`)."""
+    return _deepspeed_peer(cfg, strict=False)
+
+
+def _deepspeed_peer(cfg: Config, strict: bool) -> dict:
     """Train `cfg` with DeepSpeed ZeRO stage `parallel.zero` (1-3).
 
     Clipping is DeepSpeed's own (`gradient_clipping`): its 0.19 norm accumulates each tensor's
@@ -393,7 +424,7 @@ def deepspeed_peer(cfg: Config) -> dict:
         engine, _, _, _ = deepspeed.initialize(
             model=s.model,
             optimizer=client,
-            config=deepspeed_config(cfg, s.d),
+            config=deepspeed_config(cfg, s.d, s.model, strict),
             dist_init_required=False,
         )
         init_s = time.perf_counter() - t0
@@ -410,10 +441,10 @@ def deepspeed_peer(cfg: Config) -> dict:
             engine.step()  # after every backward: it counts micro-batches, steps on the last
             return loss.detach() / n
 
-        losses, times = _train(s, client, micro_step, lambda: None, counter)
+        losses, *timing = _train(s, client, micro_step, lambda: None, counter)
         state.update(_deepspeed_state_bytes(engine, client))
         full = _deepspeed_full_params(engine, cfg.parallel.zero)
-    out = _result(losses, times, full, state, counter, cfg.train.steps)
+    out = _result(losses, timing, full, state, counter, cfg.train.steps)
     out.update(import_s=import_s, init_s=init_s)
     return out
 
