@@ -6,28 +6,9 @@ import pytest
 import torch
 
 from shardwise.testing import run_world
+from shardwise.testing.compare import case, max_param_diff, max_rel
 
 pytestmark = pytest.mark.slow
-
-# A small decoder and short sequences keep 20 steps per case fast on a CPU. The learning rate is
-# a fine-tuning-sized 1e-3: Adam divides each coordinate by its own RMS, so a gradient entry that
-# is zero up to fp32 rounding (large contributions cancelling, summed in a different order in
-# another layout) moves by up to ±lr per step. The differences in the final parameters scale with
-# lr (measured: 2.3e-5 at lr 3e-3 on 18 of 524k embedding entries, 4e-6 at 1e-3), the losses not.
-SMALL = [
-    "--model.n_layers=2",
-    "--data.seq_len=32",
-    "--train.global_batch=8",
-    "--train.steps=20",
-    "--train.eval_every=0",
-    "--train.eval_batches=0",
-    "--optim.warmup_steps=5",
-    "--train.lr=1e-3",
-]
-
-
-def case(*overrides, **extra):
-    return {"overrides": [*SMALL, *overrides], **extra}
 
 
 DDP = "shardwise.testing.peers:ddp_peer"
@@ -79,15 +60,6 @@ def _run(cases: dict, nproc: int) -> dict:
 @pytest.fixture(scope="module")
 def worlds():
     return {1: _run(WORLD1, 1), 2: _run(WORLD2, 2), 4: _run(WORLD4, 4)}
-
-
-def max_rel(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-
-
-def max_param_diff(pa, pb):
-    assert pa.keys() == pb.keys()
-    return max((pa[k] - pb[k]).abs().max().item() for k in pa)
 
 
 @pytest.mark.parametrize(

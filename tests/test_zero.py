@@ -5,26 +5,11 @@ One spawned world per size runs every case."""
 import pytest
 
 from shardwise.testing import run_world
+from shardwise.testing.compare import SMALL, case, max_param_diff, max_rel
 
 pytestmark = pytest.mark.slow
 
-# As in test_parity: a fine-tuning-sized lr keeps Adam's amplification of rounding-level
-# gradient differences (summation order differs between layouts) below the 1e-5 bound.
-SMALL = [
-    "--model.n_layers=2",
-    "--data.seq_len=32",
-    "--train.global_batch=8",
-    "--train.steps=20",
-    "--train.eval_every=0",
-    "--train.eval_batches=0",
-    "--optim.warmup_steps=5",
-    "--train.lr=1e-3",
-]
 BF16 = ["--precision.compute=bf16", "--precision.reduce=bf16", "--train.steps=2"]
-
-
-def case(*overrides):
-    return {"overrides": [*SMALL, *overrides]}
 
 
 def zero_cases(accum: str) -> dict:
@@ -86,15 +71,6 @@ def _run(cases: dict, nproc: int) -> dict:
 @pytest.fixture(scope="module")
 def worlds():
     return {1: _run(WORLD1, 1), 2: _run(WORLD2, 2), 4: _run(WORLD4, 4)}
-
-
-def max_rel(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-
-
-def max_param_diff(pa, pb):
-    assert pa.keys() == pb.keys()
-    return max((pa[k] - pb[k]).abs().max().item() for k in pa)
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
