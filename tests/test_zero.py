@@ -20,8 +20,8 @@ def zero_cases(accum: str) -> dict:
         cases[f"z{z}_bf16"] = case(f"--parallel.zero={z}", *BF16)
     cases["dp_accum"] = case(accum)
     cases["dp_bf16"] = case(*BF16)
-    cases["z3_tied"] = case("--parallel.zero=3", "--model.tie_embeddings=true")
-    cases["dp_tied"] = case("--model.tie_embeddings=true")
+    for z in (1, 2, 3):
+        cases[f"z{z}_tied"] = case(f"--parallel.zero={z}", "--model.tie_embeddings=true")
     return cases
 
 
@@ -93,8 +93,9 @@ def test_zero3_on_one_process_is_the_single_process_run(worlds):
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_zero3_tied_embeddings(worlds, nproc):
-    got, ref = worlds[nproc]["z3_tied"][0], worlds[1]["ref_tied"][0]
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_tied_embeddings(worlds, nproc, stage):
+    got, ref = worlds[nproc][f"z{stage}_tied"][0], worlds[1]["ref_tied"][0]
     assert "head.weight" not in got["params"]  # one shared parameter
     assert max_rel(got["losses"], ref["losses"]) <= 1e-5
     assert max_param_diff(got["params"], ref["params"]) <= 1e-5

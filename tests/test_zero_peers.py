@@ -7,7 +7,7 @@ parameters within 1e-5 absolute.
 One spawned world of 2 ranks runs every case (~40-60 s on 2 cores). DeepSpeed is the optional
 `bench` extra (`pip install -c constraints.txt -e '.[bench]'`); without it its comparisons are
 skipped. With it, DeepSpeed adds ~3 s of start-up, except the first time on a machine: its CPU
-communication backend then JIT-compiles a shared-memory op (~2.5 min on 2 cores) into
+communication backend then JIT-compiles a shared-memory op (2.5-4 min on 2 cores) into
 `$SHARDWISE_CACHE/torch_extensions`, where later runs find it.
 """
 

@@ -12,7 +12,7 @@ tensors) and `comm_bytes` (ring-equivalent bytes this rank sent per step, counte
 DeepSpeed is optional (the `bench` extra). It runs under `DS_ACCELERATOR=cpu` on the gloo
 group the harness made, with our torch AdamW as its client optimizer, so none of its C++
 optimizer ops is built; its CPU communication backend still JIT-compiles a shared-memory op
-(unused by training) on first initialisation: ~2.5 min on 2 cores, once per
+(unused by training) on first initialisation: 2.5-4 min on 2 busy cores, once per
 `TORCH_EXTENSIONS_DIR`, which defaults here to `$SHARDWISE_CACHE/torch_extensions`.
 """
 
@@ -23,6 +23,7 @@ import functools
 import importlib.util
 import inspect
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -151,8 +152,6 @@ def _restore_deepspeed_backend() -> None:
 
 
 def _deepspeed_backend():
-    import sys
-
     comm = sys.modules.get("deepspeed.comm.comm")
     return getattr(comm, "cdb", None) if comm is not None else None
 
@@ -399,7 +398,7 @@ def deepspeed_peer(cfg: Config) -> dict:
 
 
 def deepspeed_default_peer(cfg: Config) -> dict:
-    """`deepspeed_peer` with DeepSpeed's own ZeRO-3 defaults (see `STRICT_ZERO3`)."""
+    """`deepspeed_peer` with DeepSpeed's own ZeRO-3 defaults (see `deepspeed_config`)."""
     return _deepspeed_peer(cfg, strict=False)
 
 
@@ -458,14 +457,13 @@ def _restoring(owner: object, attr: str, value: object) -> Iterator[None]:
 
 
 def _deepspeed_grad_bytes(engine) -> dict[str, int]:
+    """Gradients held after the last backward: the model's `.grad`s and the reduced partitions
+    (ZeRO-1/2 `averaged_gradients`: {group: [tensor]}; ZeRO-3 one flat buffer)."""
     opt = engine.optimizer
     grads = [p.grad for p in engine.module.parameters()]
-    for name in ("averaged_gradients", "grad_partitions_flat_buffer"):
-        value = getattr(opt, name, None)
-        if torch.is_tensor(value):
-            value = [value]
-        for v in value.values() if isinstance(value, dict) else value or []:
-            grads += [v] if torch.is_tensor(v) else list(v or [])
+    for group in (getattr(opt, "averaged_gradients", None) or {}).values():
+        grads += list(group or [])
+    grads.append(getattr(opt, "grad_partitions_flat_buffer", None))
     return {"grads": _storage_bytes(grads)}
 
 
