@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -14,6 +15,18 @@ from collections.abc import Sequence
 import torch
 
 WARMUP_STEPS = 5  # first steps pay allocator growth, lazy init and cold caches
+
+
+def commit() -> str:
+    """The checked-out shardwise commit, and whether the tree had local changes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    git = ["git", "-C", root]
+    try:
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True)
+        dirty = subprocess.run([*git, "status", "--porcelain", "src"], capture_output=True)
+    except OSError:
+        return "unknown"
+    return head.stdout.decode().strip() + (" + local changes in src/" if dirty.stdout else "")
 
 
 def command_line() -> str:
@@ -103,8 +116,8 @@ def paired_peer(cfg) -> dict:
     """Alternate single steps of ours (`fit` with one step) and of DDP in the same processes,
     with the order flipped every step: the two see the same load at the same moments, which
     a comparison of whole runs on a busy shared machine cannot promise. The DDP step is the
-    body of `shardwise.testing.peers.ddp_peer` (no gradient accumulation). Timing only: both
-    repeat global batch 0 at the learning rate of step 0."""
+    body of `shardwise.testing.peers.ddp_peer` (no accumulation; the same fp64-norm clipping).
+    Timing only: both repeat global batch 0 at the learning rate of step 0."""
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
@@ -134,7 +147,9 @@ def paired_peer(cfg) -> dict:
         x, y = (t.to(run.info.device) for t in run.train_data.get_batch(idx))
         logits = ddp(x).float().flatten(0, -2)
         (F.cross_entropy(logits, y.flatten(), reduction="sum") / count).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        grads = [p.grad for p in model.parameters()]  # the peer's clipping: fp64 norm
+        norm = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)).square().sum()
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), o.grad_clip, norm.sqrt())
         opt.step()
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0

@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import WARMUP_STEPS, check, command_line, load, mb, median, steady, table
+import torch
+
+from common import WARMUP_STEPS, check, command_line, commit, load, mb, median, steady, table
 from shardwise.testing import run_world
 
 NPROC = 2
@@ -72,6 +74,7 @@ def main() -> int:
     steps = 10 if args.quick else args.steps
     rounds = 1 if args.quick else args.rounds
     print(f"$ {command_line()}")
+    print(f"shardwise commit {commit()}, torch {torch.__version__}")
     for size in sizes:
         print(f"{size}: {' '.join(overrides(size, steps))}")
     print(

@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import WARMUP_STEPS, check, command_line, load, mb, median, steady, table
+import torch
+
+from common import WARMUP_STEPS, check, command_line, commit, load, mb, median, steady, table
 from shardwise.testing import run_world
 
 GLOBAL_BATCH = 72  # divides 360, so 5 eval batches cover the held-out split
@@ -72,6 +74,7 @@ def main() -> int:
     image_size = 8 if args.quick else 16
     steps = args.steps or (40 if args.quick else 60)
     print(f"$ {command_line()}")
+    print(f"shardwise commit {commit()}, torch {torch.__version__}")
     precisions = ("fp32", "bf16")
     print("cases:", " ".join(overrides(steps, image_size, "<fp32|bf16>")))
     print(f"timing: median of steps {WARMUP_STEPS + 1}..{steps}; memory: peak over steps")

@@ -14,35 +14,23 @@ communication backend then JIT-compiles a shared-memory op (2.5-4 min on 2 cores
 import pytest
 
 from shardwise.testing import run_world
+from shardwise.testing.compare import case, max_param_diff, max_rel
 from shardwise.testing.zero_peers import deepspeed_available
 
 pytestmark = pytest.mark.slow
 
-# The SMALL run of test_zero.py: fp32, 2 layers, 20 steps, clipping active at every step.
-SMALL = [
-    "--model.n_layers=2",
-    "--data.seq_len=32",
-    "--train.global_batch=8",
-    "--train.steps=20",
-    "--train.eval_every=0",
-    "--train.eval_batches=0",
-    "--optim.warmup_steps=5",
-    "--train.lr=1e-3",
-]
 PEERS = "shardwise.testing.zero_peers"
 INSTALL = "DeepSpeed is the optional 'bench' extra: pip install -c constraints.txt -e '.[bench]'"
 
 
 def _cases() -> dict:
-    cases = {
-        "z3": {"overrides": [*SMALL, "--parallel.zero=3"]},
-        "fsdp2": {"overrides": SMALL, "peer": f"{PEERS}:fsdp2_peer"},
-    }
+    """The SMALL run of the parity tests (fp32, 20 steps, clipping active at every step)."""
+    cases = {"z3": case("--parallel.zero=3"), "fsdp2": case(peer=f"{PEERS}:fsdp2_peer")}
     if deepspeed_available():
         for stage in (1, 2, 3):
             zero = f"--parallel.zero={stage}"
-            cases.setdefault(f"z{stage}", {"overrides": [*SMALL, zero]})
-            cases[f"ds{stage}"] = {"overrides": [*SMALL, zero], "peer": f"{PEERS}:deepspeed_peer"}
+            cases.setdefault(f"z{stage}", case(zero))
+            cases[f"ds{stage}"] = case(zero, peer=f"{PEERS}:deepspeed_peer")
     return cases
 
 
@@ -57,15 +45,6 @@ def world() -> dict:
     return out
 
 
-def max_rel(a, b) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-
-
-def max_param_diff(pa, pb) -> float:
-    assert pa.keys() == pb.keys()
-    return max((pa[k] - pb[k]).abs().max().item() for k in pa)
-
-
 def _agree(peer: list[dict], ours: list[dict]) -> None:
     assert len(peer[0]["losses"]) == len(ours[0]["losses"]) == 20
     assert max_rel(peer[0]["losses"], ours[0]["losses"]) <= 1e-5
@@ -77,14 +56,18 @@ def test_fsdp2_matches_our_zero3(world):
     _agree(world["fsdp2"], world["z3"])
 
 
-def test_fsdp2_holds_zero3_model_states(world):
-    """fp32 ZeRO-3: parameters, gradients and both Adam moments sharded, 16Ψ/N in all."""
+def test_fsdp2_and_ours_hold_zero3_model_states(world):
+    """fp32 ZeRO-3: parameters, gradients and both Adam moments sharded, 16Ψ/N in all, in
+    FSDP2's tensors as in our accounting (up to shard padding and AdamW's step counters)."""
     psi = sum(p.numel() for p in world["fsdp2"][0]["params"].values())
+    ours = world["z3"][0]["records"][-1]["mem_bytes"]
     for r in world["fsdp2"]:
         s = r["state_bytes"]
         assert s["params"] == s["grads"]
-        assert abs(s["params"] - 4 * psi / 2) <= 4 * 64  # shard padding only
-        assert abs(s["optimizer"] - 2 * s["params"]) <= 4 * 64  # + AdamW step counters
+        assert abs(s["params"] - 4 * psi / 2) <= 4 * 64
+        assert abs(s["optimizer"] - 2 * s["params"]) <= 4 * 64
+        for key in ("params", "grads", "master", "optimizer"):
+            assert abs(ours[key] - s[key]) <= 4 * 64, key
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -38,7 +38,7 @@ from shardwise.config import Config
 from shardwise.data import GlobalSampler, load_data, split_for_rank
 from shardwise.models import build_model, init_weights
 from shardwise.optim import lr_at
-from shardwise.runtime import data_spec, init_distributed
+from shardwise.runtime import data_spec, freeze, init_distributed
 from shardwise.validate import Derived, derive
 
 # -- byte counting at torch.distributed --------------------------------------------------------
@@ -169,13 +169,23 @@ class _Setup:
 
 
 def _setup(cfg: Config) -> _Setup:
-    """Model, data and sampler exactly as `ddp_peer` builds them."""
+    """Model, data and sampler exactly as `ddp_peer` builds them (and `train.freeze`)."""
+    unsupported = {
+        "parallel.tp": (cfg.parallel.tp, 1),
+        "parallel.pp": (cfg.parallel.pp, 1),
+        "memory.offload": (cfg.memory.offload, "none"),
+        "memory.recompute": (cfg.memory.recompute, "none"),
+    }
+    bad = {k: v for k, (v, plain) in unsupported.items() if v != plain}
+    if bad:
+        raise ValueError(f"the ZeRO peers run plain data-parallel ZeRO; unsupported: {bad}")
     info = init_distributed(cfg)
     d = derive(cfg, dist.get_world_size())
     data = load_data(data_spec(cfg, d.spec.vocab_size), "train")
     with torch.device(info.device):
         model = build_model(d.spec)
     init_weights(model, cfg.train.seed)  # (seed, name): every rank holds the same full model
+    freeze(model, cfg.train.freeze)
     sampler = GlobalSampler(len(data), cfg.train.global_batch, cfg.train.seed)
     rank_count = cfg.train.global_batch // d.dp * d.tokens_per_sample
     return _Setup(cfg, d, info, model, data, sampler, rank_count)
@@ -184,6 +194,7 @@ def _setup(cfg: Config) -> _Setup:
 def _adamw(cfg: Config, params: list[nn.Parameter]) -> torch.optim.AdamW:
     """Our AdamW: weight decay only on matrices (ndim >= 2), foreach implementation."""
     o = cfg.optim
+    params = [p for p in params if p.requires_grad]
     return torch.optim.AdamW(
         [
             {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
