@@ -5,9 +5,10 @@ model, data order, AdamW groups, lr schedule, loss normalisation and clipping, a
 Same contract as `shardwise.testing.peers.ddp_peer`: a function of the config that runs inside
 a `run_world` world and returns `losses` (global mean per step), `params` (full-shape fp32 CPU
 tensors by our parameter names, gathered on every rank) and `step_times`; plus
-`state_bytes` (model states this rank holds, by our categories, counted from the peer's own
-tensors) and `comm_bytes` (ring-equivalent bytes this rank sent per step, counted at
-`torch.distributed`, see `count_collectives`).
+`step_cpu_times` (process CPU time per step), `state_bytes` (model states this rank holds, by
+our categories, counted from the peer's own tensors) and `comm_bytes` (ring-equivalent bytes
+this rank sent per step, counted at `torch.distributed`, see `count_collectives`).
+`train.freeze` is honoured; tensor/pipeline parallelism, offload and recompute are refused.
 
 DeepSpeed is optional (the `bench` extra). It runs under `DS_ACCELERATOR=cpu` on the gloo
 group the harness made, with our torch AdamW as its client optimizer, so none of its C++
