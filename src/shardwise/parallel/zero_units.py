@@ -157,12 +157,18 @@ class Unit:
         this micro-batch's gradients (ZeRO-2/3; parameters without a gradient count as 0)."""
         if self.stage == 1:
             return self.grad_full
-        flat = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.grad_shard.device)
+        # empty, not zeros: every element is written below (a copy, or 0 for the padding and
+        # for parameters without a gradient), which saves a full pass over the buffer
+        flat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.grad_shard.device)
         staged = getattr(self, "_staged", {})
         for p, off in zip(self.params, self.offsets, strict=True):
             g = staged.get(id(p))
+            view = flat[off : off + p.numel()]
             if g is not None:
-                flat[off : off + p.numel()].copy_(g.flatten())
+                view.copy_(g.flatten())
+            else:
+                view.zero_()
+        flat[self.offsets[-1] + self.params[-1].numel() :].zero_()
         self._staged = {}
         return flat
 
