@@ -57,6 +57,24 @@ class Target:
     decay: bool
 
 
+def adamw(
+    decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: Config
+) -> torch.optim.AdamW:
+    """torch's AdamW (foreach) with the config's hyper-parameters; weight decay only on
+    `decay`. The PyTorch peers build theirs here too, so they train the same recipe."""
+    o = cfg.optim
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": o.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.train.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        foreach=True,
+    )
+
+
 def replicated_targets(model: nn.Module) -> list[Target]:
     """Data parallelism: every parameter, its gradient in the bucket view `main_grad`.
     No weight decay on gains and biases (1-D), as in GPT-2/LLaMA training recipes."""
@@ -95,20 +113,10 @@ class MixedPrecisionAdamW:
             ]
         else:
             self.masters = self.params
-        o = cfg.optim
         decay = [m for m, t in zip(self.masters, targets, strict=True) if t.decay]
         no_decay = [m for m, t in zip(self.masters, targets, strict=True) if not t.decay]
-        self.inner = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": o.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=cfg.train.lr,
-            betas=(o.beta1, o.beta2),
-            eps=o.eps,
-            foreach=True,
-        )
-        self.grad_clip = o.grad_clip
+        self.inner = adamw(decay, no_decay, cfg)
+        self.grad_clip = cfg.optim.grad_clip
         self.sum_over_shards = sum_over_shards
         self.after_step = after_step
         p = cfg.precision

@@ -15,7 +15,7 @@ from shardwise import device as dev
 from shardwise.config import Config
 from shardwise.data import GlobalSampler, load_data, split_for_rank
 from shardwise.models import build_model, init_weights
-from shardwise.optim import lr_at
+from shardwise.optim import adamw, lr_at
 from shardwise.runtime import data_spec, init_distributed
 from shardwise.validate import derive
 
@@ -32,16 +32,7 @@ def ddp_peer(cfg: Config) -> dict:
     o = cfg.optim
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": o.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=cfg.train.lr,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        foreach=True,
-    )
+    opt = adamw(decay, no_decay, cfg)
     sampler = GlobalSampler(len(data), cfg.train.global_batch, cfg.train.seed)
     rank_count = cfg.train.global_batch // d.dp * d.tokens_per_sample
     losses, times = [], []

@@ -38,7 +38,7 @@ from shardwise import device as dev
 from shardwise.config import Config
 from shardwise.data import GlobalSampler, load_data, split_for_rank
 from shardwise.models import build_model, init_weights
-from shardwise.optim import lr_at
+from shardwise.optim import adamw, lr_at
 from shardwise.runtime import data_spec, freeze, init_distributed
 from shardwise.validate import Derived, derive
 
@@ -194,18 +194,8 @@ def _setup(cfg: Config) -> _Setup:
 
 def _adamw(cfg: Config, params: list[nn.Parameter]) -> torch.optim.AdamW:
     """Our AdamW: weight decay only on matrices (ndim >= 2), foreach implementation."""
-    o = cfg.optim
     params = [p for p in params if p.requires_grad]
-    return torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ],
-        lr=cfg.train.lr,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        foreach=True,
-    )
+    return adamw([p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2], cfg)
 
 
 def _loss_sum(model: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
