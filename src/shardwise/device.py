@@ -80,3 +80,11 @@ def set_cpu_threads() -> None:
     """Several CPU ranks on few cores: one intra-op thread each unless the user set one."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
+
+
+def pin_socket_interface(interface: str) -> None:
+    """Make gloo and NCCL's bootstrap use `interface` (the one that reaches the other nodes)
+    unless the user chose one: by default they take the address the hostname resolves to,
+    which on multi-homed hosts may not be reachable from the other nodes."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)

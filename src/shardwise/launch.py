@@ -8,9 +8,13 @@ import os
 import socket
 import sys
 import uuid
+from typing import TYPE_CHECKING
 
 from shardwise.config import Config, config_from_dict
 from shardwise.errors import ShardwiseError
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
 
 
 def under_external_launcher() -> bool:
@@ -71,8 +75,7 @@ def launch_local(cfg: Config, nproc: int) -> None:
     if nproc == 1:
         train_here(cfg)
         return
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
     config = LaunchConfig(
         min_nodes=1,
@@ -84,6 +87,15 @@ def launch_local(cfg: Config, nproc: int) -> None:
         max_restarts=0,
         monitor_interval=0.2,
     )
+    run_elastic(config, cfg)
+
+
+def run_elastic(config: LaunchConfig, cfg: Config) -> None:
+    """Run this node's torch elastic agent with `rank_main` as every rank's entry point; a
+    failure becomes one ShardwiseError (the ranks print their own messages)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
     # The ranks print their own one-line errors; torch elastic would add a traceback per rank.
     quiet = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     level = quiet.level

@@ -10,8 +10,8 @@ from shardwise.config import Config, load_config, reference_markdown
 from shardwise.errors import ShardwiseError
 
 
-def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """Separate `--section.key[=| ]value` overrides from the command's own options first, so a
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(own options, `--section.key[=| ]value` overrides), separated first so a
     space-separated override value is never mistaken for the config file."""
     overrides, own, i = [], [], 0
     while i < len(argv):
@@ -24,9 +24,18 @@ def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         else:
             own.append(arg)
         i += 1
+    return own, overrides
+
+
+def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    own, overrides = split_overrides(argv)
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("config", nargs="?", default=None)
-    parser.add_argument("--nproc", default=None)
+    parser.add_argument("--nproc", "--nproc-per-node", dest="nproc", default=None)
+    parser.add_argument("--nnodes", default=None)
+    parser.add_argument("--node-rank", default=None)
+    parser.add_argument("--rdzv", default=None)
+    parser.add_argument("--max-restarts", default="0")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--help-config", action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
@@ -37,11 +46,13 @@ def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return known, rest + overrides
 
 
-USAGE = """usage: shardwise {train,explain} [CONFIG.toml] [--nproc N] [--section.key=value ...]
+USAGE = """usage: shardwise {train,explain,launch} [CONFIG.toml] [--nproc N] [--section.key=value]
 
-  train     train a model (spawns --nproc local ranks unless under torchrun/srun)
+  train     train a model (spawns --nproc local ranks unless under torchrun/srun);
+            on several machines: --nnodes N --node-rank R --rdzv HOST:PORT, --nproc per node
   explain   print every derived value of a config (degrees, batches, memory) without training
             (--json for machine-readable output)
+  launch    write (and submit) a job for a cluster: `shardwise launch {slurm,k8s} --help`
 
   --help-config   list every config key with its default and meaning
 """
@@ -66,6 +77,11 @@ def _nproc(args: argparse.Namespace) -> int:
 def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
     from shardwise.launch import adopt_slurm_env, launch_local, rank_main, under_external_launcher
 
+    if args.nnodes is not None:  # one elastic agent per node, even inside a Slurm step
+        from shardwise.cli.launch import train_nodes
+
+        train_nodes(cfg, _nproc(args), args)
+        return
     if under_external_launcher():
         adopt_slurm_env()
         rank_main(cfg.to_dict())
@@ -84,9 +100,10 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
 
 
 def cmd_explain(cfg: Config, args: argparse.Namespace) -> None:
+    from shardwise.cli.launch import explain_world
     from shardwise.explain import explain_record, print_explain
 
-    record = explain_record(cfg, _nproc(args))
+    record = explain_record(cfg, explain_world(args, _nproc(args)))
     if args.json:
         print(json.dumps(record, indent=2))
     else:
@@ -102,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             print(USAGE)
             return 0
     command, rest = argv[0], argv[1:]
+    if command == "launch":
+        from shardwise.cli.launch import launch_main
+
+        return launch_main(rest)
     commands = {"train": cmd_train, "explain": cmd_explain}
     try:
         if command not in commands:
