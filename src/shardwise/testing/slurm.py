@@ -64,6 +64,7 @@ def _conf(root: Path, nodes: int, cpus: int, ctl_port: int, ports: list[int]) ->
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core",
             "SchedulerType=sched/builtin",
+            "SchedulerParameters=sched_interval=1",  # start requeued jobs promptly
             "MpiDefault=none",
             "ReturnToService=2",
             "JobRequeue=1",
