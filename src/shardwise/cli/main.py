@@ -38,6 +38,7 @@ def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--max-restarts", default="0")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--help-config", action="store_true")
+    parser.add_argument("--plan", choices=["auto"], default=None)
     parser.add_argument("-h", "--help", action="store_true")
     known, rest = parser.parse_known_args(own)
     if known.config is not None and known.config.startswith("-"):
@@ -46,12 +47,15 @@ def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return known, rest + overrides
 
 
-USAGE = """usage: shardwise {train,explain,launch} [CONFIG.toml] [--nproc N] [--section.key=value]
+USAGE = """usage: shardwise {train,explain,plan,launch} [CONFIG.toml] [--nproc N] [--sec.key=val]
 
   train     train a model (spawns --nproc local ranks unless under torchrun/srun);
-            on several machines: --nnodes N --node-rank R --rdzv HOST:PORT, --nproc per node
-  explain   print every derived value of a config (degrees, batches, memory) without training
-            (--json for machine-readable output)
+            on several machines: --nnodes N --node-rank R --rdzv HOST:PORT, --nproc per node;
+            --plan auto first picks the best layout for this hardware and world size
+  explain   print every derived value of a config and the planner's per-rank prediction of
+            memory by category and step time (--json for machine-readable output)
+  plan      predict memory and step time of every layout on some hardware and rank them
+            (`shardwise plan -h` for its options)
   launch    write (and submit) a job for a cluster: `shardwise launch {slurm,k8s} --help`
 
   --help-config   list every config key with its default and meaning
@@ -91,6 +95,10 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
     from shardwise.validate import derive
 
     nproc = _nproc(args)
+    if args.plan == "auto":
+        from shardwise.plan.auto import auto_config
+
+        cfg = auto_config(cfg, nproc)
     derived = derive(cfg, nproc)  # every config error before any process starts
     from shardwise.data import prepare_data
 
@@ -123,8 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         from shardwise.cli.launch import launch_main
 
         return launch_main(rest)
-    commands = {"train": cmd_train, "explain": cmd_explain}
+    commands = {"train": cmd_train, "explain": cmd_explain, "plan": None}
     try:
+        if command == "plan":
+            from shardwise.plan.cli import run
+
+            return run(*split_overrides(rest))
         if command not in commands:
             raise ShardwiseError(f"unknown command '{command}'. Fix: one of {', '.join(commands)}.")
         args, overrides = _split(rest)

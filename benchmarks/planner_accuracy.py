@@ -1,0 +1,131 @@
+"""The planner against measured runs on this CPU: for each layout, predicted vs measured memory
+(the engine's accounting; model states must be exact, peak within 5%) and step time (median of
+the steps after warm-up), then the step-time MAPE and the Spearman rank correlation.
+
+    .venv/bin/python benchmarks/planner_accuracy.py [--steps 8] [--warmup 3]
+
+The CPU is calibrated first (matmul FLOP/s, memory and gloo bandwidth; plan/calibrate.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from common import command_line, load, mb
+from shardwise.config import load_config
+from shardwise.explain import explain_record
+from shardwise.plan.calibrate import cpu_hardware
+from shardwise.plan.verify import STATES, compare, measure
+
+BASE = [
+    "--model.n_layers=4",
+    "--model.dim=256",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=4",
+    "--model.ffn_dim=704",
+    "--data.seq_len=128",
+    "--train.global_batch=8",
+]
+BF16 = ["--precision.compute=bf16", "--precision.reduce=bf16"]
+LAYOUTS = {
+    1: {
+        "1 rank": [],
+        "1 rank selective": ["--memory.recompute=selective"],
+        "1 rank full": ["--memory.recompute=full"],
+        "1 rank mb2": ["--train.micro_batch=2"],
+        "1 rank bf16": BF16,
+    },
+    2: {
+        "dp": [],
+        "dp mb2": ["--train.micro_batch=2"],
+        "dp full": ["--memory.recompute=full"],
+        "z1": ["--parallel.zero=1"],
+        "z2": ["--parallel.zero=2"],
+        "z3": ["--parallel.zero=3"],
+        "z1 offload": ["--parallel.zero=1", "--memory.offload=optimizer"],
+        "z3 offload params": ["--parallel.zero=3", "--memory.offload=optimizer+params"],
+        "z2 bf16": ["--parallel.zero=2", *BF16],
+    },
+}
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    print("command:", command_line())
+    print(f"load before: {load()}")
+    hw = cpu_hardware(refresh=True)
+    print(
+        f"calibration: fp32 {hw.peak['fp32'] / 1e9:.1f} GFLOP/s, bf16 {hw.peak['bf16'] / 1e9:.1f} "
+        f"GFLOP/s, memory {hw.hbm_bw / 1e9:.1f} GB/s, gloo {hw.intra_bw / 1e9:.2f} GB/s "
+        f"(one thread), {hw.cores} cores"
+    )
+    print(f"model: {' '.join(BASE)}; timing: median of steps {args.warmup + 1}..{args.steps}")
+    rows, pred_t, meas_t = [], [], []
+    for nproc, layouts in LAYOUTS.items():
+        cases = [[*BASE, *o] for o in layouts.values()]
+        results = measure(nproc, cases, args.steps, args.warmup)
+        for (name, over), got in zip(layouts.items(), results, strict=True):
+            if "error" in got:
+                print(f"{name}: failed: {got['error']}")
+                continue
+            pred = explain_record(load_config(None, [*BASE, *over]), nproc, hw)
+            e = compare(pred, got)
+            rows.append((name, pred, got, e))
+            pred_t.append(pred["step_time_s"])
+            meas_t.append(got["step_time_s"])
+    print(f"load after: {load()}")
+    print()
+    print(
+        "| layout | states | pred total MB | meas total MB | total err | pred step s | "
+        "meas step s | time err |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, pred, got, e in rows:
+        states = (
+            "exact"
+            if e["states_exact"]
+            else "DIFF "
+            + ",".join(k for k in STATES if pred["mem_bytes"][k] != got["mem_bytes"][k])
+        )
+        print(
+            f"| {name} | {states} | {mb(pred['mem_bytes']['total'])} | "
+            f"{mb(got['mem_bytes']['total'])} | {100 * e['total_err']:+.1f}% | "
+            f"{pred['step_time_s']:.4f} | {got['step_time_s']:.4f} | {100 * e['time_err']:+.1f}% |"
+        )
+    mape = statistics.mean(abs(p - m) / m for p, m in zip(pred_t, meas_t, strict=True))
+    worst_mem = max(abs(e["total_err"]) for *_, e in rows)
+    print()
+    print(f"layouts: {len(rows)}; model states exact: {sum(e['states_exact'] for *_, e in rows)}")
+    print(f"peak memory: max |error| {100 * worst_mem:.2f}% (bound 5%)")
+    rho = spearman(pred_t, meas_t)
+    print(f"step time: MAPE {100 * mape:.1f}% (bound 15%), Spearman rho {rho:.3f} (bound 0.8)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

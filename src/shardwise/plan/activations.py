@@ -1,0 +1,158 @@
+"""Activation memory per transformer layer, after Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", §4), written as the list of tensors a block saves
+for backward, each with how tensor/sequence parallelism and selective recomputation treat it.
+
+`paper_gpt_terms` is the paper's GPT block (fp16, dropout masks of 1 byte, softmax materialised)
+and reproduces its formulas exactly: 34sbh + 5as²b; sbh(10 + 24/t + 5as/(ht)) with tp;
+(sbh/t)(34 + 5as/h) with tp+sp; 34sbh/t with selective recompute (+sp); 2sbh with full.
+`block_terms` is our real block (models/decoder.py, counted as memory.ActivationMeter counts:
+one storage once, parameters excluded): norms computed in fp32, no dropout, flash-style SDPA
+(saves q, k, v, output and the log-sum-exp; no s² tensor), RoPE tables, SwiGLU or GELU MLP.
+A test checks it byte for byte against the meter on fake tensors.
+
+Under tp (Megatron-LM) attention heads and the MLP width are split; what lies between the
+blocks' all-reduces (norm inputs/outputs, the residual) is replicated unless sp splits it along
+the sequence (stored sharded and all-gathered again in backward, as the paper does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+from shardwise.models import ModelSpec
+
+When = Literal["always", "not_selective", "selective_only"]
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    nbytes: float  # bytes for the whole (unsplit) micro-batch
+    tp: bool  # split by tensor parallelism (heads / MLP width / vocabulary)
+    sp: bool  # split by sequence parallelism (with tp) when not already split by tp
+    when: When = "always"  # selective recompute drops "not_selective" terms
+
+    def per_rank(self, t: int, sp: bool, selective: bool) -> float:
+        if (selective and self.when == "not_selective") or (
+            not selective and self.when == "selective_only"
+        ):
+            return 0.0
+        return self.nbytes / t if (self.tp or (sp and self.sp)) else self.nbytes
+
+
+def paper_gpt_terms(s: int, b: int, h: int, a: int) -> list[Term]:
+    """Korthikanti et al. 2022 §4.1: one GPT layer in 16-bit with 1-byte dropout masks."""
+    sbh, as2b = s * b * h, a * s * s * b
+    return [
+        Term("LayerNorm inputs", 4 * sbh, False, True),
+        Term("QKV input", 2 * sbh, False, True),
+        Term("Q, K", 4 * sbh, True, True),
+        Term("softmax output", 2 * as2b, True, True, "not_selective"),
+        Term("softmax dropout mask", as2b, True, True, "not_selective"),
+        Term("dropout output (attention over V)", 2 * as2b, True, True, "not_selective"),
+        Term("V", 2 * sbh, True, True),
+        Term("output projection input", 2 * sbh, True, True),
+        Term("attention dropout mask", sbh, False, True),
+        Term("MLP input", 2 * sbh, False, True),
+        Term("GeLU input", 8 * sbh, True, True),
+        Term("second linear input", 8 * sbh, True, True),
+        Term("MLP dropout mask", sbh, False, True),
+    ]
+
+
+def norm_terms(spec: ModelSpec, s: int, b: int, c: int, where: str) -> list[Term]:
+    """A norm computed in fp32 (models/decoder.py): its fp32 input, statistics, fp32 weight
+    copies (16-bit compute only), the normalised value (RMSNorm) and the output in compute
+    dtype (the next matmul's input)."""
+    sbh, h = s * b * spec.dim, spec.dim
+    out = [Term(f"{where} input (fp32)", 4 * sbh, False, True)]
+    if spec.arch == "gpt2":
+        out.append(Term(f"{where} mean, rstd", 8 * s * b, False, True))
+        if c != 4:
+            out.append(Term(f"{where} weight, bias (fp32 copies)", 8 * h, False, False))
+    else:
+        out.append(Term(f"{where} rstd", 4 * s * b, False, True))
+        if c != 4:
+            out.append(Term(f"{where} weight (fp32 copy)", 4 * h, False, False))
+        out.append(Term(f"{where} normalised (fp32)", 4 * sbh, False, True))
+    out.append(Term(f"{where} output", c * sbh, False, True))
+    return out
+
+
+@lru_cache(maxsize=4096)
+def block_terms(spec: ModelSpec, s: int, b: int, c: int) -> tuple[Term, ...]:
+    """Our block (models/decoder.Block) in compute dtype of `c` bytes."""
+    sbh, sbf = s * b * spec.dim, s * b * spec.ffn_dim
+    kv = spec.n_kv_heads / spec.n_heads
+    out = norm_terms(spec, s, b, c, "attn_norm")
+    if spec.arch == "decoder":  # cos/sin tables for q and k, fp32 [s, head_dim] each
+        out.append(Term("RoPE tables", 4 * 4 * s * spec.head_dim, False, False, "not_selective"))
+    out += [
+        Term("SDPA q, k, v", 3 * c * sbh, True, False, "not_selective"),
+        Term("SDPA log-sum-exp", 4 * b * spec.n_heads * s, True, False, "not_selective"),
+        Term("attention output (wo input)", c * sbh, True, False),
+    ]
+    if spec.arch == "decoder":  # the checkpointed core saves its inputs: q and un-repeated k, v
+        out.append(
+            Term("core inputs q, k, v", c * sbh * (1 + 2 * kv), True, False, "selective_only")
+        )
+    else:  # GPT-2's q, k, v are the core's inputs either way
+        out.append(Term("core inputs q, k, v", 3 * c * sbh, True, False, "selective_only"))
+    out += norm_terms(spec, s, b, c, "mlp_norm")
+    if spec.arch == "decoder":
+        out += [
+            Term("w1, w3 outputs", 2 * c * sbf, True, False),
+            Term("silu(w1 x)", c * sbf, True, False, "not_selective"),
+            Term("w2 input", c * sbf, True, False),
+        ]
+    else:
+        out += [Term("GELU input", c * sbf, True, False), Term("w2 input", c * sbf, True, False)]
+    return tuple(out)
+
+
+def layer_bytes(terms, t: int = 1, sp: bool = False, selective: bool = False) -> float:
+    return sum(term.per_rank(t, sp, selective) for term in terms)
+
+
+def full_recompute_bytes(spec: ModelSpec, s: int, b: int, c: int, t: int, sp: bool) -> float:
+    """Full recomputation keeps only each block's input (2sbh in 16-bit), split by sp."""
+    return c * s * b * spec.dim / (t if sp else 1)
+
+
+@lru_cache(maxsize=4096)
+def edge_terms(
+    spec: ModelSpec, s: int, b: int, c: int, first: bool, last: bool
+) -> tuple[Term, ...]:
+    """Outside the blocks: token ids (a view of the (b, s+1) window the loader reads, shared
+    with the targets), learned positions, the final norm, fp32 log-softmax of the logits
+    (split by a vocabulary-parallel loss), the flattened targets and the loss's weight sum."""
+    out = []
+    if first:
+        out.append(Term("token ids", 8 * b * (s + 1), False, False))
+        if spec.arch == "gpt2":
+            out.append(Term("position ids", 8 * s, False, False))
+    if last:
+        out += norm_terms(spec, s, b, c, "final norm")
+        out += [
+            Term("log-softmax (fp32)", 4 * s * b * spec.vocab_size, True, False),
+            Term("targets (flattened)", 8 * s * b, False, False),
+            Term("loss weight sum", 4, False, False),
+        ]
+    return tuple(out)
+
+
+def in_flight(schedule: str, p: int, m: int, v: int, stage: int = 0) -> float:
+    """Micro-batches whose activations a pipeline stage holds at its peak, in units of the
+    stage's layers. GPipe: all m. 1F1B and ZB-H1 (Qi et al. 2024: same peak as 1F1B): p - stage,
+    at most m. Interleaved (Narayanan et al. 2021 §2.2): (p-stage-1)·2 + (v-1)·p + 1 model
+    chunks of L/(pv) layers, i.e. L(1 + (p-1)/(pv)) layers on the first stage."""
+    if p == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved":
+        chunks = min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
+        return chunks / v
+    return float(min(m, p - stage))

@@ -1,0 +1,158 @@
+"""`cpu` hardware measured on the spot: matmul FLOP/s, memory bandwidth, gloo bandwidth.
+
+About a second of measurement, cached per machine (host name, core count, torch version) in
+`$SHARDWISE_CACHE/calibration-cpu.json`, so later plans reuse it. CPU ranks run one intra-op
+thread each (device.set_cpu_threads), so every rate is measured on one thread; ranks beyond the
+core count share cores (Hardware.cores), which the time model accounts for.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from shardwise.plan.hardware import GiB, Hardware
+
+_VERSION = 1
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("SHARDWISE_CACHE", "") or os.path.expanduser("~/.cache/shardwise")
+    return Path(root) / "calibration-cpu.json"
+
+
+def _key() -> str:
+    return f"v{_VERSION}|{platform.node()}|{os.cpu_count()}|{torch.__version__}"
+
+
+def _rate(fn, work: float, seconds: float) -> float:
+    """`work` units per second of `fn`, best of repeated timings within `seconds`."""
+    fn()  # warm-up (allocation, kernel selection)
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return work / best
+
+
+def _matmul_flops(dtype: torch.dtype, n: int = 384, seconds: float = 0.25) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return _rate(lambda: torch.mm(a, b), 2.0 * n**3, seconds)
+
+
+def _memory_bw(seconds: float = 0.2) -> float:
+    """Bytes/s of an element-wise kernel (read two, write one): the bound of norms, softmax,
+    casts and the optimizer step."""
+    n = 4 * 2**20
+    a, b, out = torch.randn(n), torch.randn(n), torch.empty(n)
+    return _rate(lambda: torch.add(a, b, out=out), 12.0 * n, seconds)
+
+
+def _gloo_bw(nbytes: int = 8 * 2**20, reps: int = 3) -> float:
+    """Ring bus bandwidth (bytes/s per rank per direction) of a 2-rank gloo all-reduce over
+    loopback, two process groups in two threads of this process."""
+    import torch.distributed as dist
+
+    store, times = dist.HashStore(), {}
+
+    def rank(r: int) -> None:
+        pg = dist.ProcessGroupGloo(store, r, 2, datetime.timedelta(seconds=30))
+        t = torch.ones(nbytes // 4)
+        pg.allreduce([t]).wait()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            pg.allreduce([t]).wait()
+        times[r] = (time.perf_counter() - t0) / reps
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # an all-reduce of S bytes over n ranks moves 2(n-1)/n * S per rank: S for n = 2
+    return nbytes / max(times.values())
+
+
+def measure() -> dict[str, float]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {
+            "fp32": _matmul_flops(torch.float32),
+            "bf16": _matmul_flops(torch.bfloat16, seconds=0.15),
+            "fp16": _matmul_flops(torch.float16, seconds=0.15),
+            "mem_bw": _memory_bw(),
+            "gloo_bw": _gloo_bw(),
+        }
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _ram_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * GiB
+
+
+def calibration(refresh: bool = False) -> dict[str, float]:
+    """The cached measurement for this machine, measured now if missing or `refresh`."""
+    path = _cache_file()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if not refresh and _key() in cached:
+        return cached[_key()]
+    values = measure()
+    cached[_key()] = values
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cached, indent=2))
+    except OSError:
+        pass  # an unwritable cache only costs a re-measurement next time
+    return values
+
+
+def cpu_hardware(measure: bool = True, refresh: bool = False) -> Hardware:
+    """This machine's CPU as planner hardware: one rank per core at one thread, all ranks on
+    one node sharing its RAM. Efficiencies are 1: the rates are measured achieved rates."""
+    c = (
+        calibration(refresh)
+        if measure
+        else {"fp32": 5e10, "bf16": 5e9, "fp16": 5e9, "mem_bw": 5e9, "gloo_bw": 5e8}
+    )
+    ram = _ram_bytes()
+    return Hardware(
+        name="cpu",
+        memory=ram,
+        peak={k: c[k] for k in ("fp32", "bf16", "fp16")},
+        hbm_bw=c["mem_bw"],
+        intra_bw=c["gloo_bw"],
+        inter_bw=c["gloo_bw"],
+        host_bw=c["mem_bw"],
+        per_node=1 << 16,  # every rank runs on this machine
+        host_memory=ram,
+        host_mem_bw=c["mem_bw"],
+        matmul_eff=1.0,
+        comm_eff=1.0,
+        mem_eff=1.0,
+        # The ranks keep every core busy computing: gloo's transfer threads get no spare core,
+        # so nothing hides behind compute.
+        overlap=0.0,
+        reserve=0,
+        cores=os.cpu_count() or 1,
+        memory_shared=True,
+        calibrated="measured on this machine" if measure else "nominal (not measured)",
+    )

@@ -1,0 +1,186 @@
+"""`shardwise plan`: predict every layout of a job on some hardware and rank them.
+
+    shardwise plan [CONFIG.toml] [--section.key=value ...] [--hardware NAME] [--devices N |
+                   --nodes K] [--model NAME|config.json] [--params N] [--top K] [--json]
+                   [--explain N] [--verify] [--lora-rank R] [--lora-targets wq,wv]
+                   [--base-4bit] [--optim-8bit]
+
+The model, sequence length, global batch and precision come from the config (as for `train`);
+`--params N` without an architecture plans model states only (the ZeRO paper's accounting)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from shardwise.config import load_config
+from shardwise.errors import ConfigError
+from shardwise.plan import report
+from shardwise.plan.hardware import Hardware, detect_hardware, get_hardware
+from shardwise.plan.layout import FineTune, Job
+from shardwise.plan.memory import states_only
+from shardwise.plan.search import Result, search
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardwise plan", add_help=False)
+    p.add_argument("config", nargs="?", default=None)
+    p.add_argument("--hardware", default=None, help="catalog name or cpu (default: detected)")
+    p.add_argument("--devices", type=int, default=None, help="total devices (ranks)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (devices = nodes x per node)")
+    p.add_argument("--model", default=None, help="named model or a Hugging Face config.json")
+    p.add_argument("--params", type=float, default=None, help="parameter count: states only")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--explain", type=int, default=None, metavar="N")
+    p.add_argument("--verify", action="store_true")
+    p.add_argument("--misses", type=int, default=0, help="also show the K closest misses")
+    p.add_argument("--lora-rank", type=int, default=0)
+    p.add_argument("--lora-targets", default="wq,wk,wv,wo")
+    p.add_argument("--base-4bit", action="store_true")
+    p.add_argument("--optim-8bit", action="store_true")
+    p.add_argument("-h", "--help", action="store_true")
+    return p
+
+
+def _devices(args, hw: Hardware) -> int:
+    if args.devices is not None and args.devices < 1:
+        raise ConfigError(f"--devices={args.devices} must be >= 1. Fix: --devices 8")
+    if args.nodes is not None:
+        if args.nodes < 1:
+            raise ConfigError(f"--nodes={args.nodes} must be >= 1. Fix: --nodes 1")
+        return args.nodes * hw.per_node
+    if args.devices is not None:
+        return args.devices
+    from shardwise.device import local_device_count
+
+    return local_device_count()
+
+
+def _finetune(args) -> FineTune:
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    known = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
+    if set(targets) - known:
+        raise ConfigError(
+            f"--lora-targets={args.lora_targets}: unknown {sorted(set(targets) - known)}. "
+            f"Fix: a comma list of {', '.join(sorted(known))}."
+        )
+    if args.lora_rank < 0:
+        raise ConfigError(f"--lora-rank={args.lora_rank} must be >= 0. Fix: --lora-rank 16")
+    return FineTune(args.lora_rank, targets, args.base_4bit, args.optim_8bit)
+
+
+def build_job(args, overrides: list[str]) -> Job:
+    from shardwise.plan.predict import job_from_config
+    from shardwise.plan.shapes import resolve_model
+
+    hw = get_hardware(args.hardware) if args.hardware else detect_hardware()
+    devices = _devices(args, hw)
+    cfg = load_config(args.config, overrides)
+    if args.params is not None:
+        if args.params < 1:
+            raise ConfigError(f"--params={args.params:g} must be positive. Fix: --params 7.5e9")
+        # mixed-precision Adam as in the ZeRO paper: 16-bit parameters and gradients
+        return Job(None, hw, devices, precision="bf16", reduce="bf16", params=int(args.params))
+    spec = resolve_model(args.model) if args.model else None
+    return job_from_config(cfg, hw, devices, spec, _finetune(args))
+
+
+def states_records(job: Job) -> list[dict]:
+    rows = []
+    for zero in range(4):
+        mem = states_only(job.params, job, job.devices, zero)
+        rows.append(
+            {"zero": zero, "dp": job.devices, "mem_bytes": {k: int(v) for k, v in mem.items()}}
+        )
+    return rows
+
+
+def nothing_fits(job: Job, result: Result) -> ConfigError:
+    """What would be needed: the least memory any layout needs, and the smallest device count
+    (doubling) at which something fits with the same global batch."""
+    least, hw = result.best_unfit, job.hardware
+    need = ""
+    if least:
+        need = (
+            f" The closest layout ({_short(least)}) needs {least['peak_bytes'] / 1e9:.1f} GB "
+            f"per device and {least['host_bytes'] / 1e9:.1f} GB of host memory per device; "
+            f"{hw.name} has {hw.memory / 1e9:.1f} GB and {hw.host_memory / 1e9:.1f} GB."
+        )
+    more = ""
+    for k in range(1, 11):
+        bigger = dataclasses.replace(job, devices=job.devices * 2**k)
+        if search(bigger).candidates:
+            more = f" The smallest device count (doubling) that fits is {bigger.devices}."
+            break
+    return ConfigError(
+        f"no layout of {job.spec.n_layers}-layer, {job.spec.dim}-wide model fits on "
+        f"{job.devices} x {job.hardware.name} (seq_len {job.seq_len}, global batch "
+        f"{job.global_batch}).{need}{more} Fix: more devices, a device with more memory, "
+        "a smaller micro-batch or sequence, or fine-tuning options (--lora-rank, --base-4bit)."
+    )
+
+
+def _short(r: dict) -> str:
+    return (
+        f"tp={r['tp']} pp={r['pp']} dp={r['dp']} zero={r['zero']} mb={r['micro_batch']} "
+        f"recompute={r['recompute']} offload={r['offload']}"
+    )
+
+
+def public(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if k != "device_memory"}
+
+
+def run(argv: list[str], overrides: list[str]) -> int:
+    args, rest = parser().parse_known_args(argv)
+    if args.help:
+        print(__doc__)
+        return 0
+    if rest:
+        raise ConfigError(f"unexpected argument(s) {rest} for plan. Fix: see `shardwise plan -h`.")
+    job = build_job(args, overrides)
+    if job.spec is None:
+        rows = states_records(job)
+        if args.json:
+            print(json.dumps({"candidates": rows, "rejected": {}}, indent=2))
+        else:
+            print(report.states_table(rows, job.params, job.devices))
+        return 0
+    result = search(job)
+    if not result.candidates:
+        if args.misses:
+            print(
+                report.misses(
+                    result.unfit, args.misses, job.hardware.memory, job.hardware.host_memory
+                )
+            )
+        raise nothing_fits(job, result)
+    if args.verify:
+        from shardwise.plan.verify import verify
+
+        return verify(job, result.candidates[: args.top], args.config, overrides)
+    if args.json:
+        cands = [public(c) for c in result.candidates[: args.top]]
+        print(json.dumps({"candidates": cands, "rejected": dict(result.rejected)}, indent=2))
+        return 0
+    if args.explain is not None:
+        if not 1 <= args.explain <= len(result.candidates):
+            raise ConfigError(
+                f"--explain {args.explain}: there are {len(result.candidates)} candidates. "
+                f"Fix: --explain 1..{len(result.candidates)}."
+            )
+        print(report.explain_candidate(result.candidates[args.explain - 1], args.explain))
+        return 0
+    hw = job.hardware
+    print(
+        f"plan: {job.spec.n_layers} layers x {job.spec.dim} wide on {job.devices} x {hw.name} "
+        f"({hw.memory / 1e9:.0f} GB, {hw.calibrated}); seq_len {job.seq_len}, global batch "
+        f"{job.global_batch}, {job.precision}; {len(result.candidates):,} layouts fit"
+    )
+    print(report.table(result.candidates, args.top))
+    print(report.rejected_lines(dict(result.rejected)))
+    if args.misses:
+        print(report.misses(result.unfit, args.misses, hw.memory, hw.host_memory))
+    return 0

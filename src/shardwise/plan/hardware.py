@@ -1,0 +1,141 @@
+"""The hardware catalog: memory, dense peak FLOP/s per dtype, bandwidths and node size.
+
+Numbers are the vendors' data-sheet values for dense math (no 2:4 sparsity). Link bandwidths
+are per device and per direction, which is what a ring collective's time is proportional to
+(NCCL's "bus bandwidth"). Achieved fractions of these peaks (`*_eff`) are the planner's
+calibration: for GPUs the defaults below are typical of large bf16 GEMMs and NCCL rings
+(cuBLAS reaches ~70% of dense peak on LLM-sized GEMMs; nccl-tests ~80% of link bandwidth);
+`cpu` measures its own on the spot (calibrate.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+
+from shardwise.errors import ConfigError
+
+GiB = 2**30
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory: int  # bytes of device memory
+    peak: dict[str, float]  # dense FLOP/s by compute dtype (fp32 = non-tensor-core FP32)
+    hbm_bw: float  # bytes/s device memory bandwidth
+    intra_bw: float  # bytes/s per device per direction inside a node (NVLink, IF, PCIe)
+    inter_bw: float  # bytes/s per device per direction between nodes (IB / RoCE NIC)
+    host_bw: float  # bytes/s device <-> host (PCIe), for offload
+    per_node: int  # devices per node
+    host_memory: int  # bytes of host memory per device (a node's RAM / per_node)
+    host_mem_bw: float = 25e9  # bytes/s of host RAM per device (a ~200 GB/s server / 8)
+    matmul_eff: float = 0.7  # achieved / peak for training GEMMs
+    comm_eff: float = 0.8  # achieved / peak link bandwidth for ring collectives
+    mem_eff: float = 0.8  # achieved / peak memory bandwidth for element-wise kernels
+    overlap: float = 1.0  # fraction of communication that can hide behind compute
+    reserve: int = 2 * GiB  # CUDA context, cuBLAS workspace, allocator fragmentation
+    cores: int = 0  # CPU: ranks beyond this many share cores (0 = a device per rank)
+    memory_shared: bool = False  # CPU: all ranks of a node share `memory` (RAM)
+    calibrated: str = "data sheet"
+
+    def flops(self, precision: str) -> float:
+        """Achieved dense FLOP/s for `precision` (peak x matmul efficiency)."""
+        return self.peak[precision] * self.matmul_eff
+
+    def with_overrides(self, **kw: object) -> Hardware:
+        return dataclasses.replace(self, **kw)  # type: ignore[arg-type]
+
+
+def _gpu(name, mem_gib, bf16, fp32, hbm_tbs, intra_gbs, inter_gbs, host_gbs, per_node, host_gib):
+    return Hardware(
+        name=name,
+        memory=int(mem_gib * GiB),
+        peak={"bf16": bf16 * 1e12, "fp16": bf16 * 1e12, "fp32": fp32 * 1e12},
+        hbm_bw=hbm_tbs * 1e12,
+        intra_bw=intra_gbs * GB,
+        inter_bw=inter_gbs * GB,
+        host_bw=host_gbs * GB,
+        per_node=per_node,
+        host_memory=int(host_gib * GiB),
+    )
+
+
+# name: memory GiB, bf16 TF, fp32 TF, HBM TB/s, intra GB/s, inter GB/s, host GB/s, per node,
+# host GiB per device. Sources: NVIDIA A100/H100/H200/HGX B200/L40S data sheets, the Ada and
+# Ampere GeForce whitepapers (tensor FP16 with FP32 accumulate), AMD MI300X data sheet.
+# Inter-node: one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100 and later) NIC per GPU, as in
+# NVIDIA's DGX reference designs; PCIe parts: 100-200 Gb/s per GPU.
+CATALOG: dict[str, Hardware] = {
+    h.name: h
+    for h in (
+        _gpu("a100-40gb", 40, 312, 19.5, 1.555, 300, 25, 32, 8, 128),
+        _gpu("a100-80gb", 80, 312, 19.5, 2.039, 300, 25, 32, 8, 256),
+        _gpu("h100-sxm", 80, 989, 67, 3.35, 450, 50, 64, 8, 256),
+        _gpu("h100-pcie", 80, 756, 51, 2.0, 64, 25, 64, 8, 256),
+        _gpu("h200", 141, 989, 67, 4.8, 450, 50, 64, 8, 256),
+        _gpu("b200", 180, 2250, 75, 8.0, 900, 50, 64, 8, 512),
+        _gpu("l40s", 48, 362, 91.6, 0.864, 32, 12.5, 32, 8, 128),
+        _gpu("rtx4090", 24, 165, 82.6, 1.008, 25, 12.5, 25, 1, 64),
+        _gpu("rtx3090", 24, 71, 35.6, 0.936, 25, 12.5, 25, 1, 64),
+        _gpu("mi300x", 192, 1307, 163.4, 5.3, 448, 50, 64, 8, 256),
+    )
+}
+ALIASES = {
+    "a100": "a100-80gb",
+    "h100": "h100-sxm",
+    "4090": "rtx4090",
+    "3090": "rtx3090",
+    "mi300": "mi300x",
+}
+
+
+def hardware_names() -> list[str]:
+    return [*CATALOG, "cpu"]
+
+
+def get_hardware(name: str, calibrate: bool = True) -> Hardware:
+    """The catalog entry for `name` (case-insensitive; `cpu` is measured on this machine)."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key == "cpu":
+        from shardwise.plan.calibrate import cpu_hardware
+
+        return cpu_hardware(measure=calibrate)
+    if key not in CATALOG:
+        close = difflib.get_close_matches(key, hardware_names(), n=1, cutoff=0.5)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"unknown hardware '{name}'.{hint} Fix: one of {', '.join(hardware_names())}."
+        )
+    return CATALOG[key]
+
+
+def detect_hardware() -> Hardware:
+    """The hardware this process runs on: a catalog GPU by its CUDA name, else `cpu`."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return get_hardware("cpu")
+    name = torch.cuda.get_device_name(0).lower().replace(" ", "")
+    table = (
+        ("h200", "h200"),
+        ("h100pcie", "h100-pcie"),
+        ("h100", "h100-sxm"),
+        ("b200", "b200"),
+        ("a100", "a100-80gb"),
+        ("l40s", "l40s"),
+        ("4090", "rtx4090"),
+        ("3090", "rtx3090"),
+        ("mi300", "mi300x"),
+    )
+    for needle, key in table:
+        if needle in name:
+            hw = CATALOG[key]
+            total = torch.cuda.get_device_properties(0).total_memory
+            return hw.with_overrides(memory=total, per_node=torch.cuda.device_count())
+    raise ConfigError(
+        f"GPU '{torch.cuda.get_device_name(0)}' is not in the planner's catalog. Fix: plan "
+        f"with --hardware <one of {', '.join(CATALOG)}> and pass the chosen layout explicitly."
+    )

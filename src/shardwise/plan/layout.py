@@ -1,0 +1,87 @@
+"""What is planned (`Job`: model, hardware, batch, precision, fine-tuning) and one way to run
+it (`Layout`: degrees, ZeRO stage, schedule, micro-batch, recompute, offload)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from shardwise.models import ModelSpec
+from shardwise.plan.hardware import Hardware
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class FineTune:
+    """Planner-only fine-tuning options (scenario 3). LoRA (Hu et al. 2021) trains rank-r
+    adapters A (r x in) and B (out x r) beside frozen `targets`; QLoRA (Dettmers et al. 2023)
+    stores the frozen linear weights in 4-bit NF4; 8-bit optimizers (Dettmers et al. 2022)
+    keep Adam's two moments in one byte each."""
+
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ("wq", "wk", "wv", "wo")
+    base_4bit: bool = False
+    optim_8bit: bool = False
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
+
+
+@dataclass(frozen=True)
+class Job:
+    spec: ModelSpec | None  # None: model states only, from `params`
+    hardware: Hardware
+    devices: int
+    seq_len: int = 2048
+    global_batch: int = 1024
+    precision: str = "bf16"
+    reduce: str = "bf16"
+    params: int = 0  # used when spec is None
+    finetune: FineTune = field(default_factory=FineTune)
+    frozen: tuple | None = None  # the real model's ZeRO units (explain with train.freeze)
+
+    @property
+    def bc(self) -> int:
+        return BYTES[self.precision]
+
+    @property
+    def br(self) -> int:
+        return BYTES[self.reduce]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero: int = 0
+    sp: bool = False
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
+    micro_batch: int = 1
+    recompute: str = "none"
+    offload: str = "none"
+
+    def micro_batches(self, job: Job) -> int:
+        """Micro-batches per rank per step (gradient accumulation / pipeline micro-batches)."""
+        return job.global_batch // (self.dp * self.micro_batch)
+
+    def record(self) -> dict:
+        return {f: getattr(self, f) for f in _FIELDS}
+
+    def short(self) -> str:
+        sched = ""
+        if self.pp > 1:
+            sched = f" {self.pp_schedule}" + (f"x{self.pp_virtual}" if self.pp_virtual > 1 else "")
+        return (
+            f"tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp}{sched} dp{self.dp} "
+            f"z{self.zero} mb{self.micro_batch} rc={self.recompute} off={self.offload}"
+        )
+
+
+_FIELDS = tuple(f.name for f in fields(Layout))

@@ -1,0 +1,201 @@
+"""Memory per rank by category (the `mem_bytes` keys of DESIGN.md), before launch.
+
+Model states follow the engine's layout exactly (parallel/zero.py, optim.py): ZeRO units are
+flat buffers padded to a multiple of dp; rank r keeps slice r; AdamW keeps two fp32 moments per
+element and a 4-byte step counter per parameter piece; a separate fp32 master exists with
+16-bit compute or offload. The report is the max over ranks per category, as train.py's
+metrics are. For Ψ parameters on N ranks with 16-bit params and gradients this is the ZeRO
+paper's 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (Rajbhandari et al. 2020, fig. 1), plus the step
+counters and padding.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from shardwise.plan import activations as act
+from shardwise.plan.layout import Job, Layout
+from shardwise.plan.shapes import Unit, linear_shapes, units
+
+ADAM8_BYTES = 2 * (1 + 4 / 2048)  # two 1-byte moments + an fp32 absmax per 2048-element block
+NF4_BYTES = 0.5 + (8 / 64 + 32 / (64 * 256)) / 8  # 4 bits + double-quantised constants (QLoRA)
+
+
+def _entry_bytes(e: tuple, bc: int) -> float:
+    return e[3] if len(e) > 3 else bc
+
+
+@lru_cache(maxsize=4096)
+def _unit_states(unit: Unit, dp: int, stage: int, bc: int, br: int) -> tuple:
+    """(params, grads, per-rank master elements, per-rank pieces) of one unit (x count)."""
+    numel = unit.numel
+    pbytes = sum(e[0] * _entry_bytes(e, bc) for e in unit.entries)
+    trainable = [e[1] for e in unit.entries]
+    if stage == 0:
+        n_train = sum(e[0] for e in unit.entries if e[1])
+        return pbytes, n_train * br, (n_train,), (sum(trainable),)
+    shard = -(-numel // dp)
+    own, pieces = [0] * dp, [0] * dp
+    off = 0
+    for e in unit.entries:
+        lo_r, hi_r = off // shard, min(dp - 1, (off + e[0] - 1) // shard)
+        if e[1]:
+            for r in range(lo_r, hi_r + 1):
+                own[r] += min(off + e[0], (r + 1) * shard) - max(off, r * shard)
+                pieces[r] += 1
+        off += e[0]
+    padded = shard * dp
+    pad_bytes = (padded - numel) * bc
+    params = pbytes + pad_bytes if stage < 3 else (pbytes + pad_bytes) / dp
+    grads = padded * br if stage == 1 else shard * br
+    return params, grads, tuple(own), tuple(pieces)
+
+
+def model_states(us: list[Unit], job: Job, dp: int, stage: int, offload: str) -> dict[str, float]:
+    """Device (and host, with offload) model-state bytes per rank (max over dp ranks)."""
+    master = 4 if (job.precision != "fp32" or offload != "none") else 0
+    moments = ADAM8_BYTES if job.finetune.optim_8bit else 8
+    key = (tuple(us), dp, stage, offload, job.bc, job.br, master, moments)
+    return dict(_model_states(*key))
+
+
+@lru_cache(maxsize=8192)
+def _model_states(us, dp, stage, offload, bc, br, master, moments) -> tuple:
+    ranks = 1 if stage == 0 else dp
+    params = grads = 0.0
+    own, pieces = [0] * ranks, [0] * ranks
+    for u in us:
+        p, g, o, c = _unit_states(u, dp, stage, bc, br)
+        params, grads = params + p * u.count, grads + g * u.count
+        for r in range(ranks):
+            own[r] += o[r] * u.count
+            pieces[r] += c[r] * u.count
+    states = {
+        "params": params,
+        "grads": grads,
+        "master": max(master * o for o in own),
+        "optimizer": max(moments * o + 4 * c for o, c in zip(own, pieces, strict=True)),
+        "buffers": 0.0,
+    }
+    if offload != "none":  # ZeRO-Offload (Ren et al. 2021): masters and Adam state on the host
+        states["host_master"], states["host_optimizer"] = states["master"], states["optimizer"]
+        states["master"] = states["optimizer"] = 0.0
+    if offload == "optimizer+params":
+        states["host_params"], states["params"] = states["params"], 0.0
+    return tuple(states.items())
+
+
+def zero_transient(us: list[Unit], job: Job, dp: int, stage: int) -> float:
+    return _zero_transient(tuple(us), dp, stage, job.bc, job.br)
+
+
+@lru_cache(maxsize=8192)
+def _zero_transient(us: tuple, dp: int, stage: int, bc: int, br: int) -> float:
+    """Peak bytes of ZeRO's temporary buffers, replaying the engine's schedule (zero.py): ZeRO-3
+    holds the unit it runs plus the prefetched next one; ZeRO-2/3 reduce-scatter each unit's
+    gradients from a fresh flat buffer, at most three in flight (two pending, one launching).
+    Backward visits units in reverse; at unit k's launch: F_k + F_k-1 + G_k + G_k+1 + G_k+2."""
+    if stage < 2:
+        return 0.0
+    flat = [u for u in us for _ in range(u.count)]
+    padded = [-(-u.numel // dp) * dp for u in flat]
+    full = [n * bc if stage == 3 else 0 for n in padded]
+    grad = [n * br for n in padded]
+    n, peak = len(flat), 0.0
+    for i in range(n - 1):  # forward: running unit + prefetched next
+        peak = max(peak, full[i] + full[i + 1])
+    for k in range(n - 1, -1, -1):
+        gathered = full[k] + (full[k - 1] if k > 0 else 0)
+        peak = max(peak, gathered + sum(grad[k : k + 3]))
+    return peak
+
+
+def stage_units(job: Job, layout: Layout, stage: int) -> list[Unit]:
+    """The ZeRO units of pipeline stage `stage` (blocks split evenly, remainder first)."""
+    if job.frozen is not None:  # the real model's units (explain with train.freeze)
+        return list(job.frozen)
+    spec, p = job.spec, layout.pp
+    layers = spec.n_layers // p + (1 if stage < spec.n_layers % p else 0)
+    us = units(spec, layout.tp, layers, first=stage == 0, last=stage == p - 1)
+    return finetune_units(us, job, layout.tp) if job.finetune.lora or job.finetune.base_4bit else us
+
+
+def finetune_units(us: list[Unit], job: Job, tp: int) -> list[Unit]:
+    """LoRA: every base parameter frozen, rank-r A and B beside each targeted linear (trainable,
+    in compute dtype); QLoRA: frozen block linears stored in NF4."""
+    ft, out = job.finetune, []
+    shapes = linear_shapes(job.spec, tp)
+    for u in us:
+        entries = []
+        for e in u.entries:
+            tag = e[2] if len(e) > 2 else ""
+            nbytes = NF4_BYTES if (ft.base_4bit and tag in shapes) else job.bc
+            entries.append((e[0], not ft.lora, tag, nbytes))
+            if ft.lora and tag in ft.lora_targets:
+                fan_in, fan_out = shapes[tag]
+                entries += [
+                    (ft.lora_rank * fan_in, True, "lora_A"),
+                    (fan_out * ft.lora_rank, True, "lora_B"),
+                ]
+        out.append(Unit(u.name, tuple(entries), u.count))
+    return out
+
+
+def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
+    """Peak bytes saved for backward on one rank of pipeline stage `stage`."""
+    spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
+    p = layout.pp
+    layers = spec.n_layers // p + (1 if stage < spec.n_layers % p else 0)
+    if layout.recompute == "full":
+        per_layer = act.full_recompute_bytes(spec, s, b, c, t, layout.sp)
+    else:
+        terms = act.block_terms(spec, s, b, c)
+        per_layer = act.layer_bytes(terms, t, layout.sp, layout.recompute == "selective")
+    if job.finetune.lora and layout.recompute != "full":  # x·A saved for B's backward
+        per_layer += len(job.finetune.lora_targets) * c * s * b * job.finetune.lora_rank
+    m = layout.micro_batches(job)
+    held = act.in_flight(layout.pp_schedule, p, m, layout.pp_virtual, stage)
+    edges = act.edge_terms(spec, s, b, c, first=stage == 0, last=stage == p - 1)
+    edge = act.layer_bytes(edges, t, layout.sp)
+    held_edge = 1.0 if (stage == p - 1 and p > 1) else held  # the loss: one micro-batch
+    return per_layer * layers * held + edge * held_edge
+
+
+def backward_transient(job: Job, layout: Layout) -> float:
+    """Temporaries beyond the saved activations during backward (not in `total`, but in the
+    fit check): the logits' gradient (fp32 + compute copy) and, under recomputation, one
+    layer's recomputed activations."""
+    spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
+    logits = (4 + c) * s * b * spec.vocab_size / t
+    terms = act.block_terms(spec, s, b, c)
+    layer = act.layer_bytes(terms, t, layout.sp) if layout.recompute != "none" else 0.0
+    return max(logits, layer)
+
+
+def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
+    """`mem_bytes` per rank: max over ranks per category, `total` the largest rank's sum."""
+    stages = sorted({0, layout.pp - 1})
+    per_stage = []
+    for st in stages:
+        us = stage_units(job, layout, st)
+        mem = model_states(us, job, layout.dp, layout.zero, layout.offload)
+        mem["buffers"] = zero_transient(us, job, layout.dp, layout.zero)
+        if job.finetune.base_4bit:  # one linear dequantised to compute dtype at a time
+            mem["buffers"] += (
+                max(a * b for a, b in linear_shapes(job.spec, layout.tp).values()) * job.bc
+            )
+        mem["activations"] = activation_bytes(job, layout, st)
+        mem["total"] = sum(v for k, v in mem.items() if not k.startswith("host_"))
+        per_stage.append(mem)
+    keys = list(per_stage[0]) + [k for m in per_stage[1:] for k in m if k not in per_stage[0]]
+    return {k: max(m.get(k, 0.0) for m in per_stage) for k in keys}
+
+
+def states_only(params: int, job: Job, dp: int, stage: int, offload: str = "none") -> dict:
+    """Model states of Ψ = `params` parameters as one tensor: the ZeRO paper's accounting."""
+    unit = Unit("model", ((params, True),))
+    mem = model_states([unit], job, dp, stage, offload)
+    mem["optimizer"] -= 4  # the paper counts no step counter
+    mem["activations"] = 0.0
+    mem["total"] = sum(v for k, v in mem.items() if not k.startswith("host_"))
+    return mem

@@ -1,0 +1,106 @@
+"""The planner's prediction for one given config (used by `explain` and `train --plan auto`).
+
+Model states come from the ZeRO units of the real model built on fake tensors (so frozen
+parameters, tied weights and image models are exact); transformer activations from the
+formula in activations.py; image models' activations from one forward on fake tensors under
+the engine's own saved-tensor accounting (memory.ActivationMeter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from shardwise import device as dev
+from shardwise.config import Config
+from shardwise.memory import ActivationMeter, tensor_bytes
+from shardwise.models import build_model, count_params
+from shardwise.parallel.zero_units import unit_roots
+from shardwise.plan import memory as mem
+from shardwise.plan.hardware import Hardware
+from shardwise.plan.layout import FineTune, Job, Layout
+from shardwise.plan.search import evaluate
+from shardwise.plan.shapes import Unit
+from shardwise.recompute import apply_recompute
+from shardwise.runtime import cast_for_compute, freeze
+
+
+def job_from_config(
+    cfg: Config, hardware: Hardware, devices: int, spec=None, finetune: FineTune | None = None
+) -> Job:
+    from shardwise.validate import model_spec
+
+    return Job(
+        spec=spec or model_spec(cfg),
+        hardware=hardware,
+        devices=devices,
+        seq_len=cfg.data.seq_len,
+        global_batch=cfg.train.global_batch,
+        precision=cfg.precision.compute,
+        reduce=cfg.precision.reduce,
+        finetune=finetune or FineTune(),
+    )
+
+
+def layout_from_config(cfg: Config, derived) -> Layout:
+    p = cfg.parallel
+    return Layout(
+        tp=derived.tp,
+        pp=derived.pp,
+        dp=derived.dp,
+        zero=p.zero,
+        sp=p.sp,
+        pp_schedule=p.pp_schedule,
+        pp_virtual=p.pp_virtual,
+        micro_batch=derived.micro_batch,
+        recompute=cfg.memory.recompute,
+        offload=cfg.memory.offload,
+    )
+
+
+def model_units(model: torch.nn.Module) -> list[Unit]:
+    """The engine's ZeRO units of a real (meta or fake) model as planner units."""
+    return [
+        Unit(name, tuple((p.numel(), p.requires_grad) for *_, p in entries))
+        for name, entries, _ in unit_roots(model)
+    ]
+
+
+def _fake_activations(model, cfg: Config, derived) -> int:
+    """Bytes saved for backward by one micro-batch's forward and loss, on fake tensors."""
+    apply_recompute(model, derived.family, cfg.memory.recompute)
+    cast_for_compute(model, dev.dtype_of(cfg.precision.compute))
+    meter = ActivationMeter(model)
+    b, size = derived.micro_batch, cfg.data.image_size
+    shape = (b, derived.spec.in_channels, size, size)
+    inputs = torch.zeros(shape, dtype=dev.dtype_of(cfg.precision.compute))
+    with meter.measure():
+        logits = model(inputs)
+        F.cross_entropy(logits.float(), torch.zeros(b, dtype=torch.long), reduction="sum")
+    return meter.take_peak()
+
+
+def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]:
+    """(parameter count, the planner's candidate record for exactly this config)."""
+    job = job_from_config(cfg, hardware, derived.world, derived.spec)
+    layout = layout_from_config(cfg, derived)
+    with FakeTensorMode():
+        model = build_model(derived.spec)
+        freeze(model, cfg.train.freeze)
+        n = count_params(model)
+        us = model_units(model)
+        module_buffers = tensor_bytes(model.buffers())
+        if derived.family == "resnet":
+            activations = _fake_activations(model, cfg, derived)
+    if derived.family == "resnet":  # no token formula: states + the fake forward's bytes
+        states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload)
+        states["buffers"] = mem.zero_transient(us, job, layout.dp, layout.zero) + module_buffers
+        states["activations"] = activations
+        states["total"] = sum(v for k, v in states.items() if not k.startswith("host_"))
+        return n, {**layout.record(), "mem_bytes": {k: int(v) for k, v in states.items()}}
+    if cfg.train.freeze and layout.pp == 1 and layout.tp == 1:  # exact frozen entries
+        job = dataclasses.replace(job, frozen=tuple(us))
+    return n, evaluate(job, layout)

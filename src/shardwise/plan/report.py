@@ -1,0 +1,125 @@
+"""What `shardwise plan` prints: the top-k table, one candidate in full, the rejected counts,
+the ZeRO model-state table of `--params`, and what would be needed when nothing fits."""
+
+from __future__ import annotations
+
+from shardwise.metrics import human_bytes
+
+CATEGORIES = ("params", "grads", "master", "optimizer", "activations", "buffers")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f}"
+
+
+def why(rec: dict) -> str:
+    """One line: the spare memory and where the step time goes beyond compute."""
+    t = rec["time"]
+    spare = rec["device_memory"] - rec["peak_bytes"]
+    costs = {
+        "bubble": t["bubble_s"],
+        "tp comm": t["tp_comm_s"],
+        "pp p2p": t["pp_comm_s"],
+        "exposed dp comm": t["dp_exposed_s"],
+        "optimizer": t["optimizer_s"],
+        "offload": t["offload_s"],
+    }
+    step = rec["step_time_s"]
+    top = sorted(((v, k) for k, v in costs.items() if v >= 0.005 * step), reverse=True)[:2]
+    over = ", ".join(f"{k} {100 * v / step:.0f}%" for v, k in top) or "nothing but compute"
+    return f"{_gb(spare)} GB spare; compute {100 * t['compute_s'] / step:.0f}%, {over}"
+
+
+def table(cands: list[dict], top: int) -> str:
+    head = (
+        f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'schedule':>13} {'mb':>3} "
+        f"{'recompute':>9} {'offload':>16} {'params':>7} {'grads':>6} {'optim':>6} "
+        f"{'act':>6} {'peak GB':>8} {'step s':>8} {'tok/s':>10} {'mfu':>5}  why"
+    )
+    lines = [head]
+    for i, r in enumerate(cands[:top], 1):
+        m = r["mem_bytes"]
+        sched = (
+            f"{r['pp_schedule']}" + (f" v{r['pp_virtual']}" if r["pp_virtual"] > 1 else "")
+            if r["pp"] > 1
+            else "-"
+        )
+        lines.append(
+            f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {r['zero']:>4} {sched:>13} "
+            f"{r['micro_batch']:>3} {r['recompute']:>9} {r['offload']:>16} "
+            f"{_gb(m['params']):>7} {_gb(m['grads']):>6} "
+            f"{_gb(m['master'] + m['optimizer']):>6} {_gb(m['activations']):>6} "
+            f"{_gb(r['peak_bytes']):>8} {r['step_time_s']:>8.3g} {r['tokens_per_s']:>10,.0f} "
+            f"{100 * r['mfu']:>4.0f}%  {why(r)}"
+        )
+    return "\n".join(lines)
+
+
+def rejected_lines(rejected: dict) -> str:
+    if not rejected:
+        return "rejected: none"
+    parts = [f"  {n:>7,}  {reason}" for reason, n in sorted(rejected.items(), key=lambda x: -x[1])]
+    return f"rejected {sum(rejected.values()):,} layouts:\n" + "\n".join(parts)
+
+
+def explain_candidate(r: dict, n: int) -> str:
+    lines = [f"candidate #{n}: tp={r['tp']} sp={r['sp']} pp={r['pp']} dp={r['dp']}"]
+    lines.append(
+        f"  zero={r['zero']} schedule={r['pp_schedule']} v={r['pp_virtual']} "
+        f"micro_batch={r['micro_batch']} recompute={r['recompute']} offload={r['offload']}"
+    )
+    lines.append("  memory per rank (max over ranks):")
+    for key, value in r["mem_bytes"].items():
+        lines.append(f"    {key:<15} {human_bytes(value):>10}  ({value:,} B)")
+    lines.append(
+        f"    {'+ backward transient and framework reserve':<15} -> peak "
+        f"{human_bytes(r['peak_bytes'])} of {human_bytes(r['device_memory'])}"
+    )
+    lines.append("  step time:")
+    for key, value in r["time"].items():
+        lines.append(f"    {key:<15} {value:.4g} s")
+    lines.append(
+        f"  tokens/s {r['tokens_per_s']:,.0f}   mfu {100 * r['mfu']:.1f}%   "
+        f"traffic/rank dp {human_bytes(r['comm_bytes']['dp'])} tp "
+        f"{human_bytes(r['comm_bytes']['tp'])} pp {human_bytes(r['comm_bytes']['pp'])}"
+    )
+    lines.append(f"  why: {why(r)}")
+    return "\n".join(lines)
+
+
+def states_table(rows: list[dict], params: int, devices: int) -> str:
+    """The ZeRO paper's figure-1 accounting, in decimal GB per device."""
+    lines = [
+        f"model states per device: {params:,} parameters on {devices} devices, mixed-precision "
+        "Adam (16-bit params and grads, fp32 master and moments; Rajbhandari et al. 2020 fig. 1)",
+        f"{'stage':<8} {'params':>8} {'grads':>8} {'master':>8} {'optim':>8} {'total GB':>9}",
+    ]
+    for r in rows:
+        m = r["mem_bytes"]
+        name = "DDP" if r["zero"] == 0 else f"ZeRO-{r['zero']}"
+        lines.append(
+            f"{name:<8} {_gb(m['params']):>8} {_gb(m['grads']):>8} {_gb(m['master']):>8} "
+            f"{_gb(m['optimizer']):>8} {_gb(m['total']):>9}"
+        )
+    return "\n".join(lines)
+
+
+def misses(unfit: list[dict], k: int, memory: int, host: int) -> str:
+    """The `k` layouts closest to fitting, and by how much they miss."""
+    lines = [
+        f"closest layouts that do not fit ({memory / 1e9:.1f} GB device, "
+        f"{host / 1e9:.1f} GB host per device):"
+    ]
+    for r in unfit[:k]:
+        overs = []
+        if r["peak_bytes"] > memory:
+            overs.append(f"device over by {(r['peak_bytes'] - memory) / 1e9:.1f} GB")
+        if r["host_bytes"] > host:
+            overs.append(f"host over by {(r['host_bytes'] - host) / 1e9:.1f} GB")
+        where = ", ".join(overs)
+        lines.append(
+            f"  zero={r['zero']} mb={r['micro_batch']} recompute={r['recompute']:<9} "
+            f"offload={r['offload']:<16} peak {_gb(r['peak_bytes'])} GB, host "
+            f"{_gb(r['host_bytes'])} GB: {where}"
+        )
+    return "\n".join(lines)

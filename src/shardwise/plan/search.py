@@ -1,0 +1,148 @@
+"""Search over layouts: enumerate tp, pp, dp, ZeRO stage, schedule and v, micro-batch,
+recompute and offload; reject what is invalid or does not fit (counting reasons); rank the rest
+by predicted tokens/s."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+
+from shardwise.errors import ConfigError
+from shardwise.plan import memory as mem
+from shardwise.plan import time as tm
+from shardwise.plan.layout import Job, Layout
+
+SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb")
+RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = ("none", "optimizer", "optimizer+params")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, d = [], 1
+    while d <= n:
+        out.append(d)
+        d *= 2
+    return out
+
+
+def invalid(job: Job, lay: Layout) -> str | None:
+    """Why `lay` cannot run `job`, or None. The reasons are the rejected table's keys."""
+    spec = job.spec
+    if lay.tp > job.hardware.per_node:
+        return "tp spans nodes"
+    if spec.n_heads % lay.tp or spec.ffn_dim % lay.tp:
+        return "heads or ffn not divisible by tp"
+    if spec.n_kv_heads % lay.tp and lay.tp % spec.n_kv_heads:
+        return "kv heads and tp do not divide"
+    if lay.pp > spec.n_layers or spec.n_layers % (lay.pp * lay.pp_virtual):
+        return "layers not divisible by pp*v"
+    if job.global_batch % (lay.dp * lay.micro_batch):
+        return "global batch not divisible by dp*micro_batch"
+    m = lay.micro_batches(job)
+    if lay.pp > 1 and m < lay.pp:
+        return "fewer micro-batches than pipeline stages"
+    if lay.pp_schedule == "interleaved" and m % lay.pp:
+        return "interleaved needs micro-batches divisible by pp"
+    if lay.pp > 1 and lay.zero >= 2:
+        return "zero>=2 with pp (gradients reduce-scattered every micro-batch)"
+    if lay.offload != "none" and lay.zero == 0:
+        return "offload needs zero>=1"
+    if lay.offload == "optimizer+params" and lay.zero != 3:
+        return "parameter offload needs zero=3"
+    if lay.zero > 0 and lay.dp == 1 and lay.offload == "none":
+        return "zero with dp=1 shards nothing"
+    return None
+
+
+@dataclass
+class Result:
+    candidates: list[dict]
+    rejected: Counter = field(default_factory=Counter)
+    best_unfit: dict | None = None  # the candidate needing the least memory, when none fit
+    unfit: list[dict] = field(default_factory=list)  # over the memory budget, leanest first
+
+
+def evaluate(job: Job, lay: Layout) -> dict:
+    """The full prediction for one layout: the candidate record of `plan --json`."""
+    hw = job.hardware
+    mb = mem.predict_memory(job, lay)
+    parts = tm.step_time(job, lay, mb)
+    transient = mem.backward_transient(job, lay)
+    peak = mb["total"] + transient + hw.reserve
+    host = sum(v for k, v in mb.items() if k.startswith("host_"))
+    step = parts["step_s"]
+    tokens = job.tokens_per_step / step
+    mfu = tm.model_flops_per_token(job) * tokens / (job.devices * hw.peak[job.precision])
+    return {
+        **lay.record(),
+        "mem_bytes": {k: round(v) for k, v in mb.items()},
+        "peak_bytes": int(peak),
+        "device_memory": hw.memory,
+        "host_bytes": int(host),
+        "step_time_s": step,
+        "tokens_per_s": tokens,
+        "mfu": mfu,
+        "time": parts,
+        "comm_bytes": tm.traffic(job, lay),
+    }
+
+
+def fits(job: Job, rec: dict) -> str | None:
+    hw = job.hardware
+    share = min(job.devices, hw.per_node) if hw.memory_shared else 1
+    host_total = rec["host_bytes"] * (min(job.devices, hw.per_node) if not hw.memory_shared else 0)
+    if hw.memory_shared:  # CPU: every rank's device and host bytes share the RAM
+        if (rec["peak_bytes"] + rec["host_bytes"]) * share > hw.memory:
+            return "memory over budget"
+        return None
+    if rec["peak_bytes"] > hw.memory:
+        return "memory over budget"
+    if host_total > hw.host_memory * min(job.devices, hw.per_node):
+        return "host memory over budget"
+    return None
+
+
+def layouts(job: Job):
+    n = job.devices
+    for tp in _pow2_upto(min(n, job.hardware.per_node)):
+        for pp in _divisors(n // tp):
+            dp = n // (tp * pp)
+            scheds = [("1f1b", 1)] if pp == 1 else [(s, 1) for s in SCHEDULES if s != "interleaved"]
+            if pp > 1:
+                scheds += [("interleaved", v) for v in (2, 4)]
+            per_rank = job.global_batch // dp if job.global_batch % dp == 0 else 0
+            mbs = [b for b in _pow2_upto(per_rank) if per_rank % b == 0] or [1]
+            # sequence parallelism always with tp: less activation memory for the same
+            # communication volume (Korthikanti et al. 2022 §4.2.2)
+            for (sched, v), mb, zero, rc, off in itertools.product(
+                scheds, mbs, range(4), RECOMPUTE, OFFLOAD
+            ):
+                yield Layout(tp, pp, dp, zero, tp > 1, sched, v, mb, rc, off)
+
+
+def search(job: Job) -> Result:
+    """Every valid layout that fits, best first; rejected ones counted by reason."""
+    if job.spec is None:
+        raise ConfigError("search needs a model architecture; --params plans model states only")
+    out, rejected, unfit = [], Counter(), []
+    for lay in layouts(job):
+        reason = invalid(job, lay)
+        if reason:
+            rejected[reason] += 1
+            continue
+        rec = evaluate(job, lay)
+        reason = fits(job, rec)
+        if reason:
+            rejected[reason] += 1
+            unfit.append(rec)
+            continue
+        out.append(rec)
+    out.sort(key=lambda r: (-r["tokens_per_s"], r["peak_bytes"]))
+    hw = job.hardware
+    unfit.sort(key=lambda r: max(r["peak_bytes"] / hw.memory, r["host_bytes"] / hw.host_memory))
+    return Result(out, rejected, None if out or not unfit else unfit[0], unfit)

@@ -1,0 +1,166 @@
+"""The model as the planner sees it: architecture numbers and its ZeRO units, without a model.
+
+`units(spec, tp)` lists the parameter tensors of every ZeRO unit in the order the engine builds
+them (parallel/zero_units.unit_roots over models/decoder.py: token embedding, learned
+positions, each block, final norm, head), so model-state bytes come out exactly; a test checks
+it against units taken from a real (fake-tensor) model. Tensor parallelism divides the
+column-/row-parallel matrices (q/k/v/w1/w3 by output, wo/w2 by input) and the vocabulary by
+tp, as in Megatron-LM (Shoeybi et al. 2019, §3).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from shardwise.errors import ConfigError
+from shardwise.models import PRESETS, ModelSpec, preset
+
+Entry = tuple  # (elements, trainable) or (elements, trainable, bytes per element if not compute)
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    entries: tuple[Entry, ...]
+    count: int = 1  # identical units (transformer blocks)
+
+    @property
+    def numel(self) -> int:
+        return sum(e[0] for e in self.entries)
+
+
+def _linear(fan_in: int, fan_out: int, bias: bool, name: str = "") -> list[Entry]:
+    return [(fan_in * fan_out, True, name)] + ([(fan_out, True)] if bias else [])
+
+
+def _norm(spec: ModelSpec) -> list[Entry]:
+    return [(spec.dim, True)] * (2 if spec.arch == "gpt2" else 1)
+
+
+def block_entries(spec: ModelSpec, tp: int = 1) -> list[Entry]:
+    """One block's parameters in module order (attn_norm, wq, wk, wv, wo, mlp_norm, w1[, w3],
+    w2). Biases of row-parallel layers (wo, w2) are replicated, column-parallel ones split."""
+    h, hd, bias = spec.dim, spec.head_dim, spec.arch == "gpt2"
+    q, kv, f = spec.n_heads * hd // tp, spec.n_kv_heads * hd // tp, spec.ffn_dim // tp
+    out = _norm(spec)
+    out += _linear(h, q, bias, "wq") + _linear(h, kv, bias, "wk") + _linear(h, kv, bias, "wv")
+    out += [(q * h, True, "wo")] + ([(h, True)] if bias else [])
+    out += _norm(spec)
+    out += _linear(h, f, bias, "w1")
+    if spec.arch == "decoder":
+        out += _linear(h, f, False, "w3")
+    out += [(f * h, True, "w2")] + ([(h, True)] if bias else [])
+    return out
+
+
+def linear_shapes(spec: ModelSpec, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """(fan_in, fan_out) per block linear on one tp rank: the LoRA targets."""
+    h, hd = spec.dim, spec.head_dim
+    q, kv, f = spec.n_heads * hd // tp, spec.n_kv_heads * hd // tp, spec.ffn_dim // tp
+    out = {"wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h), "w1": (h, f), "w2": (f, h)}
+    if spec.arch == "decoder":
+        out["w3"] = (h, f)
+    return out
+
+
+@lru_cache(maxsize=4096)
+def units(spec: ModelSpec, tp: int = 1, layers: int | None = None, first=True, last=True):
+    """ZeRO units of a pipeline stage holding `layers` blocks (all by default) and the
+    embedding (`first`) and/or the final norm and head (`last`)."""
+    v = spec.vocab_size // tp if spec.vocab_size % tp == 0 else spec.vocab_size
+    out = []
+    if first:
+        out.append(Unit("embed", ((v * spec.dim, True),)))
+        if spec.arch == "gpt2":
+            out.append(Unit("pos_embed", ((spec.max_seq_len * spec.dim, True),)))
+    n = spec.n_layers if layers is None else layers
+    if n:
+        out.append(Unit("blocks", tuple(block_entries(spec, tp)), n))
+    if last:
+        out.append(Unit("norm", tuple(_norm(spec))))
+        if not (spec.tie_embeddings and first):
+            out.append(Unit("head", ((v * spec.dim, True),)))
+    return tuple(out)
+
+
+def param_count(spec: ModelSpec) -> int:
+    return sum(u.numel * u.count for u in units(spec))
+
+
+@lru_cache(maxsize=256)
+def non_embedding_params(spec: ModelSpec) -> int:
+    """Parameters that cost matmul FLOPs: all but lookup tables (a tied head still counts),
+    as metrics.flops_per_token counts them."""
+    total = param_count(spec)
+    total -= spec.vocab_size * spec.dim if not spec.tie_embeddings else 0
+    if spec.arch == "gpt2":
+        total -= spec.max_seq_len * spec.dim
+    return total
+
+
+# Hugging Face config keys -> ModelSpec fields (Llama/Mistral/Qwen2 family and GPT-2).
+_HF_LLAMA = {
+    "num_hidden_layers": "n_layers",
+    "hidden_size": "dim",
+    "num_attention_heads": "n_heads",
+    "num_key_value_heads": "n_kv_heads",
+    "intermediate_size": "ffn_dim",
+    "vocab_size": "vocab_size",
+    "max_position_embeddings": "max_seq_len",
+    "tie_word_embeddings": "tie_embeddings",
+}
+_HF_GPT2 = {
+    "n_layer": "n_layers",
+    "n_embd": "dim",
+    "n_head": "n_heads",
+    "n_inner": "ffn_dim",
+    "vocab_size": "vocab_size",
+    "n_positions": "max_seq_len",
+    "tie_word_embeddings": "tie_embeddings",
+}
+_DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo", "yi")
+
+
+def spec_from_hf_config(path: str) -> ModelSpec:
+    """A ModelSpec from a Hugging Face `config.json` (Llama-family or GPT-2)."""
+    p = Path(path)
+    try:
+        cfg = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"model config '{path}' does not exist. Fix: pass a config.json."
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model config '{path}' is not readable JSON ({exc}).") from None
+    kind = str(cfg.get("model_type", "")).lower()
+    if kind == "gpt2":
+        keys, arch = _HF_GPT2, "gpt2"
+    elif kind in _DECODER_TYPES or "num_hidden_layers" in cfg:
+        keys, arch = _HF_LLAMA, "decoder"
+    else:
+        raise ConfigError(
+            f"model config '{path}' has model_type '{kind}', which the planner does not "
+            "know. Fix: a Llama-family (llama, mistral, qwen2, ...) or gpt2 config."
+        )
+    fields = {field: cfg[key] for key, field in keys.items() if cfg.get(key) is not None}
+    missing = {"n_layers", "dim", "n_heads", "vocab_size"} - set(fields)
+    if missing:
+        names = [k for k, f in keys.items() if f in missing]
+        raise ConfigError(f"model config '{path}' lacks {names}. Fix: a complete config.json.")
+    fields.setdefault("tie_embeddings", arch == "gpt2")
+    return ModelSpec(arch, **fields)  # type: ignore[arg-type]
+
+
+def resolve_model(name: str) -> ModelSpec:
+    """A named preset, or a path to a Hugging Face config.json."""
+    if name.endswith(".json") or Path(name).is_file():
+        return spec_from_hf_config(name)
+    if name not in PRESETS:
+        raise ConfigError(
+            f"unknown model '{name}'. Fix: one of {', '.join(PRESETS)}, a path to a Hugging "
+            "Face config.json, or --params N to plan model states only."
+        )
+    return preset(name)

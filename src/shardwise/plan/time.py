@@ -1,0 +1,140 @@
+"""Step time per rank: compute, pipeline bubble, tensor/pipeline/data-parallel communication
+(with the part hidden behind backward), optimizer step and offload transfers.
+
+Traffic is counted as comm.py counts it (ring-equivalent bytes sent per rank, DESIGN.md), so
+predicted and measured `comm_bytes` compare key by key; a collective's time is those bytes
+over the link's bandwidth (ring all-reduce: Patarasuk & Yuan 2009).
+"""
+
+from __future__ import annotations
+
+from shardwise.plan import memory as mem
+from shardwise.plan.layout import Job, Layout
+from shardwise.plan.shapes import non_embedding_params
+
+ADAM_BYTES = 48  # bytes moved per element by one AdamW step (~12 fp32 passes in torch's foreach)
+
+
+def model_flops_per_token(job: Job) -> float:
+    """6N + 12·L·h·s (PaLM, Chowdhery et al. 2022, app. B): the MFU numerator. With LoRA the
+    frozen weights need no weight gradient: 4N (adapters are negligible)."""
+    spec = job.spec
+    n = non_embedding_params(spec) * (4.0 if job.finetune.lora else 6.0)
+    return n + 12.0 * spec.n_layers * spec.dim * job.seq_len
+
+
+def hardware_flops_per_token(job: Job, layout: Layout) -> float:
+    """FLOPs actually executed: recomputation repeats the forward (2N + 4Lhs: Korthikanti
+    et al. 2022 §5) or only attention (4Lhs, selective); LoRA skips the frozen weights'
+    gradient (2N of the 6N) but adds its adapters."""
+    spec, s = job.spec, job.seq_len
+    n = non_embedding_params(spec)
+    attn = 12.0 * spec.n_layers * spec.dim * s
+    flops = 6.0 * n + attn
+    if job.finetune.lora:
+        flops -= 2.0 * n
+    if layout.recompute == "full":
+        flops += 2.0 * n + attn / 3
+    elif layout.recompute == "selective":
+        flops += attn / 3
+    return flops
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def traffic(job: Job, layout: Layout) -> dict[str, float]:
+    """Ring-equivalent bytes sent per rank per step over dp, tp and pp."""
+    spec, s, b = job.spec, job.seq_len, layout.micro_batch
+    m, dp, t, p, v = layout.micro_batches(job), layout.dp, layout.tp, layout.pp, layout.pp_virtual
+    us = mem.stage_units(job, layout, 0)
+    padded = sum(-(-u.numel // dp) * dp * u.count for u in us)
+    trainable = sum(e[0] * u.count for u in us for e in u.entries if e[1])
+    bc, br, ring = job.bc, job.br, _ring(dp)
+    dp_bytes = {
+        0: 2 * ring * trainable * br,  # one all-reduce of every gradient per step
+        1: ring * padded * (br + bc),  # reduce-scatter once + all-gather of the updated slices
+        2: ring * padded * (m * br + bc),  # reduce-scatter every micro-batch
+        3: ring * padded * m * (br + 2 * bc),  # + gather before forward and before backward
+    }[layout.zero]
+    if layout.zero == 3 and spec.tie_embeddings and p == 1:
+        # the tied head is a second root of the embedding's unit: it is gathered again for
+        # the head's forward (it was freed after the embedding's), once per micro-batch
+        dp_bytes += ring * -(-us[0].numel // dp) * dp * bc * m
+    act = b * s * spec.dim * bc
+    layers = -(-spec.n_layers // p)
+    # Megatron: 2 all-reduces in forward and 2 in backward per layer (sp: all-gather +
+    # reduce-scatter pairs, the same bytes); full recompute runs the forward's twice again;
+    # plus embedding (1), head input and its gradient (2).
+    per_mb = (4 + (2 if layout.recompute == "full" else 0)) * layers + 3
+    tp_bytes = 2 * _ring(t) * act * per_mb * m
+    pp_bytes = 0.0
+    if p > 1:  # activations forward and their gradients backward, per micro-batch and chunk
+        pp_bytes = m * v * act / (t if layout.sp else 1) * (2 if (p > 2 or v > 1) else 1)
+    return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes}
+
+
+def _bubble_units(layout: Layout) -> float:
+    """Idle micro-batch slots per step: (p-1) for GPipe and 1F1B (bubble fraction
+    (p-1)/(m+p-1)), (p-1)/v interleaved (Narayanan et al. 2021), ~(p-1)/3 for ZB-H1 (Qi et
+    al. 2024, with equal F, B and W times)."""
+    p = layout.pp
+    if p == 1:
+        return 0.0
+    return {"interleaved": (p - 1) / layout.pp_virtual, "zb": (p - 1) / 3}.get(
+        layout.pp_schedule, float(p - 1)
+    )
+
+
+def step_time(job: Job, layout: Layout, mem_bytes: dict[str, float]) -> dict[str, float]:
+    """Seconds per step by part, and `step_s` their sum."""
+    hw = job.hardware
+    m, t, p, dp = layout.micro_batches(job), layout.tp, layout.pp, layout.dp
+    ranks_here = min(job.devices, hw.per_node)
+    slowdown = max(1.0, ranks_here / hw.cores) if hw.cores else 1.0
+    tokens_mb = layout.micro_batch * job.seq_len
+    flops_mb = hardware_flops_per_token(job, layout) * tokens_mb / (t * p)
+    # element-wise kernels are memory-bound: each saved byte is written in forward, read in
+    # backward and its gradient written (norms, softmax, activations, casts)
+    act_mb = mem.activation_bytes(job, layout.__class__(**{**layout.record(), "pp": 1}), 0) / p
+    t_mb = slowdown * (flops_mb / hw.flops(job.precision) + 3 * act_mb / (hw.hbm_bw * hw.mem_eff))
+    if job.finetune.base_4bit:  # NF4 -> bf16 dequantisation before every use of a weight
+        uses = 3 if layout.recompute == "full" else 2
+        n = non_embedding_params(job.spec) / (t * p)
+        t_mb += slowdown * uses * n * (mem.NF4_BYTES + job.bc) / (hw.hbm_bw * hw.mem_eff)
+    compute = m * t_mb
+    bubble = _bubble_units(layout) * t_mb
+    tr = traffic(job, layout)
+    intra, inter = hw.intra_bw * hw.comm_eff, hw.inter_bw * hw.comm_eff
+    tp_s = tr["tp"] / (intra if t <= hw.per_node else inter) * slowdown
+    pp_s = tr["pp"] / (intra if t * dp * p <= hw.per_node else inter) * slowdown
+    dp_s = tr["dp"] / (intra if t * dp <= hw.per_node else inter) * slowdown
+    # what can hide: gradient reduction behind backward (2/3 of compute) of the syncing
+    # micro-batch (ZeRO-0/1) or of every micro-batch (ZeRO-2/3, which also prefetch gathers
+    # behind forward); ZeRO-1/2's all-gather of updated slices runs after the step, exposed
+    hideable = {0: 1.0, 1: job.br / (job.br + job.bc), 2: 1.0 - 1.0 / (m * job.br / job.bc + 1)}
+    hide_window = (2 / 3 * t_mb) if layout.zero <= 1 else compute
+    hidden = min(dp_s * hideable.get(layout.zero, 1.0), hw.overlap * hide_window)
+    dp_exposed = dp_s - hidden
+    local = mem_bytes.get("master", 0) + mem_bytes.get("host_master", 0)
+    elems = local / 4 if local else mem_bytes["optimizer"] / 8
+    opt_bw = (hw.host_mem_bw if layout.offload != "none" else hw.hbm_bw * hw.mem_eff) / slowdown
+    optimizer = elems * ADAM_BYTES / opt_bw
+    offload = 0.0
+    if layout.offload != "none":  # gradients down, updated parameters up, every step
+        offload = elems * (job.br + job.bc) / hw.host_bw
+        if layout.offload == "optimizer+params":  # slices fetched for every gather
+            offload += 2 * m * mem_bytes.get("host_params", 0) / hw.host_bw
+    parts = {
+        "compute_s": compute,
+        "bubble_s": bubble,
+        "tp_comm_s": tp_s,
+        "pp_comm_s": pp_s,
+        "dp_comm_s": dp_s,
+        "dp_exposed_s": dp_exposed,
+        "optimizer_s": optimizer,
+        "offload_s": offload,
+    }
+    parts["step_s"] = compute + bubble + tp_s + pp_s + dp_exposed + optimizer + offload
+    return parts

@@ -1,0 +1,117 @@
+"""`plan --verify`: run candidates for a few steps on this machine and compare the prediction
+with the engine's measured accounting (memory by category) and the median step time after
+warm-up. Also the measuring core of benchmarks/planner_accuracy.py."""
+
+from __future__ import annotations
+
+import statistics
+
+from shardwise.config import load_config
+from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.metrics import human_bytes
+from shardwise.plan.layout import Job
+from shardwise.validate import derive
+
+STATES = ("params", "grads", "master", "optimizer")
+
+
+def layout_overrides(c: dict) -> list[str]:
+    """Config overrides that run candidate `c`."""
+    out = [
+        f"--parallel.tp={c['tp']}",
+        f"--parallel.pp={c['pp']}",
+        f"--parallel.zero={c['zero']}",
+        f"--train.micro_batch={c['micro_batch']}",
+        f"--memory.recompute={c['recompute']}",
+        f"--memory.offload={c['offload']}",
+    ]
+    if c["tp"] > 1:
+        out.append(f"--parallel.sp={str(c['sp']).lower()}")
+    if c["pp"] > 1:
+        out += [
+            f"--parallel.pp_schedule={c['pp_schedule']}",
+            f"--parallel.pp_virtual={c['pp_virtual']}",
+        ]
+    return out
+
+
+def measure(nproc: int, cases: list[list[str]], steps: int = 6, warmup: int = 2) -> list[dict]:
+    """Run each list of overrides on `nproc` local ranks (one world for all); per case: the
+    last step's `mem_bytes` and `comm_bytes` (max over ranks) and the median step time of the
+    steps after `warmup`, or `error`."""
+    from shardwise.testing.harness import run_world
+
+    quiet = ["--train.eval_every=0", "--train.eval_batches=0", f"--train.steps={steps}"]
+    out = []
+    for per_rank in run_world(nproc, [{"overrides": [*c, *quiet]} for c in cases]):
+        r = per_rank[0]
+        if "error" in r:
+            out.append({"error": r["error"].splitlines()[0]})
+            continue
+        recs = r["records"]
+        out.append(
+            {
+                "mem_bytes": recs[-1]["mem_bytes"],
+                "comm_bytes": recs[-1]["comm_bytes"],
+                "step_time_s": statistics.median(x["step_time_s"] for x in recs[warmup:]),
+            }
+        )
+    return out
+
+
+def compare(pred: dict, meas: dict) -> dict:
+    """Exactness of model states, relative error of the total and of the step time."""
+    pm, mm = pred["mem_bytes"], meas["mem_bytes"]
+    return {
+        "states_exact": all(pm.get(k, 0) == mm.get(k, 0) for k in STATES),
+        "total_err": (pm["total"] - mm["total"]) / mm["total"],
+        "time_err": (pred["step_time_s"] - meas["step_time_s"]) / meas["step_time_s"],
+    }
+
+
+def verify(job: Job, cands: list[dict], config: str | None, overrides: list[str]) -> int:
+    """Run `cands` here (the plan must be for this machine) and print predicted vs measured."""
+    if job.hardware.name != "cpu":
+        raise ConfigError(
+            f"--verify runs the candidates on this machine, but the plan is for "
+            f"{job.hardware.name}. Fix: --hardware cpu (or plan on the GPU machine)."
+        )
+    if config is not None:  # the measuring harness builds configs from overrides only
+        raise ConfigError(
+            f"--verify takes --section.key=value overrides, not a config file ('{config}'). "
+            "Fix: pass its values as overrides."
+        )
+    base = [*overrides, "--log.tensorboard=false", "--log.progress=off", "--log.every=1000000"]
+    runnable, cases = [], []
+    for c in cands:
+        case = [*base, *layout_overrides(c)]
+        try:
+            derive(load_config(None, case), job.devices)
+        except ShardwiseError as exc:
+            print(f"skip {c['tp']}/{c['pp']}/{c['dp']} z{c['zero']}: {exc}")
+            continue
+        runnable.append(c)
+        cases.append(case)
+    if not cases:
+        raise ConfigError("--verify: none of the top candidates can run in this version.")
+    results = measure(job.devices, cases)
+    print(
+        f"{'layout':<52} {'pred total':>11} {'meas total':>11} {'err':>6} {'states':>7} "
+        f"{'pred s':>8} {'meas s':>8} {'err':>6}"
+    )
+    for c, m in zip(runnable, results, strict=True):
+        name = (
+            f"tp{c['tp']} pp{c['pp']} dp{c['dp']} z{c['zero']} mb{c['micro_batch']} "
+            f"rc={c['recompute']} off={c['offload']}"
+        )
+        if "error" in m:
+            print(f"{name:<52} failed: {m['error']}")
+            continue
+        e = compare(c, m)
+        print(
+            f"{name:<52} {human_bytes(c['mem_bytes']['total']):>11} "
+            f"{human_bytes(m['mem_bytes']['total']):>11} {100 * e['total_err']:>5.1f}% "
+            f"{'exact' if e['states_exact'] else 'DIFF':>7} {c['step_time_s']:>8.4f} "
+            f"{m['step_time_s']:>8.4f} {100 * e['time_err']:>5.1f}%"
+        )
+    return 0

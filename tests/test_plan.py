@@ -1,0 +1,188 @@
+"""The planner: published formulas exactly, our blocks' activations byte for byte against the
+engine's saved-tensor accounting, analytic units against the real model, search speed, the
+JSON contract and bad input. (Measured runs: tests/test_plan_measured.py.)"""
+
+import json
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from shardwise.cli.main import main
+from shardwise.memory import ActivationMeter
+from shardwise.models import build_model, preset
+from shardwise.plan import activations as act
+from shardwise.plan.hardware import get_hardware
+from shardwise.plan.layout import FineTune, Job, Layout
+from shardwise.plan.memory import NF4_BYTES, predict_memory
+from shardwise.plan.predict import model_units
+from shardwise.plan.search import search
+from shardwise.plan.shapes import units
+from shardwise.recompute import apply_recompute
+from shardwise.runtime import cast_for_compute
+
+H100 = get_hardware("h100-sxm")
+
+
+def _plan(capsys, *args) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_zero_paper_figure_1(capsys):
+    """Rajbhandari et al. 2020, fig. 1: Ψ = 7.5B, N = 64, K = 12 -> 120, 31.4, 16.6, 1.9 GB."""
+    code, out, _ = _plan(capsys, "--params", "7.5e9", "--devices", "64", "--hardware", "a100")
+    assert code == 0
+    totals = [line.split()[-1] for line in out.splitlines() if line.startswith(("DDP", "ZeRO"))]
+    assert totals == ["120.0", "31.4", "16.6", "1.9"]
+    code, out, _ = _plan(capsys, "--params", "7.5e9", "--devices", "64", "--json")
+    rows = json.loads(out)["candidates"]
+    psi, n = 7.5e9, 64
+    expected = [16 * psi, 4 * psi + 12 * psi / n, 2 * psi + 14 * psi / n, 16 * psi / n]
+    assert [r["mem_bytes"]["total"] for r in rows] == [int(e) for e in expected]
+
+
+@pytest.mark.parametrize(("s", "b", "h", "a"), [(2048, 1, 12288, 96), (1024, 4, 4096, 32)])
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_activation_formulas_of_the_paper(s, b, h, a, t):
+    """Korthikanti et al. 2022, eqs. 1-4 and table 2, for the paper's GPT block."""
+    terms, sbh = act.paper_gpt_terms(s, b, h, a), s * b * h
+    assert act.layer_bytes(terms) == 34 * sbh + 5 * a * s * s * b
+    assert act.layer_bytes(terms, t) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert act.layer_bytes(terms, t, sp=True) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert act.layer_bytes(terms, t, sp=True, selective=True) == pytest.approx(34 * sbh / t)
+    spec = preset("175b", dim=h, n_heads=a, n_kv_heads=a)
+    assert act.full_recompute_bytes(spec, s, b, 2, t, sp=False) == 2 * sbh
+
+
+def _meter_bytes(spec, mode: str, dtype: torch.dtype, b: int, s: int) -> int:
+    with FakeTensorMode():
+        model = build_model(spec)
+        apply_recompute(model, spec.arch, mode)
+        cast_for_compute(model, dtype)
+        meter = ActivationMeter(model)
+        window = torch.zeros(b, s + 1, dtype=torch.long)  # as the loader: views of one window
+        with meter.measure():
+            logits = model(window[:, :-1])
+            F.cross_entropy(logits.float().flatten(0, -2), window[:, 1:].flatten(), reduction="sum")
+        return meter.take_peak()
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt2-tiny", "tiny-mha"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_block_formula_matches_the_engine_accounting(name, precision, mode):
+    spec = preset("tiny", n_kv_heads=4) if name == "tiny-mha" else preset(name)
+    spec = preset(name.removesuffix("-mha"), n_layers=3, n_kv_heads=spec.n_kv_heads)
+    b, s = 3, 24
+    job = Job(spec, H100, 1, seq_len=s, global_batch=b, precision=precision)
+    predicted = predict_memory(job, Layout(micro_batch=b, recompute=mode))["activations"]
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    assert predicted == _meter_bytes(spec, mode, dtype, b, s)
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt2-tiny", "7b", "70b"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_analytic_units_are_the_engine_units(name, tied):
+    spec = preset(name, tie_embeddings=tied)
+    with torch.device("meta"):
+        real = model_units(build_model(spec) if name not in ("7b", "70b") else _two_blocks(spec))
+    analytic = [u for u in units(spec if name not in ("7b", "70b") else _two(spec))]
+    flat = [(u.name, [e[:2] for e in u.entries]) for u in analytic for _ in range(u.count)]
+    assert [[e[:2] for e in u.entries] for u in real] == [entries for _, entries in flat]
+
+
+def _two(spec):
+    import dataclasses
+
+    return dataclasses.replace(spec, n_layers=2)
+
+
+def _two_blocks(spec):
+    return build_model(_two(spec))
+
+
+def test_search_over_1024_devices_is_fast():
+    job = Job(preset("175b"), get_hardware("a100-80gb"), 1024, seq_len=2048, global_batch=1536)
+    # CPU time of this process: the search is single-threaded, and on a shared machine the
+    # wall clock mostly measures the other processes
+    t0 = time.process_time()
+    result = search(job)
+    elapsed = time.process_time() - t0
+    assert result.candidates and elapsed < 5.0, elapsed
+    best = result.candidates[0]
+    assert best["tp"] * best["pp"] * best["dp"] == 1024
+    assert all(
+        a["tokens_per_s"] >= b["tokens_per_s"]
+        for a, b in zip(result.candidates, result.candidates[1:], strict=False)
+    )
+    assert sum(result.rejected.values()) > 0
+
+
+KEYS = {"tp", "pp", "dp", "zero", "pp_schedule", "pp_virtual", "micro_batch", "recompute"}
+KEYS |= {"offload", "mem_bytes", "step_time_s", "tokens_per_s", "mfu"}
+MEM = {"params", "grads", "master", "optimizer", "activations", "buffers", "total"}
+
+
+def test_plan_json_shape(capsys):
+    args = ["--hardware", "h100", "--devices", "64", "--model", "70b", "--json", "--top", "3"]
+    code, out, _ = _plan(capsys, *args, "--data.seq_len=4096", "--train.global_batch=512")
+    assert code == 0
+    r = json.loads(out)
+    assert set(r) == {"candidates", "rejected"} and len(r["candidates"]) == 3
+    for c in r["candidates"]:
+        assert set(c) >= KEYS and set(c["mem_bytes"]) >= MEM
+        assert c["tp"] * c["pp"] * c["dp"] == 64
+        # max over ranks per category (DESIGN.md): with pp the first and last stages differ,
+        # so the largest rank's total is at most the sum of the per-category maxima
+        parts = sum(c["mem_bytes"][k] for k in MEM - {"total"})
+        assert c["mem_bytes"]["total"] <= parts + 8
+        if c["pp"] == 1:
+            assert abs(c["mem_bytes"]["total"] - parts) <= 8  # rounding of each category
+        assert c["peak_bytes"] <= H100.memory
+    assert all(isinstance(n, int) and n > 0 for n in r["rejected"].values())
+
+
+def test_lora_qlora_and_8bit_adam_formulas():
+    """Hu et al. 2021: r(in + out) trainable per adapted linear; Dettmers et al. 2023: NF4 with
+    double quantisation = 4 + 8/64 + 32/(64*256) bits per weight; 8-bit Adam: 2 bytes + absmax."""
+    spec = preset("7b")
+    ft = FineTune(lora_rank=16, lora_targets=("wq", "wv"), base_4bit=True, optim_8bit=True)
+    job = Job(spec, get_hardware("rtx4090"), 1, seq_len=512, global_batch=1, finetune=ft)
+    mem = predict_memory(job, Layout(micro_batch=1, recompute="full"))
+    lora = spec.n_layers * 2 * 16 * (spec.dim + spec.dim)
+    linears = spec.n_layers * (4 * spec.dim * spec.dim + 3 * spec.dim * spec.ffn_dim)
+    other = 2 * spec.vocab_size * spec.dim + (2 * spec.n_layers + 1) * spec.dim
+    assert mem["params"] == pytest.approx(linears * NF4_BYTES + (other + lora) * 2)
+    assert mem["grads"] == 2 * lora and mem["master"] == 4 * lora
+    n_adapters = spec.n_layers * 2 * 2
+    assert mem["optimizer"] == pytest.approx(2 * (1 + 4 / 2048) * lora + 4 * n_adapters)
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--hardware", "h1000", "--devices", "8"], ["unknown hardware 'h1000'", "h100"]),
+        (["--hardware", "h100", "--model", "9b"], ["unknown model '9b'", "7b"]),
+        (["--params", "-3"], ["--params=-3", "positive"]),
+        (["--hardware", "h100", "--devices", "0"], ["--devices=0"]),
+        (["--hardware", "h100", "--lora-targets", "wz"], ["--lora-targets=wz", "wq"]),
+    ],
+)
+def test_bad_input(capsys, args, needles):
+    code, _, err = _plan(capsys, *args)
+    assert code == 2
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_nothing_fits_says_what_is_needed(capsys):
+    args = ["--hardware", "rtx4090", "--devices", "1", "--model", "70b"]
+    bf16 = ["--precision.compute=bf16", "--precision.reduce=bf16"]
+    code, _, err = _plan(capsys, *args, *bf16, "--data.seq_len=1024", "--train.global_batch=64")
+    assert code == 2
+    assert "no layout" in err and "needs" in err and "GB per device" in err
+    assert "smallest device count" in err, err
