@@ -186,3 +186,30 @@ def test_nothing_fits_says_what_is_needed(capsys):
     assert code == 2
     assert "no layout" in err and "needs" in err and "GB per device" in err
     assert "smallest device count" in err, err
+
+
+def test_explain_prints_the_planner_record_for_exactly_that_config():
+    from shardwise.config import load_config
+    from shardwise.explain import explain_record
+
+    cfg = load_config(
+        None, ["--parallel.zero=2", "--train.micro_batch=2", "--memory.recompute=full"]
+    )
+    r = explain_record(cfg, 4, get_hardware("a100"))
+    assert set(r) >= KEYS and set(r["mem_bytes"]) >= MEM
+    assert (r["dp"], r["zero"], r["micro_batch"], r["recompute"]) == (4, 2, 2, "full")
+    assert r["hardware"] == "a100-80gb" and 0 < r["mfu"] < 1
+    assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["step_time_s"])
+
+
+def test_train_plan_auto_picks_a_runnable_layout(capsys):
+    from shardwise.config import load_config
+    from shardwise.plan.auto import auto_config
+    from shardwise.validate import derive
+
+    cfg = load_config(None, ["--train.global_batch=8", "--data.seq_len=64"])
+    chosen = auto_config(cfg, 2)
+    derive(chosen, 2)  # the engine accepts it
+    out = capsys.readouterr().out
+    assert out.startswith("shardwise: --plan auto on 2 x cpu:") and "tokens/s" in out
+    assert f"micro_batch={chosen.train.micro_batch}" in out

@@ -5,6 +5,7 @@ warm-up. Also the measuring core of benchmarks/planner_accuracy.py."""
 from __future__ import annotations
 
 import statistics
+import time
 
 from shardwise.config import load_config
 from shardwise.errors import ConfigError, ShardwiseError
@@ -35,25 +36,55 @@ def layout_overrides(c: dict) -> list[str]:
     return out
 
 
+def timed_run(cfg) -> dict:
+    """One rank of a harness case (`build_run`, `fit`) that also takes each step's process CPU
+    time, from `zero_grad` (the step's start) to the end of the optimizer step: on a shared
+    machine wall-clock time inflates with the other jobs, CPU time much less."""
+    from shardwise.runtime import build_run
+    from shardwise.train import fit
+
+    run = build_run(cfg)
+    cpu: list[float] = []
+    zero_grad, step = run.reducer.zero_grad, run.optimizer.step
+
+    def timed_zero_grad() -> None:
+        cpu.append(time.process_time())
+        zero_grad()
+
+    def timed_step():
+        out = step()
+        cpu[-1] = time.process_time() - cpu[-1]
+        return out
+
+    run.reducer.zero_grad, run.optimizer.step = timed_zero_grad, timed_step
+    return {"records": fit(run), "step_cpu_times": cpu}
+
+
 def measure(nproc: int, cases: list[list[str]], steps: int = 6, warmup: int = 2) -> list[dict]:
     """Run each list of overrides on `nproc` local ranks (one world for all); per case: the
-    last step's `mem_bytes` and `comm_bytes` (max over ranks) and the median step time of the
-    steps after `warmup`, or `error`."""
+    last step's `mem_bytes` and `comm_bytes` (max over ranks), the median over the steps after
+    `warmup` of the slowest rank's wall-clock step time (`step_time_s`) and process CPU time
+    (`step_cpu_s`), or `error`."""
     from shardwise.testing.harness import run_world
 
     quiet = ["--train.eval_every=0", "--train.eval_batches=0", f"--train.steps={steps}"]
+    peer = "shardwise.plan.verify:timed_run"
     out = []
-    for per_rank in run_world(nproc, [{"overrides": [*c, *quiet]} for c in cases]):
-        r = per_rank[0]
-        if "error" in r:
-            out.append({"error": r["error"].splitlines()[0]})
+    for per_rank in run_world(nproc, [{"overrides": [*c, *quiet], "peer": peer} for c in cases]):
+        errors = [r["error"] for r in per_rank if "error" in r]
+        if errors:
+            out.append({"error": errors[0].splitlines()[0]})
             continue
-        recs = r["records"]
+        recs = per_rank[0]["records"]
+        walls = [[x["step_time_s"] for x in r["records"]] for r in per_rank]
+        wall = [max(ts) for ts in zip(*walls, strict=True)]  # a step ends with its last rank
+        cpu = [max(ts) for ts in zip(*[r["step_cpu_times"] for r in per_rank], strict=True)]
         out.append(
             {
                 "mem_bytes": recs[-1]["mem_bytes"],
                 "comm_bytes": recs[-1]["comm_bytes"],
-                "step_time_s": statistics.median(x["step_time_s"] for x in recs[warmup:]),
+                "step_time_s": statistics.median(wall[warmup:]),
+                "step_cpu_s": statistics.median(cpu[warmup:]),
             }
         )
     return out
