@@ -312,3 +312,26 @@ def test_slurm_refuses_k8s_options(tmp_path: Path, capsys) -> None:
     argv = ["launch", "slurm", "--nodes", "2", "--cpus-per-node", "2", "--image", "x"]
     code, _, err = run_main([*argv, "-o", str(tmp_path / "j")], capsys)
     assert code == 2 and "--image does not apply to `launch slurm`" in err
+
+
+@pytest.mark.slow
+def test_a_node_waiting_for_missing_nodes_fails_clearly(tmp_path: Path) -> None:
+    """Node 0 of a 2-node job whose other node never starts: one message after the
+    rendezvous timeout (parallel.timeout_s), no traceback, no hang."""
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "shardwise.cli.main", "train", "--nnodes", "2", "--nproc", "1"]
+    cmd += ["--node-rank", "0", "--rdzv", f"127.0.0.1:{port}", "--parallel.timeout_s=3"]
+    cmd += ["--model.n_layers=1", "--data.seq_len=32", f"--run.dir={tmp_path}", "--run.device=cpu"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "RANK", "WORLD"))}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert f"error: node 0: the rendezvous at 127.0.0.1:{port} failed (RendezvousTimeoutError" in (
+        proc.stderr
+    )
+    assert "Fix: start all 2 nodes with the same --nnodes and --rdzv" in proc.stderr

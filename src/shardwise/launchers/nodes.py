@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.config import Config
-from shardwise.errors import ConfigError
+from shardwise.errors import ConfigError, ShardwiseError
 
 DEFAULT_PORT = 29400  # torchrun's default c10d rendezvous port
 
@@ -141,11 +141,17 @@ def launch_nodes(cfg: Config, nodes: Nodes, max_restarts: int = 0) -> None:
     """Run this node's agent: it joins the rendezvous, starts `nproc_per_node` ranks, and
     restarts them (up to `max_restarts` times, in a new rendezvous round) when any rank of
     the job fails."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig
 
     from shardwise import device
     from shardwise.launch import run_elastic
 
+    # With the rendezvous store shared with the ranks (torch's default), a node that joins
+    # a later round — a replacement for a lost node — waits for a MASTER_ADDR the surviving
+    # node 0 published only in round 0, and the job deadlocks. One store per round avoids it.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     addr, interface = route_to(nodes.host, nodes.port)
     if interface:
         device.pin_socket_interface(interface)
@@ -164,4 +170,13 @@ def launch_nodes(cfg: Config, nodes: Nodes, max_restarts: int = 0) -> None:
         max_restarts=max_restarts,
         monitor_interval=0.2,
     )
-    run_elastic(config, cfg)
+    try:
+        run_elastic(config, cfg)
+    except (RendezvousError, DistError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ShardwiseError(
+            f"node {nodes.node_rank}: the rendezvous at {nodes.endpoint} failed "
+            f"({type(exc).__name__}: {first}). Fix: start all {nodes.nnodes} nodes with the "
+            f"same --nnodes and --rdzv, node 0 reachable from every node, within "
+            f"parallel.timeout_s={cfg.parallel.timeout_s:g} s of each other."
+        ) from None
