@@ -152,6 +152,10 @@ def train_nodes(cfg: Config, nproc: int, args: argparse.Namespace) -> None:
         restarts = -1
     if restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts!r} must be a whole number >= 0.")
+    if getattr(args, "plan", None) == "auto":  # every node plans alike: same inputs
+        from shardwise.plan.auto import auto_config
+
+        cfg = auto_config(cfg, nodes.world)
     derived = derive(cfg, nodes.world)  # every config error before any process starts
     prepare_data(data_spec(cfg, derived.spec.vocab_size))
     print_plan(explain_record(cfg, nodes.world))
