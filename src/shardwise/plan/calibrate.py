@@ -20,7 +20,7 @@ import torch
 
 from shardwise.plan.hardware import GiB, Hardware
 
-_VERSION = 1
+_VERSION = 2
 
 
 def _cache_file() -> Path:
@@ -33,19 +33,42 @@ def _key() -> str:
 
 
 def _rate(fn, work: float, seconds: float) -> float:
-    """`work` units per second of `fn`, best of repeated timings within `seconds`."""
+    """`work` units per CPU-second of `fn`: the best of repeated timings within `seconds` of
+    this thread's CPU time. CPU time, not wall-clock: on a shared machine the wall clock
+    mostly measures the other jobs (the benchmark compares with CPU time per step too)."""
     fn()  # warm-up (allocation, kernel selection)
-    best, deadline = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        t0 = time.perf_counter()
+    best, deadline = float("inf"), time.thread_time() + seconds
+    while time.thread_time() < deadline:
+        t0 = time.thread_time()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, time.thread_time() - t0)
     return work / best
 
 
 def _matmul_flops(dtype: torch.dtype, n: int = 384, seconds: float = 0.25) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     return _rate(lambda: torch.mm(a, b), 2.0 * n**3, seconds)
+
+
+def _block_efficiency(precision: str, peak: float, seconds: float = 0.6) -> float:
+    """Achieved / matmul-peak FLOP/s of a whole transformer block's forward and backward
+    (norms, RoPE, attention, SwiGLU, casts included) at a fixed mid-sized shape: the share of a
+    training step's arithmetic that runs at matmul speed on this CPU."""
+    from shardwise.models.decoder import Block
+    from shardwise.models.presets import ModelSpec
+
+    spec = ModelSpec("decoder", 1, 384, 6, 6, 1024, 4096, 256)
+    b, s = 4, 128
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    block = Block(spec).to(dtype)
+    x = torch.randn(b, s, spec.dim, dtype=dtype, requires_grad=True)
+    params = sum(p.numel() for p in block.parameters())
+    flops = (6.0 * params + 12.0 * spec.dim * s) * b * s  # PaLM app. B, one layer
+
+    def step() -> None:
+        block(x).float().sum().backward()
+
+    return _rate(step, flops, seconds) / peak
 
 
 def _memory_bw(seconds: float = 0.2) -> float:
@@ -58,40 +81,50 @@ def _memory_bw(seconds: float = 0.2) -> float:
 
 def _gloo_bw(nbytes: int = 8 * 2**20, reps: int = 3) -> float:
     """Ring bus bandwidth (bytes/s per rank per direction) of a 2-rank gloo all-reduce over
-    loopback, two process groups in two threads of this process."""
+    loopback, two process groups in two threads of this process, per CPU-second: loopback TCP
+    is CPU-bound (kernel copies), and CPU time stays meaningful on a shared machine."""
     import torch.distributed as dist
 
-    store, times = dist.HashStore(), {}
+    store, ready = dist.HashStore(), threading.Barrier(2)
+    groups: dict[int, object] = {}
 
-    def rank(r: int) -> None:
-        pg = dist.ProcessGroupGloo(store, r, 2, datetime.timedelta(seconds=30))
+    def rank(r: int, reps: int) -> None:
+        if r not in groups:
+            groups[r] = dist.ProcessGroupGloo(store, r, 2, datetime.timedelta(seconds=30))
         t = torch.ones(nbytes // 4)
-        pg.allreduce([t]).wait()
-        t0 = time.perf_counter()
+        ready.wait()
         for _ in range(reps):
-            pg.allreduce([t]).wait()
-        times[r] = (time.perf_counter() - t0) / reps
+            groups[r].allreduce([t]).wait()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    def run(reps: int) -> None:
+        threads = [threading.Thread(target=rank, args=(r, reps)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    run(1)  # connect and warm up
+    c0 = time.process_time()  # both ranks' threads, gloo's own threads and the kernel's copies
+    run(reps)
+    per_rank = (time.process_time() - c0) / 2 / reps
     # an all-reduce of S bytes over n ranks moves 2(n-1)/n * S per rank: S for n = 2
-    return nbytes / max(times.values())
+    return nbytes / per_rank
 
 
 def measure() -> dict[str, float]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {
+        out = {
             "fp32": _matmul_flops(torch.float32),
             "bf16": _matmul_flops(torch.bfloat16, seconds=0.15),
-            "fp16": _matmul_flops(torch.float16, seconds=0.15),
+            "fp16": _matmul_flops(torch.float16, n=128, seconds=0.1),
             "mem_bw": _memory_bw(),
             "gloo_bw": _gloo_bw(),
         }
+        out["eff_fp32"] = _block_efficiency("fp32", out["fp32"])
+        out["eff_bf16"] = _block_efficiency("bf16", out["bf16"], seconds=0.8)
+        return out
     finally:
         torch.set_num_threads(threads)
 
@@ -127,12 +160,15 @@ def calibration(refresh: bool = False) -> dict[str, float]:
 
 def cpu_hardware(measure: bool = True, refresh: bool = False) -> Hardware:
     """This machine's CPU as planner hardware: one rank per core at one thread, all ranks on
-    one node sharing its RAM. Efficiencies are 1: the rates are measured achieved rates."""
+    one node sharing its RAM. Rates are measured; the compute efficiency is a whole block's
+    achieved FLOP/s over the matmul rate; communication and memory efficiencies are 1."""
     c = (
         calibration(refresh)
         if measure
         else {"fp32": 5e10, "bf16": 5e9, "fp16": 5e9, "mem_bw": 5e9, "gloo_bw": 5e8}
     )
+    eff = {"fp32": c.get("eff_fp32", 0.5), "bf16": c.get("eff_bf16", 0.5)}
+    eff["fp16"] = eff["bf16"]
     ram = _ram_bytes()
     return Hardware(
         name="cpu",
@@ -145,7 +181,8 @@ def cpu_hardware(measure: bool = True, refresh: bool = False) -> Hardware:
         per_node=1 << 16,  # every rank runs on this machine
         host_memory=ram,
         host_mem_bw=c["mem_bw"],
-        matmul_eff=1.0,
+        matmul_eff=eff["fp32"],
+        eff=eff,
         comm_eff=1.0,
         mem_eff=1.0,
         # The ranks keep every core busy computing: gloo's transfer threads get no spare core,

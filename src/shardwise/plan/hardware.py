@@ -32,7 +32,7 @@ class Hardware:
     per_node: int  # devices per node
     host_memory: int  # bytes of host memory per device (a node's RAM / per_node)
     host_mem_bw: float = 25e9  # bytes/s of host RAM per device (a ~200 GB/s server / 8)
-    matmul_eff: float = 0.7  # achieved / peak for training GEMMs
+    matmul_eff: float = 0.7  # achieved / peak for a training step's compute
     comm_eff: float = 0.8  # achieved / peak link bandwidth for ring collectives
     mem_eff: float = 0.8  # achieved / peak memory bandwidth for element-wise kernels
     overlap: float = 1.0  # fraction of communication that can hide behind compute
@@ -40,10 +40,12 @@ class Hardware:
     cores: int = 0  # CPU: ranks beyond this many share cores (0 = a device per rank)
     memory_shared: bool = False  # CPU: all ranks of a node share `memory` (RAM)
     calibrated: str = "data sheet"
+    eff: dict[str, float] | None = None  # per-precision compute efficiency (calibrated CPUs)
 
     def flops(self, precision: str) -> float:
-        """Achieved dense FLOP/s for `precision` (peak x matmul efficiency)."""
-        return self.peak[precision] * self.matmul_eff
+        """Achieved FLOP/s of training compute in `precision` (peak x efficiency)."""
+        eff = self.eff.get(precision, self.matmul_eff) if self.eff else self.matmul_eff
+        return self.peak[precision] * eff
 
     def with_overrides(self, **kw: object) -> Hardware:
         return dataclasses.replace(self, **kw)  # type: ignore[arg-type]

@@ -26,8 +26,8 @@ def why(rec: dict) -> str:
     }
     step = rec["step_time_s"]
     top = sorted(((v, k) for k, v in costs.items() if v >= 0.005 * step), reverse=True)[:2]
-    over = ", ".join(f"{k} {100 * v / step:.0f}%" for v, k in top) or "nothing but compute"
-    return f"{_gb(spare)} GB spare; compute {100 * t['compute_s'] / step:.0f}%, {over}"
+    over = "".join(f", {k} {100 * v / step:.0f}%" for v, k in top)
+    return f"{_gb(spare)} GB spare; compute {100 * t['compute_s'] / step:.0f}%{over}"
 
 
 def table(cands: list[dict], top: int) -> str:
