@@ -11,8 +11,9 @@ one storage once, parameters excluded): norms computed in fp32, no dropout, flas
 A test checks it byte for byte against the meter on fake tensors.
 
 Under tp (Megatron-LM) attention heads and the MLP width are split; what lies between the
-blocks' all-reduces (norm inputs/outputs, the residual) is replicated unless sp splits it along
-the sequence (stored sharded and all-gathered again in backward, as the paper does).
+blocks' all-reduces (norm inputs and statistics) is replicated unless sp splits it along the
+sequence. The paper stores the column layers' all-gathered inputs sharded and gathers them
+again in backward; our engine keeps them gathered, so those terms are not split by sp.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ def norm_terms(spec: ModelSpec, s: int, b: int, c: int, where: str) -> list[Term
         if c != 4:
             out.append(Term(f"{where} weight (fp32 copy)", 4 * h, False, False))
         out.append(Term(f"{where} normalised (fp32)", 4 * sbh, False, True))
-    out.append(Term(f"{where} output", c * sbh, False, True))
+    # the next column-parallel matmul's input: with sp, parallel/tensor.py keeps the
+    # all-gathered copy for the weight gradient (instead of the paper's re-gather in backward)
+    out.append(Term(f"{where} output", c * sbh, False, False))
     return out
 
 

@@ -20,7 +20,7 @@ import torch
 
 from shardwise.plan.hardware import GiB, Hardware
 
-_VERSION = 2
+_VERSION = 3
 
 
 def _cache_file() -> Path:
@@ -50,25 +50,37 @@ def _matmul_flops(dtype: torch.dtype, n: int = 384, seconds: float = 0.25) -> fl
     return _rate(lambda: torch.mm(a, b), 2.0 * n**3, seconds)
 
 
-def _block_efficiency(precision: str, peak: float, seconds: float = 0.6) -> float:
-    """Achieved / matmul-peak FLOP/s of a whole transformer block's forward and backward
-    (norms, RoPE, attention, SwiGLU, casts included) at a fixed mid-sized shape: the share of a
-    training step's arithmetic that runs at matmul speed on this CPU."""
+def _block(dim: int, heads: int, ffn: int, b: int, s: int, precision: str):
+    """A decoder block's forward + backward (norms, RoPE, attention, SwiGLU, casts) and its
+    FLOPs (6 per parameter per token + 12·h·s attention, PaLM app. B)."""
     from shardwise.models.decoder import Block
     from shardwise.models.presets import ModelSpec
 
-    spec = ModelSpec("decoder", 1, 384, 6, 6, 1024, 4096, 256)
-    b, s = 4, 128
+    spec = ModelSpec("decoder", 1, dim, heads, heads, ffn, 4096, max(s, 8))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     block = Block(spec).to(dtype)
     x = torch.randn(b, s, spec.dim, dtype=dtype, requires_grad=True)
     params = sum(p.numel() for p in block.parameters())
-    flops = (6.0 * params + 12.0 * spec.dim * s) * b * s  # PaLM app. B, one layer
 
     def step() -> None:
         block(x).float().sum().backward()
 
-    return _rate(step, flops, seconds) / peak
+    return step, (6.0 * params + 12.0 * dim * s) * b * s
+
+
+def _block_overhead(seconds: float = 0.2) -> float:
+    """CPU seconds of a block's forward + backward whose arithmetic is negligible: the fixed
+    cost (Python, dispatch, autograd bookkeeping) every layer pays per micro-batch."""
+    step, _ = _block(16, 2, 32, 1, 4, "fp32")
+    return 1.0 / _rate(step, 1.0, seconds)
+
+
+def _block_efficiency(precision: str, peak: float, overhead: float, seconds=0.6) -> float:
+    """Achieved / matmul-peak FLOP/s of a whole mid-sized block, its fixed cost taken out:
+    the share of a training step's arithmetic that runs at matmul speed on this CPU."""
+    step, flops = _block(384, 6, 1024, 4, 128, precision)
+    seconds_per_step = 1.0 / _rate(step, 1.0, seconds)
+    return flops / max(seconds_per_step - overhead, 1e-9) / peak
 
 
 def _memory_bw(seconds: float = 0.2) -> float:
@@ -122,8 +134,9 @@ def measure() -> dict[str, float]:
             "mem_bw": _memory_bw(),
             "gloo_bw": _gloo_bw(),
         }
-        out["eff_fp32"] = _block_efficiency("fp32", out["fp32"])
-        out["eff_bf16"] = _block_efficiency("bf16", out["bf16"], seconds=0.8)
+        out["block_overhead"] = _block_overhead()
+        out["eff_fp32"] = _block_efficiency("fp32", out["fp32"], out["block_overhead"])
+        out["eff_bf16"] = _block_efficiency("bf16", out["bf16"], out["block_overhead"], 0.8)
         return out
     finally:
         torch.set_num_threads(threads)
@@ -183,6 +196,7 @@ def cpu_hardware(measure: bool = True, refresh: bool = False) -> Hardware:
         host_mem_bw=c["mem_bw"],
         matmul_eff=eff["fp32"],
         eff=eff,
+        block_overhead=c.get("block_overhead", 1e-3),
         comm_eff=1.0,
         mem_eff=1.0,
         # The ranks keep every core busy computing: gloo's transfer threads get no spare core,

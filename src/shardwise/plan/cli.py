@@ -160,7 +160,7 @@ def run(argv: list[str], overrides: list[str]) -> int:
     if args.verify:
         from shardwise.plan.verify import verify
 
-        return verify(job, result.candidates[: args.top], args.config, overrides)
+        return verify(job, result.candidates, args.config, overrides, args.top)
     if args.json:
         cands = [public(c) for c in result.candidates[: args.top]]
         print(json.dumps({"candidates": cands, "rejected": dict(result.rejected)}, indent=2))

@@ -41,6 +41,9 @@ class Hardware:
     memory_shared: bool = False  # CPU: all ranks of a node share `memory` (RAM)
     calibrated: str = "data sheet"
     eff: dict[str, float] | None = None  # per-precision compute efficiency (calibrated CPUs)
+    # fixed seconds per transformer layer per micro-batch (forward + backward): eager PyTorch
+    # launches ~60 kernels at ~5 us each on a GPU; measured on CPUs
+    block_overhead: float = 3e-4
 
     def flops(self, precision: str) -> float:
         """Achieved FLOP/s of training compute in `precision` (peak x efficiency)."""

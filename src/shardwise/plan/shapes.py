@@ -40,11 +40,18 @@ def _norm(spec: ModelSpec) -> list[Entry]:
     return [(spec.dim, True)] * (2 if spec.arch == "gpt2" else 1)
 
 
+def _kv_width(spec: ModelSpec, tp: int) -> int:
+    """k/v projection width on one tp rank: split by heads, or replicated when tp exceeds the
+    kv heads (each rank keeps them all, as Megatron-LM does for GQA with tp > groups)."""
+    kv = spec.n_kv_heads * spec.head_dim
+    return kv // tp if spec.n_kv_heads % tp == 0 else kv
+
+
 def block_entries(spec: ModelSpec, tp: int = 1) -> list[Entry]:
     """One block's parameters in module order (attn_norm, wq, wk, wv, wo, mlp_norm, w1[, w3],
     w2). Biases of row-parallel layers (wo, w2) are replicated, column-parallel ones split."""
     h, hd, bias = spec.dim, spec.head_dim, spec.arch == "gpt2"
-    q, kv, f = spec.n_heads * hd // tp, spec.n_kv_heads * hd // tp, spec.ffn_dim // tp
+    q, kv, f = spec.n_heads * hd // tp, _kv_width(spec, tp), spec.ffn_dim // tp
     out = _norm(spec)
     out += _linear(h, q, bias, "wq") + _linear(h, kv, bias, "wk") + _linear(h, kv, bias, "wv")
     out += [(q * h, True, "wo")] + ([(h, True)] if bias else [])
@@ -59,7 +66,7 @@ def block_entries(spec: ModelSpec, tp: int = 1) -> list[Entry]:
 def linear_shapes(spec: ModelSpec, tp: int = 1) -> dict[str, tuple[int, int]]:
     """(fan_in, fan_out) per block linear on one tp rank: the LoRA targets."""
     h, hd = spec.dim, spec.head_dim
-    q, kv, f = spec.n_heads * hd // tp, spec.n_kv_heads * hd // tp, spec.ffn_dim // tp
+    q, kv, f = spec.n_heads * hd // tp, _kv_width(spec, tp), spec.ffn_dim // tp
     out = {"wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h), "w1": (h, f), "w2": (f, h)}
     if spec.arch == "decoder":
         out["w3"] = (h, f)

@@ -97,7 +97,11 @@ def step_time(job: Job, layout: Layout, mem_bytes: dict[str, float]) -> dict[str
     flops_mb = hardware_flops_per_token(job, layout) * tokens_mb / (t * p)
     # the efficiency covers a block's element-wise kernels (norms, softmax, casts) too: on
     # GPUs the data-sheet default, on CPUs measured on a whole block (calibrate.py)
-    t_mb = slowdown * flops_mb / hw.flops(job.precision)
+    # plus a fixed cost per layer (and one more for embedding, head and loss) that small
+    # micro-batches do not amortise
+    layers = -(-job.spec.n_layers // p) + 1
+    passes = 2 if layout.recompute == "full" else 1
+    t_mb = slowdown * (flops_mb / hw.flops(job.precision) + passes * layers * hw.block_overhead)
     if job.finetune.base_4bit:  # NF4 -> bf16 dequantisation before every use of a weight
         uses = 3 if layout.recompute == "full" else 2
         n = non_embedding_params(job.spec) / (t * p)

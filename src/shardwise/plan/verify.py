@@ -100,8 +100,9 @@ def compare(pred: dict, meas: dict) -> dict:
     }
 
 
-def verify(job: Job, cands: list[dict], config: str | None, overrides: list[str]) -> int:
-    """Run `cands` here (the plan must be for this machine) and print predicted vs measured."""
+def verify(job: Job, cands: list[dict], config: str | None, overrides: list[str], top: int) -> int:
+    """Run the best `top` runnable candidates here (the plan must be for this machine) and
+    print predicted vs measured."""
     if job.hardware.name != "cpu":
         raise ConfigError(
             f"--verify runs the candidates on this machine, but the plan is for "
@@ -113,22 +114,26 @@ def verify(job: Job, cands: list[dict], config: str | None, overrides: list[str]
             "Fix: pass its values as overrides."
         )
     base = [*overrides, "--log.tensorboard=false", "--log.progress=off", "--log.every=1000000"]
-    runnable, cases = [], []
-    for c in cands:
+    runnable, cases, skipped = [], [], 0
+    for c in cands:  # the best `top` that this version of the engine can run
         case = [*base, *layout_overrides(c)]
         try:
             derive(load_config(None, case), job.devices)
-        except ShardwiseError as exc:
-            print(f"skip {c['tp']}/{c['pp']}/{c['dp']} z{c['zero']}: {exc}")
+        except ShardwiseError:
+            skipped += 1
             continue
         runnable.append(c)
         cases.append(case)
+        if len(cases) == top:
+            break
     if not cases:
-        raise ConfigError("--verify: none of the top candidates can run in this version.")
+        raise ConfigError("--verify: none of the candidates can run in this version.")
+    if skipped:
+        print(f"({skipped} better-ranked candidates need features this version lacks)")
     results = measure(job.devices, cases)
     print(
         f"{'layout':<52} {'pred total':>11} {'meas total':>11} {'err':>6} {'states':>7} "
-        f"{'pred s':>8} {'meas s':>8} {'err':>6}"
+        f"{'pred s':>8} {'wall s':>8} {'err':>6} {'CPU s':>8} {'err':>6}"
     )
     for c, m in zip(runnable, results, strict=True):
         name = (
@@ -143,6 +148,7 @@ def verify(job: Job, cands: list[dict], config: str | None, overrides: list[str]
             f"{name:<52} {human_bytes(c['mem_bytes']['total']):>11} "
             f"{human_bytes(m['mem_bytes']['total']):>11} {100 * e['total_err']:>5.1f}% "
             f"{'exact' if e['states_exact'] else 'DIFF':>7} {c['step_time_s']:>8.4f} "
-            f"{m['step_time_s']:>8.4f} {100 * e['time_err']:>5.1f}%"
+            f"{m['step_time_s']:>8.4f} {100 * e['time_err']:>5.1f}% {m['step_cpu_s']:>8.4f} "
+            f"{100 * (c['step_time_s'] - m['step_cpu_s']) / m['step_cpu_s']:>5.1f}%"
         )
     return 0
