@@ -239,6 +239,53 @@ CONFIG_CASES = [
         id="heads-vs-preset-kv-heads",
     ),
     pytest.param(
+        [
+            "explain",
+            "--nproc",
+            "3",
+            "--parallel.tp=3",
+            "--model.dim=96",
+            "--model.n_heads=6",
+            "--model.n_kv_heads=2",
+        ],
+        ["model.n_kv_heads=2", "parallel.tp=3"],
+        id="kv-heads-vs-tp",
+    ),
+    pytest.param(
+        ["explain", "--nproc", "4", "--parallel.tp=4", "--model.ffn_dim=350"],
+        ["model.ffn_dim=350", "parallel.tp=4"],
+        id="ffn-not-divisible-by-tp",
+    ),
+    pytest.param(
+        ["explain", "--nproc", "4", "--parallel.tp=4", "--parallel.sp=true", "--data.seq_len=30"],
+        ["data.seq_len=30", "parallel.tp=4"],
+        id="sp-seq-len-not-divisible-by-tp",
+    ),
+    pytest.param(
+        [
+            "explain",
+            "--nproc",
+            "2",
+            "--parallel.tp=2",
+            "--parallel.sp=true",
+            "--model.name=hf-llama-tiny",
+        ],
+        ["parallel.sp=true", "hf-llama-tiny", "--parallel.sp=false"],
+        id="sp-with-hf-model",
+    ),
+    pytest.param(
+        [
+            "explain",
+            "--nproc",
+            "2",
+            "--parallel.tp=2",
+            "--model.name=resnet18",
+            "--data.dataset=digits",
+        ],
+        ["parallel.tp=2", "resnet18", "--parallel.tp=1"],
+        id="tp-with-resnet",
+    ),
+    pytest.param(
         ["explain", "--model.n_heads=4", "--model.n_kv_heads=3"],
         ["model.n_heads=4", "model.n_kv_heads=3"],
         id="heads-not-divisible-by-kv-heads",
@@ -350,17 +397,10 @@ def test_global_batch_below_dp_names_the_real_problem(capsys: pytest.CaptureFixt
 @pytest.mark.parametrize(
     ("argv", "key", "value", "off"),
     [
-        (["--parallel.tp=2", "--nproc", "2"], "parallel.tp", "2", "1"),
         (["--parallel.pp=2", "--nproc", "2"], "parallel.pp", "2", "1"),
         (["--parallel.pp_schedule=gpipe"], "parallel.pp_schedule", "gpipe", "1f1b"),
         (["--parallel.pp_virtual=2"], "parallel.pp_virtual", "2", "1"),
         (["--checkpoint.every=5"], "checkpoint.every", "5", "0"),
-        pytest.param(
-            ["--parallel.sp=true"],
-            "parallel.sp",
-            "true",
-            "false",
-        ),
     ],
 )
 def test_not_yet_supported_wording(

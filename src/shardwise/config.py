@@ -32,7 +32,8 @@ class ModelConfig:
     name: str = opt(
         "tiny",
         "Named model: tiny, 125m, 1b, 7b, 13b, 70b, 175b (decoder), "
-        "gpt2-tiny, gpt2-125m (GPT-2 style), resnet18, resnet50 (images).",
+        "gpt2-tiny, gpt2-125m (GPT-2 style), hf-llama-tiny, hf-gpt2-tiny (Hugging Face "
+        "LlamaForCausalLM / GPT2LMHeadModel), resnet18, resnet50 (images).",
     )
     n_layers: int = opt(0, "Override the preset's number of transformer blocks (0 = preset).")
     dim: int = opt(0, "Override the hidden size (0 = preset).")
@@ -100,10 +101,12 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = opt(1, "Tensor-parallel degree.")
+    tp: int = opt(1, "Tensor-parallel degree: layers split over this many ranks (Megatron-LM).")
     pp: int = opt(1, "Pipeline-parallel degree.")
     zero: int = opt(0, "ZeRO stage 0-3 over the data-parallel dimension.")
-    sp: bool = opt(False, "Sequence parallelism (with tp).")
+    sp: bool = opt(
+        False, "Sequence parallelism (with tp): norms and residuals split along the sequence."
+    )
     pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zb"] = opt("1f1b", "Pipeline schedule.")
     pp_virtual: int = opt(1, "Virtual pipeline chunks per rank (interleaved schedule).")
     bucket_mb: float = opt(

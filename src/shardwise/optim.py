@@ -55,6 +55,9 @@ class Target:
     param: torch.Tensor
     grad: Callable[[], torch.Tensor]
     decay: bool
+    # over tensor parallelism: "shard" (disjoint slices), "replica" (the same on every tp
+    # rank) or "partial" (partial gradients summed over tp before use); see parallel/tensor.py
+    tp: str = "replica"
 
 
 def adamw(
@@ -79,7 +82,7 @@ def replicated_targets(model: nn.Module) -> list[Target]:
     """Data parallelism: every parameter, its gradient in the bucket view `main_grad`.
     No weight decay on gains and biases (1-D), as in GPT-2/LLaMA training recipes."""
     return [
-        Target(p, (lambda p=p: p.main_grad), p.ndim >= 2)
+        Target(p, (lambda p=p: p.main_grad), p.ndim >= 2, getattr(p, "tp_kind", "replica"))
         for p in model.parameters()
         if p.requires_grad
     ]
@@ -89,7 +92,10 @@ class MixedPrecisionAdamW:
     """One level of composition: fp32 masters + torch.optim.AdamW + clipping + loss scale.
 
     `sum_over_shards` adds up partial squared norms when each rank holds only a shard of the
-    gradients (ZeRO); `after_step` publishes updated compute copies (e.g. all-gathers them)."""
+    gradients; it receives [squared norm of tp-sharded targets, of the others] (ZeRO sums
+    both over dp, tensor parallelism the first over tp). `reduce_partial` sums the gradients
+    of `partial` targets over tp. `after_step` publishes updated compute copies (e.g.
+    all-gathers them)."""
 
     def __init__(
         self,
@@ -98,6 +104,7 @@ class MixedPrecisionAdamW:
         sum_over_shards: Callable[[torch.Tensor], None] | None = None,
         after_step: Callable[[], None] | None = None,
         offload: bool = False,
+        reduce_partial: Callable[[list[torch.Tensor]], None] | None = None,
     ) -> None:
         self.targets = targets
         self.params = [t.param for t in targets]
@@ -118,6 +125,7 @@ class MixedPrecisionAdamW:
         self.inner = adamw(decay, no_decay, cfg)
         self.grad_clip = cfg.optim.grad_clip
         self.sum_over_shards = sum_over_shards
+        self.reduce_partial = reduce_partial
         self.after_step = after_step
         p = cfg.precision
         self.scaler = LossScaler(
@@ -151,19 +159,26 @@ class MixedPrecisionAdamW:
             g = t.grad()
             m.grad = g.to(m.device, torch.float32, non_blocking=True)
         grads = [m.grad for m in self.masters]
+        if self.reduce_partial is not None:
+            self.reduce_partial(
+                [g for g, t in zip(grads, self.targets, strict=True) if t.tp == "partial"]
+            )
         if self.scaler.scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        # [tp-sharded, the rest]: over tp the first adds up, the second is counted once
+        parts = torch.zeros(2, dtype=torch.float64)
         if grads:
             # fp64 accumulation: an fp32 norm of a large tensor is off by ~1e-6 relative, and by
             # a different amount when the tensor is cut into other shards (layout invariance)
-            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
-            norm_sq = torch.stack(norms).square().sum()
-        else:
-            norm_sq = torch.zeros((), dtype=torch.float64)
-        norm_sq = norm_sq.to(self.device)  # collectives run on the compute device
+            norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)).square()
+            sharded = torch.tensor([t.tp == "shard" for t in self.targets], device=norms.device)
+            parts = torch.stack([norms[sharded].sum(), norms[~sharded].sum()])
+        parts = parts.to(self.device)  # collectives run on the compute device
         if self.sum_over_shards is not None:
-            self.sum_over_shards(norm_sq)
-        norm_value = math.sqrt(float(norm_sq))  # the step's one host sync: skip and clip need it
+            self.sum_over_shards(parts)
+        norm_value = math.sqrt(
+            float(parts.sum())
+        )  # the step's one host sync: skip and clip need it
         finite = math.isfinite(norm_value)
         self.scaler.update(finite)
         if finite:

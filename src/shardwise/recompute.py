@@ -34,9 +34,9 @@ def apply_recompute(model: nn.Module, family: str, mode: str) -> int:
     """Wrap the modules that `mode` names for `family`; returns how many were wrapped."""
     if mode == "none":
         return 0
-    patterns = PLANS[family].get(mode)
+    patterns = PLANS.get(family, {}).get(mode)
     if patterns is None:
-        modes = ", ".join(["none", *PLANS[family]])
+        modes = ", ".join(["none", *PLANS.get(family, {})])
         raise ConfigError(
             f"memory.recompute='{mode}' is not available for {family} models. "
             f"Fix: choose one of {modes}."

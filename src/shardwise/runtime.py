@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from shardwise import device as dev
@@ -19,9 +18,11 @@ from shardwise.config import Config
 from shardwise.data import DataSpec, GlobalSampler, load_data
 from shardwise.errors import ConfigError
 from shardwise.memory import ActivationMeter
-from shardwise.models import build_model, init_weights
+from shardwise.models import build_model, init_weights, to_empty
+from shardwise.models.tp_plans import plan_for
 from shardwise.optim import MixedPrecisionAdamW, replicated_targets
 from shardwise.parallel.data import GradReducer, apply_data_parallel
+from shardwise.parallel.tensor import TensorParallel, apply_tensor_parallel
 from shardwise.parallel.zero import ZeroEngine, apply_zero
 from shardwise.recompute import apply_recompute
 from shardwise.topology import Topology, build_topology
@@ -67,6 +68,7 @@ class Run:
     comm: Comm
     model: nn.Module
     reducer: GradReducer | ZeroEngine
+    tp: TensorParallel
     optimizer: MixedPrecisionAdamW
     meter: ActivationMeter
     train_data: object
@@ -83,7 +85,8 @@ class Run:
         if inputs.is_floating_point():  # images enter in the compute dtype
             inputs = inputs.to(dev.dtype_of(self.cfg.precision.compute))
         logits = self.model(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
+        logits = getattr(logits, "logits", logits)  # a Hugging Face model's output object
+        loss = self.tp.loss_sum(logits, targets)  # vocabulary-parallel when the head is split
         return (loss, logits) if return_logits else loss
 
 
@@ -109,12 +112,20 @@ def freeze(model: nn.Module, patterns: str) -> None:
 
 def parallelize(
     model: nn.Module, run_cfg: Config, derived: Derived, comm: Comm, info: dev.DeviceInfo
-) -> tuple[nn.Module, GradReducer | ZeroEngine]:
+) -> tuple[nn.Module, GradReducer | ZeroEngine, TensorParallel]:
     """Apply the parallel transformations in the one order that works (DESIGN.md)."""
     compute = dev.dtype_of(run_cfg.precision.compute)
     reduce = dev.dtype_of(run_cfg.precision.reduce)
     # 1. Pipeline split would cut the meta model into stages here (pp = 1: the whole model).
-    # 2. Tensor parallelism would replace layers by sharded ones here (tp = 1: unchanged).
+    # 2. Tensor parallelism splits the planned layers of the (stage's) meta model in place:
+    #    names stay, parameters become local slices that remember where they come from, so
+    #    init, ZeRO and checkpoints below see ordinary (smaller) tensors (tp = 1: unchanged).
+    tp = apply_tensor_parallel(
+        model,
+        comm,
+        plan_for(model, derived.spec.arch) if derived.tp > 1 else None,
+        run_cfg.parallel.sp,
+    )
     # 3. Recomputation wraps module forwards; names stay, so init and checkpoints are unchanged.
     apply_recompute(model, derived.family, run_cfg.memory.recompute)
     stage = run_cfg.parallel.zero
@@ -122,16 +133,27 @@ def parallelize(
         # 4. ZeRO flattens the still-meta parameters into units and materialises only what
         #    this rank keeps (its slices under ZeRO-3), straight from the (seed, name) init.
         offload_params = run_cfg.memory.offload == "optimizer+params"
-        return model, apply_zero(
-            model, comm, stage, compute, reduce, info.device, run_cfg.train.seed, offload_params
+        return (
+            model,
+            apply_zero(
+                model,
+                comm,
+                stage,
+                compute,
+                reduce,
+                info.device,
+                run_cfg.train.seed,
+                offload_params,
+            ),
+            tp,
         )
     # 4. Materialise: without ZeRO the local shard is the whole model. Values depend only on
     #    (seed, parameter name), so every rank builds identical weights without a broadcast.
-    model.to_empty(device=info.device)
+    to_empty(model, info.device)
     init_weights(model, run_cfg.train.seed)
     cast_for_compute(model, compute)
     # 5. Data parallelism attaches gradient buckets to the materialised parameters.
-    return model, apply_data_parallel(model, comm, reduce, run_cfg.parallel.bucket_mb)
+    return model, apply_data_parallel(model, comm, reduce, run_cfg.parallel.bucket_mb), tp
 
 
 def cast_for_compute(model: nn.Module, dtype: torch.dtype) -> None:
@@ -154,13 +176,14 @@ def cast_for_compute(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def verify_replicas(model: nn.Module, comm: Comm) -> None:
-    """Check once that every rank holds the same parameters (they are built identically)."""
-    if comm.topo.world == 1:
+    """Check once that every dp replica holds the same parameters (they are built
+    identically; tensor-parallel ranks hold different slices)."""
+    if comm.topo.size("dp") == 1:
         return
     sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
     hi, lo = sums.clone(), sums.clone()
-    comm.all_reduce_world(hi, "max")
-    comm.all_reduce_world(lo, "min")
+    comm.all_reduce(hi, "dp", "max", control=True)
+    comm.all_reduce(lo, "dp", "min", control=True)
     bad = [n for (n, _), a, b in zip(model.named_parameters(), hi, lo, strict=True) if a != b]
     if bad:
         raise RuntimeError(f"parameters differ across ranks after init: {bad[:5]}")
@@ -181,15 +204,22 @@ def build_run(cfg: Config) -> Run:
     with torch.device("meta"):
         model = build_model(spec)
     freeze(model, cfg.train.freeze)
-    model, reducer = parallelize(model, cfg, derived, comm, info)
+    model, reducer, tp = parallelize(model, cfg, derived, comm, info)
     if isinstance(reducer, ZeroEngine):
         offload = cfg.memory.offload != "none"
+
+        def sum_over_shards(parts: torch.Tensor) -> None:
+            reducer.sum_over_shards(parts)  # disjoint slices over dp
+            tp.sum_over_shards(parts)
+
         optimizer = MixedPrecisionAdamW(
-            reducer.targets(), cfg, reducer.sum_over_shards, reducer.after_step, offload
+            reducer.targets(), cfg, sum_over_shards, reducer.after_step, offload, tp.reduce_partial
         )
     else:
         verify_replicas(model, comm)
-        optimizer = MixedPrecisionAdamW(replicated_targets(model), cfg)
+        optimizer = MixedPrecisionAdamW(
+            replicated_targets(model), cfg, tp.sum_over_shards, reduce_partial=tp.reduce_partial
+        )
     sampler = GlobalSampler(len(train_data), cfg.train.global_batch, cfg.train.seed)
     return Run(
         cfg,
@@ -199,6 +229,7 @@ def build_run(cfg: Config) -> Run:
         comm,
         model,
         reducer,
+        tp,
         optimizer,
         ActivationMeter(model),
         train_data,

@@ -10,6 +10,7 @@ from shardwise import device as dev
 from shardwise.data import GlobalSampler, split_for_rank
 from shardwise.memory import model_state_bytes, step_memory
 from shardwise.metrics import MetricsLogger, flops_per_token
+from shardwise.models import build_model
 from shardwise.optim import lr_at
 from shardwise.parallel.data import sync_buffers
 from shardwise.runtime import Run
@@ -21,7 +22,8 @@ def fit(run: Run) -> list[dict]:
     device = run.info.device
     global_count = cfg.train.global_batch * d.tokens_per_sample  # the loss normaliser
     peak = run.info.peak_flops(cfg.precision.compute)
-    step_flops = flops_per_token(model, d) * d.tokens_per_step
+    with torch.device("meta"):  # the whole model's FLOPs, not this rank's tensor-parallel slice
+        step_flops = flops_per_token(build_model(d.spec), d) * d.tokens_per_step
     logger = MetricsLogger(run)
     records = []
     for step in range(cfg.train.steps):
@@ -55,7 +57,8 @@ def fit(run: Run) -> list[dict]:
         step_time = time.perf_counter() - t0
         # log: bookkeeping collectives are counted apart from the step's traffic
         comm_bytes = run.comm.take_step_bytes()
-        run.comm.all_reduce_world(loss_sum)
+        # every tp rank holds the whole loss of its dp replica: sum over dp only
+        run.comm.all_reduce(loss_sum, "dp", control=True)
         mem = step_memory(model_state_bytes(model, run.reducer, run.optimizer), act_peak)
         device_peak = dev.peak_memory(run.info)
         if device_peak is not None:
@@ -112,10 +115,11 @@ def evaluate(run: Run) -> dict[str, float]:
             inputs, targets = (t.to(run.info.device) for t in run.val_data.get_batch(idx))
             loss, logits = run.loss_sum(inputs, targets, return_logits=True)
             sums[0] += loss.double()
-            sums[1] += (logits.argmax(-1) == targets).sum().double()
+            if d.family == "resnet":  # (a split vocabulary has no local argmax)
+                sums[1] += (logits.argmax(-1) == targets).sum().double()
         count += batch * d.tokens_per_sample
     run.model.train()
-    run.comm.all_reduce_world(sums)
+    run.comm.all_reduce(sums, "dp", control=True)
     out = {"eval_loss": float(sums[0]) / count}
     if d.family == "resnet":
         out["eval_accuracy"] = float(sums[1]) / count

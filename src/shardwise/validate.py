@@ -13,6 +13,7 @@ import torch
 from shardwise.config import Config
 from shardwise.errors import ConfigError, NotYetSupportedError
 from shardwise.models import PRESETS, ModelSpec, preset
+from shardwise.models.presets import HF_ARCHS
 from shardwise.topology import degrees
 
 
@@ -94,16 +95,49 @@ def _check_transformer(spec: ModelSpec, cfg: Config) -> None:
             f"model.n_heads={spec.n_heads} is not divisible by model.n_kv_heads="
             f"{spec.n_kv_heads}. Fix: n_kv_heads must divide n_heads."
         )
-    tp = cfg.parallel.tp
-    if tp > 1 and spec.n_heads % tp:
-        raise ConfigError(
-            f"model.n_heads={spec.n_heads} is not divisible by parallel.tp={tp}. "
-            "Fix: choose tp dividing the number of heads."
-        )
+    _check_tensor_parallel(spec, cfg)
     if cfg.data.seq_len > spec.max_seq_len:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len="
             f"{spec.max_seq_len}. Fix: --data.seq_len={spec.max_seq_len} or less."
+        )
+
+
+def _check_tensor_parallel(spec: ModelSpec, cfg: Config) -> None:
+    """Every size that tensor (and sequence) parallelism splits, against t. The vocabulary
+    is padded instead (parallel/tensor.py), so it needs no check."""
+    tp, sp = cfg.parallel.tp, cfg.parallel.sp
+    if tp == 1:
+        return
+    name = f"({cfg.model.name})"
+    if spec.n_heads % tp:
+        raise ConfigError(
+            f"model.n_heads={spec.n_heads} {name} is not divisible by parallel.tp={tp}. "
+            "Fix: choose tp dividing the number of heads."
+        )
+    kv = spec.n_kv_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(
+            f"model.n_kv_heads={kv} {name} and parallel.tp={tp}: tp must divide the kv heads "
+            f"(split) or be a multiple of them (replicated). Fix: change parallel.tp or "
+            "model.n_kv_heads."
+        )
+    if kv < tp and spec.arch == "hf-gpt2":
+        raise ConfigError(f"hf-gpt2 has no grouped-query attention: n_kv_heads={kv} < tp={tp}.")
+    if spec.ffn_dim % tp:
+        raise ConfigError(
+            f"model.ffn_dim={spec.ffn_dim} {name} is not divisible by parallel.tp={tp}. "
+            "Fix: choose tp dividing the MLP width, or --model.ffn_dim=<a multiple of tp>."
+        )
+    if sp and cfg.data.seq_len % tp:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={tp}: sequence "
+            f"parallelism splits the sequence over the tp ranks. Fix: a multiple of {tp}."
+        )
+    if sp and spec.arch in HF_ARCHS:
+        raise ConfigError(
+            f"parallel.sp=true is not available for {cfg.model.name}: Hugging Face models build "
+            "positions and masks from the local sequence length. Fix: --parallel.sp=false."
         )
 
 
@@ -159,9 +193,7 @@ def _not_yet(cfg: Config) -> None:
     """Valid requests whose issues have not landed: the exact wording is a contract."""
     p = cfg.parallel
     for key, value, off in (
-        ("parallel.tp", p.tp, 1),
         ("parallel.pp", p.pp, 1),
-        ("parallel.sp", p.sp, False),
         ("parallel.pp_schedule", p.pp_schedule, "1f1b"),
         ("parallel.pp_virtual", p.pp_virtual, 1),
         ("checkpoint.every", cfg.checkpoint.every, 0),
@@ -204,6 +236,11 @@ def derive(cfg: Config, world: int) -> Derived:
     spec = model_spec(cfg)
     pp, dp, tp = degrees(world, p.tp, p.pp)
     is_image = spec.arch.startswith("resnet")
+    if is_image and tp > 1:
+        raise ConfigError(
+            f"parallel.tp={tp}: tensor parallelism splits transformer layers, and "
+            f"model.name='{cfg.model.name}' is a ResNet. Fix: --parallel.tp=1."
+        )
     if is_image != (cfg.data.dataset == "digits"):
         kind = "an image model" if is_image else "a text model"
         fix = "--data.dataset=digits" if is_image else "--model.name=resnet18"

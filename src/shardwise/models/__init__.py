@@ -11,11 +11,12 @@ Typical use, never holding the full model in memory before it is sharded::
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from shardwise.models.decoder import Decoder
 from shardwise.models.init import init_weights
-from shardwise.models.presets import PRESETS, ModelSpec, preset
+from shardwise.models.presets import HF_ARCHS, PRESETS, ModelSpec, preset
 from shardwise.models.resnet import ResNet
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "count_params",
     "init_weights",
     "preset",
+    "to_empty",
 ]
 
 
@@ -38,7 +40,27 @@ def build_model(spec: ModelSpec) -> nn.Module:
     """
     if spec.is_transformer:
         return Decoder(spec)
+    if spec.arch in HF_ARCHS:
+        from shardwise.models.hf import build_hf  # imports transformers on first use
+
+        return build_hf(spec)
     return ResNet(spec)
+
+
+def to_empty(model: nn.Module, device: torch.device) -> None:
+    """`Module.to_empty`, keeping tied parameters tied and the attributes set on them
+    (tensor parallelism's slice marks): it creates new parameters module by module."""
+    uses: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+    for module in model.modules():
+        for leaf, p in module._parameters.items():
+            if p is not None:
+                uses.setdefault(id(p), (p, []))[1].append((module, leaf))
+    model.to_empty(device=device)
+    for old, group in uses.values():
+        first = group[0][0]._parameters[group[0][1]]
+        first.__dict__.update(old.__dict__)
+        for module, leaf in group[1:]:
+            module._parameters[leaf] = first
 
 
 def count_params(model: nn.Module, exclude_embedding: bool = False) -> int:

@@ -13,6 +13,7 @@ import hashlib
 import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -79,8 +80,8 @@ def init_rule(module: nn.Module, leaf: str, name: str, spec: ModelSpec | None) -
             if re.search(rf"(^|\.)layer\d+\.\d+\.{last_bn}\.weight$", name):
                 return _zeros
         return _ones
-    if isinstance(module, _NORMS):
-        return _ones
+    if isinstance(module, _NORMS) or type(module).__name__.endswith(("RMSNorm", "LayerNorm")):
+        return _ones  # also Hugging Face's own norm classes (LlamaRMSNorm, ...)
     if isinstance(module, nn.Conv2d):
         return _kaiming
     if isinstance(module, nn.Linear) and spec is not None and spec.arch in RESNET_ARCHS:
@@ -92,8 +93,8 @@ def init_rule(module: nn.Module, leaf: str, name: str, spec: ModelSpec | None) -
         if spec is None:
             raise ValueError(f"{name}: scaled init needs n_layers; the model has no .spec")
         return _normal(BASE_STD / math.sqrt(2 * spec.n_layers))
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        return _normal(BASE_STD)
+    if isinstance(module, (nn.Linear, nn.Embedding)) or type(module).__name__ == "Conv1D":
+        return _normal(BASE_STD)  # Conv1D: GPT-2's transposed Linear in transformers
     raise ValueError(
         f"no init rule for parameter {name!r} of {type(module).__name__}; "
         "add one to shardwise.models.init.init_rule"
@@ -117,6 +118,72 @@ def initial_value(
     value = torch.empty(shape, dtype=torch.float32, device="cpu")
     init_rule(module, leaf, name, spec)(value, generator)
     return value
+
+
+@dataclass(frozen=True)
+class LocalSlice:
+    """Where a sharded parameter's local tensor comes from in its full value: the pieces
+    `ranges` of dimension `dim`, concatenated (one piece for a plain shard, three for a fused
+    q|k|v weight), with the full dimension zero-padded to `padded` (vocabulary padding).
+
+    Tensor parallelism attaches one to each parameter it shards (``param.tp_slice``); init and
+    the gather back to full shape read it, so a shard always equals the same slice of the
+    single-process parameter."""
+
+    full_shape: tuple[int, ...]
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+    padded: int
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """The local piece of a full (unpadded) tensor."""
+        if self.padded > full.shape[self.dim]:
+            pad = list(full.shape)
+            pad[self.dim] = self.padded - full.shape[self.dim]
+            full = torch.cat([full, full.new_zeros(pad)], dim=self.dim)
+        return torch.cat([full.narrow(self.dim, a, b - a) for a, b in self.ranges], self.dim)
+
+    def place(self, local: torch.Tensor) -> torch.Tensor:
+        """A zero tensor of the padded full shape holding `local` where it came from; the sum
+        of every rank's `place` is the full (padded) value."""
+        shape = list(self.full_shape)
+        shape[self.dim] = self.padded
+        full = local.new_zeros(shape)
+        at = 0
+        for a, b in self.ranges:
+            full.narrow(self.dim, a, b - a).copy_(local.narrow(self.dim, at, b - a))
+            at += b - a
+        return full
+
+
+def initial_local(
+    module: nn.Module, leaf: str, name: str, param: torch.Tensor, seed: int, spec
+) -> torch.Tensor:
+    """The float32 CPU initial value of this rank's `param` (a full parameter or a shard).
+
+    A shard is cut from the full value: the full tensor is drawn and sliced, one parameter at
+    a time. Drawing only the slice is not possible in general: torch's CPU normal_ fills in
+    blocks (Box-Muller over 16 values), so a slice of the stream is not a stream of a slice."""
+    cut: LocalSlice | None = getattr(param, "tp_slice", None)
+    shape = cut.full_shape if cut is not None else tuple(param.shape)
+    value = initial_value(module, leaf, name, shape, seed, spec)
+    return cut.take(value) if cut is not None else value
+
+
+def restore_buffers(model: nn.Module) -> None:
+    """Non-persistent buffers computed at construction (a foreign model's RoPE frequencies)
+    are lost when the model is built on meta; their values are kept in
+    ``model.shardwise_buffers`` (name -> CPU tensor) by the builder and copied back here."""
+    values: dict[str, torch.Tensor] = getattr(model, "shardwise_buffers", {})
+    if not values:
+        return
+    owners = dict(model.named_modules())
+    for name, value in values.items():
+        owner, _, leaf = name.rpartition(".")
+        module = owners[owner]
+        old = module._buffers[leaf]
+        device = old.device if old is not None and not old.is_meta else value.device
+        module._buffers[leaf] = value.to(device).clone()
 
 
 def find_spec(model: nn.Module) -> ModelSpec | None:
@@ -145,8 +212,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
             )
         owner, _, leaf = full_name.rpartition(".")
         name = canonical_name(full_name, spec)
-        value = initial_value(modules[owner], leaf, name, tuple(param.shape), seed, spec)
-        param.copy_(value)
+        param.copy_(initial_local(modules[owner], leaf, name, param, seed, spec))
     for module in model.modules():
         if isinstance(module, _BatchNorm):
             module.reset_running_stats()
+    restore_buffers(model)

@@ -8,9 +8,10 @@ from typing import Literal, get_args
 
 from shardwise.errors import ConfigError
 
-Arch = Literal["decoder", "gpt2", "resnet18", "resnet50"]
+Arch = Literal["decoder", "gpt2", "resnet18", "resnet50", "hf-llama", "hf-gpt2"]
 ARCHS: tuple[str, ...] = get_args(Arch)
 TRANSFORMER_ARCHS = ("decoder", "gpt2")
+HF_ARCHS = ("hf-llama", "hf-gpt2")  # Hugging Face transformers models (models/hf.py)
 RESNET_ARCHS = ("resnet18", "resnet50")
 
 
@@ -54,7 +55,7 @@ class ModelSpec:
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.ffn_dim == 0:
-            ffn = 4 * self.dim if self.arch == "gpt2" else llama_ffn_dim(self.dim)
+            ffn = 4 * self.dim if self.arch in ("gpt2", "hf-gpt2") else llama_ffn_dim(self.dim)
             object.__setattr__(self, "ffn_dim", ffn)
         _require_positive(self, ("n_kv_heads", "ffn_dim"))
         if self.dim % self.n_heads:
@@ -67,7 +68,7 @@ class ModelSpec:
                 f"model.n_heads={self.n_heads} is not divisible by "
                 f"model.n_kv_heads={self.n_kv_heads}. Fix: n_kv_heads must divide n_heads."
             )
-        if self.arch == "decoder" and self.head_dim % 2:
+        if self.arch in ("decoder", "hf-llama") and self.head_dim % 2:
             raise ConfigError(
                 f"head dim dim/n_heads={self.dim}/{self.n_heads}={self.head_dim} is odd; "
                 "RoPE rotates pairs of channels. Fix: choose dim and n_heads with an even ratio."
@@ -121,6 +122,9 @@ PRESETS: dict[str, ModelSpec] = {
     "gpt2-tiny": _gpt2(4, 128, 4, 4096, 512),
     # GPT-2 small (Radford et al. 2019) with the vocabulary padded to a multiple of 64.
     "gpt2-125m": _gpt2(12, 768, 12, 50304, 1024),
+    # The same tiny shapes as Hugging Face models built from transformers configs.
+    "hf-llama-tiny": ModelSpec("hf-llama", 4, 128, 4, 2, 352, 4096, 512),
+    "hf-gpt2-tiny": ModelSpec("hf-gpt2", 4, 128, 4, 4, 512, 4096, 512, tie_embeddings=True),
     "resnet18": ModelSpec("resnet18"),
     "resnet50": ModelSpec("resnet50"),
 }

@@ -30,7 +30,7 @@ from torch import nn
 
 from shardwise.comm import Comm
 from shardwise.errors import ShardwiseError
-from shardwise.models.init import canonical_name, find_spec, initial_value
+from shardwise.models.init import canonical_name, find_spec, initial_local, restore_buffers
 from shardwise.optim import Target
 from shardwise.parallel.zero_units import Unit, unit_roots
 
@@ -97,8 +97,8 @@ class ZeroEngine:
         spec = find_spec(model)
         for unit in self.units:
             for (name, module, leaf, p), off in zip(unit.entries, unit.offsets, strict=False):
-                value = initial_value(
-                    module, leaf, canonical_name(name, spec), tuple(p.shape), seed, spec
+                value = initial_local(
+                    module, leaf, canonical_name(name, spec), p, seed, spec
                 ).flatten()
                 unit.load(off, value)
         for module in model.modules():  # buffers (BatchNorm statistics) are replicated
@@ -107,6 +107,7 @@ class ZeroEngine:
                     module._buffers[key] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 module.reset_running_stats()
+        restore_buffers(model)
 
     def _hook_modules(self, model: nn.Module) -> None:
         for unit in self.units:
@@ -306,7 +307,7 @@ class ZeroEngine:
     def targets(self) -> list[Target]:
         return [t for u in self.units for t in u.targets()]
 
-    def sum_over_shards(self, norm_sq: torch.Tensor) -> None:
+    def sum_over_shards(self, norm_sq: torch.Tensor) -> None:  # [tp-sharded, other] parts
         """Each rank holds a disjoint gradient slice: the squared norms add up (bookkeeping)."""
         self.comm.all_reduce(norm_sq, "dp", control=True)
 

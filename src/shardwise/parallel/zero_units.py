@@ -14,6 +14,14 @@ def _alias(storage: torch.UntypedStorage, offset: int, shape, dtype, device) -> 
     return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape)
 
 
+def _keep_marks(old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
+    """Carry tensor parallelism's marks (which slice, how its gradient reduces) over."""
+    for attr in ("tp_slice", "tp_kind"):
+        if hasattr(old, attr):
+            setattr(new, attr, getattr(old, attr))
+    return new
+
+
 Entry = tuple[str, nn.Module, str, nn.Parameter]  # (qualified name, owner, attribute, param)
 
 
@@ -89,8 +97,11 @@ class Unit:
         # New parameters aliasing the buffer; `replaced` maps old ids so the engine can re-point
         # every use in the model (tied uses included).
         self.replaced: dict[int, nn.Parameter] = {
-            id(p): nn.Parameter(
-                _alias(storage, off, p.shape, compute, device), requires_grad=p.requires_grad
+            id(p): _keep_marks(
+                p,
+                nn.Parameter(
+                    _alias(storage, off, p.shape, compute, device), requires_grad=p.requires_grad
+                ),
             )
             for (*_, p), off in zip(entries, self.offsets, strict=True)
         }
@@ -185,7 +196,6 @@ class Unit:
             if lo >= hi or not p.requires_grad:
                 continue
             a, b = lo - self.lo, hi - self.lo
-            out.append(
-                Target(self.shard[a:b], (lambda a=a, b=b: self.grad_shard[a:b]), p.ndim >= 2)
-            )
+            grad = lambda a=a, b=b: self.grad_shard[a:b]  # noqa: E731
+            out.append(Target(self.shard[a:b], grad, p.ndim >= 2, getattr(p, "tp_kind", "replica")))
         return out

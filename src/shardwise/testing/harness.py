@@ -47,6 +47,7 @@ def _run_case(case: dict, run_dir: str) -> dict:
     else:
         params = {n: p.detach().float().cpu().clone() for n, p in run.model.named_parameters()}
         zero = {}
+    params = run.tp.full_parameters(params, run.info.device)  # tp shards -> full shape
     buffers = {}
     if getattr(run, "return_buffers", False):
         buffers = {

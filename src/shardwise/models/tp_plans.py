@@ -1,0 +1,98 @@
+"""Tensor-parallel plans as data: module path pattern -> how the module is split.
+
+A pattern matches a module path segment by segment (``*`` is one segment). Kinds:
+
+* ``column``  — output features split (Megatron's column-parallel linear);
+* ``column:kv`` — a key/value projection: split by kv heads when tp divides their number,
+  else each rank keeps (replicated) the one kv head its query heads read (GQA, t > kv);
+* ``column:qkv`` — a fused q|k|v projection (GPT-2's ``c_attn``): each third split alike;
+* ``row``     — input features split, partial outputs summed (row-parallel linear);
+* ``vocab``   — the vocabulary split: an embedding (masked lookup + sum) or the output head
+  (logits stay split; the loss is vocabulary-parallel);
+* ``positions`` — a learned position table: with sequence parallelism each rank looks up
+  its own chunk of positions.
+
+Everything else is replicated. ``divide`` names integer attributes of foreign attention
+modules that count heads or widths and so shrink by t (GPT-2's split size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    rules: dict[str, str]
+    divide: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    sequence_parallel: bool = True  # whether the model's forward allows sequence sharding
+
+
+# The reference decoder (Llama-style) and its GPT-2 variant share module names.
+DECODER = TPPlan(
+    {
+        "embed": "vocab",
+        "pos_embed": "positions",
+        "blocks.*.attn.wq": "column",
+        "blocks.*.attn.wk": "column:kv",
+        "blocks.*.attn.wv": "column:kv",
+        "blocks.*.attn.wo": "row",
+        "blocks.*.mlp.w1": "column",
+        "blocks.*.mlp.w3": "column",
+        "blocks.*.mlp.w2": "row",
+        "head": "vocab",
+    }
+)
+
+# Hugging Face GPT2LMHeadModel publishes no TP plan; its fused c_attn needs the qkv rule.
+# Its forward builds positions and masks from the local sequence length, so no SP.
+HF_GPT2 = TPPlan(
+    {
+        "transformer.wte": "vocab",
+        "transformer.h.*.attn.c_attn": "column:qkv",
+        "transformer.h.*.attn.c_proj": "row",
+        "transformer.h.*.mlp.c_fc": "column",
+        "transformer.h.*.mlp.c_proj": "row",
+        "lm_head": "vocab",
+    },
+    divide={"transformer.h.*.attn": ("split_size", "num_heads", "embed_dim")},
+    sequence_parallel=False,
+)
+
+# Hugging Face's names for the plan entries (`model._tp_plan`, from the config's
+# base_model_tp_plan) -> ours. Their colwise_gather_output head gathers full logits; ours
+# keeps them split for the vocabulary-parallel loss.
+_HF_KINDS = {
+    "colwise": "column",
+    "rowwise": "row",
+    "colwise_gather_output": "vocab",
+    "embedding_rowwise": "vocab",
+}
+
+
+def hf_plan(model: nn.Module) -> TPPlan:
+    """The plan a Hugging Face model publishes (fully qualified in `model._tp_plan`), with
+    k/v projections marked as such (the published plan splits them like any column)."""
+    published = getattr(model, "_tp_plan", None) or {}
+    if not published:
+        return HF_GPT2
+    rules: dict[str, str] = {}
+    for pattern, kind in published.items():
+        if kind not in _HF_KINDS:
+            raise ValueError(f"{type(model).__name__}: unsupported TP plan entry {kind!r}")
+        ours = _HF_KINDS[kind]
+        if ours == "column" and pattern.rsplit(".", 1)[-1] in ("k_proj", "v_proj"):
+            ours = "column:kv"
+        rules[pattern] = ours
+    return TPPlan(rules, sequence_parallel=False)
+
+
+def plan_for(model: nn.Module, arch: str) -> TPPlan:
+    """The plan of a built model of `arch`."""
+    if arch in ("decoder", "gpt2"):
+        return DECODER
+    if arch.startswith("hf-"):
+        return hf_plan(model)
+    raise ValueError(f"no tensor-parallel plan for arch {arch!r}")
