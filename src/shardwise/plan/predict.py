@@ -70,16 +70,24 @@ def model_units(model: torch.nn.Module) -> list[Unit]:
 
 
 def _fake_activations(model, cfg: Config, derived) -> int:
-    """Bytes saved for backward by one micro-batch's forward and loss, on fake tensors."""
+    """Bytes saved for backward by one micro-batch's forward and loss, on fake tensors (for
+    models without a formula: image models and Hugging Face definitions)."""
     apply_recompute(model, derived.family, cfg.memory.recompute)
     cast_for_compute(model, dev.dtype_of(cfg.precision.compute))
     meter = ActivationMeter(model)
-    b, size = derived.micro_batch, cfg.data.image_size
-    shape = (b, derived.spec.in_channels, size, size)
-    inputs = torch.zeros(shape, dtype=dev.dtype_of(cfg.precision.compute))
+    b = derived.micro_batch
+    if derived.family == "resnet":
+        size = cfg.data.image_size
+        shape = (b, derived.spec.in_channels, size, size)
+        inputs = torch.zeros(shape, dtype=dev.dtype_of(cfg.precision.compute))
+        targets = torch.zeros(b, dtype=torch.long)
+    else:  # token ids and targets: views of one (b, s+1) window, as the loader makes them
+        window = torch.zeros(b, cfg.data.seq_len + 1, dtype=torch.long)
+        inputs, targets = window[:, :-1], window[:, 1:]
     with meter.measure():
         logits = model(inputs)
-        F.cross_entropy(logits.float(), torch.zeros(b, dtype=torch.long), reduction="sum")
+        logits = getattr(logits, "logits", logits)  # a Hugging Face output object
+        F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
     return meter.take_peak()
 
 
@@ -87,20 +95,21 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
     """(parameter count, the planner's candidate record for exactly this config)."""
     job = job_from_config(cfg, hardware, derived.world, derived.spec)
     layout = layout_from_config(cfg, derived)
+    formula = derived.spec.arch in ("decoder", "gpt2")  # our blocks: activations by formula
     with FakeTensorMode():
         model = build_model(derived.spec)
         freeze(model, cfg.train.freeze)
         n = count_params(model)
         us = model_units(model)
         module_buffers = tensor_bytes(model.buffers())
-        if derived.family == "resnet":
+        if not formula:
             activations = _fake_activations(model, cfg, derived)
-    if derived.family == "resnet":  # no token formula: states + the fake forward's bytes
+    if not formula:  # states + the fake forward's bytes (unsharded models only)
         states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload)
         states["buffers"] = mem.zero_transient(us, job, layout.dp, layout.zero) + module_buffers
         states["activations"] = activations
         states["total"] = sum(v for k, v in states.items() if not k.startswith("host_"))
         return n, {**layout.record(), "mem_bytes": {k: int(v) for k, v in states.items()}}
-    if cfg.train.freeze and layout.pp == 1 and layout.tp == 1:  # exact frozen entries
+    if layout.pp == 1 and layout.tp == 1:  # the real model's units: frozen parameters exact
         job = dataclasses.replace(job, frozen=tuple(us))
     return n, evaluate(job, layout)
