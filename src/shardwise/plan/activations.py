@@ -126,23 +126,32 @@ def full_recompute_bytes(spec: ModelSpec, s: int, b: int, c: int, t: int, sp: bo
 
 @lru_cache(maxsize=4096)
 def edge_terms(
-    spec: ModelSpec, s: int, b: int, c: int, first: bool, last: bool
+    spec: ModelSpec, s: int, b: int, c: int, first: bool, last: bool, tp: int = 1
 ) -> tuple[Term, ...]:
     """Outside the blocks: token ids (a view of the (b, s+1) window the loader reads, shared
     with the targets), learned positions, the final norm, fp32 log-softmax of the logits
-    (split by a vocabulary-parallel loss), the flattened targets and the loss's weight sum."""
+    (split by a vocabulary-parallel loss), the flattened targets and the loss's weight sum.
+    With tp the embedding and the loss are vocabulary-parallel (parallel/tensor.py): each saves
+    its shifted ids (int64) and a mask of the ids it owns (bool) instead."""
     out = []
     if first:
-        out.append(Term("token ids", 8 * b * (s + 1), False, False))
+        if tp == 1:
+            out.append(Term("token ids", 8 * b * (s + 1), False, False))
+        else:
+            out.append(Term("local token ids and mask", 9 * b * s, False, False))
         if spec.arch == "gpt2":
-            out.append(Term("position ids", 8 * s, False, False))
+            out.append(Term("position ids", 8 * s, False, True))
     if last:
         out += norm_terms(spec, s, b, c, "final norm")
-        out += [
-            Term("log-softmax (fp32)", 4 * s * b * spec.vocab_size, True, False),
-            Term("targets (flattened)", 8 * s * b, False, False),
-            Term("loss weight sum", 4, False, False),
-        ]
+        v = -(-spec.vocab_size // tp) * tp  # padded to a multiple of tp
+        out.append(Term("log-softmax (fp32)", 4 * s * b * v, True, False))
+        if tp == 1:
+            out += [
+                Term("targets (flattened)", 8 * s * b, False, False),
+                Term("loss weight sum", 4, False, False),
+            ]
+        else:
+            out.append(Term("local targets and mask", 9 * s * b, False, False))
     return tuple(out)
 
 

@@ -155,7 +155,7 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
         per_layer += len(job.finetune.lora_targets) * c * s * b * job.finetune.lora_rank
     m = layout.micro_batches(job)
     held = act.in_flight(layout.pp_schedule, p, m, layout.pp_virtual, stage)
-    edges = act.edge_terms(spec, s, b, c, first=stage == 0, last=stage == p - 1)
+    edges = act.edge_terms(spec, s, b, c, stage == 0, stage == p - 1, t)
     edge = act.layer_bytes(edges, t, layout.sp)
     held_edge = 1.0 if (stage == p - 1 and p > 1) else held  # the loss: one micro-batch
     return per_layer * layers * held + edge * held_edge

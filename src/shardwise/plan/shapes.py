@@ -41,8 +41,9 @@ def _norm(spec: ModelSpec) -> list[Entry]:
 
 
 def _kv_width(spec: ModelSpec, tp: int) -> int:
-    """k/v projection width on one tp rank: split by heads, or replicated when tp exceeds the
-    kv heads (each rank keeps them all, as Megatron-LM does for GQA with tp > groups)."""
+    """k/v projection width on one tp rank: split by kv heads when tp divides them, else the
+    whole (replicated) projection, of which each rank uses its query heads' kv head and whose
+    partial gradients are summed over tp (parallel/tensor.py)."""
     kv = spec.n_kv_heads * spec.head_dim
     return kv // tp if spec.n_kv_heads % tp == 0 else kv
 
@@ -77,7 +78,7 @@ def linear_shapes(spec: ModelSpec, tp: int = 1) -> dict[str, tuple[int, int]]:
 def units(spec: ModelSpec, tp: int = 1, layers: int | None = None, first=True, last=True):
     """ZeRO units of a pipeline stage holding `layers` blocks (all by default) and the
     embedding (`first`) and/or the final norm and head (`last`)."""
-    v = spec.vocab_size // tp if spec.vocab_size % tp == 0 else spec.vocab_size
+    v = -(-spec.vocab_size // tp)  # vocabulary split, padded to a multiple of tp
     out = []
     if first:
         out.append(Unit("embed", ((v * spec.dim, True),)))

@@ -64,15 +64,34 @@ def traffic(job: Job, layout: Layout) -> dict[str, float]:
         dp_bytes += ring * -(-us[0].numel // dp) * dp * bc * m
     act = b * s * spec.dim * bc
     layers = -(-spec.n_layers // p)
-    # Megatron: 2 all-reduces in forward and 2 in backward per layer (sp: all-gather +
-    # reduce-scatter pairs, the same bytes); full recompute runs the forward's twice again;
-    # plus embedding (1), head input and its gradient (2).
-    per_mb = (4 + (2 if layout.recompute == "full" else 0)) * layers + 3
-    tp_bytes = 2 * _ring(t) * act * per_mb * m
+    # parallel/tensor.py, per micro-batch: per layer 2 all-reduces forward and 2 backward
+    # (sp: all-gather + reduce-scatter pairs, the same bytes); embedding and head: 2 more;
+    # the vocabulary-parallel loss all-reduces 3 fp32 values per token. Full recomputation
+    # repeats a block's forward up to its last saved tensor: 1 all-reduce (sp: 3 halves).
+    per_mb = 2 * (4 * layers + 2) + (3 if layout.sp else 2) * layers * (layout.recompute == "full")
+    tp_bytes = _ring(t) * m * (act * per_mb + 4 * 6 * b * s)
+    if t > 1:  # gradients of parameters replicated over tp ranks that each saw part of them,
+        # summed in fp32 (the optimizer's master gradients) once per step
+        tp_bytes += 2 * _ring(t) * _tp_partial(spec, t, layout.sp) * 4
     pp_bytes = 0.0
     if p > 1:  # activations forward and their gradients backward, per micro-batch and chunk
         pp_bytes = m * v * act / (t if layout.sp else 1) * (2 if (p > 2 or v > 1) else 1)
     return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes}
+
+
+def _tp_partial(spec, t: int, sp: bool) -> int:
+    """Elements of replicated parameters whose gradients are all-reduced over tp: with sp the
+    norms (and GPT-2's row-layer biases and positions) saw only a sequence chunk; kv heads
+    shared by several ranks' query heads (t > kv) always."""
+    out = 0
+    if sp:
+        norms = (2 * spec.n_layers + 1) * spec.dim
+        out += norms * (2 if spec.arch == "gpt2" else 1)
+        if spec.arch == "gpt2":
+            out += 2 * spec.n_layers * spec.dim + spec.max_seq_len * spec.dim
+    if spec.n_kv_heads % t:
+        out += 2 * spec.n_layers * spec.head_dim * spec.dim
+    return out
 
 
 def _bubble_units(layout: Layout) -> float:
