@@ -38,6 +38,7 @@ NODE_ERRORS = [
     (["--nnodes", "two"], ["--nnodes 'two'", "Fix: --nnodes 2"]),
     (["--nnodes", "0"], ["--nnodes=0", ">= 1"]),
     (["--nnodes", "1", "--max-restarts", "-1"], ["--max-restarts '-1'"]),
+    (["--nnodes", "1", "--max-restarts", "2"], ["checkpoint.every=0 saves none"]),
 ]
 
 

@@ -70,6 +70,7 @@ def _slurm(args: argparse.Namespace, cfg: Config, shape, name: str) -> None:
     _refuse(args, {"--mount-path": "/workspace"}, "slurm")
     from shardwise.launchers.job import overrides_of
 
+    _restarts_need_checkpoints(args.max_restarts or 0, cfg)
     job = SlurmJob(
         name=name,
         shape=shape,
@@ -137,6 +138,14 @@ def launch_main(argv: list[str]) -> int:
     return 0
 
 
+def _restarts_need_checkpoints(restarts: int, cfg: Config) -> None:
+    if restarts and not cfg.checkpoint.every:
+        raise ConfigError(
+            f"--max-restarts {restarts} restarts from the newest checkpoint, but "
+            "checkpoint.every=0 saves none. Fix: also pass --checkpoint.every=N."
+        )
+
+
 def train_nodes(cfg: Config, nproc: int, args: argparse.Namespace) -> None:
     """`train --nnodes ...`: validate for the whole job, prepare data, run this node's agent."""
     from shardwise.data import prepare_data
@@ -152,6 +161,7 @@ def train_nodes(cfg: Config, nproc: int, args: argparse.Namespace) -> None:
         restarts = -1
     if restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts!r} must be a whole number >= 0.")
+    _restarts_need_checkpoints(restarts, cfg)
     if getattr(args, "plan", None) == "auto":  # every node plans alike: same inputs
         from shardwise.plan.auto import auto_config
 
