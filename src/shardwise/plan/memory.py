@@ -110,13 +110,47 @@ def _zero_transient(us: tuple, dp: int, stage: int, bc: int, br: int) -> float:
     return peak
 
 
+@lru_cache(maxsize=4096)
+def stage_split(spec, p: int, v: int, seq_len: int) -> tuple[tuple[int, bool, bool], ...]:
+    """(blocks, holds the embedding, holds the head) per pipeline rank. The engine's cut
+    (parallel/pipeline_split.plan_chunks: chunks balanced by parameters and FLOPs, rank r
+    holding chunks r, r+p, ...) when it is there; else blocks split evenly."""
+    if p == 1:
+        return ((spec.n_layers, True, True),)
+    try:
+        from shardwise.parallel.pipeline_split import plan_chunks
+    except ImportError:  # before pipeline parallelism is in the engine
+        chunks = None
+    else:
+        chunks = plan_chunks(spec, p, v, "", seq_len)
+    if chunks is None:
+        return tuple(
+            (spec.n_layers // p + (1 if r < spec.n_layers % p else 0), r == 0, r == p - 1)
+            for r in range(p)
+        )
+    return tuple(
+        (
+            sum(len(c.blocks) for c in chunks if c.index % p == r),
+            any(c.first for c in chunks if c.index % p == r),
+            any(c.last for c in chunks if c.index % p == r),
+        )
+        for r in range(p)
+    )
+
+
+def stage_ranks(job: Job, layout: Layout) -> list[int]:
+    """The pipeline ranks whose memory can be the largest: first, last, most blocks."""
+    split = stage_split(job.spec, layout.pp, layout.pp_virtual, job.seq_len)
+    most = max(range(len(split)), key=lambda r: split[r][0])
+    return sorted({0, layout.pp - 1, most})
+
+
 def stage_units(job: Job, layout: Layout, stage: int) -> list[Unit]:
-    """The ZeRO units of pipeline stage `stage` (blocks split evenly, remainder first)."""
+    """The ZeRO units of pipeline rank `stage`."""
     if job.frozen is not None:  # the real model's units (explain with train.freeze)
         return list(job.frozen)
-    spec, p = job.spec, layout.pp
-    layers = spec.n_layers // p + (1 if stage < spec.n_layers % p else 0)
-    us = units(spec, layout.tp, layers, first=stage == 0, last=stage == p - 1)
+    layers, first, last = stage_split(job.spec, layout.pp, layout.pp_virtual, job.seq_len)[stage]
+    us = units(job.spec, layout.tp, layers, first=first, last=last)
     return finetune_units(us, job, layout.tp) if job.finetune.lora or job.finetune.base_4bit else us
 
 
@@ -145,7 +179,7 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     """Peak bytes saved for backward on one rank of pipeline stage `stage`."""
     spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
     p = layout.pp
-    layers = spec.n_layers // p + (1 if stage < spec.n_layers % p else 0)
+    layers, first, last = stage_split(spec, p, layout.pp_virtual, s)[stage]
     if layout.recompute == "full":
         per_layer = act.full_recompute_bytes(spec, s, b, c, t, layout.sp)
     else:
@@ -155,9 +189,9 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
         per_layer += len(job.finetune.lora_targets) * c * s * b * job.finetune.lora_rank
     m = layout.micro_batches(job)
     held = act.in_flight(layout.pp_schedule, p, m, layout.pp_virtual, stage)
-    edges = act.edge_terms(spec, s, b, c, stage == 0, stage == p - 1, t)
+    edges = act.edge_terms(spec, s, b, c, first, last, t)
     edge = act.layer_bytes(edges, t, layout.sp)
-    held_edge = 1.0 if (stage == p - 1 and p > 1) else held  # the loss: one micro-batch
+    held_edge = 1.0 if (last and p > 1) else held  # the loss: one micro-batch
     return per_layer * layers * held + edge * held_edge
 
 
@@ -174,7 +208,7 @@ def backward_transient(job: Job, layout: Layout) -> float:
 
 def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
     """`mem_bytes` per rank: max over ranks per category, `total` the largest rank's sum."""
-    stages = sorted({0, layout.pp - 1})
+    stages = stage_ranks(job, layout)
     per_stage = []
     for st in stages:
         us = stage_units(job, layout, st)

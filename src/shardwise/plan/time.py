@@ -74,8 +74,10 @@ def traffic(job: Job, layout: Layout) -> dict[str, float]:
         # summed in fp32 (the optimizer's master gradients) once per step
         tp_bytes += 2 * _ring(t) * _tp_partial(spec, t, layout.sp) * 4
     pp_bytes = 0.0
-    if p > 1:  # activations forward and their gradients backward, per micro-batch and chunk
-        pp_bytes = m * v * act / (t if layout.sp else 1) * (2 if (p > 2 or v > 1) else 1)
+    if p > 1:  # activations forward and their gradients backward, per micro-batch and chunk:
+        # a rank sends forward from its v chunks (the last chunk's rank one fewer) and backward
+        # likewise (the first chunk's rank one fewer); with p = 2 each rank is one of those
+        pp_bytes = m * act / (t if layout.sp else 1) * (2 * v - (1 if p == 2 else 0))
     return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes}
 
 
