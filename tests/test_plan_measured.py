@@ -38,7 +38,7 @@ LAYOUTS = {
     "gpt2_z3": ["--model.name=gpt2-tiny", "--model.n_layers=2", "--parallel.zero=3"],
     "tied_z1_bf16": ["--model.tie_embeddings=true", "--parallel.zero=1", *BF16],
     "tp2": ["--parallel.tp=2"],
-    "tp2_sp_full": ["--parallel.tp=2", "--parallel.sp=true", "--memory.recompute=full"],
+    "tp2_sp_full_bf16": ["--parallel.tp=2", "--parallel.sp=true", "--memory.recompute=full", *BF16],
     "tp2_sp_gpt2_selective": [
         "--model.name=gpt2-tiny",
         "--model.n_layers=2",

@@ -22,7 +22,7 @@ from shardwise.models import build_model, init_weights, to_empty
 from shardwise.models.tp_plans import plan_for
 from shardwise.optim import MixedPrecisionAdamW, replicated_targets
 from shardwise.parallel.data import GradReducer, apply_data_parallel
-from shardwise.parallel.tensor import TensorParallel, apply_tensor_parallel
+from shardwise.parallel.tensor import TensorParallel, apply_tensor_parallel, keep_tp_marks
 from shardwise.parallel.zero import ZeroEngine, apply_zero
 from shardwise.recompute import apply_recompute
 from shardwise.topology import Topology, build_topology
@@ -171,7 +171,8 @@ def cast_for_compute(model: nn.Module, dtype: torch.dtype) -> None:
             if p is None or not p.is_floating_point():
                 continue
             if id(p) not in cast:
-                cast[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                new = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                cast[id(p)] = keep_tp_marks(p, new)
             module._parameters[name] = cast[id(p)]
 
 

@@ -33,6 +33,16 @@ from shardwise.parallel.tensor_comm import enter_tp, exit_tp, vocab_cross_entrop
 COLUMNS = ("column", "column:kv", "column:qkv")
 
 
+def keep_tp_marks(old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
+    """Carry tensor parallelism's marks (which slice, how its gradient reduces) over to a
+    parameter that replaces `old` (a ZeRO alias, a low-precision compute copy): without them
+    a partial gradient would never be summed over tp."""
+    for attr in ("tp_slice", "tp_kind"):
+        if hasattr(old, attr):
+            setattr(new, attr, getattr(old, attr))
+    return new
+
+
 @dataclass
 class TensorParallel:
     """What the rest of the engine needs after the transformation: the loss, the gradient

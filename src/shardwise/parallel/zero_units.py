@@ -6,20 +6,13 @@ import torch
 from torch import nn
 
 from shardwise.optim import Target
+from shardwise.parallel.tensor import keep_tp_marks
 
 
 def _alias(storage: torch.UntypedStorage, offset: int, shape, dtype, device) -> torch.Tensor:
     """A tensor on `storage` with its own autograd version counter: writes through the unit
     buffer (a re-gather) must not look like in-place edits of a parameter saved for backward."""
     return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape)
-
-
-def _keep_marks(old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
-    """Carry tensor parallelism's marks (which slice, how its gradient reduces) over."""
-    for attr in ("tp_slice", "tp_kind"):
-        if hasattr(old, attr):
-            setattr(new, attr, getattr(old, attr))
-    return new
 
 
 Entry = tuple[str, nn.Module, str, nn.Parameter]  # (qualified name, owner, attribute, param)
@@ -97,7 +90,7 @@ class Unit:
         # New parameters aliasing the buffer; `replaced` maps old ids so the engine can re-point
         # every use in the model (tied uses included).
         self.replaced: dict[int, nn.Parameter] = {
-            id(p): _keep_marks(
+            id(p): keep_tp_marks(
                 p,
                 nn.Parameter(
                     _alias(storage, off, p.shape, compute, device), requires_grad=p.requires_grad
