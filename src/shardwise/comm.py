@@ -3,13 +3,16 @@
 Each call is counted in ring-equivalent bytes sent per rank, per mesh dimension (DESIGN.md):
 all-reduce of S bytes over n ranks = 2(n-1)/n·S; reduce-scatter / all-gather of a full tensor
 of S bytes = (n-1)/n·S; point-to-point = S. Each call is also appended to a per-rank trace
-(op, mesh dim, shape, dtype, call site) so a hang can be localised to the first collective on
-which ranks disagree. At degree 1 every collective is a no-op and costs nothing.
+(op, mesh dim, shape, dtype, call site, and its index among this rank's collectives on that
+dimension) so a hang can be localised to the first collective on which ranks disagree; while a
+collective blocks, `blocked` says which one and since when (read by shardwise.watchdog). At
+degree 1 every collective is a no-op and costs nothing.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
@@ -33,6 +36,17 @@ class TraceEntry:
     shape: tuple[int, ...]
     dtype: str
     site: str
+    n: int = 0  # 1-based index among this rank's collectives on `dim` (groups compare by it)
+
+
+class _Watched:
+    """An async handle whose `wait()` is timed as blocking on its collective."""
+
+    def __init__(self, work, entry: TraceEntry, comm: Comm) -> None:
+        self.work, self.entry, self.comm = work, entry, comm
+
+    def wait(self) -> bool:
+        return self.comm._blocking(self.entry, self.work.wait)
 
 
 class _Done:
@@ -54,18 +68,46 @@ class Comm:
         self.control_bytes: float = 0.0
         self.trace: deque[TraceEntry] = deque(maxlen=trace_len)
         self.seq = 0
+        self.dim_seq: dict[str, int] = defaultdict(int)
+        # (entry, time.monotonic() when the wait began) while this rank blocks in a collective
+        self.blocked: tuple[TraceEntry, float] | None = None
+        self.watchdog = None  # shardwise.watchdog.Watchdog when the job has > 1 rank
 
     # -- accounting -------------------------------------------------------------------------
-    def _record(self, op: str, dim: str, t: torch.Tensor, factor: float, control: bool) -> None:
+    def _record(
+        self, op: str, dim: str, t: torch.Tensor, factor: float, control: bool
+    ) -> TraceEntry:
         frame = sys._getframe(2)
         site = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
         self.seq += 1
-        self.trace.append(TraceEntry(self.seq, op, dim, tuple(t.shape), str(t.dtype), site))
+        self.dim_seq[dim] += 1
+        entry = TraceEntry(self.seq, op, dim, tuple(t.shape), str(t.dtype), site, self.dim_seq[dim])
+        self.trace.append(entry)
         sent = factor * t.numel() * t.element_size()
         if control:
             self.control_bytes += sent
         else:
             self.step_bytes[dim] += sent
+        return entry
+
+    def _blocking(self, entry: TraceEntry, call):
+        """Run `call` (a collective or a handle's wait) marked as blocking on `entry`. A
+        failure (gloo's own timeout, a peer that went away) is handed to the watchdog first,
+        so every rank's trace is collected before the job stops."""
+        self.blocked = (entry, time.monotonic())
+        try:
+            return call()
+        except RuntimeError as exc:
+            if self.watchdog is not None:
+                self.watchdog.collective_failed(entry, exc)  # returns only if it cannot stop
+            raise
+        finally:
+            self.blocked = None
+
+    def _issue(self, entry: TraceEntry, fn, *args, async_op: bool = False, **kwargs):
+        """Call the collective `fn`; an async one's handle is timed when waited on."""
+        work = self._blocking(entry, lambda: fn(*args, async_op=async_op, **kwargs))
+        return _Watched(work, entry, self) if async_op else work
 
     def take_step_bytes(self) -> dict[str, float]:
         """Bytes per dimension since the last call, then reset."""
@@ -86,8 +128,9 @@ class Comm:
         n = self.topo.size(dim)
         if n == 1:
             return _Done() if async_op else None
-        self._record("all_reduce", dim, t, 2 * (n - 1) / n, control)
-        return dist.all_reduce(t, op=_OPS[op], group=self.topo.group(dim), async_op=async_op)
+        entry = self._record("all_reduce", dim, t, 2 * (n - 1) / n, control)
+        group = self.topo.group(dim)
+        return self._issue(entry, dist.all_reduce, t, op=_OPS[op], group=group, async_op=async_op)
 
     def reduce_scatter(
         self, out: torch.Tensor, full: torch.Tensor, dim: str, async_op: bool = False
@@ -97,8 +140,9 @@ class Comm:
         if n == 1:
             out.copy_(full)
             return _Done() if async_op else None
-        self._record("reduce_scatter", dim, full, (n - 1) / n, False)
-        return _reduce_scatter(out, full, group=self.topo.group(dim), async_op=async_op)
+        entry = self._record("reduce_scatter", dim, full, (n - 1) / n, False)
+        group = self.topo.group(dim)
+        return self._issue(entry, _reduce_scatter, out, full, group=group, async_op=async_op)
 
     def all_gather(self, full: torch.Tensor, part: torch.Tensor, dim: str, async_op: bool = False):
         """Concatenate every rank's `part` along dim 0 into `full`."""
@@ -106,21 +150,22 @@ class Comm:
         if n == 1:
             full.copy_(part)
             return _Done() if async_op else None
-        self._record("all_gather", dim, full, (n - 1) / n, False)
-        return _all_gather(full, part, group=self.topo.group(dim), async_op=async_op)
+        entry = self._record("all_gather", dim, full, (n - 1) / n, False)
+        group = self.topo.group(dim)
+        return self._issue(entry, _all_gather, full, part, group=group, async_op=async_op)
 
     def broadcast(self, t: torch.Tensor, dim: str, src_coord: int = 0, control: bool = False):
         """Broadcast from the rank at index `src_coord` along `dim`."""
         n = self.topo.size(dim)
         if n == 1:
             return None
-        self._record("broadcast", dim, t, (n - 1) / n, control)
+        entry = self._record("broadcast", dim, t, (n - 1) / n, control)
         group = self.topo.group(dim)
-        return dist.broadcast(t, group=group, group_src=src_coord)
+        return self._issue(entry, dist.broadcast, t, group=group, group_src=src_coord)
 
     def all_reduce_world(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Control-plane all-reduce over every rank (metrics, checks); not training traffic."""
         if self.topo.world > 1:
-            self._record("all_reduce", "world", t, 0.0, True)
-            dist.all_reduce(t, op=_OPS[op])
+            entry = self._record("all_reduce", "world", t, 0.0, True)
+            self._issue(entry, dist.all_reduce, t, op=_OPS[op])
         return t

@@ -3,15 +3,19 @@ external `torchrun` / `srun` already started. No launcher protocol of our own.""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
 import sys
+import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardwise.config import Config, config_from_dict
 from shardwise.errors import ShardwiseError
+from shardwise.watchdog import EXIT_HANG, LOCAL_LAUNCH_ENV, REPORT
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -45,35 +49,56 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_here(cfg: Config) -> None:
-    """Train as one rank of the current job (errors propagate to the caller)."""
+def train_here(cfg: Config, hook: str | None = None) -> None:
+    """Train as one rank of the current job (errors propagate to the caller). `hook`
+    ("module:function") is applied to the built run first: tests inject faults with it."""
     import torch.distributed as dist
 
     from shardwise.runtime import build_run
     from shardwise.train import fit
 
     try:
-        fit(build_run(cfg))
+        run = build_run(cfg)
+        state = "stopped: training finished"
+        try:
+            if hook:
+                module, _, name = hook.partition(":")
+                getattr(importlib.import_module(module), name)(run)
+            fit(run)
+        except BaseException as exc:
+            state = f"stopped: {type(exc).__name__}"
+            raise
+        finally:
+            run.close(state)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def rank_main(cfg_dict: dict) -> None:
+def rank_main(cfg_dict: dict, hook: str | None = None, local: bool = False) -> None:
     """Entry point of every rank the elastic launcher starts (picklable). A user error is
-    printed once, by the rank that hit it, without a traceback."""
+    printed once, by the rank that hit it, without a traceback. `local`: started by
+    `launch_local`, which prints a hang report itself."""
+    if local:
+        os.environ[LOCAL_LAUNCH_ENV] = "1"
     try:
-        train_here(config_from_dict(cfg_dict))
+        train_here(config_from_dict(cfg_dict), hook)
     except ShardwiseError as exc:
         rank = os.environ.get("RANK", "0")
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
-def launch_local(cfg: Config, nproc: int) -> None:
-    """Run `nproc` ranks on this machine (in-process when nproc == 1)."""
+class _DropAll(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+def launch_local(cfg: Config, nproc: int, hook: str | None = None) -> None:
+    """Run `nproc` ranks on this machine (in-process when nproc == 1). A job stopped by the
+    hang watchdog fails with its report as the message."""
     if nproc == 1:
-        train_here(cfg)
+        train_here(cfg, hook)
         return
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -87,26 +112,36 @@ def launch_local(cfg: Config, nproc: int) -> None:
         max_restarts=0,
         monitor_interval=0.2,
     )
-    run_elastic(config, cfg)
+    run_elastic(config, cfg, hook, local=True)
 
 
-def run_elastic(config: LaunchConfig, cfg: Config) -> None:
+def run_elastic(
+    config: LaunchConfig, cfg: Config, hook: str | None = None, local: bool = False
+) -> None:
     """Run this node's torch elastic agent with `rank_main` as every rank's entry point; a
-    failure becomes one ShardwiseError (the ranks print their own messages)."""
+    failure becomes one ShardwiseError (the ranks print their own messages). `local`: every
+    rank is on this machine, so a hang report in run.dir is printed here, not by a rank."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     # The ranks print their own one-line errors; torch elastic would add a traceback per rank.
     quiet = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)
+    drop = _DropAll()  # a filter, not a level: two launches in one process must not race
+    quiet.addFilter(drop)
+    started = time.time()
     try:
-        elastic_launch(config, rank_main)(cfg.to_dict())
+        elastic_launch(config, rank_main)(cfg.to_dict(), hook, local)
     except ChildFailedError as exc:
         codes = sorted({f.exitcode for f in exc.failures.values()})
         ranks = sorted(exc.failures)
+        report = Path(cfg.run.dir) / REPORT
+        if EXIT_HANG in codes and report.is_file() and report.stat().st_mtime >= started:
+            raise ShardwiseError(
+                f"the hang watchdog stopped the job: rank(s) {ranks} exited with status(es) "
+                f"{codes}.\n{report.read_text()}"
+            ) from None
         raise ShardwiseError(
             f"rank(s) {ranks} failed with exit code(s) {codes}; their messages are printed above."
         ) from None
     finally:
-        quiet.setLevel(level)
+        quiet.removeFilter(drop)

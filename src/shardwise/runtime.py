@@ -27,6 +27,7 @@ from shardwise.parallel.zero import ZeroEngine, apply_zero
 from shardwise.recompute import apply_recompute
 from shardwise.topology import Topology, build_topology
 from shardwise.validate import Derived, derive
+from shardwise.watchdog import Watchdog, start_watchdog
 
 
 def data_spec(cfg: Config, vocab_size: int) -> DataSpec:
@@ -74,6 +75,12 @@ class Run:
     train_data: object
     val_data: object
     sampler: GlobalSampler
+    watchdog: Watchdog | None = None
+
+    def close(self, state: str = "stopped: training finished") -> None:
+        """Leave training: stop the hang watchdog (its silence is no longer a hang)."""
+        if self.watchdog is not None:
+            self.watchdog.stop(state)
 
     @property
     def dp_rank(self) -> int:
@@ -198,6 +205,23 @@ def build_run(cfg: Config) -> Run:
         dev.set_cpu_threads()
     topo = build_topology(cfg.parallel.tp, cfg.parallel.pp, info.type, cfg.parallel.timeout_s)
     comm = Comm(topo)
+    watchdog = start_watchdog(comm, cfg.parallel.timeout_s, cfg.run.dir)
+    try:
+        return _build(cfg, derived, info, topo, comm, watchdog)
+    except BaseException as exc:
+        if watchdog is not None:
+            watchdog.stop(f"stopped: {type(exc).__name__} while building the run")
+        raise
+
+
+def _build(
+    cfg: Config,
+    derived: Derived,
+    info: dev.DeviceInfo,
+    topo: Topology,
+    comm: Comm,
+    watchdog: Watchdog | None,
+) -> Run:
     spec = derived.spec
     train_data = load_data(data_spec(cfg, spec.vocab_size), "train")
     has_val = cfg.data.val_fraction > 0 or cfg.data.dataset == "digits"
@@ -236,4 +260,5 @@ def build_run(cfg: Config) -> Run:
         train_data,
         val_data,
         sampler,
+        watchdog,
     )

@@ -35,6 +35,13 @@ def _run_case(case: dict, run_dir: str) -> dict:
     if case.get("peer"):
         return _resolve(case["peer"])(cfg)
     run = build_run(cfg)
+    try:
+        return _train_case(case, run, fit)
+    finally:
+        run.close()
+
+
+def _train_case(case: dict, run, fit) -> dict:
     if case.get("hook"):
         _resolve(case["hook"])(run)
     records = fit(run)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import torch
+
+from shardwise.comm import _Done
 
 
 def inject_inf_on_rank1_step3(run) -> None:
@@ -56,3 +61,49 @@ def skip_block1_on_rank1(run) -> None:
     """Rank 1 alone leaves block 1 out of its 2nd forward: control flow differs by rank."""
     if run.topo.rank == 1:
         run.model.blocks.__class__ = _SkipOnce
+
+
+def _mark(run, what: str) -> None:
+    """Record when a fault was injected (the hang tests time the stop from here)."""
+    Path(run.cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    Path(run.cfg.run.dir, "fault_injected").write_text(f"{what} {time.time()}\n")
+
+
+def skip_dp_reduce_on_rank1(run) -> None:
+    """Rank 1 leaves out its 3rd gradient all-reduce over dp (step 3): a skipped collective.
+    The data-parallel reducer marks the bucket reduced without calling the comm layer, so
+    the rank's trace holds exactly what it really called."""
+    if run.topo.rank != 1:
+        return
+    reducer, launch = run.reducer, run.reducer._launch_ready
+    calls = {"n": 0}
+
+    def skipping() -> None:
+        i = reducer._next
+        if i < len(reducer.buckets) and reducer.buckets[i].pending == 0:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                _mark(run, "skip")
+                reducer.buckets[reducer._next].handle = _Done()
+                reducer._next += 1
+        launch()
+
+    reducer._launch_ready = skipping
+
+
+def sleep_forever_on_rank1(run) -> None:
+    """Rank 1 stops in its 3rd forward and never comes back (outside any collective)."""
+    if run.topo.rank != 1:
+        return
+    loss_sum = run.loss_sum
+    calls = {"n": 0}
+
+    def sleeping(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            _mark(run, "sleep")
+        while calls["n"] == 3:
+            time.sleep(3600)
+        return loss_sum(*args, **kwargs)
+
+    run.loss_sum = sleeping

@@ -1,0 +1,171 @@
+"""Hang diagnosis (issue 7, item 5): a skipped collective and a rank that sleeps forever stop
+the job within timeout + 30 s with one report naming the rank and the collective; the report
+analysis itself is checked on hand-made traces (a silent rank, a different collective, the
+groups of a 3-D mesh)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from shardwise.config import load_config
+from shardwise.errors import ShardwiseError
+from shardwise.hangreport import compose, disagreements, groups
+from shardwise.launch import launch_local
+from shardwise.testing.compare import SMALL
+
+TIMEOUT_S = 5.0
+HOOKS = "shardwise.testing.hooks:"
+
+
+def _job(hook: str, run_dir: Path, out: dict) -> None:
+    cfg = load_config(
+        None,
+        [
+            *SMALL,
+            "--train.steps=6",
+            "--log.tensorboard=false",
+            "--log.progress=off",
+            "--run.device=cpu",
+            f"--parallel.timeout_s={TIMEOUT_S}",
+            f"--run.dir={run_dir}",
+        ],
+    )
+    try:
+        launch_local(cfg, 2, hook=HOOKS + hook)
+        out["error"] = None
+    except ShardwiseError as exc:
+        out["error"] = str(exc)
+    out["end"] = time.time()
+
+
+@pytest.fixture(scope="module")
+def hung_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Both faulty jobs at once (two local launches side by side: start-up dominates)."""
+    results: dict[str, dict] = {}
+    threads = []
+    for hook in ("skip_dp_reduce_on_rank1", "sleep_forever_on_rank1"):
+        run_dir = tmp_path_factory.mktemp(hook) / "run"
+        results[hook] = {"dir": run_dir}
+        threads.append(threading.Thread(target=_job, args=(hook, run_dir, results[hook])))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+        assert not t.is_alive(), "a faulty job did not stop: an endless hang"
+    return results
+
+
+def _stopped_within_bound(job: dict) -> float:
+    kind, injected = (job["dir"] / "fault_injected").read_text().split()
+    waited = job["end"] - float(injected)
+    assert waited <= TIMEOUT_S + 30, f"{kind}: stopped {waited:.1f} s after the fault"
+    return waited
+
+
+@pytest.mark.slow
+def test_skipped_collective_is_reported(hung_jobs: dict[str, dict]) -> None:
+    job = hung_jobs["skip_dp_reduce_on_rank1"]
+    report = job["error"]
+    assert report is not None, "the job finished although rank 1 skipped a collective"
+    _stopped_within_bound(job)
+    assert "the hang watchdog stopped the job" in report
+    first = next(line for line in report.splitlines() if line.startswith("first disagreement"))
+    # the skipped call: dp all-reduce #3 (step 3), made by rank 0 only, at the reducer's site
+    assert "dp collective #3 among ranks [0, 1]" in first, report
+    assert "rank(s) [0] called all_reduce over dp" in first and "at data.py:" in first
+    assert "rank 1 never called it (its last dp collective is #2" in first
+    # and where rank 1 went instead
+    assert "waiting" in first and "all_reduce over world" in first and "train.py:" in first
+    assert (job["dir"] / "hang_report.txt").read_text().strip() in report
+    for rank in (0, 1):
+        assert (job["dir"] / "hang" / f"rank-{rank:05d}.trace").is_file()
+
+
+@pytest.mark.slow
+def test_rank_sleeping_forever_is_reported(hung_jobs: dict[str, dict]) -> None:
+    job = hung_jobs["sleep_forever_on_rank1"]
+    report = job["error"]
+    assert report is not None, "the job finished although rank 1 never came back"
+    _stopped_within_bound(job)
+    first = next(line for line in report.splitlines() if line.startswith("first disagreement"))
+    # rank 0 waits in the first dp gradient all-reduce of step 3; rank 1 sleeps in its forward
+    assert "dp collective #3 among ranks [0, 1]" in first, report
+    assert "rank(s) [0] called all_reduce over dp" in first
+    assert "rank 1 never called it" in first and "is not in a collective" in first
+    assert "main thread at hooks.py" in first and "in sleeping" in first
+
+
+def _entry(seq: int, op: str, dim: str, n: int, site: str, shape=(4,)) -> list:
+    return [seq, op, dim, list(shape), "torch.float32", site, n]
+
+
+def _dump(rank: int, trace: list, blocked: bool, dp: int = 2, stack=None) -> dict:
+    dim_seq: dict[str, int] = {}
+    for e in trace:
+        dim_seq[e[2]] = max(dim_seq.get(e[2], 0), e[6])
+    return {
+        "rank": rank,
+        "coords": {"pp": 0, "dp": rank % dp, "tp": 0},
+        "sizes": {"pp": 1, "dp": dp, "tp": 1},
+        "trace": trace,
+        "dim_seq": dim_seq,
+        "blocked": {"entry": trace[-1], "for_s": 6.0} if blocked else None,
+        "stack": stack or [],
+        "state": "running",
+    }
+
+
+def _steps(n_steps: int, seq: int = 0) -> list:
+    out = []
+    for s in range(1, n_steps + 1):
+        out.append(_entry(seq := seq + 1, "all_reduce", "dp", s, "data.py:87", (100,)))
+        out.append(_entry(seq := seq + 1, "all_reduce", "world", s, "train.py:58", ()))
+    return out
+
+
+def test_report_names_a_silent_rank_from_its_last_heartbeat() -> None:
+    base = _steps(2)
+    waiting = [*base, _entry(5, "all_reduce", "dp", 3, "data.py:87", (100,))]
+    heartbeat = {**_dump(1, base, blocked=False), "age_s": 12.5}
+    text = compose(
+        2,
+        {"dp": 2},
+        5.0,
+        "rank 1 sent no heartbeat for 6.0 s",
+        {0: _dump(0, waiting, True)},
+        {1: heartbeat},
+    )
+    assert "first disagreement: dp collective #3 among ranks [0, 1]" in text
+    assert "rank 1 never called it (its last dp collective is #2" in text
+    assert "rank 1: SILENT: sent no dump, last heartbeat 12.5 s ago" in text
+    # a rank about which nothing at all is known is named too
+    text = compose(2, {"dp": 2}, 5.0, "timeout", {0: _dump(0, waiting, True)}, {})
+    assert "rank 1 is not in it (it sent no dump and no heartbeat" in text
+
+
+def test_report_names_a_different_collective() -> None:
+    base = _steps(2)
+    a = [*base, _entry(5, "all_reduce", "dp", 3, "data.py:87", (100,))]
+    b = [*base, _entry(5, "all_gather", "dp", 3, "zero.py:120", (50,))]
+    found = disagreements(2, {"dp": 2}, {0: _dump(0, a, True), 1: _dump(1, b, True)})
+    assert [(d.dim, d.n, d.missing) for d in found] == [("dp", 3, ())]
+    text = compose(2, {"dp": 2}, 5.0, "timeout", {0: _dump(0, a, True), 1: _dump(1, b, True)}, {})
+    assert "rank(s) [1] called all_gather over dp" in text and "zero.py:120" in text
+    assert "the ranks call different collectives here" in text
+
+
+def test_no_disagreement_when_traces_agree() -> None:
+    t = _steps(3)
+    assert disagreements(2, {"dp": 2}, {0: _dump(0, t, False), 1: _dump(1, t, False)}) == []
+
+
+def test_groups_of_a_3d_mesh() -> None:
+    got = groups(8, {"pp": 2, "dp": 2, "tp": 2})
+    assert ("world", tuple(range(8))) in got
+    assert {g for d, g in got if d == "tp"} == {(0, 1), (2, 3), (4, 5), (6, 7)}
+    assert {g for d, g in got if d == "dp"} == {(0, 2), (1, 3), (4, 6), (5, 7)}
+    assert {g for d, g in got if d == "pp"} == {(0, 4), (1, 5), (2, 6), (3, 7)}
