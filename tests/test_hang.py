@@ -12,17 +12,21 @@ from pathlib import Path
 import pytest
 
 from shardwise.config import load_config
+from shardwise.data import prepare_data
 from shardwise.errors import ShardwiseError
 from shardwise.hangreport import compose, disagreements, groups
 from shardwise.launch import launch_local
+from shardwise.runtime import data_spec
 from shardwise.testing.compare import SMALL
 
-TIMEOUT_S = 5.0
+# Short, so the tests stop quickly, but not so short that a rank starved of CPU on a loaded
+# 2-core machine (several ranks per core) looks hung.
+TIMEOUT_S = 8.0
 HOOKS = "shardwise.testing.hooks:"
 
 
-def _job(hook: str, run_dir: Path, out: dict) -> None:
-    cfg = load_config(
+def _config(run_dir: Path, *extra: str):
+    return load_config(
         None,
         [
             *SMALL,
@@ -32,8 +36,13 @@ def _job(hook: str, run_dir: Path, out: dict) -> None:
             "--run.device=cpu",
             f"--parallel.timeout_s={TIMEOUT_S}",
             f"--run.dir={run_dir}",
+            *extra,
         ],
     )
+
+
+def _job(hook: str, run_dir: Path, out: dict, *extra: str) -> None:
+    cfg = _config(run_dir, *extra)
     try:
         launch_local(cfg, 2, hook=HOOKS + hook)
         out["error"] = None
@@ -44,13 +53,20 @@ def _job(hook: str, run_dir: Path, out: dict) -> None:
 
 @pytest.fixture(scope="module")
 def hung_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """Both faulty jobs at once (two local launches side by side: start-up dominates)."""
+    """The faulty jobs at once (local launches side by side: start-up dominates)."""
     results: dict[str, dict] = {}
     threads = []
-    for hook in ("skip_dp_reduce_on_rank1", "sleep_forever_on_rank1"):
+    jobs = {
+        "skip_dp_reduce_on_rank1": (),
+        "sleep_forever_on_rank1": (),
+        "skip_block1_on_rank1": ("--parallel.zero=3",),  # ZeRO-3 units diverge
+    }
+    prepare_data(data_spec(_config(Path("unused")), 4096))  # as `shardwise train` does first
+    for hook, extra in jobs.items():
         run_dir = tmp_path_factory.mktemp(hook) / "run"
         results[hook] = {"dir": run_dir}
-        threads.append(threading.Thread(target=_job, args=(hook, run_dir, results[hook])))
+        args = (hook, run_dir, results[hook], *extra)
+        threads.append(threading.Thread(target=_job, args=args))
     for t in threads:
         t.start()
     for t in threads:
@@ -60,7 +76,9 @@ def hung_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 
 def _stopped_within_bound(job: dict) -> float:
-    kind, injected = (job["dir"] / "fault_injected").read_text().split()
+    mark = job["dir"] / "fault_injected"
+    assert mark.is_file(), f"the job stopped before the fault was injected:\n{job['error']}"
+    kind, injected = mark.read_text().split()
     waited = job["end"] - float(injected)
     assert waited <= TIMEOUT_S + 30, f"{kind}: stopped {waited:.1f} s after the fault"
     return waited
@@ -97,6 +115,25 @@ def test_rank_sleeping_forever_is_reported(hung_jobs: dict[str, dict]) -> None:
     assert "rank(s) [0] called all_reduce over dp" in first
     assert "rank 1 never called it" in first and "is not in a collective" in first
     assert "main thread at hooks.py" in first and "in sleeping" in first
+
+
+@pytest.mark.slow
+def test_zero3_rank_dependent_control_flow_is_reported(hung_jobs: dict[str, dict]) -> None:
+    """Rank 1 skips block 1 once under ZeRO-3: the unit gathers of the two ranks no longer
+    pair up. The job stops with the report naming the diverging collectives (ZeRO's gathers
+    and reduce-scatters at their call sites) and the ZeRO-3 fix."""
+    job = hung_jobs["skip_block1_on_rank1"]
+    report = job["error"]
+    assert report is not None, "the job finished although the ranks ran different units"
+    _stopped_within_bound(job)
+    first = next(line for line in report.splitlines() if line.startswith("first disagreement"))
+    assert "dp collective #" in first and "among ranks [0, 1]" in first, report
+    assert "rank(s) [0] called" in first and "rank(s) [1] called" in first
+    assert "the ranks call different collectives here" in first
+    assert first.count("at zero.py:") == 2
+    assert (
+        "hint: ZeRO-3 gathers every unit collectively" in report and "--parallel.zero=2" in report
+    )
 
 
 def _entry(seq: int, op: str, dim: str, n: int, site: str, shape=(4,)) -> list:

@@ -49,10 +49,6 @@ for _z in (0, 2, 3):  # unused parameters with accumulation: compared with DP's 
         **case(f"--parallel.zero={_z}", "--train.steps=6", "--train.micro_batch=2"),
         "hook": UNUSED,
     }
-WORLD2["z3_diverge"] = {
-    **case("--parallel.zero=3", "--train.steps=4", "--parallel.timeout_s=15"),
-    "hook": "shardwise.testing.hooks:skip_block1_on_rank1",
-}
 for _z in (0, 1, 2, 3):
     WORLD2[f"z{_z}_frozen"] = case(f"--parallel.zero={_z}", *FROZEN)
     WORLD2[f"z{_z}_unused"] = {**case(f"--parallel.zero={_z}", "--train.steps=10"), "hook": UNUSED}
@@ -63,7 +59,7 @@ def _run(cases: dict, nproc: int) -> dict:
     out = {}
     for name, per_rank in zip(cases, run_world(nproc, list(cases.values())), strict=True):
         for r in per_rank:
-            assert "error" not in r or name.endswith("_diverge"), f"{name}: {r['error']}"
+            assert "error" not in r, f"{name}: {r['error']}"
         out[name] = per_rank
     return out
 
@@ -235,17 +231,3 @@ def test_unused_parameters_with_accumulation(worlds, stage):
     # ZeRO-2/3 reduce every micro-batch, DP once per step: (a1+b1)+(a2+b2) vs (a1+a2)+(b1+b2),
     # so the parameters agree to the issue's 1e-5 rather than bitwise (measured 1.5e-6).
     assert max_param_diff(got["params"], dp["params"]) <= 1e-5
-
-
-def test_zero3_rank_dependent_control_flow_fails_clearly(worlds):
-    """Rank 1 skips block 1 once: every rank stops with one message naming a unit, its rank
-    and the fix, within the collective timeout (no hang, no silent pairing of units)."""
-    messages = []
-    for rank, r in enumerate(worlds[2]["z3_diverge"]):
-        assert "error" in r, f"rank {rank} did not fail"
-        msg = r["error"].splitlines()[0]
-        assert msg.startswith("ShardwiseError: ZeRO-3: "), msg
-        assert f"dp rank {rank}" in msg and "'" in msg and "--parallel.zero=2" in msg, msg
-        messages.append(msg)
-    # the rank that got through its forward names the skipped unit and the counts
-    assert any("ran different units" in m and "'blocks.1'" in m for m in messages), messages

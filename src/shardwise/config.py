@@ -48,6 +48,12 @@ class ModelConfig:
     tie_embeddings: Literal["preset", "true", "false"] = opt(
         "preset", "Share input embedding and output head: true, false or preset."
     )
+    init_from: str = opt(
+        "",
+        "Start from Hugging Face weights: a directory with config.json and safetensors of a "
+        "Llama or GPT-2 model (as transformers' save_pretrained writes it); its sizes replace "
+        "the preset's and each rank reads only what it keeps ('' = init from train.seed).",
+    )
 
 
 @dataclass

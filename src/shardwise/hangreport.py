@@ -10,7 +10,7 @@ A *dump* (one per rank that could still answer) is::
      "dim_seq": {"dp": 7, "world": 12},                      # collectives issued per dim
      "blocked": {"entry": [...], "for_s": 3.1} | None,
      "stack": ["hooks.py:80 in sleep_forever", ...],          # main thread, innermost first
-     "state": "running" | "stopped: ..."}
+     "state": "running" | "finished" | "failed: <error>"}
 
 A rank that cannot answer (dead or frozen) is described by its last heartbeat (the same
 fields, a shorter trace, and `age_s`: seconds since it last beat) or by nothing at all.
@@ -27,6 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DIMS = ("pp", "dp", "tp")
+# What a disagreement at a call site usually means (file of the site -> hint).
+HINTS = {
+    "zero.py": "ZeRO-3 gathers every unit collectively, so the forward must call the same "
+    "modules on every rank. Fix: make the control flow independent of the rank's data, or "
+    "use --parallel.zero=2.",
+}
 
 
 @dataclass(frozen=True)
@@ -191,6 +197,8 @@ def compose(
     if found:
         lines.append("first disagreement: " + _explain(found[0], infos) + ".")
         lines += [f"also: {_explain(d, infos)}." for d in found[1:]]
+        sites = {e[5].split(":")[0] for e in found[0].present.values()}
+        lines += [f"hint: {HINTS[f]}" for f in sorted(sites) if f in HINTS]
     else:
         lines.append(
             "no disagreement in the collective sequences: every rank issued the same "

@@ -59,17 +59,15 @@ def train_here(cfg: Config, hook: str | None = None) -> None:
 
     try:
         run = build_run(cfg)
-        state = "stopped: training finished"
         try:
             if hook:
                 module, _, name = hook.partition(":")
                 getattr(importlib.import_module(module), name)(run)
             fit(run)
         except BaseException as exc:
-            state = f"stopped: {type(exc).__name__}"
+            run.close(exc)
             raise
-        finally:
-            run.close(state)
+        run.close()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

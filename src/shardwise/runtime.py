@@ -19,6 +19,7 @@ from shardwise.data import DataSpec, GlobalSampler, load_data
 from shardwise.errors import ConfigError
 from shardwise.memory import ActivationMeter
 from shardwise.models import build_model, init_weights, to_empty
+from shardwise.models.hf_weights import HFWeights, load_weights
 from shardwise.models.tp_plans import plan_for
 from shardwise.optim import MixedPrecisionAdamW, replicated_targets
 from shardwise.parallel.data import GradReducer, apply_data_parallel
@@ -77,10 +78,11 @@ class Run:
     sampler: GlobalSampler
     watchdog: Watchdog | None = None
 
-    def close(self, state: str = "stopped: training finished") -> None:
-        """Leave training: stop the hang watchdog (its silence is no longer a hang)."""
+    def close(self, error: BaseException | None = None) -> None:
+        """Leave training (finished, or failed with `error`): stop the hang watchdog (this
+        rank's silence is no longer a hang; a failure explains its peers' stuck collectives)."""
         if self.watchdog is not None:
-            self.watchdog.stop(state)
+            self.watchdog.stop(error)
 
     @property
     def dp_rank(self) -> int:
@@ -136,6 +138,10 @@ def parallelize(
     # 3. Recomputation wraps module forwards; names stay, so init and checkpoints are unchanged.
     apply_recompute(model, derived.family, run_cfg.memory.recompute)
     stage = run_cfg.parallel.zero
+    # Values come from (seed, name), or from Hugging Face weights read slice by slice.
+    source = (
+        HFWeights(run_cfg.model.init_from, derived.spec.arch) if run_cfg.model.init_from else None
+    )
     if stage:
         # 4. ZeRO flattens the still-meta parameters into units and materialises only what
         #    this rank keeps (its slices under ZeRO-3), straight from the (seed, name) init.
@@ -151,13 +157,17 @@ def parallelize(
                 info.device,
                 run_cfg.train.seed,
                 offload_params,
+                source,
             ),
             tp,
         )
     # 4. Materialise: without ZeRO the local shard is the whole model. Values depend only on
     #    (seed, parameter name), so every rank builds identical weights without a broadcast.
     to_empty(model, info.device)
-    init_weights(model, run_cfg.train.seed)
+    if source is not None:
+        load_weights(model, source)
+    else:
+        init_weights(model, run_cfg.train.seed)
     cast_for_compute(model, compute)
     # 5. Data parallelism attaches gradient buckets to the materialised parameters.
     return model, apply_data_parallel(model, comm, reduce, run_cfg.parallel.bucket_mb), tp
@@ -210,7 +220,7 @@ def build_run(cfg: Config) -> Run:
         return _build(cfg, derived, info, topo, comm, watchdog)
     except BaseException as exc:
         if watchdog is not None:
-            watchdog.stop(f"stopped: {type(exc).__name__} while building the run")
+            watchdog.stop(exc)
         raise
 
 

@@ -79,6 +79,15 @@ def model_spec(cfg: Config) -> ModelSpec:
             "--model.vocab_size=4096 (or 0 for the preset's)."
         )
     spec = dataclasses.replace(spec, **overrides)
+    if m.init_from:
+        if not spec.is_transformer:
+            raise ConfigError(
+                f"model.init_from needs a transformer, but model.name='{m.name}' is a ResNet."
+                " Fix: --model.name=tiny (Llama) or gpt2-tiny (GPT-2)."
+            )
+        from shardwise.models.hf_weights import adapt_spec
+
+        spec = adapt_spec(spec, m, m.init_from)
     if not spec.arch.startswith("resnet"):
         _check_transformer(spec, cfg)
     return spec

@@ -76,6 +76,7 @@ class Watchdog:
         self._main = threading.get_ident()  # the training thread
         self._stop = threading.Event()
         self._failure: str | None = None
+        self._release = threading.Event()  # lets a failed collective's exception through
         self._beats = 0
         self._peer = (self.rank + 1) % self.world
         self._peer_seen: tuple[int, float] | None = None
@@ -87,13 +88,16 @@ class Watchdog:
         self.thread.start()
         return self
 
-    def stop(self, state: str = "stopped") -> None:
-        """The rank leaves training (fit returned or raised): stop watching, and tell the peer
-        that watches this rank's heartbeat that silence from now on is not a hang."""
+    def stop(self, error: BaseException | None = None) -> None:
+        """The rank leaves training (finished, or failed with `error`): stop watching, and
+        tell the peers that silence from now on is not a hang. A failed rank's own error is
+        the diagnosis of whatever its peers then wait for (see `_run`)."""
         self._stop.set()
+        self._release.set()
         self.thread.join(timeout=10 * self.poll_s)
         if not self.thread.is_alive():
-            self.state = state
+            first = str(error).strip().splitlines()[0][:200] if error and str(error).strip() else ""
+            self.state = "finished" if error is None else f"failed: {type(error).__name__}: {first}"
             self._beat()
 
     def collective_failed(self, entry: TraceEntry, exc: Exception) -> None:
@@ -104,7 +108,8 @@ class Watchdog:
             return
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         self._failure = f"rank {self.rank}: {_describe(entry)} failed: {first}"
-        self.thread.join(timeout=self.timeout_s + self.grace_s + 10 * self.poll_s + 10)
+        self._release.wait(timeout=self.timeout_s + self.grace_s + 10 * self.poll_s + 10)
+        self._release.clear()
 
     # -- the loop -------------------------------------------------------------------------------
     def _key(self, *parts: object) -> str:
@@ -115,10 +120,31 @@ class Watchdog:
             while not self._stop.wait(self.poll_s):
                 self._beat()
                 reason = self._failure or self._timed_out() or self._peer_silent()
-                if reason is not None or self.store.check([self._key("alarm")]):
+                if self.store.check([self._key("alarm")]):
+                    self._stop_job(None)
+                elif reason is not None and not self._explained_by_failed_peer():
                     self._stop_job(reason)
         except Exception as exc:  # the store went away: nothing left to coordinate with
             print(f"shardwise watchdog (rank {self.rank}) stopped: {exc}", file=sys.stderr)
+
+    def _explained_by_failed_peer(self) -> bool:
+        """A peer that left training with an error explains why this rank waits: its error is
+        the diagnosis, so a failed collective raises here too (and the launcher stops the job
+        as it does for any failing rank). A wait that has not failed after timeout + grace
+        is stopped as a hang all the same: never an endless wait."""
+        failed = False
+        for r in range(self.world):
+            key = self._key("hb", r)
+            if r != self.rank and self.store.check([key]):
+                failed |= json.loads(self.store.get(key))["state"].startswith("failed")
+        blocked = self.comm.blocked
+        overdue = blocked is not None and (
+            time.monotonic() - blocked[1] > self.timeout_s + self.grace_s
+        )
+        if failed and self._failure is not None:
+            self._failure = None
+            self._release.set()
+        return failed and not overdue
 
     def _timed_out(self) -> str | None:
         blocked = self.comm.blocked

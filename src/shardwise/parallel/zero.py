@@ -56,6 +56,7 @@ class ZeroEngine:
         device: torch.device,
         seed: int,
         offload_params: bool = False,
+        source=None,
     ) -> None:
         self.comm, self.stage = comm, stage
         self.sync = True
@@ -70,7 +71,7 @@ class ZeroEngine:
                 if p is not None:
                     module._parameters[leaf] = replaced[id(p)]
         self._of_param = {id(p): u for u in self.units for *_, p in u.entries}
-        self._materialise(model, seed, device)
+        self._materialise(model, seed, device, source)
         self._next = 0
         self._pending: list = []
         self.transient = 0  # bytes of gathered units and in-flight gradient buffers now
@@ -91,16 +92,22 @@ class ZeroEngine:
 
     # -- set-up -------------------------------------------------------------------------------
     @torch.no_grad()
-    def _materialise(self, model: nn.Module, seed: int, device: torch.device) -> None:
+    def _materialise(self, model: nn.Module, seed: int, device: torch.device, source) -> None:
         """Each rank fills only what it keeps: the full unit (ZeRO-1/2) or its own slice
-        (ZeRO-3), from the (seed, name) init; one parameter's value exists at a time."""
+        (ZeRO-3), from the (seed, name) init, one parameter's value at a time, or from a
+        weight `source` (Hugging Face safetensors) that reads only the kept elements."""
         spec = find_spec(model)
         for unit in self.units:
             for (name, module, leaf, p), off in zip(unit.entries, unit.offsets, strict=False):
-                value = initial_local(
-                    module, leaf, canonical_name(name, spec), p, seed, spec
-                ).flatten()
-                unit.load(off, value)
+                cname = canonical_name(name, spec)
+                if source is None:
+                    unit.load(off, initial_local(module, leaf, cname, p, seed, spec).flatten())
+                    continue
+                start, stop = unit.kept(off, p.numel())
+                if start < stop:
+                    unit.load(off, source.span_of(cname, p, start, stop), start)
+        if source is not None:
+            source.close()
         for module in model.modules():  # buffers (BatchNorm statistics) are replicated
             for key, buf in list(module._buffers.items()):
                 if buf is not None and buf.is_meta:
@@ -327,7 +334,9 @@ def apply_zero(
     device: torch.device,
     seed: int,
     offload_params: bool = False,
+    source=None,
 ) -> ZeroEngine:
     """Shard a model that is still on the meta device; returns the engine driving it.
-    `offload_params` (ZeRO-3) keeps each rank's parameter slices in host memory."""
-    return ZeroEngine(model, comm, stage, compute, reduce, device, seed, offload_params)
+    `offload_params` (ZeRO-3) keeps each rank's parameter slices in host memory; `source`
+    (shardwise.models.hf_weights.HFWeights) supplies the values instead of the (seed, name) init."""
+    return ZeroEngine(model, comm, stage, compute, reduce, device, seed, offload_params, source)

@@ -117,9 +117,17 @@ class Unit:
         self.reduce_dtype = reduce
 
     # -- values ---------------------------------------------------------------------------------
-    def load(self, offset: int, value: torch.Tensor) -> None:
-        """Write a parameter's full initial value (flat) at `offset`, keeping only what this
-        rank stores."""
+    def kept(self, offset: int, numel: int) -> tuple[int, int]:
+        """The elements [start, stop) of the flat parameter at `offset` this rank stores
+        (start >= stop: none)."""
+        if self.stage < 3:
+            return 0, numel
+        return max(self.lo - offset, 0), min(self.hi - offset, numel)
+
+    def load(self, offset: int, value: torch.Tensor, start: int = 0) -> None:
+        """Write elements [start, start + len) of the flat parameter at `offset` (its full
+        initial value by default), keeping only what this rank stores."""
+        offset += start
         if self.stage < 3:
             self.full[offset : offset + value.numel()].copy_(value)
             return

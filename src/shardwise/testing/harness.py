@@ -36,9 +36,12 @@ def _run_case(case: dict, run_dir: str) -> dict:
         return _resolve(case["peer"])(cfg)
     run = build_run(cfg)
     try:
-        return _train_case(case, run, fit)
-    finally:
-        run.close()
+        result = _train_case(case, run, fit)
+    except BaseException as exc:
+        run.close(exc)
+        raise
+    run.close()
+    return result
 
 
 def _train_case(case: dict, run, fit) -> dict:

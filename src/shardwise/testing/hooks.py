@@ -50,16 +50,21 @@ class _SkipOnce(torch.nn.ModuleList):
     skip_index = 1
     calls = 0
 
+    run = None
+
     def __iter__(self):
         type(self).calls += 1
         for i, block in enumerate(super().__iter__()):
             if not (type(self).calls == self.skip_at and i == self.skip_index):
                 yield block
+            else:
+                _mark(self.run, "skip-block")
 
 
 def skip_block1_on_rank1(run) -> None:
     """Rank 1 alone leaves block 1 out of its 2nd forward: control flow differs by rank."""
     if run.topo.rank == 1:
+        _SkipOnce.run = run
         run.model.blocks.__class__ = _SkipOnce
 
 

@@ -1,0 +1,343 @@
+"""Hugging Face interop: the name and layout map between our decoders and `transformers`'
+Llama (`LlamaForCausalLM`) and GPT-2 (`GPT2LMHeadModel`), the model shape read from a
+Hugging Face `config.json`, and a weight source that reads any row range of any of our
+parameters straight from the safetensors files (so a rank loads only the slices it keeps).
+
+Layouts (why the map is more than a renaming):
+
+* Llama: one tensor per projection, same (out, in) layout as ours. Our RoPE pairs channels
+  (i, i + D/2) ("rotate_half"), the convention of the Hugging Face Llama checkpoints (Meta's
+  original weights are permuted into it by transformers' conversion script), so q/k load
+  without a permutation.
+* GPT-2: `Conv1D` stores weights as (in, out), the transpose of `nn.Linear`; q, k and v are
+  fused in `c_attn` (in, 3·dim), ours are three (dim, dim) projections, so wq/wk/wv are the
+  three column blocks of c_attn, transposed (biases: the three thirds of c_attn.bias).
+
+The map is data: one `Rule` per parameter pattern.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardwise.errors import ConfigError
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Our parameter `ours` (a regex over our names) is `theirs` (a format string of the
+    regex groups), transposed for Conv1D, or block `part` of `parts` along their out axis."""
+
+    ours: str
+    theirs: str
+    transposed: bool = False
+    part: int = 0
+    parts: int = 1
+
+
+_L = r"blocks\.(\d+)\."
+LLAMA = (
+    Rule(r"embed\.weight", "model.embed_tokens.weight"),
+    Rule(_L + r"attn_norm\.weight", "model.layers.{0}.input_layernorm.weight"),
+    Rule(_L + r"attn\.wq\.weight", "model.layers.{0}.self_attn.q_proj.weight"),
+    Rule(_L + r"attn\.wk\.weight", "model.layers.{0}.self_attn.k_proj.weight"),
+    Rule(_L + r"attn\.wv\.weight", "model.layers.{0}.self_attn.v_proj.weight"),
+    Rule(_L + r"attn\.wo\.weight", "model.layers.{0}.self_attn.o_proj.weight"),
+    Rule(_L + r"mlp_norm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
+    Rule(_L + r"mlp\.w1\.weight", "model.layers.{0}.mlp.gate_proj.weight"),
+    Rule(_L + r"mlp\.w3\.weight", "model.layers.{0}.mlp.up_proj.weight"),
+    Rule(_L + r"mlp\.w2\.weight", "model.layers.{0}.mlp.down_proj.weight"),
+    Rule(r"norm\.weight", "model.norm.weight"),
+    Rule(r"head\.weight", "lm_head.weight"),
+)
+_H = "transformer.h.{0}."
+GPT2 = (
+    Rule(r"embed\.weight", "transformer.wte.weight"),
+    Rule(r"pos_embed\.weight", "transformer.wpe.weight"),
+    Rule(_L + r"attn_norm\.(weight|bias)", _H + "ln_1.{1}"),
+    *(
+        Rule(_L + rf"attn\.w{x}\.weight", _H + "attn.c_attn.weight", True, i, 3)
+        for i, x in enumerate("qkv")
+    ),
+    *(
+        Rule(_L + rf"attn\.w{x}\.bias", _H + "attn.c_attn.bias", False, i, 3)
+        for i, x in enumerate("qkv")
+    ),
+    Rule(_L + r"attn\.wo\.weight", _H + "attn.c_proj.weight", True),
+    Rule(_L + r"attn\.wo\.bias", _H + "attn.c_proj.bias"),
+    Rule(_L + r"mlp_norm\.(weight|bias)", _H + "ln_2.{1}"),
+    Rule(_L + r"mlp\.w1\.weight", _H + "mlp.c_fc.weight", True),
+    Rule(_L + r"mlp\.w1\.bias", _H + "mlp.c_fc.bias"),
+    Rule(_L + r"mlp\.w2\.weight", _H + "mlp.c_proj.weight", True),
+    Rule(_L + r"mlp\.w2\.bias", _H + "mlp.c_proj.bias"),
+    Rule(r"norm\.(weight|bias)", "transformer.ln_f.{0}"),
+    Rule(r"head\.weight", "lm_head.weight"),
+)
+RULES = {"decoder": LLAMA, "gpt2": GPT2}
+MODEL_TYPES = {"llama": "decoder", "gpt2": "gpt2"}
+# Buffers some GPT-2 checkpoints carry (the causal mask), not parameters.
+_IGNORED = re.compile(r"(^|\.)attn\.(bias|masked_bias)$|rotary_emb\.inv_freq$")
+
+
+def rule_for(arch: str, name: str) -> tuple[Rule, str]:
+    """The rule mapping our parameter `name` and the Hugging Face tensor name it reads."""
+    for rule in RULES[arch]:
+        m = re.fullmatch(rule.ours, name)
+        if m:
+            return rule, rule.theirs.format(*m.groups())
+    raise ConfigError(f"no Hugging Face name for parameter '{name}' of a {arch} model")
+
+
+def hf_shape(rule: Rule, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the Hugging Face tensor that holds our parameter of `shape`."""
+    out = (shape[0] * rule.parts, *shape[1:])
+    return (out[1], out[0]) if rule.transposed else out
+
+
+def read_config(path: str | Path) -> dict:
+    """The Hugging Face `config.json` in directory `path`, or a message saying what is wrong."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(
+            f"model.init_from='{path}' is not a directory. Fix: point it at a Hugging Face "
+            f"model directory holding {CONFIG} and {SINGLE} (or sharded *.safetensors + {INDEX})."
+        )
+    if not (p / CONFIG).is_file():
+        raise ConfigError(
+            f"model.init_from='{path}' has no {CONFIG}. Fix: save the model with "
+            "`save_pretrained(dir)` or copy its config.json next to the weights."
+        )
+    cfg = json.loads((p / CONFIG).read_text())
+    if cfg.get("model_type") not in MODEL_TYPES:
+        raise ConfigError(
+            f"model.init_from='{path}' holds a '{cfg.get('model_type')}' model; shardwise reads "
+            f"{sorted(MODEL_TYPES)}. Fix: convert it, or train from scratch without init_from."
+        )
+    return cfg
+
+
+def weight_files(path: str | Path) -> dict[str, Path]:
+    """Hugging Face tensor name -> the safetensors file holding it."""
+    p = Path(path)
+    if (p / INDEX).is_file():
+        index = json.loads((p / INDEX).read_text())
+        return {k: p / f for k, f in index["weight_map"].items()}
+    if (p / SINGLE).is_file():
+        from safetensors import safe_open
+
+        with safe_open(p / SINGLE, framework="pt") as f:
+            return {k: p / SINGLE for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    raise ConfigError(
+        f"model.init_from='{path}' has neither {SINGLE} nor {INDEX}. Fix: save with "
+        "`save_pretrained(dir, safe_serialization=True)`."
+    )
+
+
+class HFWeights:
+    """Reads our parameters from Hugging Face safetensors, any row range at a time (a
+    ZeRO-3 rank reads its slices, a tensor-parallel rank its rows, nobody the whole model)."""
+
+    def __init__(self, path: str | Path, arch: str) -> None:
+        self.path, self.arch = Path(path), arch
+        self.files = weight_files(path)
+        self._open: dict[Path, object] = {}
+
+    def _slice(self, key: str):
+        from safetensors import safe_open
+
+        if key not in self.files:
+            raise ConfigError(f"model.init_from='{self.path}' has no tensor '{key}'.")
+        f = self.files[key]
+        if f not in self._open:
+            self._open[f] = safe_open(f, framework="pt")
+        return self._open[f].get_slice(key)
+
+    def rows(self, name: str, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) (along our dim 0) of our parameter `name` of `shape`, float32."""
+        rule, key = rule_for(self.arch, name)
+        sl = self._slice(key)
+        c0 = rule.part * shape[0]
+        # Conv1D (GPT-2) stores (in, out): our rows are its columns
+        value = sl[:, c0 + r0 : c0 + r1].t() if rule.transposed else sl[c0 + r0 : c0 + r1]
+        return value.float().contiguous()
+
+    def full(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.rows(name, shape, 0, shape[0]).reshape(shape)
+
+    def span(self, name: str, shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of the flattened parameter (a ZeRO slice), reading only
+        the rows they lie in."""
+        row = 1
+        for s in shape[1:]:
+            row *= s
+        r0, r1 = start // row, -(-stop // row)
+        flat = self.rows(name, shape, r0, r1).flatten()
+        return flat[start - r0 * row : stop - r0 * row]
+
+    def local(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """This rank's tensor of `param` (the whole parameter, or its tensor-parallel shard
+        `param.tp_slice`: a row shard reads only its rows, a fused one its blocks)."""
+        cut = getattr(param, "tp_slice", None)
+        if cut is None:
+            return self.full(name, tuple(param.shape))
+        full = cut.full_shape
+        if cut.dim != 0:  # a column shard of a row-major tensor: cut it from the whole
+            return cut.take(self.full(name, full))
+        pieces = []
+        for a, b in cut.ranges:  # rows past the real size are the vocabulary padding: zeros
+            if min(b, full[0]) > a:
+                pieces.append(self.rows(name, full, a, min(b, full[0])))
+            if b > max(a, full[0]):
+                pieces.append(torch.zeros((b - max(a, full[0]), *full[1:])))
+        return torch.cat(pieces).reshape(param.shape)
+
+    def span_of(self, name: str, param: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of this rank's flattened `param` (a ZeRO slice of it)."""
+        if getattr(param, "tp_slice", None) is None:
+            return self.span(name, tuple(param.shape), start, stop)
+        return self.local(name, param).flatten()[start:stop]
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def _unsupported(path, what: str) -> ConfigError:
+    return ConfigError(
+        f"model.init_from='{path}': {what}, which shardwise's decoders do not implement. "
+        "Fix: start from a plain Llama or GPT-2 checkpoint."
+    )
+
+
+def spec_fields(cfg: dict, path: str | Path) -> dict:
+    """ModelSpec fields of the Hugging Face model described by `cfg` (its config.json)."""
+    if cfg["model_type"] == "llama":
+        heads = cfg["num_attention_heads"]
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise _unsupported(path, f"hidden_act={cfg['hidden_act']!r}")
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise _unsupported(path, "attention/MLP biases")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        if head_dim * heads != cfg["hidden_size"]:
+            raise _unsupported(path, f"head_dim={head_dim} != hidden_size / heads")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise _unsupported(path, f"RoPE scaling {rope}")
+        return {
+            "arch": "decoder",
+            "n_layers": cfg["num_hidden_layers"],
+            "dim": cfg["hidden_size"],
+            "n_heads": heads,
+            "n_kv_heads": cfg.get("num_key_value_heads") or heads,
+            "ffn_dim": cfg["intermediate_size"],
+            "vocab_size": cfg["vocab_size"],
+            "max_seq_len": cfg.get("max_position_embeddings", 2048),
+            "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+            "norm_eps": cfg.get("rms_norm_eps", 1e-6),
+            "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        }
+    act = cfg.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):  # ours is the tanh approximation
+        raise _unsupported(path, f"activation_function={act!r}")
+    if cfg.get("scale_attn_by_inverse_layer_idx") or not cfg.get("scale_attn_weights", True):
+        raise _unsupported(path, "a non-standard attention scale")
+    return {
+        "arch": "gpt2",
+        "n_layers": cfg["n_layer"],
+        "dim": cfg["n_embd"],
+        "n_heads": cfg["n_head"],
+        "n_kv_heads": cfg["n_head"],
+        "ffn_dim": cfg.get("n_inner") or 4 * cfg["n_embd"],
+        "vocab_size": cfg["vocab_size"],
+        "max_seq_len": cfg["n_positions"],
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+        "norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
+    }
+
+
+SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+
+
+def adapt_spec(spec, model_cfg, path: str | Path):
+    """The ModelSpec of the checkpoint at `path`: shape, norm epsilon, RoPE base and
+    position table come from its config.json. `model.name` must be of the same family and
+    explicit `model.*` overrides must agree with it (a silent change would be worse)."""
+    import dataclasses
+
+    fields = spec_fields(read_config(path), path)
+    arch = fields.pop("arch")
+    if arch != spec.arch:
+        fix = "gpt2-tiny" if arch == "gpt2" else "tiny"
+        raise ConfigError(
+            f"model.name='{model_cfg.name}' is a {spec.arch} model but model.init_from="
+            f"'{path}' holds a {arch} model. Fix: --model.name={fix} (its sizes are then read "
+            "from the checkpoint)."
+        )
+    for key in SHAPE_KEYS:
+        mine = getattr(model_cfg, key)
+        if mine and mine != fields[key]:
+            raise ConfigError(
+                f"model.{key}={mine} but model.init_from='{path}' has {key}={fields[key]}. "
+                f"Fix: --model.{key}=0 (take it from the checkpoint)."
+            )
+    tie = model_cfg.tie_embeddings
+    if tie != "preset" and (tie == "true") != fields["tie_embeddings"]:
+        raise ConfigError(
+            f"model.tie_embeddings={tie} but model.init_from='{path}' has "
+            f"tie_word_embeddings={fields['tie_embeddings']}. Fix: --model.tie_embeddings=preset."
+        )
+    spec = dataclasses.replace(spec, **fields)
+    check_weights(spec, path)
+    return spec
+
+
+def check_weights(spec, path: str | Path) -> None:
+    """Every parameter of our model has a tensor of the right shape in the checkpoint and
+    every checkpoint tensor has a place in our model (checked on headers, before launch)."""
+    from shardwise.models import build_model
+    from shardwise.models.init import canonical_name
+
+    with torch.device("meta"):
+        model = build_model(spec)
+    reader = HFWeights(path, spec.arch)
+    used, problems = set(), []
+    for name, p in model.named_parameters():
+        rule, key = rule_for(spec.arch, canonical_name(name, spec))
+        used.add(key)
+        if key not in reader.files:
+            problems.append(f"'{key}' is missing")
+            continue
+        got = tuple(reader._slice(key).get_shape())
+        if got != hf_shape(rule, tuple(p.shape)):
+            problems.append(f"'{key}' has shape {got}, expected {hf_shape(rule, tuple(p.shape))}")
+    extra = [k for k in reader.files if k not in used and not _IGNORED.search(k)]
+    if spec.tie_embeddings:
+        extra = [k for k in extra if k != "lm_head.weight"]  # a tied head saved anyway
+    problems += [f"'{k}' has no place in shardwise's {spec.arch} model" for k in extra[:5]]
+    reader.close()
+    if problems:
+        raise ConfigError(
+            f"model.init_from='{path}' does not fit the model: "
+            + "; ".join(problems[:8])
+            + ". Fix: point init_from at a checkpoint of this architecture."
+        )
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, source: HFWeights) -> None:
+    """Copy every parameter of a materialised model (whole, or tensor-parallel shards) from
+    `source`."""
+    from shardwise.models.init import canonical_name, find_spec
+
+    spec = find_spec(model)
+    for name, p in model.named_parameters():  # a tied weight once
+        p.copy_(source.local(canonical_name(name, spec), p))
+    source.close()

@@ -1,0 +1,167 @@
+"""Hugging Face interop (issue 7, item 7): weights saved by `transformers` (Llama and GPT-2)
+load into our decoders with the same logits, and into ZeRO-3 / data parallelism with the same
+loss as the single-process run and as transformers itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from shardwise.config import load_config  # noqa: E402
+from shardwise.errors import ConfigError  # noqa: E402
+from shardwise.models import build_model  # noqa: E402
+from shardwise.models.hf_weights import HFWeights, load_weights  # noqa: E402
+from shardwise.testing import run_world  # noqa: E402
+from shardwise.testing.compare import case, max_param_diff, max_rel  # noqa: E402
+from shardwise.validate import derive, model_spec  # noqa: E402
+
+VOCAB = 4096  # the tokenizer cache the other tests use
+STEPS = ["--train.steps=5"]
+
+
+def _perturb(model: torch.nn.Module) -> None:
+    """Norm gains of 1 and zero biases would hide a swapped or transposed tensor."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+
+
+def _save_llama(out: Path) -> Path:
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+    _perturb(model)
+    model.save_pretrained(out)
+    return out
+
+
+def _save_gpt2(out: Path) -> Path:
+    torch.manual_seed(2)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=128,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = transformers.GPT2LMHeadModel(cfg)
+    _perturb(model)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {"llama": _save_llama(root / "llama"), "gpt2": _save_gpt2(root / "gpt2")}
+
+
+NAMES = {"llama": "tiny", "gpt2": "gpt2-tiny"}
+
+
+def _overrides(kind: str, path: Path) -> list[str]:
+    return [f"--model.name={NAMES[kind]}", f"--model.init_from={path}"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_import_gives_transformers_logits(hf_dirs, kind):
+    path = hf_dirs[kind]
+    spec = model_spec(load_config(None, _overrides(kind, path)))
+    ours = build_model(spec)
+    load_weights(ours, HFWeights(path, spec.arch))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    tokens = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
+    assert diff <= 1e-5, diff
+
+
+def test_span_reads_only_the_asked_elements(hf_dirs):
+    """A ZeRO-3 slice cut anywhere in a transposed, fused GPT-2 weight equals the same slice
+    of the full parameter."""
+    src = HFWeights(hf_dirs["gpt2"], "gpt2")
+    for name, shape in (("blocks.1.attn.wk.weight", (64, 64)), ("blocks.0.attn.wv.bias", (64,))):
+        full = src.full(name, shape).flatten()
+        for a, b in ((0, 5), (37, 1000), (4000, 4096), (70, 71)):
+            b = min(b, full.numel())
+            assert torch.equal(src.span(name, shape, a, b), full[a:b]), (name, a, b)
+
+
+def test_bad_init_from_is_one_clear_error(hf_dirs, tmp_path):
+    with pytest.raises(ConfigError, match="is not a directory"):
+        derive(load_config(None, [f"--model.init_from={tmp_path / 'nope'}"]), 1)
+    with pytest.raises(ConfigError, match=r"Fix: --model\.name=gpt2-tiny"):
+        derive(load_config(None, [f"--model.init_from={hf_dirs['gpt2']}"]), 1)
+    with pytest.raises(ConfigError, match=r"model.dim=128 but .* has dim=64"):
+        derive(load_config(None, [*_overrides("llama", hf_dirs["llama"]), "--model.dim=128"]), 1)
+
+
+def _first_batch_loss(kind: str, path: Path) -> float:
+    """transformers' own loss on the first global batch our data pipeline feeds."""
+    from shardwise.data import GlobalSampler, load_data
+    from shardwise.runtime import data_spec
+    from shardwise.testing.compare import SMALL
+
+    cfg = load_config(None, [*SMALL, *_overrides(kind, path)])
+    data = load_data(data_spec(cfg, VOCAB), "train")
+    idx = GlobalSampler(len(data), cfg.train.global_batch, cfg.train.seed).global_indices(0)
+    inputs, targets = data.get_batch(idx)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        logits = model(inputs).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return loss.item() / targets.numel()
+
+
+@pytest.fixture(scope="module")
+def worlds(hf_dirs):
+    w1 = {k: case(*_overrides(k, p), *STEPS) for k, p in hf_dirs.items()}
+    w2 = {
+        f"z3_{k}": case(*_overrides(k, p), *STEPS, "--parallel.zero=3") for k, p in hf_dirs.items()
+    }
+    w2["dp_llama"] = case(*_overrides("llama", hf_dirs["llama"]), *STEPS)
+    w2["z1_gpt2"] = case(*_overrides("gpt2", hf_dirs["gpt2"]), *STEPS, "--parallel.zero=1")
+    out = {}
+    for nproc, cases in ((1, w1), (2, w2)):
+        for name, per_rank in zip(cases, run_world(nproc, list(cases.values())), strict=True):
+            for r in per_rank:
+                assert "error" not in r, f"{name}: {r['error']}"
+            out[name] = per_rank
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_imported_run_starts_at_transformers_loss(hf_dirs, worlds, kind):
+    ours = worlds[kind][0]["losses"][0]
+    theirs = _first_batch_loss(kind, hf_dirs[kind])
+    assert abs(ours - theirs) / theirs <= 1e-5, (ours, theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "ref"),
+    [("z3_llama", "llama"), ("z3_gpt2", "gpt2"), ("dp_llama", "llama"), ("z1_gpt2", "gpt2")],
+)
+def test_import_into_any_layout_matches_single_process(worlds, name, ref):
+    got, want = worlds[name][0], worlds[ref][0]
+    assert max_rel(got["losses"], want["losses"]) <= 1e-5
+    assert max_param_diff(got["params"], want["params"]) <= 1e-5
+    assert want["losses"][-1] < want["losses"][0]  # and it trained from there
