@@ -2,9 +2,12 @@
 
 One spawned world per size runs every case (process start-up dominates on 2 cores)."""
 
+import math
+
 import pytest
 import torch
 
+from shardwise.metrics import format_line
 from shardwise.testing import run_world
 from shardwise.testing.compare import case, max_param_diff, max_rel
 
@@ -31,6 +34,15 @@ WORLD2 = {
         hook="shardwise.testing.hooks:inject_inf_on_rank1_step3",
     ),
 }
+HOOKS = "shardwise.testing.hooks:"
+WORLD2["nan_loss"] = case("--train.steps=5", hook=HOOKS + "nan_loss_on_rank1_step3")
+WORLD2["inf_grad"] = case("--train.steps=5", hook=HOOKS + "inject_inf_on_rank1_step3")
+WORLD2["z3_inf_grad"] = case(
+    "--train.steps=5", "--parallel.zero=3", hook=HOOKS + "inject_inf_on_rank1_step3"
+)
+WORLD2["nan_stop"] = case(
+    "--train.steps=8", "--train.max_skipped_steps=3", hook=HOOKS + "nan_loss_on_rank1_from_step3"
+)
 RESNET = [
     "--model.name=resnet18",
     "--data.dataset=digits",
@@ -52,7 +64,7 @@ def _run(cases: dict, nproc: int) -> dict:
     out = {}
     for name, per_rank in zip(cases, results, strict=True):
         for r in per_rank:
-            assert "error" not in r, f"{name}: {r['error']}"
+            assert "error" not in r or name == "nan_stop", f"{name}: {r['error']}"
         out[name] = per_rank
     return out
 
@@ -147,3 +159,34 @@ def test_batchnorm_buffers_stay_identical_across_replicas(worlds):
     )
     for key in a["params"]:
         assert torch.equal(a["params"][key], b["params"][key]), key
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("nan_loss", {"loss_ranks": [1], "grads": []}),
+        ("inf_grad", {"loss_ranks": [], "grads": ["embed.weight"]}),
+        ("z3_inf_grad", {"loss_ranks": [], "grads": ["embed.weight"]}),
+    ],
+)
+def test_nonfinite_on_one_rank_skips_everywhere_and_is_logged(worlds, name, why):
+    """fp32: a NaN loss (finite gradients) or an infinite gradient on rank 1 at step 3 skips
+    that step on both ranks, names the rank / tensor, and training goes on."""
+    per_rank = worlds[2][name]
+    for r in per_rank:
+        assert r["skipped"] == [False, False, True, False, False]
+        assert r["records"][2]["nonfinite"] == why
+        assert all("nonfinite" not in rec for i, rec in enumerate(r["records"]) if i != 2)
+        assert all(math.isfinite(x) for i, x in enumerate(r["losses"]) if i != 2)
+        assert r["scales"] == [1.0] * 5  # no loss scaling in fp32
+    line = format_line(per_rank[0]["records"][2], 5)
+    assert "SKIPPED (non-finite " in line and ("rank(s) [1]" in line or "embed.weight" in line)
+    assert max_param_diff(per_rank[0]["params"], per_rank[1]["params"]) == 0.0
+
+
+def test_max_skipped_steps_stops_with_a_diagnosis(worlds):
+    for r in worlds[2]["nan_stop"]:
+        msg = r["error"].splitlines()[0]
+        assert msg.startswith("NonFiniteError: train.max_skipped_steps=3: steps 3-5 were all"), msg
+        assert "Step 3: non-finite loss on rank(s) [1]" in msg
+        assert "Step 5: non-finite loss on rank(s) [1]" in msg and "Fix:" in msg

@@ -88,6 +88,11 @@ class TrainConfig:
         "Comma-separated parameter-name patterns (fnmatch) to freeze, e.g. "
         "'embed.*,blocks.0.*': not trained, not reduced, not in the optimizer.",
     )
+    max_skipped_steps: int = opt(
+        10,
+        "Stop with a diagnosis after this many steps in a row skipped for a non-finite loss "
+        "or gradient norm (fp16 loss-scale overflows do not count; 0 = never stop).",
+    )
 
 
 @dataclass

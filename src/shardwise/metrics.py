@@ -10,6 +10,7 @@ from pathlib import Path
 from torch import nn
 
 from shardwise.models import count_params
+from shardwise.nonfinite import describe
 
 
 def flops_per_token(model: nn.Module, derived) -> float:
@@ -47,7 +48,9 @@ def format_line(r: dict, total_steps: int) -> str:
     if "eval_accuracy" in r:
         parts.append(f"acc {100 * r['eval_accuracy']:.1f}%")
     if r.get("skipped"):
-        parts.append(f"SKIPPED (non-finite grads, loss scale -> {r['loss_scale'] / 2:g})")
+        why = describe(r["nonfinite"]) if r.get("nonfinite") else "non-finite values"
+        scale = f", loss scale -> {r['loss_scale'] / 2:g}" if r["loss_scale"] != 1 else ""
+        parts.append(f"SKIPPED ({why}{scale})")
     return " | ".join(parts)
 
 

@@ -45,6 +45,7 @@ class LossScaler:
 class StepResult:
     grad_norm: float
     skipped: bool
+    nonfinite: tuple[str, ...] = ()  # targets (this rank's pieces) whose gradient is not finite
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Target:
     # over tensor parallelism: "shard" (disjoint slices), "replica" (the same on every tp
     # rank) or "partial" (partial gradients summed over tp before use); see parallel/tensor.py
     tp: str = "replica"
+    name: str = ""  # the parameter's model name (checkpoints key optimizer state by it)
 
 
 def adamw(
@@ -82,8 +84,8 @@ def replicated_targets(model: nn.Module) -> list[Target]:
     """Data parallelism: every parameter, its gradient in the bucket view `main_grad`.
     No weight decay on gains and biases (1-D), as in GPT-2/LLaMA training recipes."""
     return [
-        Target(p, (lambda p=p: p.main_grad), p.ndim >= 2, getattr(p, "tp_kind", "replica"))
-        for p in model.parameters()
+        Target(p, (lambda p=p: p.main_grad), p.ndim >= 2, getattr(p, "tp_kind", "replica"), name)
+        for name, p in model.named_parameters()
         if p.requires_grad
     ]
 
@@ -152,9 +154,10 @@ class MixedPrecisionAdamW:
             group["lr"] = lr
 
     @torch.no_grad()
-    def step(self) -> StepResult:
+    def step(self, skip: bool = False) -> StepResult:
         """Unscale, measure the global norm, clip and step; returns the norm and whether the
-        step was skipped (a non-finite norm skips it on every rank alike)."""
+        step was skipped: a non-finite norm skips it on every rank alike, and so does `skip`
+        (the caller saw a non-finite loss; every rank must pass the same value)."""
         for t, m in zip(self.targets, self.masters, strict=True):
             g = t.grad()
             m.grad = g.to(m.device, torch.float32, non_blocking=True)
@@ -167,6 +170,7 @@ class MixedPrecisionAdamW:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         # [tp-sharded, the rest]: over tp the first adds up, the second is counted once
         parts = torch.zeros(2, dtype=torch.float64)
+        norms = torch.zeros(0, dtype=torch.float64)  # squared, per target
         if grads:
             # fp64 accumulation: an fp32 norm of a large tensor is off by ~1e-6 relative, and by
             # a different amount when the tensor is cut into other shards (layout invariance)
@@ -181,7 +185,7 @@ class MixedPrecisionAdamW:
         )  # the step's one host sync: skip and clip need it
         finite = math.isfinite(norm_value)
         self.scaler.update(finite)
-        if finite:
+        if finite and not skip:
             if self.grad_clip > 0 and norm_value > self.grad_clip:
                 torch._foreach_mul_(grads, self.grad_clip / (norm_value + 1e-6))
             self.inner.step()
@@ -194,7 +198,11 @@ class MixedPrecisionAdamW:
                 self.after_step()
         for m in self.masters:
             m.grad = None
-        return StepResult(norm_value, not finite)
+        bad = ()
+        if not finite:  # name the culprits (one more sync, on skipped steps only)
+            flags = (~torch.isfinite(norms)).tolist()
+            bad = tuple(t.name for t, f in zip(self.targets, flags, strict=True) if f)
+        return StepResult(norm_value, not finite or skip, bad)
 
 
 def _host_copy(p: torch.Tensor) -> torch.Tensor:

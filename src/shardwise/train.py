@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -11,6 +12,7 @@ from shardwise.data import GlobalSampler, split_for_rank
 from shardwise.memory import model_state_bytes, step_memory
 from shardwise.metrics import MetricsLogger, flops_per_token
 from shardwise.models import build_model
+from shardwise.nonfinite import NonFiniteGuard
 from shardwise.optim import lr_at
 from shardwise.parallel.data import sync_buffers
 from shardwise.runtime import Run
@@ -25,6 +27,7 @@ def fit(run: Run) -> list[dict]:
     with torch.device("meta"):  # the whole model's FLOPs, not this rank's tensor-parallel slice
         step_flops = flops_per_token(build_model(d.spec), d) * d.tokens_per_step
     logger = MetricsLogger(run)
+    guard = NonFiniteGuard(run)
     records = []
     for step in range(cfg.train.steps):
         lr = lr_at(step, cfg)
@@ -50,15 +53,17 @@ def fit(run: Run) -> list[dict]:
             (loss * scale).backward()
             run.reducer.finish()
             loss_sum += loss.detach()
-        # clip + step (skipped on every rank alike when the reduced gradient is not finite)
-        result = run.optimizer.step()
+        # clip + step, skipped on every rank alike when the loss (reduced first, so every rank
+        # decides on the same number) or the reduced gradient norm is not finite
+        local_loss = loss_sum.clone()
+        # every tp rank holds the whole loss of its dp replica: sum over dp only
+        run.comm.all_reduce(loss_sum, "dp", control=True)
+        result = run.optimizer.step(skip=not math.isfinite(float(loss_sum)))
         sync_buffers(model, run.comm)
         dev.synchronize(run.info)
         step_time = time.perf_counter() - t0
         # log: bookkeeping collectives are counted apart from the step's traffic
         comm_bytes = run.comm.take_step_bytes()
-        # every tp rank holds the whole loss of its dp replica: sum over dp only
-        run.comm.all_reduce(loss_sum, "dp", control=True)
         mem = step_memory(model_state_bytes(model, run.reducer, run.optimizer), act_peak)
         device_peak = dev.peak_memory(run.info)
         if device_peak is not None:
@@ -79,6 +84,8 @@ def fit(run: Run) -> list[dict]:
             "skipped": result.skipped,
             "loss_scale": scale,
         }
+        if result.skipped:  # which tensors / ranks (the guard pools every rank's view)
+            record["nonfinite"] = guard.diagnose(local_loss, result.nonfinite)
         eval_every = cfg.train.eval_every
         if (
             run.val_data is not None
@@ -88,6 +95,7 @@ def fit(run: Run) -> list[dict]:
             record.update(evaluate(run))
         logger.log(record)
         records.append(record)
+        guard.check(step + 1, record, scale)  # stops after train.max_skipped_steps in a row
     logger.close()
     return records
 

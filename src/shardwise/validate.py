@@ -176,6 +176,7 @@ def _positive(cfg: Config) -> None:
         "train.eval_batches": cfg.train.eval_batches,
         "optim.weight_decay": cfg.optim.weight_decay,
         "checkpoint.every": cfg.checkpoint.every,
+        "train.max_skipped_steps": cfg.train.max_skipped_steps,
     }
     for key, value in nonneg.items():
         if value < 0:

@@ -192,11 +192,12 @@ class Unit:
     def targets(self) -> list[Target]:
         """One target per parameter piece inside this rank's slice (decay decided per piece)."""
         out = []
-        for p, off in zip(self.params, self.offsets, strict=True):
+        for (name, *_, p), off in zip(self.entries, self.offsets, strict=True):
             lo, hi = max(off, self.lo), min(off + p.numel(), self.hi)
             if lo >= hi or not p.requires_grad:
                 continue
             a, b = lo - self.lo, hi - self.lo
             grad = lambda a=a, b=b: self.grad_shard[a:b]  # noqa: E731
-            out.append(Target(self.shard[a:b], grad, p.ndim >= 2, getattr(p, "tp_kind", "replica")))
+            kind = getattr(p, "tp_kind", "replica")
+            out.append(Target(self.shard[a:b], grad, p.ndim >= 2, kind, name))
         return out

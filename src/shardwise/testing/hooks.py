@@ -112,3 +112,27 @@ def sleep_forever_on_rank1(run) -> None:
         return loss_sum(*args, **kwargs)
 
     run.loss_sum = sleeping
+
+
+def _nan_loss_on_rank1(run, steps) -> None:
+    """Rank 1's loss becomes NaN on the given forwards (1-based); a constant added to it, so
+    its gradients stay finite: only the loss check can catch it."""
+    if run.topo.rank != 1:
+        return
+    loss_sum = run.loss_sum
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        calls["n"] += 1
+        out = loss_sum(*args, **kwargs)
+        return out + float("nan") if calls["n"] in steps else out
+
+    run.loss_sum = poisoned
+
+
+def nan_loss_on_rank1_step3(run) -> None:
+    _nan_loss_on_rank1(run, {3})
+
+
+def nan_loss_on_rank1_from_step3(run) -> None:
+    _nan_loss_on_rank1(run, range(3, 10**6))
