@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from shardwise.config import load_config
 from shardwise.data import prepare_data
@@ -18,6 +20,7 @@ from shardwise.hangreport import compose, disagreements, groups
 from shardwise.launch import launch_local
 from shardwise.runtime import data_spec
 from shardwise.testing.compare import SMALL
+from shardwise.watchdog import Watchdog
 
 # Short, so the tests stop quickly, but not so short that a rank starved of CPU on a loaded
 # 2-core machine (several ranks per core) looks hung.
@@ -206,3 +209,44 @@ def test_groups_of_a_3d_mesh() -> None:
     assert {g for d, g in got if d == "tp"} == {(0, 1), (2, 3), (4, 5), (6, 7)}
     assert {g for d, g in got if d == "dp"} == {(0, 2), (1, 3), (4, 6), (5, 7)}
     assert {g for d, g in got if d == "pp"} == {(0, 4), (1, 5), (2, 6), (3, 7)}
+
+
+class _Topo:
+    world = 2
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def size(self, dim: str) -> int:
+        return 2 if dim == "dp" else 1
+
+    def coord(self, dim: str) -> int:
+        return self.rank if dim == "dp" else 0
+
+
+class _Comm:
+    def __init__(self, rank: int) -> None:
+        self.topo, self.trace, self.dim_seq, self.blocked = _Topo(rank), deque(), {}, None
+
+
+class _Stopped(Watchdog):
+    def _exit(self) -> None:  # the real one ends the process (with EXIT_HANG)
+        self._stop.set()
+
+
+def test_a_rank_that_stops_sending_heartbeats_is_reported(tmp_path: Path) -> None:
+    """Rank 1 beats once and then freezes (no heartbeat, no dump): rank 0's watchdog, which
+    watches rank 1's heartbeat, stops the job and names it, although rank 0 is not blocked."""
+    store = dist.HashStore()
+    frozen = _Stopped(_Comm(1), store, timeout_s=1.0, run_dir=str(tmp_path), poll_s=0.1)
+    frozen._beat()  # alive once, never again
+    watcher = _Stopped(
+        _Comm(0), store, timeout_s=1.0, run_dir=str(tmp_path), poll_s=0.1, grace_s=0.5
+    )
+    watcher.ns = frozen.ns  # one process plays both ranks: same keys
+    start = time.monotonic()
+    watcher.start().thread.join(timeout=30)
+    assert not watcher.thread.is_alive() and time.monotonic() - start < 10
+    report = (tmp_path / "hang_report.txt").read_text()
+    assert "rank 1 sent no heartbeat for" in report.splitlines()[0]
+    assert "rank 1: SILENT: sent no dump" in report

@@ -228,6 +228,10 @@ class Watchdog:
             deadline = datetime.timedelta(seconds=self.grace_s + 10)
             with contextlib.suppress(Exception):
                 self.store.wait([self._key("report")], deadline)
+        self._exit()
+
+    def _exit(self) -> None:
+        """End the process now, whatever the training thread is doing."""
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_HANG)
