@@ -270,12 +270,21 @@ def start_watchdog(comm: Comm, timeout_s: float, run_dir: str) -> Watchdog | Non
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if comm.topo.world == 1 or not host or not port:
         return None
-    store = dist.TCPStore(
-        host,
-        int(port),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=60),
-        wait_for_workers=False,
-    )
+    try:
+        store = dist.TCPStore(
+            host,
+            int(port),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=60),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, ValueError) as exc:  # training can go on; say what is missing
+        print(
+            f"warning: hang diagnosis is off: the rendezvous store {host}:{port} is not "
+            f"reachable ({exc}); a stuck collective fails after parallel.timeout_s without "
+            "a report.",
+            file=sys.stderr,
+        )
+        return None
     comm.watchdog = Watchdog(comm, store, timeout_s, run_dir).start()
     return comm.watchdog
