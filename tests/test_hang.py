@@ -5,7 +5,9 @@ groups of a 3-D mesh)."""
 
 from __future__ import annotations
 
-import threading
+import os
+import subprocess
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -13,12 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from shardwise.config import load_config
-from shardwise.data import prepare_data
-from shardwise.errors import ShardwiseError
 from shardwise.hangreport import compose, disagreements, groups
-from shardwise.launch import launch_local
-from shardwise.runtime import data_spec
 from shardwise.testing.compare import SMALL
 from shardwise.watchdog import Watchdog
 
@@ -28,59 +25,65 @@ TIMEOUT_S = 8.0
 HOOKS = "shardwise.testing.hooks:"
 
 
-def _config(run_dir: Path, *extra: str):
-    return load_config(
-        None,
-        [
-            *SMALL,
-            "--train.steps=6",
-            "--log.tensorboard=false",
-            "--log.progress=off",
-            "--run.device=cpu",
-            f"--parallel.timeout_s={TIMEOUT_S}",
-            f"--run.dir={run_dir}",
-            *extra,
-        ],
-    )
+def _start(hook: str, run_dir: Path, *extra: str) -> subprocess.Popen:
+    """`shardwise train --nproc 2` with a fault hook, in its own process (its output kept)."""
+    run_dir.mkdir(parents=True)
+    args = [
+        *SMALL,
+        "--train.steps=6",
+        "--log.tensorboard=false",
+        "--log.progress=off",
+        "--run.device=cpu",
+        f"--parallel.timeout_s={TIMEOUT_S}",
+        f"--run.dir={run_dir}",
+        *extra,
+    ]
+    cmd = [sys.executable, "-m", "shardwise.testing.faultjob", HOOKS + hook, "2", *args]
+    with (run_dir / "job.out").open("w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
 
 
-def _job(hook: str, run_dir: Path, out: dict, *extra: str) -> None:
-    cfg = _config(run_dir, *extra)
-    try:
-        launch_local(cfg, 2, hook=HOOKS + hook)
-        out["error"] = None
-    except ShardwiseError as exc:
-        out["error"] = str(exc)
-    out["end"] = time.time()
+def _env() -> dict[str, str]:
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
 
 
 @pytest.fixture(scope="module")
 def hung_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """The faulty jobs at once (local launches side by side: start-up dominates)."""
-    results: dict[str, dict] = {}
-    threads = []
+    """The faulty jobs at once (side by side: process start-up dominates)."""
     jobs = {
         "skip_dp_reduce_on_rank1": (),
         "sleep_forever_on_rank1": (),
         "skip_block1_on_rank1": ("--parallel.zero=3",),  # ZeRO-3 units diverge
     }
-    prepare_data(data_spec(_config(Path("unused")), 4096))  # as `shardwise train` does first
-    for hook, extra in jobs.items():
-        run_dir = tmp_path_factory.mktemp(hook) / "run"
-        results[hook] = {"dir": run_dir}
-        args = (hook, run_dir, results[hook], *extra)
-        threads.append(threading.Thread(target=_job, args=args))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-        assert not t.is_alive(), "a faulty job did not stop: an endless hang"
+    root = tmp_path_factory.mktemp("hang")
+    procs = {hook: _start(hook, root / hook, *extra) for hook, extra in jobs.items()}
+    results: dict[str, dict] = {}
+    deadline = time.monotonic() + 300
+    while procs and time.monotonic() < deadline:
+        for hook, proc in list(procs.items()):
+            if proc.poll() is not None:
+                out = (root / hook / "job.out").read_text()
+                results[hook] = {"dir": root / hook, "rc": proc.returncode, "out": out}
+                results[hook]["end"] = time.time()
+                del procs[hook]
+        time.sleep(0.2)
+    for proc in procs.values():
+        proc.kill()
+    assert not procs, f"{sorted(procs)} did not stop: an endless hang"
     return results
+
+
+def _report(job: dict) -> str:
+    assert job["rc"] == 2 and "the hang watchdog stopped the job" in job["out"], job["out"]
+    return job["out"]
 
 
 def _stopped_within_bound(job: dict) -> float:
     mark = job["dir"] / "fault_injected"
-    assert mark.is_file(), f"the job stopped before the fault was injected:\n{job['error']}"
+    assert mark.is_file(), f"the job stopped before the fault was injected:\n{job['out']}"
     kind, injected = mark.read_text().split()
     waited = job["end"] - float(injected)
     assert waited <= TIMEOUT_S + 30, f"{kind}: stopped {waited:.1f} s after the fault"
@@ -90,10 +93,8 @@ def _stopped_within_bound(job: dict) -> float:
 @pytest.mark.slow
 def test_skipped_collective_is_reported(hung_jobs: dict[str, dict]) -> None:
     job = hung_jobs["skip_dp_reduce_on_rank1"]
-    report = job["error"]
-    assert report is not None, "the job finished although rank 1 skipped a collective"
+    report = _report(job)
     _stopped_within_bound(job)
-    assert "the hang watchdog stopped the job" in report
     first = next(line for line in report.splitlines() if line.startswith("first disagreement"))
     # the skipped call: dp all-reduce #3 (step 3), made by rank 0 only, at the reducer's site
     assert "dp collective #3 among ranks [0, 1]" in first, report
@@ -109,8 +110,7 @@ def test_skipped_collective_is_reported(hung_jobs: dict[str, dict]) -> None:
 @pytest.mark.slow
 def test_rank_sleeping_forever_is_reported(hung_jobs: dict[str, dict]) -> None:
     job = hung_jobs["sleep_forever_on_rank1"]
-    report = job["error"]
-    assert report is not None, "the job finished although rank 1 never came back"
+    report = _report(job)
     _stopped_within_bound(job)
     first = next(line for line in report.splitlines() if line.startswith("first disagreement"))
     # rank 0 waits in the first dp gradient all-reduce of step 3; rank 1 sleeps in its forward
@@ -126,8 +126,7 @@ def test_zero3_rank_dependent_control_flow_is_reported(hung_jobs: dict[str, dict
     pair up. The job stops with the report naming the diverging collectives (ZeRO's gathers
     and reduce-scatters at their call sites) and the ZeRO-3 fix."""
     job = hung_jobs["skip_block1_on_rank1"]
-    report = job["error"]
-    assert report is not None, "the job finished although the ranks ran different units"
+    report = _report(job)
     _stopped_within_bound(job)
     first = next(line for line in report.splitlines() if line.startswith("first disagreement"))
     assert "dp collective #" in first and "among ranks [0, 1]" in first, report

@@ -1,0 +1,30 @@
+"""`python -m shardwise.testing.faultjob HOOK NPROC [--section.key=value ...]`: what
+`shardwise train --nproc NPROC` does, with a fault hook ("module:function") applied to every
+rank's run before training. The hang-diagnosis tests run faulty jobs through it."""
+
+from __future__ import annotations
+
+import sys
+
+from shardwise.config import load_config
+from shardwise.data import prepare_data
+from shardwise.errors import ShardwiseError
+from shardwise.launch import launch_local
+from shardwise.runtime import data_spec
+from shardwise.validate import derive
+
+
+def main(argv: list[str] | None = None) -> int:
+    hook, nproc, *overrides = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = load_config(None, overrides)
+        prepare_data(data_spec(cfg, derive(cfg, int(nproc)).spec.vocab_size))
+        launch_local(cfg, int(nproc), hook)
+    except ShardwiseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
