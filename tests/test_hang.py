@@ -6,6 +6,7 @@ groups of a 3-D mesh)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -54,7 +55,7 @@ def _env() -> dict[str, str]:
 def hung_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """The faulty jobs at once (side by side: process start-up dominates)."""
     jobs = {
-        "skip_dp_reduce_on_rank1": (),
+        "skip_loss_reduce_on_rank1": (),
         "sleep_forever_on_rank1": (),
         "skip_block1_on_rank1": ("--parallel.zero=3",),  # ZeRO-3 units diverge
     }
@@ -81,6 +82,13 @@ def _report(job: dict) -> str:
     return job["out"]
 
 
+def _dp_number(first: str) -> int:
+    """N of the report's 'first disagreement: dp collective #N among ranks [0, 1]'."""
+    m = re.match(r"first disagreement: dp collective #(\d+) among ranks \[0, 1\]:", first)
+    assert m, first
+    return int(m.group(1))
+
+
 def _stopped_within_bound(job: dict) -> float:
     mark = job["dir"] / "fault_injected"
     assert mark.is_file(), f"the job stopped before the fault was injected:\n{job['out']}"
@@ -92,14 +100,16 @@ def _stopped_within_bound(job: dict) -> float:
 
 @pytest.mark.slow
 def test_skipped_collective_is_reported(hung_jobs: dict[str, dict]) -> None:
-    job = hung_jobs["skip_dp_reduce_on_rank1"]
+    job = hung_jobs["skip_loss_reduce_on_rank1"]
     report = _report(job)
     _stopped_within_bound(job)
     first = next(line for line in report.splitlines() if line.startswith("first disagreement"))
-    # the skipped call: dp all-reduce #3 (step 3), made by rank 0 only, at the reducer's site
-    assert "dp collective #3 among ranks [0, 1]" in first, report
-    assert "rank(s) [0] called all_reduce over dp" in first and "at data.py:" in first
-    assert "rank 1 never called it (its last dp collective is #2" in first
+    # the skipped call: the loss all-reduce of step 3, made by rank 0 only, at its call site
+    # in the training loop; rank 1 made every dp collective before it
+    n = _dp_number(first)
+    assert f"rank(s) [0] called all_reduce over dp (#{n} on dp, shape ()" in first, report
+    assert "at train.py:" in first
+    assert f"rank 1 never called it (its last dp collective is #{n - 1};" in first
     # and where rank 1 went instead
     assert "waiting" in first and "all_reduce over world" in first and "train.py:" in first
     assert (job["dir"] / "hang_report.txt").read_text().strip() in report
@@ -113,10 +123,12 @@ def test_rank_sleeping_forever_is_reported(hung_jobs: dict[str, dict]) -> None:
     report = _report(job)
     _stopped_within_bound(job)
     first = next(line for line in report.splitlines() if line.startswith("first disagreement"))
-    # rank 0 waits in the first dp gradient all-reduce of step 3; rank 1 sleeps in its forward
-    assert "dp collective #3 among ranks [0, 1]" in first, report
-    assert "rank(s) [0] called all_reduce over dp" in first
-    assert "rank 1 never called it" in first and "is not in a collective" in first
+    # rank 0 waits in the gradient all-reduce of step 3; rank 1 sleeps in its forward
+    n = _dp_number(first)
+    assert f"rank(s) [0] called all_reduce over dp (#{n} on dp" in first, report
+    assert "at data.py:" in first
+    assert f"rank 1 never called it (its last dp collective is #{n - 1};" in first
+    assert "is not in a collective" in first
     assert "main thread at hooks.py" in first and "in sleeping" in first
 
 

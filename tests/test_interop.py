@@ -1,6 +1,6 @@
 """Hugging Face interop (issue 7, item 7): weights saved by `transformers` (Llama and GPT-2)
-load into our decoders with the same logits, and into ZeRO-3 / data parallelism with the same
-loss as the single-process run and as transformers itself."""
+load into our decoders with the same logits, and into tp2 / ZeRO-3 / ZeRO-1 / data
+parallelism with the same loss as the single-process run and as transformers itself."""
 
 from __future__ import annotations
 
@@ -137,6 +137,8 @@ def worlds(hf_dirs):
         f"z3_{k}": case(*_overrides(k, p), *STEPS, "--parallel.zero=3") for k, p in hf_dirs.items()
     }
     w2["dp_llama"] = case(*_overrides("llama", hf_dirs["llama"]), *STEPS)
+    for k, p in hf_dirs.items():
+        w2[f"tp2_{k}"] = case(*_overrides(k, p), *STEPS, "--parallel.tp=2")
     w2["z1_gpt2"] = case(*_overrides("gpt2", hf_dirs["gpt2"]), *STEPS, "--parallel.zero=1")
     out = {}
     for nproc, cases in ((1, w1), (2, w2)):
@@ -158,7 +160,14 @@ def test_imported_run_starts_at_transformers_loss(hf_dirs, worlds, kind):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "ref"),
-    [("z3_llama", "llama"), ("z3_gpt2", "gpt2"), ("dp_llama", "llama"), ("z1_gpt2", "gpt2")],
+    [
+        ("z3_llama", "llama"),
+        ("z3_gpt2", "gpt2"),
+        ("tp2_llama", "llama"),
+        ("tp2_gpt2", "gpt2"),
+        ("dp_llama", "llama"),
+        ("z1_gpt2", "gpt2"),
+    ],
 )
 def test_import_into_any_layout_matches_single_process(worlds, name, ref):
     got, want = worlds[name][0], worlds[ref][0]

@@ -72,12 +72,16 @@ class Comm:
         # (entry, time.monotonic() when the wait began) while this rank blocks in a collective
         self.blocked: tuple[TraceEntry, float] | None = None
         self.watchdog = None  # shardwise.watchdog.Watchdog when the job has > 1 rank
+        # Code of wrappers that forward to these methods: the call site is their caller's.
+        self.passthrough: set = set()
 
     # -- accounting -------------------------------------------------------------------------
     def _record(
         self, op: str, dim: str, t: torch.Tensor, factor: float, control: bool
     ) -> TraceEntry:
         frame = sys._getframe(2)
+        while frame.f_code in self.passthrough and frame.f_back is not None:
+            frame = frame.f_back
         site = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
         self.seq += 1
         self.dim_seq[dim] += 1

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import torch
 
-from shardwise.comm import _Done
-
 
 def inject_inf_on_rank1_step3(run) -> None:
     """Make one gradient infinite on dp rank 1 during the 3rd optimizer step's backward."""
@@ -74,26 +72,24 @@ def _mark(run, what: str) -> None:
     Path(run.cfg.run.dir, "fault_injected").write_text(f"{what} {time.time()}\n")
 
 
-def skip_dp_reduce_on_rank1(run) -> None:
-    """Rank 1 leaves out its 3rd gradient all-reduce over dp (step 3): a skipped collective.
-    The data-parallel reducer marks the bucket reduced without calling the comm layer, so
-    the rank's trace holds exactly what it really called."""
+def skip_loss_reduce_on_rank1(run) -> None:
+    """Rank 1 leaves out the loss all-reduce over dp of step 3: a skipped collective (and no
+    other collective of rank 1 changes, its call site included)."""
     if run.topo.rank != 1:
         return
-    reducer, launch = run.reducer, run.reducer._launch_ready
+    all_reduce = run.comm.all_reduce
     calls = {"n": 0}
 
-    def skipping() -> None:
-        i = reducer._next
-        if i < len(reducer.buckets) and reducer.buckets[i].pending == 0:
+    def skipping(t, dim, op="sum", async_op=False, control=False):
+        if dim == "dp" and control and t.numel() == 1:
             calls["n"] += 1
             if calls["n"] == 3:
                 _mark(run, "skip")
-                reducer.buckets[reducer._next].handle = _Done()
-                reducer._next += 1
-        launch()
+                return None
+        return all_reduce(t, dim, op=op, async_op=async_op, control=control)
 
-    reducer._launch_ready = skipping
+    run.comm.passthrough.add(skipping.__code__)
+    run.comm.all_reduce = skipping
 
 
 def sleep_forever_on_rank1(run) -> None:
