@@ -23,6 +23,7 @@ within timeout + poll + grace seconds, never hangs.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -30,6 +31,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import astuple
 from pathlib import Path
 from typing import ClassVar
@@ -86,6 +88,7 @@ class Watchdog:
     def start(self) -> Watchdog:
         self._beat()
         self.thread.start()
+        _LIVE.add(self)
         return self
 
     def stop(self, error: BaseException | None = None) -> None:
@@ -118,6 +121,8 @@ class Watchdog:
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.poll_s):
+                if not dist.is_initialized():  # the job ended without stopping us (a leaked run)
+                    return
                 self._beat()
                 reason = self._failure or self._timed_out() or self._peer_silent()
                 if self.store.check([self._key("alarm")]):
@@ -262,6 +267,18 @@ class Watchdog:
         self.store.set(self._key("report"), text)
         if os.environ.get(LOCAL_LAUNCH_ENV) != "1":  # under torchrun/srun: print it ourselves
             print(text, file=sys.stderr, flush=True)
+
+
+_LIVE: weakref.WeakSet[Watchdog] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """A run that was never closed must not leave its thread inside a store call while the
+    interpreter shuts down (C++ would then abort the process)."""
+    for watchdog in list(_LIVE):
+        watchdog._stop.set()
+        watchdog.thread.join(timeout=2 * watchdog.poll_s + 1)
 
 
 def start_watchdog(comm: Comm, timeout_s: float, run_dir: str) -> Watchdog | None:

@@ -145,4 +145,5 @@ def layer_probe(cfg: Config) -> dict:
             "h": h,
             "t": t,
         }
+        run.close()
     return out
