@@ -101,7 +101,8 @@ class Watchdog:
         if not self.thread.is_alive():
             first = str(error).strip().splitlines()[0][:200] if error and str(error).strip() else ""
             self.state = "finished" if error is None else f"failed: {type(error).__name__}: {first}"
-            self._beat()
+            with contextlib.suppress(Exception):  # the store may be gone with the job
+                self._beat()
 
     def collective_failed(self, entry: TraceEntry, exc: Exception) -> None:
         """Called by the comm layer when a collective raised (gloo's own timeout, a peer that
