@@ -76,6 +76,7 @@ class Watchdog:
         self.ns = f"shardwise/watchdog/{run_key}/{Watchdog._instances[run_key]}"
         self.state = "running"
         self._main = threading.get_ident()  # the training thread
+        self._had_group = dist.is_initialized()
         self._stop = threading.Event()
         self._failure: str | None = None
         self._release = threading.Event()  # lets a failed collective's exception through
@@ -122,8 +123,8 @@ class Watchdog:
     def _run(self) -> None:
         try:
             while not self._stop.wait(self.poll_s):
-                if not dist.is_initialized():  # the job ended without stopping us (a leaked run)
-                    return
+                if self._had_group and not dist.is_initialized():
+                    return  # the job ended without stopping us (a run never closed)
                 self._beat()
                 reason = self._failure or self._timed_out() or self._peer_silent()
                 if self.store.check([self._key("alarm")]):
