@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,6 +107,31 @@ def wait_all(procs: list[subprocess.Popen], logs: list[Path], hosts, timeout: fl
         pytest.fail("job did not finish in time:\n" + "\n".join(p.read_text() for p in logs))
     for proc, log in zip(procs, logs, strict=True):
         assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+def test_a_lost_host_without_restarts_fails_naming_it(
+    hosts: tuple[Host, Host], tmp_path: Path
+) -> None:
+    """Kill every process on host b mid-run: node 0 stops at once (no hang) with one message
+    naming the lost node's address and how to make the job survive it."""
+    a, b = hosts
+    rdzv, run_dir = f"{a.addr}:29402", tmp_path / "run"
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    node0 = start_node(a, 0, rdzv, run_dir, logs[0])
+    node1 = start_node(b, 1, rdzv, run_dir, logs[1])
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.is_file() and metrics.read_text().strip()):  # training has begun
+        assert node0.poll() is None and node1.poll() is None, logs[0].read_text()
+        assert time.monotonic() < deadline, "no step in time"
+        time.sleep(0.05)
+    assert b.kill_all(), "nothing ran on host b"
+    node0.wait(timeout=120)
+    log = logs[0].read_text()
+    assert node0.returncode == 2, log
+    # what follows is the ranks' failure (or, when the hang watchdog sees it first, its report)
+    assert f"error: node 0: lost contact with the node at {b.addr}: " in log, log
+    assert "Fix: --max-restarts N with --checkpoint.every=M" in log
+    assert "Traceback" not in log, log
 
 
 def rx_bytes(host: Host) -> int:

@@ -113,6 +113,14 @@ def launch_local(cfg: Config, nproc: int, hook: str | None = None) -> None:
     run_elastic(config, cfg, hook, local=True)
 
 
+def _first_line(message: object) -> str:
+    """The first line of a failure's message (torch elastic keeps a str or a dict)."""
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    text = str(message).strip()
+    return text.splitlines()[0][:400] if text else ""
+
+
 def run_elastic(
     config: LaunchConfig, cfg: Config, hook: str | None = None, local: bool = False
 ) -> None:
@@ -138,8 +146,14 @@ def run_elastic(
                 f"the hang watchdog stopped the job: rank(s) {ranks} exited with status(es) "
                 f"{codes}.\n{report.read_text()}"
             ) from None
-        raise ShardwiseError(
-            f"rank(s) {ranks} failed with exit code(s) {codes}; their messages are printed above."
-        ) from None
+        # A user error (exit 2) was printed by its rank; anything else (a lost peer, a crash)
+        # only reached torch elastic's error file, silenced above: show its first line.
+        crashes = [
+            f"\n  rank {r}: {_first_line(f.message)}"
+            for r, f in sorted(exc.failures.items())
+            if f.exitcode != 2 and _first_line(f.message)
+        ]
+        shown = "".join(crashes) if crashes else " their messages are printed above."
+        raise ShardwiseError(f"rank(s) {ranks} failed with exit code(s) {codes};{shown}") from None
     finally:
         quiet.removeFilter(drop)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 import struct
 from dataclasses import dataclass
@@ -172,6 +173,23 @@ def launch_nodes(cfg: Config, nodes: Nodes, max_restarts: int = 0) -> None:
     )
     try:
         run_elastic(config, cfg)
+    except ShardwiseError as exc:
+        # gloo names the remote end of the broken connection ("Read error [ADDR]:PORT:
+        # Connection reset by peer"): that node's ranks are gone.
+        lost = sorted(set(re.findall(r"\[([0-9A-Fa-f.:]+)\]:\d+", str(exc))) - {addr})
+        if not lost:
+            raise
+        hint = (
+            ""
+            if max_restarts
+            else (
+                " Fix: --max-restarts N with --checkpoint.every=M keeps the job waiting for the "
+                "node (or a replacement) and resumes from the newest checkpoint."
+            )
+        )
+        raise ShardwiseError(
+            f"node {nodes.node_rank}: lost contact with the node at {', '.join(lost)}: {exc}{hint}"
+        ) from None
     except (RendezvousError, DistError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ShardwiseError(
