@@ -71,18 +71,13 @@ def check_config(cfg: Config, shape: JobShape) -> None:
         )
 
 
-# Stated on every cluster job even at their defaults: a requeued or restarted job must
-# continue from its newest checkpoint, whatever the default becomes.
-ALWAYS = ("checkpoint.resume",)
-
-
 def overrides_of(cfg: Config) -> list[str]:
-    """`--section.key=value` for every value that differs from the default (and the keys in
-    ALWAYS), so a node needs neither the config file nor the directory it was written in."""
+    """`--section.key=value` for every value that differs from the default, so a node needs
+    neither the config file nor the working directory it was written in."""
     default, out = Config().to_dict(), []
     for section, values in cfg.to_dict().items():
         for key, value in values.items():
-            if value != default[section][key] or f"{section}.{key}" in ALWAYS:
+            if value != default[section][key]:
                 shown = str(value).lower() if isinstance(value, bool) else str(value)
                 out.append(f"--{section}.{key}={shown}")
     return out
