@@ -400,7 +400,6 @@ def test_global_batch_below_dp_names_the_real_problem(capsys: pytest.CaptureFixt
         (["--parallel.pp=2", "--nproc", "2"], "parallel.pp", "2", "1"),
         (["--parallel.pp_schedule=gpipe"], "parallel.pp_schedule", "gpipe", "1f1b"),
         (["--parallel.pp_virtual=2"], "parallel.pp_virtual", "2", "1"),
-        (["--checkpoint.every=5"], "checkpoint.every", "5", "0"),
     ],
 )
 def test_not_yet_supported_wording(

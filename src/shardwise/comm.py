@@ -173,3 +173,29 @@ class Comm:
             entry = self._record("all_reduce", "world", t, 0.0, True)
             self._issue(entry, dist.all_reduce, t, op=_OPS[op])
         return t
+
+
+class ControlChannel:
+    """Small Python objects exchanged over a dedicated gloo group of all ranks.
+
+    Checkpoint coordination (who writes what, file checksums, the choice of checkpoint to
+    resume) runs here, possibly from a background thread while training collectives run on
+    the mesh groups: a separate group keeps the two sequences from interleaving. Every rank
+    must construct it at the same point (group creation is collective)."""
+
+    def __init__(self, world: int, timeout_s: float) -> None:
+        import datetime
+
+        self.world = world
+        self.group = None
+        if world > 1:
+            timeout = datetime.timedelta(seconds=timeout_s)
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
+
+    def all_gather(self, obj: object) -> list:
+        """Every rank's `obj`, in rank order."""
+        if self.world == 1:
+            return [obj]
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out

@@ -154,8 +154,20 @@ class MemoryConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = opt(0, "Save a checkpoint every this many steps (0 = off).")
-    keep: int = opt(3, "Checkpoints to keep.")
+    every: int = opt(0, "Save a checkpoint every this many steps and after the last one (0 = off).")
+    keep: int = opt(3, "Checkpoints to keep (the newest; older ones are deleted after a save).")
+    dir: str = opt("", "Where checkpoints go ('' = run.dir/checkpoints).")
+    resume: str = opt(
+        "auto",
+        "auto: continue from the newest valid checkpoint in checkpoint.dir (or start fresh "
+        "when there is none); none: start fresh; or the path of one checkpoint directory.",
+    )
+    # `async` is a Python keyword: the field carries a trailing underscore, the key does not.
+    async_: bool = opt(
+        False,
+        "Snapshot shards to host memory and write them in a background thread while "
+        "training continues.",
+    )
 
 
 @dataclass
@@ -185,7 +197,16 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        return {
+            s: {key_name(k): v for k, v in fields.items()}
+            for s, fields in dataclasses.asdict(self).items()
+        }
+
+
+def key_name(field_name: str) -> str:
+    """The config key of a field: a field named after a Python keyword carries a trailing
+    underscore (`async_`), its key does not (`checkpoint.async`)."""
+    return field_name.removesuffix("_")
 
 
 def sections() -> dict[str, type]:
@@ -199,7 +220,7 @@ def field_types(section_type: type) -> dict[str, Any]:
 
 
 def all_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, t in sections().items() for f in dataclasses.fields(t)]
+    return [f"{s}.{key_name(f.name)}" for s, t in sections().items() for f in dataclasses.fields(t)]
 
 
 def _unknown(key: str, candidates: list[str]) -> ConfigError:
@@ -262,10 +283,11 @@ def _set(cfg: Config, key: str, raw: Any) -> None:
     secs = sections()
     if section not in secs or not name:
         raise _unknown(key, all_keys())
-    hints = field_types(secs[section])
+    hints = {key_name(f): (f, t) for f, t in field_types(secs[section]).items()}
     if name not in hints:
         raise _unknown(key, all_keys())
-    setattr(getattr(cfg, section), name, _parse(key, raw, hints[name]))
+    attr, typ = hints[name]
+    setattr(getattr(cfg, section), attr, _parse(key, raw, typ))
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -350,5 +372,6 @@ def reference_markdown() -> str:
                 if isinstance(default, bool)
                 else str(default)
             )
-            lines.append(f"| `{section}.{f.name}` | `{shown}` | {f.metadata['help']} |")
+            key = f"{section}.{key_name(f.name)}"
+            lines.append(f"| `{key}` | `{shown}` | {f.metadata['help']} |")
     return "\n".join(lines)

@@ -15,3 +15,7 @@ class DataError(ShardwiseError):
 
 class NotYetSupportedError(ShardwiseError):
     """A valid request whose implementation has not landed yet."""
+
+
+class CheckpointError(ShardwiseError):
+    """A checkpoint is missing, invalid, or does not fit the model or run being resumed."""

@@ -92,13 +92,21 @@ class _DropAll(logging.Filter):
         return False
 
 
-def launch_local(cfg: Config, nproc: int, hook: str | None = None) -> None:
-    """Run `nproc` ranks on this machine (in-process when nproc == 1). A job stopped by the
-    hang watchdog fails with its report as the message."""
-    if nproc == 1:
+def launch_local(cfg: Config, nproc: int, hook: str | None = None, max_restarts: int = 0) -> None:
+    """Run `nproc` ranks on this machine (in-process when nproc == 1 and nothing needs
+    restarting). A job stopped by the hang watchdog fails with its report as the message.
+    After a failure torch elastic stops every rank and starts them all again, up to
+    `max_restarts` times; they resume from the newest valid checkpoint."""
+    if nproc == 1 and not max_restarts:
         train_here(cfg, hook)
         return
     from torch.distributed.launcher.api import LaunchConfig
+
+    if max_restarts:
+        # Restarted ranks must not see the previous attempt's keys: with the rendezvous store
+        # shared by the agent they would (new_group then waits forever; pytorch#135712).
+        # Opting out gives every attempt a fresh store hosted by its rank 0.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
     config = LaunchConfig(
         min_nodes=1,
@@ -107,7 +115,7 @@ def launch_local(cfg: Config, nproc: int, hook: str | None = None) -> None:
         run_id=uuid.uuid4().hex[:8],
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.2,
     )
     run_elastic(config, cfg, hook, local=True)

@@ -4,6 +4,7 @@ one log line per logged step and a progress bar on a terminal. Only rank 0 write
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,6 +48,8 @@ def format_line(r: dict, total_steps: int) -> str:
         parts.append(f"eval {r['eval_loss']:.4f}")
     if "eval_accuracy" in r:
         parts.append(f"acc {100 * r['eval_accuracy']:.1f}%")
+    if "checkpoint_stall_s" in r:
+        parts.append(f"saved (stall {1000 * r['checkpoint_stall_s']:.0f} ms)")
     if r.get("skipped"):
         why = describe(r["nonfinite"]) if r.get("nonfinite") else "non-finite values"
         scale = f", loss scale -> {r['loss_scale'] / 2:g}" if r["loss_scale"] != 1 else ""
@@ -54,8 +57,18 @@ def format_line(r: dict, total_steps: int) -> str:
     return " | ".join(parts)
 
 
+def _before(line: str, step: int) -> bool:
+    """A complete record of a step <= `step` (a killed rank 0 may leave half a line)."""
+    try:
+        return line.endswith("\n") and json.loads(line)["step"] <= step
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 class MetricsLogger:
-    def __init__(self, run) -> None:
+    def __init__(self, run, start_step: int = 0) -> None:
+        """`start_step` > 0 continues a resumed run: records after it (written before a
+        failure, and about to be redone) are dropped, earlier ones kept."""
         self.enabled = run.topo.rank == 0
         self.cfg = run.cfg
         self.total = run.cfg.train.steps
@@ -64,12 +77,23 @@ class MetricsLogger:
         out = Path(run.cfg.run.dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(run.cfg.to_dict(), indent=2))
-        self.file = (out / "metrics.jsonl").open("w")
+        path = out / "metrics.jsonl"
+        if start_step and path.is_file():  # replaced atomically: a kill here loses nothing
+            lines = path.read_text().splitlines(True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(line for line in lines if _before(line, start_step)))
+            os.replace(tmp, path)
+            self.file = path.open("a")
+        else:
+            self.file = path.open("w")
         self.tb = None
         if run.cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(out / "tb"))
+            # purge_step drops a previous attempt's events from the resumed step on
+            self.tb = SummaryWriter(
+                str(out / "tb"), purge_step=start_step + 1 if start_step else None
+            )
         mode = run.cfg.log.progress
         self.progress = None
         if mode == "on" or (mode == "auto" and sys.stdout.isatty()):

@@ -60,6 +60,7 @@ class Target:
     # rank) or "partial" (partial gradients summed over tp before use); see parallel/tensor.py
     tp: str = "replica"
     name: str = ""  # the parameter's model name (checkpoints key optimizer state by it)
+    span: tuple[int, int] | None = None  # elements of the flattened parameter (None: all)
 
 
 def adamw(

@@ -8,6 +8,7 @@ import time
 import torch
 
 from shardwise import device as dev
+from shardwise.checkpoint import Checkpointer
 from shardwise.data import GlobalSampler, split_for_rank
 from shardwise.memory import model_state_bytes, step_memory
 from shardwise.metrics import MetricsLogger, flops_per_token
@@ -19,17 +20,20 @@ from shardwise.runtime import Run
 
 
 def fit(run: Run) -> list[dict]:
-    """Train for `train.steps` optimizer steps; returns the per-step metric records."""
+    """Train up to `train.steps` optimizer steps (continuing a checkpoint per
+    `checkpoint.resume`); returns the per-step metric records of the steps run here."""
     cfg, d, model = run.cfg, run.derived, run.model
     device = run.info.device
     global_count = cfg.train.global_batch * d.tokens_per_sample  # the loss normaliser
     peak = run.info.peak_flops(cfg.precision.compute)
     with torch.device("meta"):  # the whole model's FLOPs, not this rank's tensor-parallel slice
         step_flops = flops_per_token(build_model(d.spec), d) * d.tokens_per_step
-    logger = MetricsLogger(run)
+    ckpt = Checkpointer(run)
+    start = ckpt.resume()  # the step to continue from (0: a fresh run)
+    logger = MetricsLogger(run, start)
     guard = NonFiniteGuard(run)
     records = []
-    for step in range(cfg.train.steps):
+    for step in range(start, cfg.train.steps):
         lr = lr_at(step, cfg)
         run.optimizer.set_lr(lr)
         dev.reset_peak_memory(run.info)
@@ -93,9 +97,11 @@ def fit(run: Run) -> list[dict]:
             and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == cfg.train.steps)
         ):
             record.update(evaluate(run))
+        ckpt.maybe_save(step + 1, record)  # maybe checkpoint (async: a host snapshot only)
         logger.log(record)
         records.append(record)
         guard.check(step + 1, record, scale)  # stops after train.max_skipped_steps in a row
+    ckpt.close()
     logger.close()
     return records
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -199,6 +200,16 @@ def _positive(cfg: Config) -> None:
         )
 
 
+def _checkpoint(cfg: Config) -> None:
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none") and not Path(resume).is_dir():
+        raise ConfigError(
+            f"checkpoint.resume='{resume}' is neither auto, none nor an existing checkpoint "
+            "directory. Fix: --checkpoint.resume=auto (the newest valid checkpoint in "
+            "checkpoint.dir) or the path of a step-NNNNNNNN directory."
+        )
+
+
 def _not_yet(cfg: Config) -> None:
     """Valid requests whose issues have not landed: the exact wording is a contract."""
     p = cfg.parallel
@@ -206,7 +217,6 @@ def _not_yet(cfg: Config) -> None:
         ("parallel.pp", p.pp, 1),
         ("parallel.pp_schedule", p.pp_schedule, "1f1b"),
         ("parallel.pp_virtual", p.pp_virtual, 1),
-        ("checkpoint.every", cfg.checkpoint.every, 0),
     ):
         if value != off:
             shown = str(value).lower() if isinstance(value, bool) else value
@@ -272,6 +282,7 @@ def derive(cfg: Config, world: int) -> Derived:
             f"train.micro_batch({micro}) * dp({dp}) = {micro * dp}. Fix: make "
             "global_batch a multiple of micro_batch * dp (dp = world / (tp * pp))."
         )
+    _checkpoint(cfg)
     _not_yet(cfg)
     tokens = 1 if is_image else cfg.data.seq_len
     return Derived(world, pp, dp, tp, micro, t.global_batch // (micro * dp), tokens, spec)

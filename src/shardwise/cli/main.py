@@ -51,7 +51,9 @@ USAGE = """usage: shardwise {train,explain,plan,launch} [CONFIG.toml] [--nproc N
 
   train     train a model (spawns --nproc local ranks unless under torchrun/srun);
             on several machines: --nnodes N --node-rank R --rdzv HOST:PORT, --nproc per node;
-            --plan auto first picks the best layout for this hardware and world size
+            --plan auto first picks the best layout for this hardware and world size;
+            --max-restarts K restarts every rank after a failure, from the newest valid
+            checkpoint (checkpoint.resume=auto)
   explain   print every derived value of a config and the planner's per-rank prediction of
             memory by category and step time (--json for machine-readable output)
   plan      predict memory and step time of every layout on some hardware and rank them
@@ -78,6 +80,36 @@ def _nproc(args: argparse.Namespace) -> int:
     return nproc
 
 
+def _max_restarts(args: argparse.Namespace, cfg: Config, external: bool) -> int:
+    if args.max_restarts is None:
+        return 0
+    try:
+        k = int(args.max_restarts)
+    except ValueError:
+        raise ShardwiseError(
+            f"--max-restarts {args.max_restarts!r} is not a whole number. Fix: --max-restarts 3"
+        ) from None
+    if k < 0:
+        raise ShardwiseError(f"--max-restarts={k} must be >= 0. Fix: --max-restarts 3")
+    if external and k:
+        raise ShardwiseError(
+            "--max-restarts is for the ranks shardwise starts itself; under torchrun or srun "
+            "the launcher restarts them. Fix: pass --max-restarts to torchrun (and keep "
+            "--checkpoint.resume=auto)."
+        )
+    if k and not cfg.checkpoint.every:  # as train --nnodes and launch slurm refuse it
+        raise ShardwiseError(
+            f"--max-restarts {k} restarts from the newest checkpoint, but checkpoint.every=0 "
+            "saves none. Fix: also pass --checkpoint.every=N."
+        )
+    if k and cfg.checkpoint.resume != "auto":
+        raise ShardwiseError(
+            f"--max-restarts {k} needs checkpoint.resume=auto to continue from the newest "
+            f"checkpoint, not '{cfg.checkpoint.resume}'. Fix: --checkpoint.resume=auto."
+        )
+    return k
+
+
 def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
     from shardwise.launch import adopt_slurm_env, launch_local, rank_main, under_external_launcher
 
@@ -86,6 +118,7 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
 
         train_nodes(cfg, _nproc(args), args)
         return
+    max_restarts = _max_restarts(args, cfg, under_external_launcher())
     if under_external_launcher():
         adopt_slurm_env()
         rank_main(cfg.to_dict())
@@ -104,13 +137,15 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
 
     prepare_data(data_spec(cfg, derived.spec.vocab_size))  # data errors too, and one cache build
     print_plan(explain_record(cfg, nproc))
-    launch_local(cfg, nproc)
+    launch_local(cfg, nproc, max_restarts=max_restarts)
 
 
 def cmd_explain(cfg: Config, args: argparse.Namespace) -> None:
     from shardwise.cli.launch import explain_world
     from shardwise.explain import explain_record, print_explain
 
+    if args.max_restarts not in (None, "0"):
+        raise ShardwiseError("--max-restarts is an option of train. Fix: drop it here.")
     record = explain_record(cfg, explain_world(args, _nproc(args)))
     if args.json:
         print(json.dumps(record, indent=2))

@@ -189,15 +189,32 @@ class Unit:
             self.grad_shard.add_(flat[self.lo : self.hi])
 
     # -- optimizer ------------------------------------------------------------------------------
-    def targets(self) -> list[Target]:
-        """One target per parameter piece inside this rank's slice (decay decided per piece)."""
+    def pieces(self) -> list[tuple[str, nn.Parameter, int, int, int]]:
+        """(name, parameter, start, stop, at) for every parameter overlapping this rank's
+        slice: elements [start, stop) of the flattened parameter sit at shard[at : at +
+        stop - start] (and their reduced gradient at grad_shard[the same range])."""
         out = []
         for (name, *_, p), off in zip(self.entries, self.offsets, strict=True):
             lo, hi = max(off, self.lo), min(off + p.numel(), self.hi)
-            if lo >= hi or not p.requires_grad:
+            if lo < hi:
+                out.append((name, p, lo - off, hi - off, lo - self.lo))
+        return out
+
+    def targets(self) -> list[Target]:
+        """One target per parameter piece inside this rank's slice (decay decided per piece)."""
+        out = []
+        for name, p, start, stop, a in self.pieces():
+            if not p.requires_grad:
                 continue
-            a, b = lo - self.lo, hi - self.lo
-            grad = lambda a=a, b=b: self.grad_shard[a:b]  # noqa: E731
-            kind = getattr(p, "tp_kind", "replica")
-            out.append(Target(self.shard[a:b], grad, p.ndim >= 2, kind, name))
+            b = a + stop - start
+            out.append(
+                Target(
+                    self.shard[a:b],
+                    (lambda a=a, b=b: self.grad_shard[a:b]),
+                    p.ndim >= 2,
+                    getattr(p, "tp_kind", "replica"),
+                    name=name,
+                    span=(start, stop),
+                )
+            )
         return out

@@ -109,3 +109,16 @@ def run_world(nproc: int, cases: list[dict]) -> list[list[dict]]:
         )
         per_rank = [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(nproc)]
     return [[per_rank[r][i] for r in range(nproc)] for i in range(len(cases))]
+
+
+def run_here(case: dict, run_dir: str) -> dict:
+    """Run one case in this process as a single rank (no spawn); a process group created for
+    it is destroyed afterwards."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    try:
+        return _run_case(case, run_dir)
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()

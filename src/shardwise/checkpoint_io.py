@@ -1,0 +1,321 @@
+"""The checkpoint format on disk: sharded safetensors files plus one self-describing index.
+
+A checkpoint is a directory `<checkpoint.dir>/step-00000042/`:
+
+* `rank-00003.safetensors` — written by rank 3 alone, holding only slices that rank owns
+  (no gather to one rank). Every slice in a file is stored flat (1-D).
+* `index.json` — written last by rank 0:
+
+  ```
+  {"format": "shardwise-checkpoint", "version": 1, "step": 42,
+   "config": {...the resolved config...},
+   "layout": {"world": 4, "pp": 1, "dp": 4, "tp": 1, "zero": 3, "compute": "fp32"},
+   "loop": {"step": 42, "data": {"seed": 0, "global_batch": 8, "position": 336},
+            "lr_schedule": {"step": 42, "next_lr": 0.0009},
+            "loss_scaler": {"enabled": false, "scale": 1.0, "good_steps": 0},
+            "optimizer": {"adam_step": 42}, "seeds": {"train": 0}},
+   "files": {"rank-00003.safetensors": {"bytes": 123456, "sha256": "..."}},
+   "tensors": {"master/blocks.0.attn.wq.weight": {"shape": [64, 64], "dtype": "float32",
+               "slices": [{"file": "rank-00003.safetensors",
+                           "key": "master/blocks.0.attn.wq.weight",
+                           "box": [[0, 64], [0, 64]], "span": [3072, 4096]}, ...]}}}
+  ```
+
+Keys are `<kind>/<parameter name>` with kind `param` (the model's values in the compute
+dtype), `master` (fp32 master weights, when they are separate from the parameters),
+`exp_avg` / `exp_avg_sq` (AdamW moments) and `buffer` (persistent buffers, e.g. BatchNorm
+statistics); names are the unsplit model's parameter names.
+
+**A slice** is described in two steps, which covers every way shardwise cuts a tensor:
+`box` is a rectangular region of the global tensor, one `[offset, length]` per dimension
+(a tensor-parallel shard is a box; the whole tensor is the box `[[0, n0], [0, n1], ...]`),
+and `span = [start, stop)` is a range of that box's elements in row-major order (a ZeRO
+flat, padded unit cuts a parameter into such ranges; a pipeline stage simply holds whole
+tensors of its layers). The file holds the span's `stop - start` elements flat under the
+slice's `key` (the tensor's key, with `@` and the box offsets when the box is not the whole
+tensor). The slices of one tensor are disjoint and cover it exactly once.
+
+**Atomicity**: files are written into `step-00000042.tmp/`, fsynced, the index is written
+and fsynced last, the directory renamed to its final name, and then `latest` (a one-line
+file naming the newest directory) replaced atomically. A directory without the `.tmp`
+suffix and with an index is complete; each file's size and SHA-256 in the index detect a
+flipped byte or a truncated file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+
+FORMAT, VERSION = "shardwise-checkpoint", 1
+INDEX, LATEST = "index.json", "latest"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+Box = tuple[tuple[int, int], ...]
+Span = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one rank holds of one tensor: its global key, shape and dtype, and its slice."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    box: Box
+    span: Span
+
+    @property
+    def numel(self) -> int:
+        return self.span[1] - self.span[0]
+
+
+def full_box(shape: tuple[int, ...]) -> Box:
+    return tuple((0, int(n)) for n in shape)
+
+
+def file_key(piece: Piece) -> str:
+    """The slice's name inside its file: the tensor's key, plus the box's offsets when the
+    box is not the whole tensor (a rank may hold several boxes of one fused weight)."""
+    if piece.box == full_box(piece.shape):
+        return piece.key
+    return piece.key + "@" + ",".join(str(o) for o, _ in piece.box)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def shard_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+# -- writing ------------------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
+    """Write one rank's flat slices as a safetensors file; returns its size and SHA-256."""
+    data = safetensors_bytes(tensors, metadata={"format": FORMAT})
+    write_file(path, data)
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def commit(root: Path, tmp: Path, step: int, index: dict, keep: int) -> Path:
+    """Write the index into the finished temporary directory, rename it into place, point
+    `latest` at it and delete all but the newest `keep` checkpoints (rank 0 only)."""
+    write_file(tmp / INDEX, json.dumps(index, indent=1).encode())
+    _fsync_dir(tmp)
+    final = step_dir(root, step)
+    if final.exists():  # an older run's checkpoint of the same step (resume=none refuses this)
+        remove(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    pointer = root / (LATEST + ".tmp")
+    write_file(pointer, (final.name + "\n").encode())
+    os.replace(pointer, root / LATEST)
+    _fsync_dir(root)
+    for _, old in list_complete(root)[keep:]:
+        remove(old)
+    return final
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint directory so that a crash midway never leaves a complete-looking
+    one: it is renamed away first (a leftover `.deleting` directory is never loaded)."""
+    doomed = path.with_name(path.name + ".deleting")
+    with contextlib.suppress(FileNotFoundError):
+        os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+# -- finding and checking -----------------------------------------------------------------------
+def list_complete(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (final name, index present), newest first."""
+    if not root.is_dir():
+        return []
+    out = []
+    for child in root.iterdir():
+        m = _STEP_DIR.match(child.name)
+        if m and (child / INDEX).is_file():
+            out.append((int(m.group(1)), child))
+    return sorted(out, reverse=True)
+
+
+def list_unfinished(root: Path) -> list[Path]:
+    """Directories a killed save or deletion left behind (`.tmp`, `.deleting`, or a final
+    name without an index)."""
+    if not root.is_dir():
+        return []
+    return sorted(
+        c
+        for c in root.iterdir()
+        if c.is_dir()
+        and c.name.startswith("step-")
+        and (not _STEP_DIR.match(c.name) or not (c / INDEX).is_file())
+    )
+
+
+def read_index(path: Path | str) -> dict:
+    path = Path(path)
+    index = json.loads((path / INDEX).read_text())
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise ValueError(f"{path / INDEX} is not a {FORMAT} v{VERSION} index")
+    return index
+
+
+def check_files(path: Path, files: dict[str, dict]) -> list[str]:
+    """Problems with `files` of the checkpoint at `path` (missing, wrong size, checksum)."""
+    problems = []
+    for name, info in files.items():
+        f = path / name
+        if not f.is_file():
+            problems.append(f"{f}: missing")
+            continue
+        size = f.stat().st_size
+        if size != info["bytes"]:
+            problems.append(f"{f}: {size} bytes, the index says {info['bytes']} (truncated?)")
+            continue
+        digest = hashlib.sha256()
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                digest.update(chunk)
+        if digest.hexdigest() != info["sha256"]:
+            problems.append(f"{f}: SHA-256 differs from the index (corrupted)")
+    return problems
+
+
+def check_index(path: Path) -> tuple[dict | None, list[str]]:
+    """The parsed index and its problems (a checkpoint is valid when the list is empty)."""
+    try:
+        return read_index(path), []
+    except (OSError, ValueError, KeyError) as exc:
+        return None, [f"{path / INDEX}: unreadable ({exc})"]
+
+
+# -- reading slices -----------------------------------------------------------------------------
+class ShardReader:
+    """Opens each file of one checkpoint once and reads flat ranges of its tensors."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._open: dict[str, object] = {}
+        self._stack = contextlib.ExitStack()
+
+    def read(self, file: str, key: str, a: int, b: int) -> torch.Tensor:
+        handle = self._open.get(file)
+        if handle is None:
+            handle = self._stack.enter_context(safe_open(self.path / file, framework="pt"))
+            self._open[file] = handle
+        return handle.get_slice(key)[a:b]
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def _positions(region: Box, box: Box) -> torch.Tensor:
+    """Row-major element indices, inside `box`, of every element of `region` (⊆ box), in the
+    region's own row-major order."""
+    idx = torch.zeros((), dtype=torch.int64)
+    stride = 1
+    strides = []
+    for _, length in reversed(box):
+        strides.append(stride)
+        stride *= length
+    strides.reverse()
+    for d, ((off, length), (boff, _)) in enumerate(zip(region, box, strict=True)):
+        axis = (torch.arange(length, dtype=torch.int64) + (off - boff)) * strides[d]
+        idx = idx.unsqueeze(-1) + axis
+    return idx.reshape(-1)
+
+
+def copy_overlap(dst: torch.Tensor, need: Piece, have: dict, reader: ShardReader) -> int:
+    """Copy the elements `need` (a rank's slice, `dst` its flat storage) shares with one
+    stored slice `have`; returns how many were copied."""
+    hbox = tuple(tuple(x) for x in have["box"])
+    h0, h1 = have["span"]
+    if hbox == need.box:  # the same region (no tp change): two flat ranges intersect
+        a, b = max(need.span[0], h0), min(need.span[1], h1)
+        if a >= b:
+            return 0
+        src = reader.read(have["file"], have["key"], a - h0, b - h0)
+        dst[a - need.span[0] : b - need.span[0]].copy_(src)
+        return b - a
+    # General case (a box cut differently, e.g. tp2 -> tp1): index arithmetic over the
+    # boxes' intersection; costs one int64 per element of that intersection.
+    region = []
+    for (no, nl), (ho, hl) in zip(need.box, hbox, strict=True):
+        lo, hi = max(no, ho), min(no + nl, ho + hl)
+        if lo >= hi:
+            return 0
+        region.append((lo, hi - lo))
+    region = tuple(region)
+    at_need, at_have = _positions(region, need.box), _positions(region, hbox)
+    keep = (at_need >= need.span[0]) & (at_need < need.span[1])
+    keep &= (at_have >= h0) & (at_have < h1)
+    if not bool(keep.any()):
+        return 0
+    at_need, at_have = at_need[keep], at_have[keep]
+    lo, hi = int(at_have.min()), int(at_have.max()) + 1
+    src = reader.read(have["file"], have["key"], lo - h0, hi - h0)
+    dst[at_need - need.span[0]] = src[at_have - lo].to(dst.dtype)
+    return int(at_need.numel())
+
+
+def load_piece(dst: torch.Tensor, need: Piece, entry: dict, reader: ShardReader) -> None:
+    """Fill `dst` (flat, `need.numel` elements) from every stored slice that overlaps it."""
+    got = sum(copy_overlap(dst, need, have, reader) for have in entry["slices"])
+    if got != need.numel:
+        raise ValueError(
+            f"{need.key}: the checkpoint's slices cover {got} of the {need.numel} elements "
+            "this rank needs"
+        )
+
+
+def read_tensor(path: Path | str, key: str, index: dict | None = None) -> torch.Tensor:
+    """One stored tensor at its full global shape, assembled from all its slices (for export
+    and inspection; training ranks read only their own slices)."""
+    path = Path(path)
+    index = index if index is not None else read_index(path)
+    entry = index["tensors"][key]
+    shape = tuple(entry["shape"])
+    out = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
+    need = Piece(key, shape, entry["dtype"], full_box(shape), (0, out.numel()))
+    reader = ShardReader(path)
+    try:
+        load_piece(out.view(-1), need, entry, reader)
+    finally:
+        reader.close()
+    return out
+
+
+def latest(root: Path) -> Path | None:
+    """The checkpoint `root/latest` names (the newest completed save), if any."""
+    pointer = root / LATEST
+    return root / pointer.read_text().strip() if pointer.is_file() else None

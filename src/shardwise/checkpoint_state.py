@@ -1,0 +1,298 @@
+"""What a rank holds of a run's state, who writes which slice, and loading it back in any
+layout (the format is in checkpoint_io; when to save and resume is in checkpoint).
+
+* **What a rank holds** (`local_state`): its slices of parameters, fp32 masters and AdamW
+  moments — whole tensors under data parallelism, flat pieces under ZeRO, boxes under
+  tensor parallelism — and the persistent buffers, each keyed by its global name.
+* **Who writes what** (`assign_writers`): the ranks exchange these lists (a few hundred
+  bytes per tensor) over a side channel; a slice held by one rank is written by it, a slice
+  replicated on several (data parallelism) by the least-loaded holder, largest first. So
+  every rank writes only what it owns, in parallel, into its own file; nothing is gathered.
+* **Loading** (`load_state`) lists the same slices for the *current* layout and reads, from
+  the stored slices, exactly the elements each one needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardwise import checkpoint_io as io
+from shardwise.comm import ControlChannel
+from shardwise.errors import CheckpointError
+from shardwise.optim import MixedPrecisionAdamW, lr_at
+from shardwise.parallel.zero import ZeroEngine
+
+
+@dataclass
+class Local:
+    """One stored slice this rank holds: its description and where its values live."""
+
+    piece: io.Piece
+    tensor: torch.Tensor  # flat view of the memory holding the values
+    where: torch.Tensor | None = None  # their positions in `tensor` (None: all, in order)
+
+    def values(self) -> torch.Tensor:
+        return self.tensor if self.where is None else self.tensor[self.where]
+
+    def load(self, fill) -> None:
+        """`fill(dst)` writes the slice's elements, in order, into the flat `dst`."""
+        if self.where is None:
+            fill(self.tensor)
+            return
+        dst = torch.empty(self.piece.numel, dtype=self.tensor.dtype, device=self.tensor.device)
+        fill(dst)
+        self.tensor[self.where] = dst
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError("checkpointed tensors must be contiguous (loading writes in place)")
+    return t.detach().view(-1)
+
+
+def slices_of(key: str, p: torch.Tensor, span: tuple[int, int], values: torch.Tensor):
+    """The stored slices of elements [span) of the flattened local tensor `p` (parameter,
+    master or moment), whose values are `values` (flat, span's elements).
+
+    Without tensor parallelism `p` is the whole tensor: one slice. A tensor-parallel shard
+    (`p.tp_slice`, models/init.LocalSlice) is the concatenation along one dimension of
+    ranges of the full tensor (three for a fused q|k|v weight; the last range of a
+    vocabulary-parallel weight may run into padding, which is not stored): each range is a
+    box, and the span's elements inside a box are a contiguous run of that box's row-major
+    order — at strided places of `values` unless the split dimension is the first."""
+    dtype = io.dtype_name(values.dtype)
+    cut = getattr(p, "tp_slice", None)
+    if cut is None:
+        return [Local(io.Piece(key, tuple(p.shape), dtype, io.full_box(p.shape), span), values)]
+    out, at = [], 0
+    local = torch.arange(p.numel()).view(p.shape)
+    for a, b in cut.ranges:
+        real = min(b, cut.full_shape[cut.dim]) - a  # rows past the real size are padding
+        if real > 0:
+            idx = local.narrow(cut.dim, at, real).reshape(-1)
+            keep = (idx >= span[0]) & (idx < span[1])
+            count = int(keep.sum())
+            if count:
+                first = int(keep.int().argmax())
+                if not bool(keep[first : first + count].all()):  # see the docstring
+                    raise AssertionError(f"{key}: a span cuts a box into pieces")
+                box = list(io.full_box(cut.full_shape))
+                box[cut.dim] = (a, real)
+                piece = io.Piece(key, cut.full_shape, dtype, tuple(box), (first, first + count))
+                pos = idx[keep] - span[0]
+                if int(pos[-1] - pos[0]) + 1 == count:  # contiguous: a view, no index
+                    out.append(Local(piece, values[int(pos[0]) : int(pos[0]) + count]))
+                else:
+                    out.append(Local(piece, values, pos))
+        at += b - a
+    return out
+
+
+def local_state(run) -> list[Local]:
+    """Every slice of model and optimizer state this rank holds, in a fixed order."""
+    out, params = [], {}
+    if isinstance(run.reducer, ZeroEngine):
+        for unit in run.reducer.units:
+            for name, p, start, stop, at in unit.pieces():
+                params[name] = p
+                values = unit.shard[at : at + stop - start]
+                out += slices_of(f"param/{name}", p, (start, stop), _flat(values))
+    else:
+        for name, p in run.model.named_parameters():
+            params[name] = p
+            out += slices_of(f"param/{name}", p, (0, p.numel()), _flat(p))
+    opt: MixedPrecisionAdamW = run.optimizer
+    for t, m in zip(opt.targets, opt.masters, strict=True):
+        span, p = t.span or (0, m.numel()), params[t.name]
+        if opt.separate_master:
+            out += slices_of(f"master/{t.name}", p, span, _flat(m))
+        for kind, v in opt.inner.state.get(m, {}).items():
+            if kind != "step":
+                out += slices_of(f"{kind}/{t.name}", p, span, _flat(v))
+    for prefix, module in run.model.named_modules():
+        for leaf, b in module._buffers.items():
+            if b is not None and leaf not in module._non_persistent_buffers_set:
+                name = f"{prefix}.{leaf}" if prefix else leaf
+                out += slices_of(f"buffer/{name}", b, (0, b.numel()), _flat(b))
+    return out
+
+
+def adam_step(opt: MixedPrecisionAdamW) -> int:
+    """AdamW's step count (the same for every tensor: a skipped step skips them all)."""
+    for state in opt.inner.state.values():
+        return int(state["step"])
+    return 0
+
+
+def assign_writers(held: list[list[io.Piece]]) -> dict[io.Piece, int]:
+    """One writer per distinct slice (`held[rank]` lists what each rank holds): replicas go
+    to the holder with the fewest bytes so far, largest slices first (deterministic, so every
+    rank computes the same plan)."""
+    holders: dict[io.Piece, list[int]] = {}
+    for rank, pieces in enumerate(held):
+        for piece in pieces:
+            holders.setdefault(piece, []).append(rank)
+    load = [0] * len(held)
+    owner = {}
+    for piece in sorted(holders, key=lambda p: (-p.numel, p.key, p.box, p.span)):
+        rank = min(holders[piece], key=lambda r: (load[r], r))
+        owner[piece] = rank
+        load[rank] += piece.numel
+    return owner
+
+
+def loop_state(run, step: int, adam: int) -> dict:
+    """Everything besides tensors that the next step depends on."""
+    cfg, scaler = run.cfg, run.optimizer.scaler
+    return {
+        "step": step,
+        # the data cursor: the sampler is a function of (seed, global sample position)
+        "data": {
+            "seed": cfg.train.seed,
+            "global_batch": cfg.train.global_batch,
+            "position": step * cfg.train.global_batch,
+        },
+        "lr_schedule": {"step": step, "next_lr": lr_at(step, cfg)},
+        "loss_scaler": {
+            "enabled": scaler.enabled,
+            "scale": scaler.scale,
+            "good_steps": scaler.good_steps,
+        },
+        "optimizer": {"adam_step": adam},
+        # initialisation is a function of (seed, name), random streams of (seed, step, ...)
+        "seeds": {"train": cfg.train.seed},
+    }
+
+
+def build_index(run, step: int, owner: dict[io.Piece, int], adam: int) -> dict:
+    tensors: dict[str, dict] = {}
+    for piece, rank in sorted(owner.items(), key=lambda kv: (kv[0].key, kv[0].box, kv[0].span)):
+        entry = tensors.setdefault(
+            piece.key, {"shape": list(piece.shape), "dtype": piece.dtype, "slices": []}
+        )
+        entry["slices"].append(
+            {
+                "file": io.shard_name(rank),
+                "key": io.file_key(piece),
+                "box": [list(b) for b in piece.box],
+                "span": list(piece.span),
+            }
+        )
+    d = run.derived
+    return {
+        "format": io.FORMAT,
+        "version": io.VERSION,
+        "step": step,
+        "config": run.cfg.to_dict(),
+        "layout": {
+            "world": d.world,
+            "pp": d.pp,
+            "dp": d.dp,
+            "tp": d.tp,
+            "zero": run.cfg.parallel.zero,
+            "compute": run.cfg.precision.compute,
+        },
+        "loop": loop_state(run, step, adam),
+        "files": {},
+        "tensors": tensors,
+    }
+
+
+# -- loading ------------------------------------------------------------------------------------
+def _source(index: dict, piece: io.Piece) -> str | None:
+    """The stored tensor a slice is read from. fp32 values come from the masters when the
+    checkpoint has them (a bf16 run's truth), low-precision parameters from their own
+    stored copy; either falls back to the other, so precision may change on resume."""
+    kind, name = piece.key.split("/", 1)
+    order = [kind]
+    if kind in ("param", "master"):
+        order = ["master", "param"] if piece.dtype == "float32" else ["param", "master"]
+    return next((f"{k}/{name}" for k in order if f"{k}/{name}" in index["tensors"]), None)
+
+
+def _fresh_adam_state(opt: MixedPrecisionAdamW, step: int) -> None:
+    """Give every master AdamW state (zero moments, the saved step count) through the
+    optimizer's own load_state_dict, so the loader can fill the moments in place."""
+    sd = opt.inner.state_dict()
+    params = [p for g in opt.inner.param_groups for p in g["params"]]
+    sd["state"] = {
+        i: {
+            "step": torch.tensor(float(step)),  # a CPU scalar, as torch.optim makes it
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
+        for i, p in enumerate(params)
+    }
+    opt.inner.load_state_dict(sd)
+
+
+def _fit_problems(index: dict, locals_: list[Local]) -> list[tuple[str, str]]:
+    """(kind, text) for every slice this rank needs that the checkpoint lacks or shapes
+    differently."""
+    problems = []
+    for local in locals_:
+        src = _source(index, local.piece)
+        if src is None:
+            problems.append(("missing", local.piece.key))
+        elif tuple(index["tensors"][src]["shape"]) != local.piece.shape:
+            saved = tuple(index["tensors"][src]["shape"])
+            problems.append(("shape", f"{local.piece.key} {saved} saved, {local.piece.shape} here"))
+    return problems
+
+
+def _mismatch_message(path: Path, problems: list[tuple[str, str]]) -> str:
+    parts = []
+    for kind, title in (
+        ("missing", "missing"),
+        ("shape", "of another shape"),
+        ("extra", "not in this model"),
+    ):
+        # parameters first: they say what differs; their optimizer state follows suit
+        items = sorted(
+            {text for k, text in problems if k == kind},
+            key=lambda t: (not t.startswith("param/"), t),
+        )
+        if items:
+            shown = ", ".join(items[:12]) + (", ..." if len(items) > 12 else "")
+            parts.append(f"{len(items)} {title}: {shown}")
+    return (
+        f"checkpoint {path} does not fit this model: {'; '.join(parts)}. Fix: resume with the "
+        f"model config it was saved with (see {path / io.INDEX}), or start fresh with "
+        "--checkpoint.resume=none and another --checkpoint.dir."
+    )
+
+
+@torch.no_grad()
+def load_state(run, path: Path, index: dict, channel: ControlChannel) -> None:
+    """Fill this rank's slices (in its current layout) from the checkpoint at `path`; every
+    rank raises the same one message if tensors are missing, extra or of another shape."""
+    adam = index["loop"]["optimizer"]["adam_step"]
+    if adam:
+        _fresh_adam_state(run.optimizer, adam)
+    locals_ = local_state(run)
+    names = {lo.piece.key for lo in locals_ if lo.piece.key.startswith("param/")}
+    gathered = channel.all_gather((_fit_problems(index, locals_), names))
+    problems = [p for g in gathered for p in g[0]]
+    needed = set().union(*(g[1] for g in gathered))
+    problems += [
+        ("extra", k) for k in index["tensors"] if k.startswith("param/") and k not in needed
+    ]
+    if problems:
+        raise CheckpointError(_mismatch_message(path, problems))
+    reader = io.ShardReader(path)
+    try:
+        for local in locals_:
+            src = _source(index, local.piece)
+            need = dataclasses.replace(local.piece, key=src)
+            local.load(
+                lambda dst, n=need, e=index["tensors"][src]: io.load_piece(dst, n, e, reader)
+            )
+    finally:
+        reader.close()
+    if isinstance(run.reducer, ZeroEngine):
+        run.reducer.after_step()  # ZeRO-1/2: publish the loaded slices to every replica
+    run.comm.take_step_bytes()  # loading is not the next step's traffic

@@ -1,0 +1,96 @@
+"""Fault injection from outside: run `shardwise train` in a subprocess and SIGKILL one of its
+ranks at a chosen moment (after some step, or while a checkpoint is being written). Used by
+the restart test and benchmarks/fault_soak.py; nothing in the engine knows about it."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def rank_pids(launcher_pid: int) -> list[int]:
+    """The rank processes torch elastic started under `launcher_pid` (its spawned children)."""
+    out = []
+    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"spawn_main" in cmdline:
+                out.append(int(child))
+    return sorted(out)
+
+
+@dataclass
+class KillResult:
+    returncode: int
+    output: str
+    killed_pid: int | None  # None: the run ended before the kill point was reached
+    killed_at: str  # what the killer saw when it fired
+
+
+def _reached(when: str, at: int, metrics: Path, ckpt_dir: Path) -> str | None:
+    """A description of the moment if the kill point is reached now, else None."""
+    if when == "step":
+        try:
+            steps = len(metrics.read_text().splitlines())
+        except OSError:
+            return None
+        return f"after {steps} logged step(s)" if steps >= at else None
+    try:  # when == "save": a save of step >= at is being written
+        saving = [
+            c.name for c in ckpt_dir.iterdir() if c.name.startswith("step-") and c.suffix == ".tmp"
+        ]
+    except OSError:
+        return None
+    due = [n for n in saving if int(n[len("step-") : -len(".tmp")]) >= at]
+    return f"while writing {due[0]}" if due else None
+
+
+def run_and_kill(
+    cmd: list[str],
+    env: dict[str, str],
+    run_dir: Path,
+    ckpt_dir: Path,
+    when: str,
+    at: int,
+    rng: random.Random,
+    timeout: float = 600,
+) -> KillResult:
+    """Run `cmd`; when `when`='step' and `at` steps are logged, or `when`='save' and the save
+    of a step >= `at` has begun, SIGKILL one rank chosen by `rng`; wait for the end."""
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, so a timeout can stop every rank
+    )
+    metrics = run_dir / "metrics.jsonl"
+    killed, seen = None, ""
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None and killed is None and time.monotonic() < deadline:
+            moment = _reached(when, at, metrics, ckpt_dir)
+            pids = rank_pids(proc.pid) if moment else []
+            if pids:
+                killed, seen = rng.choice(pids), moment
+                os.kill(killed, signal.SIGKILL)
+            time.sleep(0.002)
+        output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except BaseException as exc:  # a timeout (or a failing watcher) must not leave ranks behind
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        output += f"\n[stopped: {type(exc).__name__}: {exc}]"
+    return KillResult(proc.returncode, output, killed, seen)
