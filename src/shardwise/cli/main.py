@@ -47,7 +47,8 @@ def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return known, rest + overrides
 
 
-USAGE = """usage: shardwise {train,explain,plan,launch} [CONFIG.toml] [--nproc N] [--sec.key=val]
+USAGE = """usage: shardwise {train,explain,plan,launch,export} [CONFIG.toml] [--nproc N]
+                 [--section.key=value ...]
 
   train     train a model (spawns --nproc local ranks unless under torchrun/srun);
             on several machines: --nnodes N --node-rank R --rdzv HOST:PORT, --nproc per node;
@@ -59,6 +60,7 @@ USAGE = """usage: shardwise {train,explain,plan,launch} [CONFIG.toml] [--nproc N
   plan      predict memory and step time of every layout on some hardware and rank them
             (`shardwise plan -h` for its options)
   launch    write (and submit) a job for a cluster: `shardwise launch {slurm,k8s} --help`
+  export    RUN_DIR --format hf OUT: the newest checkpoint as Hugging Face safetensors
 
   --help-config   list every config key with its default and meaning
 """
@@ -162,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
             print(USAGE)
             return 0
     command, rest = argv[0], argv[1:]
+    if command == "export":
+        from shardwise.cli.export import export_main
+
+        return export_main(rest)
     if command == "launch":
         from shardwise.cli.launch import launch_main
 

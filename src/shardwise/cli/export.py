@@ -1,0 +1,52 @@
+"""`shardwise export RUN_DIR --format hf OUT`: a run's newest checkpoint to another format."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardwise.errors import ShardwiseError
+
+USAGE = """usage: shardwise export RUN_DIR --format hf OUT [--max-shard-size 2GB]
+
+  RUN_DIR   a run.dir (its newest checkpoint), a checkpoint.dir, or one checkpoint directory
+  --format  hf: Hugging Face safetensors shards + index + config.json (Llama / GPT-2), loadable
+            with transformers' AutoModelForCausalLM.from_pretrained(OUT)
+"""
+
+_UNITS = {"kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "b": 1}
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().lower()
+    for unit, factor in _UNITS.items():
+        if t.endswith(unit) and t[: -len(unit)].replace(".", "", 1).isdigit():
+            return int(float(t[: -len(unit)]) * factor)
+    raise ShardwiseError(f"--max-shard-size {text!r} is not a size. Fix: e.g. --max-shard-size 2GB")
+
+
+def export_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="shardwise export", add_help=False)
+    parser.add_argument("paths", nargs="*")
+    parser.add_argument("--format", choices=["hf"])
+    parser.add_argument("--max-shard-size", default="2GB")
+    parser.add_argument("-h", "--help", action="store_true")
+    args, rest = parser.parse_known_intermixed_args(argv)
+    if args.help:
+        print(USAGE)
+        return 0
+    try:
+        if rest or len(args.paths) != 2 or args.format is None:
+            raise ShardwiseError(
+                f"expected RUN_DIR --format hf OUT, got {' '.join(argv) or 'nothing'}. "
+                "Fix: shardwise export runs/default --format hf exported/"
+            )
+        from shardwise.export import export_hf
+
+        run_dir, out = args.paths
+        ckpt = export_hf(run_dir, out, parse_size(args.max_shard_size))
+    except ShardwiseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {ckpt} to {out} (Hugging Face safetensors + config.json)")
+    return 0

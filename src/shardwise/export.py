@@ -1,0 +1,183 @@
+"""`shardwise export RUN_DIR --format hf OUT`: a checkpoint to Hugging Face safetensors.
+
+Streams: the output is planned from the index (names, shapes, dtypes) into shards of at most
+`max_shard_bytes`, then each shard is assembled tensor by tensor from the checkpoint's slices
+(`checkpoint_io.read_tensor`, one parameter at a time) and written; no more than one output
+shard and one parameter are in memory at once, whatever the layout the run was trained in.
+The fp32 master weights are exported when the run kept them apart from the (bf16/fp16)
+parameters, else the parameters. `config.json` describes the Llama or GPT-2 model so
+`transformers`' `from_pretrained(OUT)` loads it; the tensor layouts are those of
+shardwise.models.hf (transposed Conv1D and fused c_attn for GPT-2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from shardwise import checkpoint_io as cio
+from shardwise.config import config_from_dict
+from shardwise.errors import ShardwiseError
+from shardwise.models import build_model
+from shardwise.models.hf_weights import INDEX, SINGLE, hf_shape, rule_for
+from shardwise.models.init import canonical_name
+from shardwise.models.presets import ModelSpec
+from shardwise.validate import model_spec
+
+
+def find_checkpoint(run_dir: Path) -> Path:
+    """The newest complete checkpoint of a run directory (or `run_dir` itself when it is one
+    checkpoint directory)."""
+    if (run_dir / cio.INDEX).is_file():
+        return run_dir
+    if (run_dir / cio.LATEST).is_file():  # a checkpoint.dir
+        return _newest(run_dir)
+    config = run_dir / "config.json"
+    if not config.is_file():
+        raise ShardwiseError(
+            f"'{run_dir}' is neither a run directory (no config.json) nor a checkpoint "
+            f"(no {cio.INDEX}). Fix: pass the run.dir of a training run with checkpoint.every > 0."
+        )
+    cfg = config_from_dict(json.loads(config.read_text()))
+    return _newest(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints")
+
+
+def _newest(root: Path) -> Path:
+    found = cio.latest(root)
+    if found is None or not (found / cio.INDEX).is_file():
+        raise ShardwiseError(
+            f"no complete checkpoint under '{root}'. Fix: train with --checkpoint.every=N."
+        )
+    return found
+
+
+def hf_config(spec: ModelSpec, dtype: str) -> dict:
+    """config.json for transformers (Llama or GPT-2); dropout off, as shardwise trains."""
+    if spec.arch == "decoder":
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": spec.dim,
+            "intermediate_size": spec.ffn_dim,
+            "num_hidden_layers": spec.n_layers,
+            "num_attention_heads": spec.n_heads,
+            "num_key_value_heads": spec.n_kv_heads,
+            "head_dim": spec.head_dim,
+            "vocab_size": spec.vocab_size,
+            "max_position_embeddings": spec.max_seq_len,
+            "rms_norm_eps": spec.norm_eps,
+            "rope_theta": spec.rope_theta,  # transformers 4.x
+            "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},  # 5.x
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": spec.tie_embeddings,
+            "torch_dtype": dtype,
+        }
+    if spec.arch != "gpt2":
+        raise ShardwiseError(
+            f"only Llama-style and GPT-2 models export to Hugging Face, not {spec.arch}"
+        )
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "n_embd": spec.dim,
+        "n_inner": spec.ffn_dim,
+        "n_layer": spec.n_layers,
+        "n_head": spec.n_heads,
+        "n_positions": spec.max_seq_len,
+        "vocab_size": spec.vocab_size,
+        "layer_norm_epsilon": spec.norm_eps,
+        "activation_function": "gelu_new",
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "bos_token_id": None,  # GPT-2's 50256 lies outside a smaller vocabulary
+        "eos_token_id": None,
+        "torch_dtype": dtype,
+    }
+
+
+def _plan(spec: ModelSpec) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Hugging Face tensor -> our parameters (name, shape) that make it up, in part order."""
+    with torch.device("meta"):
+        model = build_model(spec)
+    out: dict[str, list] = {}
+    for name, p in model.named_parameters():  # a tied head is the embedding, once
+        rule, key = rule_for(spec.arch, canonical_name(name, spec))
+        out.setdefault(key, [None] * rule.parts)[rule.part] = (name, tuple(p.shape))
+    return out
+
+
+def _assemble(arch: str, parts: list, read) -> torch.Tensor:
+    """The Hugging Face tensor from our parameters (`read(name)` gives one at full shape)."""
+    pieces = [read(name) for name, _ in parts]
+    rule, _ = rule_for(arch, parts[0][0])
+    full = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]
+    return full.t().contiguous() if rule.transposed else full
+
+
+def _shards(spec: ModelSpec, plan: dict, elem: int, max_bytes: int) -> list[list[str]]:
+    """Hugging Face tensor names grouped into files of at most `max_bytes` (from shapes)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, parts in plan.items():
+        rule, _ = rule_for(spec.arch, parts[0][0])
+        nbytes = elem * math.prod(hf_shape(rule, parts[0][1]))
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    return shards
+
+
+def _spec(cfg) -> ModelSpec:
+    if cfg.model.init_from and not Path(cfg.model.init_from).is_dir():
+        raise ShardwiseError(
+            f"the run started from Hugging Face weights at model.init_from="
+            f"'{cfg.model.init_from}', which is gone; its config.json gives the model's sizes."
+            " Fix: restore that directory (its weights are not read, only config.json)."
+        )
+    return model_spec(cfg)
+
+
+def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 30) -> Path:
+    """Write `out/` (safetensors shards + index + config.json) from the run's newest
+    checkpoint; returns the checkpoint directory exported."""
+    from safetensors.torch import save_file
+
+    ckpt = find_checkpoint(Path(run_dir))
+    index = cio.read_index(ckpt)
+    spec = _spec(config_from_dict(index["config"]))
+    plan = _plan(spec)
+    # the fp32 masters when the run kept them apart from low-precision parameters
+    kind = "master" if any(k.startswith("master/") for k in index["tensors"]) else "param"
+    dtype = index["tensors"][f"{kind}/{next(iter(plan.values()))[0][0]}"]["dtype"]
+    shards = _shards(spec, plan, getattr(torch, dtype).itemsize, max_shard_bytes)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def read(name: str) -> torch.Tensor:
+        return cio.read_tensor(ckpt, f"{kind}/{name}", index)
+
+    weight_map, total = {}, 0
+    for i, keys in enumerate(shards):  # one output file in memory at a time
+        fname = (
+            SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        tensors = {key: _assemble(spec.arch, plan[key], read) for key in keys}
+        save_file(tensors, out / fname, metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(keys, fname))
+        del tensors
+    if len(shards) > 1:
+        index_out = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX).write_text(json.dumps(index_out, indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2))
+    return ckpt
