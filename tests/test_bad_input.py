@@ -227,6 +227,34 @@ CONFIG_CASES = [
         ["world size 3", "tp(2)", "pp(1)", "= 2"],
         id="world-not-divisible-by-tp-pp",
     ),
+    # pipeline
+    pytest.param(
+        ["explain", "--nproc", "8", "--parallel.pp=8"],
+        ["parallel.pp(8) * parallel.pp_virtual(1) = 8", "only 4 blocks", "--parallel.pp=4"],
+        id="more-stages-than-layers",
+    ),
+    pytest.param(
+        [
+            "explain",
+            "--nproc",
+            "2",
+            "--parallel.pp=2",
+            "--parallel.pp_schedule=interleaved",
+            "--parallel.pp_virtual=2",
+        ],
+        ["m = global_batch(16) / (micro_batch(16) * dp(1)) = 1", "fewer than the stages"],
+        id="interleaved-fewer-micro-batches-than-stages",
+    ),
+    pytest.param(
+        ["explain", "--nproc", "2", "--parallel.pp=2", "--parallel.pp_split=1,2"],
+        ["parallel.pp_split='1,2' does not cover the model", "model.n_layers=4"],
+        id="pp-split-does-not-cover",
+    ),
+    pytest.param(
+        ["explain", "--nproc", "2", "--parallel.pp=2", "--parallel.zero=3"],
+        ["parallel.zero=3 with parallel.pp=2 is not supported", "--parallel.zero=1"],
+        id="zero3-with-pp",
+    ),
     # model shapes
     pytest.param(
         ["explain", "--nproc", "2", "--parallel.tp=2", *HEADS_3],
@@ -392,25 +420,6 @@ def test_global_batch_below_dp_names_the_real_problem(capsys: pytest.CaptureFixt
             "'not divisible by train.micro_batch(0) * dp(2) = 0'; say global_batch must be "
             ">= dp instead"
         )
-
-
-@pytest.mark.parametrize(
-    ("argv", "key", "value", "off"),
-    [
-        (["--parallel.pp=2", "--nproc", "2"], "parallel.pp", "2", "1"),
-        (["--parallel.pp_schedule=gpipe"], "parallel.pp_schedule", "gpipe", "1f1b"),
-        (["--parallel.pp_virtual=2"], "parallel.pp_virtual", "2", "1"),
-    ],
-)
-def test_not_yet_supported_wording(
-    argv: list[str], key: str, value: str, off: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    code, err = run_main(["explain", *argv], capsys)
-    assert code == 2
-    assert err == (
-        f"error: {key}={value}: not yet supported in this version of shardwise. "
-        f"Fix: --{key}={off}.\n"
-    )
 
 
 @NO_CUDA

@@ -64,6 +64,7 @@ GOLDEN_KEYS = [
     "parallel.sp",
     "parallel.pp_schedule",
     "parallel.pp_virtual",
+    "parallel.pp_split",
     "parallel.bucket_mb",
     "parallel.timeout_s",
     "precision.compute",

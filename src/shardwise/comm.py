@@ -167,6 +167,40 @@ class Comm:
         group = self.topo.group(dim)
         return self._issue(entry, dist.broadcast, t, group=group, group_src=src_coord)
 
+    def all_reduce_in(
+        self, t: torch.Tensor, group: dist.ProcessGroup, n: int, dim: str, control: bool = False
+    ):
+        """All-reduce (sum) over `group`, a subgroup of `n` ranks along mesh dimension `dim`
+        (e.g. the first and last pipeline stage sharing a tied weight), counted under `dim`."""
+        if n == 1:
+            return None
+        self._record("all_reduce", dim, t, 2 * (n - 1) / n, control)
+        return dist.all_reduce(t, group=group)
+
+    def p2p(
+        self,
+        sends: list[tuple[torch.Tensor, int]],
+        recvs: list[tuple[torch.Tensor, int]],
+        dim: str = "pp",
+    ) -> list:
+        """Batched isend/irecv to and from global ranks along mesh dimension `dim`; returns one
+        waitable per op (sends first). A send counts its bytes (p2p counts S); receives are
+        counted by their senders."""
+        group = self.topo.group(dim)
+        ops = []
+        for t, peer in sends:
+            self._record("send", dim, t, 1.0, False)
+            ops.append(dist.P2POp(dist.isend, t, peer, group))
+        for t, peer in recvs:
+            self._record("recv", dim, t, 0.0, False)
+            ops.append(dist.P2POp(dist.irecv, t, peer, group))
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # a coalesced backend (NCCL) returns one handle
+            works = [works[-1]] * len(ops)
+        return works
+
     def all_reduce_world(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Control-plane all-reduce over every rank (metrics, checks); not training traffic."""
         if self.topo.world > 1:

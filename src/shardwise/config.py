@@ -118,8 +118,17 @@ class ParallelConfig:
     sp: bool = opt(
         False, "Sequence parallelism (with tp): norms and residuals split along the sequence."
     )
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zb"] = opt("1f1b", "Pipeline schedule.")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zb"] = opt(
+        "1f1b",
+        "Pipeline schedule: gpipe, 1f1b, interleaved (1F1B over pp_virtual chunks per rank) "
+        "or zb (zero-bubble ZB-H1).",
+    )
     pp_virtual: int = opt(1, "Virtual pipeline chunks per rank (interleaved schedule).")
+    pp_split: str = opt(
+        "",
+        "Transformer blocks per pipeline chunk, first to last, e.g. '3,3,2' (pp * pp_virtual "
+        "entries summing to the layer count); '' balances parameters and FLOPs automatically.",
+    )
     bucket_mb: float = opt(
         25.0, "Gradient bucket size in MB for the overlapped all-reduce (25 MB, like PyTorch DDP)."
     )

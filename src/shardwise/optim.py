@@ -61,6 +61,7 @@ class Target:
     tp: str = "replica"
     name: str = ""  # the parameter's model name (checkpoints key optimizer state by it)
     span: tuple[int, int] | None = None  # elements of the flattened parameter (None: all)
+    in_norm: bool = True  # False for a second copy of a weight counted elsewhere (tied, pp)
 
 
 def adamw(
@@ -167,7 +168,7 @@ class MixedPrecisionAdamW:
             self.reduce_partial(
                 [g for g, t in zip(grads, self.targets, strict=True) if t.tp == "partial"]
             )
-        if self.scaler.scale != 1.0:
+        if grads and self.scaler.scale != 1.0:  # (a frozen pipeline stage has none)
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         # [tp-sharded, the rest]: over tp the first adds up, the second is counted once
         parts = torch.zeros(2, dtype=torch.float64)
@@ -177,6 +178,8 @@ class MixedPrecisionAdamW:
             # a different amount when the tensor is cut into other shards (layout invariance)
             norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)).square()
             sharded = torch.tensor([t.tp == "shard" for t in self.targets], device=norms.device)
+            counted = torch.tensor([t.in_norm for t in self.targets], device=norms.device)
+            norms = norms * counted
             parts = torch.stack([norms[sharded].sum(), norms[~sharded].sum()])
         parts = parts.to(self.device)  # collectives run on the compute device
         if self.sum_over_shards is not None:
@@ -187,7 +190,7 @@ class MixedPrecisionAdamW:
         finite = math.isfinite(norm_value)
         self.scaler.update(finite)
         if finite and not skip:
-            if self.grad_clip > 0 and norm_value > self.grad_clip:
+            if grads and self.grad_clip > 0 and norm_value > self.grad_clip:
                 torch._foreach_mul_(grads, self.grad_clip / (norm_value + 1e-6))
             self.inner.step()
             if self.offload:

@@ -23,6 +23,7 @@ from shardwise.models.hf_weights import HFWeights, load_weights
 from shardwise.models.tp_plans import plan_for
 from shardwise.optim import MixedPrecisionAdamW, replicated_targets
 from shardwise.parallel.data import GradReducer, apply_data_parallel
+from shardwise.parallel.pipeline import Pipeline, apply_pipeline
 from shardwise.parallel.tensor import TensorParallel, apply_tensor_parallel, keep_tp_marks
 from shardwise.parallel.zero import ZeroEngine, apply_zero
 from shardwise.recompute import apply_recompute
@@ -76,6 +77,7 @@ class Run:
     train_data: object
     val_data: object
     sampler: GlobalSampler
+    pipeline: Pipeline | None = None  # pp > 1: runs the micro-batches through the stages
     watchdog: Watchdog | None = None
 
     def close(self, error: BaseException | None = None) -> None:
@@ -121,11 +123,13 @@ def freeze(model: nn.Module, patterns: str) -> None:
 
 def parallelize(
     model: nn.Module, run_cfg: Config, derived: Derived, comm: Comm, info: dev.DeviceInfo
-) -> tuple[nn.Module, GradReducer | ZeroEngine, TensorParallel]:
+) -> tuple[nn.Module, GradReducer | ZeroEngine, TensorParallel, Pipeline | None]:
     """Apply the parallel transformations in the one order that works (DESIGN.md)."""
     compute = dev.dtype_of(run_cfg.precision.compute)
     reduce = dev.dtype_of(run_cfg.precision.reduce)
-    # 1. Pipeline split would cut the meta model into stages here (pp = 1: the whole model).
+    # 1. Pipeline split: the meta model is cut to this rank's chunks (names unchanged), so no
+    #    rank ever materialises another stage's layers (pp = 1: the whole model).
+    pipeline = apply_pipeline(model, run_cfg, derived, comm) if derived.pp > 1 else None
     # 2. Tensor parallelism splits the planned layers of the (stage's) meta model in place:
     #    names stay, parameters become local slices that remember where they come from, so
     #    init, ZeRO and checkpoints below see ordinary (smaller) tensors (tp = 1: unchanged).
@@ -146,21 +150,18 @@ def parallelize(
         # 4. ZeRO flattens the still-meta parameters into units and materialises only what
         #    this rank keeps (its slices under ZeRO-3), straight from the (seed, name) init.
         offload_params = run_cfg.memory.offload == "optimizer+params"
-        return (
+        engine = apply_zero(
             model,
-            apply_zero(
-                model,
-                comm,
-                stage,
-                compute,
-                reduce,
-                info.device,
-                run_cfg.train.seed,
-                offload_params,
-                source,
-            ),
-            tp,
+            comm,
+            stage,
+            compute,
+            reduce,
+            info.device,
+            run_cfg.train.seed,
+            offload_params,
+            source,
         )
+        return model, engine, tp, pipeline
     # 4. Materialise: without ZeRO the local shard is the whole model. Values depend only on
     #    (seed, parameter name), so every rank builds identical weights without a broadcast.
     to_empty(model, info.device)
@@ -170,7 +171,8 @@ def parallelize(
         init_weights(model, run_cfg.train.seed)
     cast_for_compute(model, compute)
     # 5. Data parallelism attaches gradient buckets to the materialised parameters.
-    return model, apply_data_parallel(model, comm, reduce, run_cfg.parallel.bucket_mb), tp
+    reducer = apply_data_parallel(model, comm, reduce, run_cfg.parallel.bucket_mb)
+    return model, reducer, tp, pipeline
 
 
 def cast_for_compute(model: nn.Module, dtype: torch.dtype) -> None:
@@ -195,7 +197,7 @@ def cast_for_compute(model: nn.Module, dtype: torch.dtype) -> None:
 
 def verify_replicas(model: nn.Module, comm: Comm) -> None:
     """Check once that every dp replica holds the same parameters (they are built
-    identically; tensor-parallel ranks hold different slices)."""
+    identically; tensor-parallel ranks hold different slices, pipeline stages other layers)."""
     if comm.topo.size("dp") == 1:
         return
     sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
@@ -239,22 +241,24 @@ def _build(
     with torch.device("meta"):
         model = build_model(spec)
     freeze(model, cfg.train.freeze)
-    model, reducer, tp = parallelize(model, cfg, derived, comm, info)
+    model, reducer, tp, pipeline = parallelize(model, cfg, derived, comm, info)
     if isinstance(reducer, ZeroEngine):
-        offload = cfg.memory.offload != "none"
+        targets, after = reducer.targets(), reducer.after_step
 
         def sum_over_shards(parts: torch.Tensor) -> None:
             reducer.sum_over_shards(parts)  # disjoint slices over dp
             tp.sum_over_shards(parts)
 
-        optimizer = MixedPrecisionAdamW(
-            reducer.targets(), cfg, sum_over_shards, reducer.after_step, offload, tp.reduce_partial
-        )
     else:
         verify_replicas(model, comm)
-        optimizer = MixedPrecisionAdamW(
-            replicated_targets(model), cfg, tp.sum_over_shards, reduce_partial=tp.reduce_partial
-        )
+        targets, sum_over_shards, after = replicated_targets(model), tp.sum_over_shards, None
+    if pipeline is not None:  # the norm sums over stages, a tied weight counted once
+        targets = pipeline.mark_norm_targets(targets)
+        sum_over_shards = pipeline.norm_reducer(sum_over_shards)
+    offload = cfg.memory.offload != "none"
+    optimizer = MixedPrecisionAdamW(
+        targets, cfg, sum_over_shards, after, offload, tp.reduce_partial
+    )
     sampler = GlobalSampler(len(train_data), cfg.train.global_batch, cfg.train.seed)
     return Run(
         cfg,
@@ -270,5 +274,6 @@ def _build(
         train_data,
         val_data,
         sampler,
-        watchdog,
+        pipeline=pipeline,
+        watchdog=watchdog,
     )

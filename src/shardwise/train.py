@@ -45,18 +45,21 @@ def fit(run: Run) -> list[dict]:
         act_peak = 0
         scale = run.optimizer.scaler.scale
         # micro-steps: gradient sync only while the last micro-batch runs backward
-        for i, idx in enumerate(micro):
-            run.reducer.sync = i == len(micro) - 1
-            run.reducer.start_micro_batch()
-            inputs, targets = (
-                t.to(device, non_blocking=True) for t in run.train_data.get_batch(idx)
-            )
-            with run.meter.measure():
-                loss = run.loss_sum(inputs, targets) / global_count
-            act_peak = max(act_peak, run.meter.take_peak())
-            (loss * scale).backward()
-            run.reducer.finish()
-            loss_sum += loss.detach()
+        if run.pipeline is not None:  # pp > 1: the schedule runs them through the stages
+            loss_sum, act_peak = run.pipeline.train_step(run, micro, global_count, scale)
+        else:
+            for i, idx in enumerate(micro):
+                run.reducer.sync = i == len(micro) - 1
+                run.reducer.start_micro_batch()
+                inputs, targets = (
+                    t.to(device, non_blocking=True) for t in run.train_data.get_batch(idx)
+                )
+                with run.meter.measure():
+                    loss = run.loss_sum(inputs, targets) / global_count
+                act_peak = max(act_peak, run.meter.take_peak())
+                (loss * scale).backward()
+                run.reducer.finish()
+                loss_sum += loss.detach()
         # clip + step, skipped on every rank alike when the loss (reduced first, so every rank
         # decides on the same number) or the reduced gradient norm is not finite
         local_loss = loss_sum.clone()
@@ -90,6 +93,8 @@ def fit(run: Run) -> list[dict]:
         }
         if result.skipped:  # which tensors / ranks (the guard pools every rank's view)
             record["nonfinite"] = guard.diagnose(local_loss, result.nonfinite)
+        if run.pipeline is not None:
+            record["pipeline"] = run.pipeline.report(device)
         eval_every = cfg.train.eval_every
         if (
             run.val_data is not None
@@ -125,12 +130,16 @@ def evaluate(run: Run) -> dict[str, float]:
     count = 0
     run.model.eval()  # BatchNorm uses its running statistics
     for step in range(cfg.train.eval_batches):
-        for idx in split_for_rank(sampler.global_indices(step), run.dp_rank, d.dp, batch // d.dp):
-            inputs, targets = (t.to(run.info.device) for t in run.val_data.get_batch(idx))
-            loss, logits = run.loss_sum(inputs, targets, return_logits=True)
-            sums[0] += loss.double()
-            if d.family == "resnet":  # (a split vocabulary has no local argmax)
-                sums[1] += (logits.argmax(-1) == targets).sum().double()
+        parts = split_for_rank(sampler.global_indices(step), run.dp_rank, d.dp, batch // d.dp)
+        if run.pipeline is not None:  # pp > 1: forwards through the stages, loss on the last
+            sums[0] += run.pipeline.forward_only(run, run.val_data, parts)
+        else:
+            for idx in parts:
+                inputs, targets = (t.to(run.info.device) for t in run.val_data.get_batch(idx))
+                loss, logits = run.loss_sum(inputs, targets, return_logits=True)
+                sums[0] += loss.double()
+                if d.family == "resnet":  # (a split vocabulary has no local argmax)
+                    sums[1] += (logits.argmax(-1) == targets).sum().double()
         count += batch * d.tokens_per_sample
     run.model.train()
     run.comm.all_reduce(sums, "dp", control=True)

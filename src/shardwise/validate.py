@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from shardwise.config import Config
-from shardwise.errors import ConfigError, NotYetSupportedError
+from shardwise.errors import ConfigError
 from shardwise.models import PRESETS, ModelSpec, preset
 from shardwise.models.presets import HF_ARCHS
+from shardwise.parallel.pipeline_split import plan_chunks
 from shardwise.topology import degrees
 
 
@@ -210,22 +211,6 @@ def _checkpoint(cfg: Config) -> None:
         )
 
 
-def _not_yet(cfg: Config) -> None:
-    """Valid requests whose issues have not landed: the exact wording is a contract."""
-    p = cfg.parallel
-    for key, value, off in (
-        ("parallel.pp", p.pp, 1),
-        ("parallel.pp_schedule", p.pp_schedule, "1f1b"),
-        ("parallel.pp_virtual", p.pp_virtual, 1),
-    ):
-        if value != off:
-            shown = str(value).lower() if isinstance(value, bool) else value
-            raise NotYetSupportedError(
-                f"{key}={shown}: not yet supported in this version of "
-                f"shardwise. Fix: --{key}={str(off).lower()}."
-            )
-
-
 def derive(cfg: Config, world: int) -> Derived:
     """Validate `cfg` for `world` ranks and compute the values every later stage needs."""
     _positive(cfg)
@@ -283,6 +268,55 @@ def derive(cfg: Config, world: int) -> Derived:
             "global_batch a multiple of micro_batch * dp (dp = world / (tp * pp))."
         )
     _checkpoint(cfg)
-    _not_yet(cfg)
+    m = t.global_batch // (micro * dp)
+    _check_pipeline(cfg, spec, pp, dp, micro, m)
     tokens = 1 if is_image else cfg.data.seq_len
-    return Derived(world, pp, dp, tp, micro, t.global_batch // (micro * dp), tokens, spec)
+    return Derived(world, pp, dp, tp, micro, m, tokens, spec)
+
+
+def _check_pipeline(cfg: Config, spec: ModelSpec, pp: int, dp: int, micro: int, m: int) -> None:
+    """Pipeline options: only with pp > 1, a transformer, ZeRO <= 1, a schedule that fits m,
+    and a split that covers the model (pipeline_split.plan_chunks)."""
+    p = cfg.parallel
+    if pp == 1:
+        for key, value, off in (
+            ("parallel.pp_schedule", p.pp_schedule, "1f1b"),
+            ("parallel.pp_virtual", p.pp_virtual, 1),
+            ("parallel.pp_split", p.pp_split, ""),
+        ):
+            if value != off:
+                raise ConfigError(
+                    f"{key}={value!r} has no effect with parallel.pp=1. Fix: --parallel.pp=2 "
+                    f"(or more), or leave {key} at its default."
+                )
+        return
+    if spec.arch.startswith("resnet") or spec.arch in HF_ARCHS:
+        kind = "a ResNet" if spec.arch.startswith("resnet") else "a Hugging Face model"
+        raise ConfigError(
+            f"parallel.pp={pp}: pipeline parallelism cuts the blocks of shardwise's own "
+            f"decoders and model.name='{cfg.model.name}' is {kind}. Fix: --parallel.pp=1."
+        )
+    if p.zero >= 2:
+        raise ConfigError(
+            f"parallel.zero={p.zero} with parallel.pp={pp} is not supported: ZeRO-{p.zero} "
+            "would reduce-scatter every unit's gradients on every micro-batch of the "
+            "schedule. Fix: --parallel.zero=1 (optimizer state sharded over dp)."
+        )
+    interleaved = p.pp_schedule == "interleaved"
+    if interleaved != (p.pp_virtual > 1):
+        raise ConfigError(
+            f"parallel.pp_schedule='{p.pp_schedule}' with parallel.pp_virtual={p.pp_virtual}: "
+            "virtual chunks (pp_virtual >= 2) go with the interleaved schedule only. Fix: "
+            "--parallel.pp_schedule=interleaved --parallel.pp_virtual=2, or pp_virtual=1."
+        )
+    if interleaved and m % pp:
+        fewer = " is fewer than the stages and" if m < pp else ""
+        g = cfg.train.global_batch
+        fits = [b for b in range(g // dp, 0, -1) if (g // dp) % b == 0 and (g // dp // b) % pp == 0]
+        fix = f"--train.micro_batch={fits[0]}" if fits else f"--train.global_batch={dp * pp}"
+        raise ConfigError(
+            f"parallel.pp_schedule='interleaved' runs micro-batches in groups of pp({pp}), but "
+            f"m = global_batch({g}) / (micro_batch({micro}) * dp({dp})) = {m}{fewer} is not a "
+            f"multiple of pp. Fix: {fix}."
+        )
+    plan_chunks(spec, pp, p.pp_virtual, p.pp_split, cfg.data.seq_len)

@@ -226,6 +226,14 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, S] (or hidden states [B, S, dim] when `embed` is None)."""
+        h = self.embed_tokens(tokens)
+        blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
+        for block in blocks:
+            h = block(h)
+        return self.output(h)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token (and learned position) embeddings; hidden states pass through unchanged."""
         h = self.embed(tokens) if self.embed is not None else tokens
         if self.pos_embed is not None:
             seq_len = h.shape[1]
@@ -235,9 +243,10 @@ class Decoder(nn.Module):
                     "of the learned position table; raise model.max_seq_len or shorten data"
                 )
             h = h + self.pos_embed(torch.arange(seq_len, device=h.device))
-        blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
-        for block in blocks:
-            h = block(h)
+        return h
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and head (each skipped when a pipeline stage does not hold it)."""
         if self.norm is not None:
             h = self.norm(h)
         return self.head(h) if self.head is not None else h

@@ -113,6 +113,8 @@ def _make_buckets(params: list[nn.Parameter], dtype: torch.dtype, cap: int) -> l
         size += nbytes
     buckets = []
     for group in groups:
+        if not group:  # nothing trainable here (a frozen pipeline stage): no bucket
+            continue
         buffer = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
         offset = 0
         for p in group:

@@ -19,13 +19,14 @@ Entry = tuple[str, nn.Module, str, nn.Parameter]  # (qualified name, owner, attr
 
 
 def unit_roots(model: nn.Module) -> list[tuple[str, list[Entry], list[nn.Module]]]:
-    """Units in forward order: each block of a repeated container (`blocks`, a ResNet
-    `layerN`) and each other top-level child owning parameters. A tied parameter belongs to
-    the first unit that reaches it; every root module using a unit's parameters is listed
-    with it (a tied head needs the embedding's unit gathered)."""
+    """Units in forward order: each block of a repeated container (`blocks`, also as a
+    pipeline stage's `ModuleDict`, a ResNet `layerN`) and each other top-level child owning
+    parameters. A tied parameter belongs to the first unit that reaches it; every root module
+    using a unit's parameters is listed with it (a tied head needs the embedding's unit
+    gathered)."""
     roots: list[tuple[str, nn.Module]] = []
     for name, child in model.named_children():
-        if isinstance(child, nn.ModuleList) or (
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or (
             name.startswith("layer") and isinstance(child, nn.Sequential)
         ):
             roots += [(f"{name}.{i}", block) for i, block in child.named_children()]

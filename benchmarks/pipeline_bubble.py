@@ -1,0 +1,129 @@
+"""Pipeline bubble measured against the formulas, on 2 pipeline stages.
+
+What it measures: each pipeline rank records the busy intervals of its passes (forward,
+backward, and the zero-bubble input/weight halves) in every step; the bubble of a stage is
+1 − busy / makespan, the makespan being the slowest stage's span of the step after a common
+start (`Pipeline.report`). Per case we print the median over the steps after warm-up, per
+stage, next to the formula: (p − 1)/(m + p − 1) for GPipe and 1F1B, (p − 1)/(v·m + p − 1)
+for interleaved 1F1B (Narayanan et al. 2021); zero bubble (ZB-H1, Qi et al. 2023) must come
+out below 1F1B at the same m. Verdict: every GPipe/1F1B/interleaved stage within ±3 points
+of its formula, and ZB below 1F1B.
+
+The formulas assume balanced stages and negligible communication, so the model is built to
+be balanced: the FFN width is chosen so that the output head (2·d·V FLOPs per token) costs
+one block (2·(4d² + 3·d·f) + 4·s·d), and 7 blocks are cut 4 | 3 + head (v = 2: chunks of
+2, 2, 2, 1 + head, so 4 | 4 block-equivalents per rank). The measured per-stage busy times are
+printed so the balance can be checked, and one micro-batch's forward + backward must compute
+for >= 50 ms, so that fixed per-pass costs (p2p, Python) are small against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from common import check, command_line, commit, load, median, table
+from shardwise.testing import run_world
+
+P = 2
+DIM, VOCAB, SEQ, MICRO = 256, 4096, 128, 2
+FFN = (2 * VOCAB - 8 * DIM - 4 * SEQ) // 6  # head FLOPs = one block's FLOPs (see above)
+WARMUP = 2  # steps whose bubble is not counted (allocator growth, first-touch)
+CASES = {  # name -> (schedule, m, v)
+    "gpipe m=4": ("gpipe", 4, 1),
+    "gpipe m=8": ("gpipe", 8, 1),
+    "1f1b m=4": ("1f1b", 4, 1),
+    "1f1b m=8": ("1f1b", 8, 1),
+    "interleaved v=2 m=4": ("interleaved", 4, 2),
+    "zb m=4": ("zb", 4, 1),
+    "zb m=8": ("zb", 8, 1),
+}
+
+
+def overrides(schedule: str, m: int, v: int, steps: int) -> list[str]:
+    return [
+        "--model.name=tiny",
+        "--model.n_layers=7",
+        f"--model.dim={DIM}",
+        "--model.n_heads=4",
+        "--model.n_kv_heads=4",
+        f"--model.ffn_dim={FFN}",
+        f"--data.seq_len={SEQ}",
+        f"--train.micro_batch={MICRO}",
+        f"--train.global_batch={MICRO * m}",
+        f"--train.steps={steps}",
+        "--train.eval_every=0",
+        "--train.eval_batches=0",
+        f"--parallel.pp={P}",
+        f"--parallel.pp_schedule={schedule}",
+        f"--parallel.pp_virtual={v}",
+        f"--parallel.pp_split={'4,3' if v == 1 else '2,2,2,1'}",
+    ]
+
+
+def formula(schedule: str, m: int, v: int) -> float | None:
+    if schedule == "zb":
+        return None
+    return (P - 1) / (v * m + P - 1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    print(f"shardwise commit {commit()}")
+    print(f"$ {command_line()}")
+    print(f"model: {' '.join(overrides('<schedule>', 0, 1, args.steps)[:7])}")
+    print(f"load average at the start: {load()} (2 cores, shared)")
+    cases = [{"overrides": overrides(*CASES[n], args.steps)} for n in CASES]
+    results = run_world(P, cases)
+    check(results)
+    rows, ok = [], True
+    bubbles = {}
+    for name, per_rank in zip(CASES, results, strict=True):
+        schedule, m, v = CASES[name]
+        reps = [r["pipeline"] for r in per_rank[0]["records"][WARMUP:]]
+        stage = [median([rep["bubble"][s] for rep in reps]) for s in range(P)]
+        busy = [median([rep["busy_s"][s] for rep in reps]) for s in range(P)]
+        per_mb = min(busy) / m  # one micro-batch's forward + backward on a stage
+        want = formula(schedule, m, v)
+        bubbles[name] = stage
+        verdict = "-"
+        if want is not None:
+            good = all(abs(b - want) <= 0.03 for b in stage)
+            verdict = "ok" if good else "OFF"
+            ok &= good
+        ok &= per_mb >= 0.050
+        rows.append(
+            [
+                name,
+                " / ".join(f"{100 * b:.1f}%" for b in stage),
+                "-" if want is None else f"{100 * want:.1f}%",
+                verdict,
+                " / ".join(f"{1000 * b:.0f}" for b in busy),
+                f"{1000 * per_mb:.0f}",
+                f"{1000 * median([rep['makespan_s'] for rep in reps]):.0f}",
+            ]
+        )
+    header = ["case", "bubble stage 0 / 1", "formula", "±3 pts", "busy ms", "mb F+B ms", "step ms"]
+    print(table(header, rows))
+    for m in (4, 8):
+        zb, one = max(bubbles[f"zb m={m}"]), min(bubbles[f"1f1b m={m}"])
+        below = zb < one
+        ok &= below
+        print(
+            f"zb m={m}: worst stage {100 * zb:.1f}% vs 1f1b best stage {100 * one:.1f}%:"
+            f" {'below' if below else 'NOT below'}"
+        )
+    print(f"load average at the end: {load()}")
+    print(
+        "OK"
+        if ok
+        else "FAILED: a bubble is off its formula, zb is not below 1f1b, or a "
+        "micro-batch computes for less than 50 ms"
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Pipeline parallelism reproduces the single-process run: every schedule at p = 2 (× dp 2)
+and p = 4, m ∈ {p, 2p}, interleaved with v = 2, ZeRO-1 and tied embeddings; 1F1B holds at
+most p micro-batches of activations on the first stage where GPipe holds m; pp traffic is
+exactly the activations and gradients the plan sends.
+
+One 4-rank world runs every pipeline case, one 1-process world the references."""
+
+import pytest
+
+from shardwise.testing import run_world
+from shardwise.testing.compare import case, max_rel
+
+pytestmark = pytest.mark.slow
+
+SCHEDULES = {
+    "gpipe": ["--parallel.pp_schedule=gpipe"],
+    "1f1b": ["--parallel.pp_schedule=1f1b"],
+    "zb": ["--parallel.pp_schedule=zb"],
+    "interleaved": ["--parallel.pp_schedule=interleaved", "--parallel.pp_virtual=2"],
+}
+TIED = "--model.tie_embeddings=true"
+# Global batch 8. pp 2 × dp 2: micro-batch 2 or 1 gives m = 2 or 4 (p, 2p); pp 4 × dp 1:
+# micro-batch 2 or 1 gives m = 4 or 8. The m = p cases also cover tied embeddings (and ZeRO-1
+# at pp 2), so 16 cases cover every schedule, p, m and option once.
+LAYOUTS = {
+    "pp2_{}_m2_z1_tied": ["--parallel.pp=2", "--train.micro_batch=2", "--parallel.zero=1", TIED],
+    "pp2_{}_m4": ["--parallel.pp=2", "--train.micro_batch=1"],
+    "pp4_{}_m4_tied": ["--parallel.pp=4", "--train.micro_batch=2", TIED],
+    "pp4_{}_m8": ["--parallel.pp=4", "--train.micro_batch=1"],
+}
+
+
+def _layers(name: str) -> int:
+    """4 blocks, except 8 for pp 4 × v 2 = 8 chunks (each chunk holds at least one)."""
+    return 8 if name.startswith("pp4_interleaved") else 4
+
+
+def _ref(name: str) -> str:
+    return f"ref{_layers(name)}" + ("_tied" if "tied" in name else "")
+
+
+EVAL = "--train.eval_batches=1"  # one held-out batch at the end, forwards through the stages
+WORLD4 = {
+    layout.format(s): case(f"--model.n_layers={_layers(layout.format(s))}", EVAL, *flags, *extra)
+    for layout, extra in LAYOUTS.items()
+    for s, flags in SCHEDULES.items()
+}
+WORLD1 = {
+    f"ref{n}{t}": case(f"--model.n_layers={n}", EVAL, *([TIED] if t else []))
+    for n in (4, 8)
+    for t in ("", "_tied")
+}
+
+
+def _run(cases: dict, nproc: int) -> dict:
+    out = {}
+    for name, per_rank in zip(cases, run_world(nproc, list(cases.values())), strict=True):
+        for r in per_rank:
+            assert "error" not in r, f"{name}: {r['error']}"
+        out[name] = per_rank
+    return out
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    return {1: _run(WORLD1, 1), 4: _run(WORLD4, 4)}
+
+
+def _stage(name: str, rank: int) -> int:
+    pp = int(name[2])
+    return rank // (4 // pp)  # ranks are laid out pp-major: (pp, dp) row-major
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_pipeline_matches_single_process(worlds, name):
+    ref = worlds[1][_ref(name)][0]
+    got = worlds[4][name]
+    last = got[3]  # a rank of the last stage
+    assert len(last["losses"]) == 20
+    # every rank reports the global loss (the last stage's, summed over dp)
+    for r in got:
+        assert max_rel(r["losses"], ref["losses"]) <= 1e-5, name
+    assert max_rel([last["records"][-1]["eval_loss"]], [ref["records"][-1]["eval_loss"]]) <= 1e-5
+    assert ref["losses"][-1] < ref["losses"][0] - 0.5  # and it trained
+    # each stage's parameters are the reference's; together they are the whole model once.
+    # Compared tensor by tensor in relative L2: element-wise, Adam divides every coordinate
+    # by its own RMS, so a gradient entry that is zero up to fp32 rounding (summed in another
+    # order by another layout) can move by up to ±lr per step (testing/compare.py); a few
+    # such entries of the embedding differ by ~1e-5 while the tensors agree to ~1e-7.
+    seen = set()
+    for rank, r in enumerate(got):
+        for key, value in r["params"].items():
+            ref_key = "embed.weight" if key == "head.weight" and "tied" in name else key
+            want = ref["params"][ref_key]
+            rel = ((value - want).norm() / want.norm()).item()
+            assert rel <= 1e-5, (name, rank, key, rel)
+            seen.add(ref_key)
+    assert seen == set(ref["params"])
+
+
+@pytest.mark.parametrize("name", [n for n in WORLD4 if "tied" in n])
+def test_tied_weight_identical_on_first_and_last_stage(worlds, name):
+    got = worlds[4][name]
+    first, last = got[0]["params"], got[3]["params"]
+    assert "head.weight" not in first and "embed.weight" not in last
+    assert (first["embed.weight"] - last["head.weight"]).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_1f1b_holds_p_micro_batches_where_gpipe_holds_m(worlds, pp):
+    """Measured saved-activation bytes on the first stage, m = 2p."""
+    m = 2 * pp
+    gpipe = worlds[4][f"pp{pp}_gpipe_m{m}"][0]["records"][-1]["pipeline"]
+    one = worlds[4][f"pp{pp}_1f1b_m{m}"][0]["records"][-1]["pipeline"]
+    assert gpipe["in_flight"][0] == m and one["in_flight"][0] == pp
+    per_mb = one["act_per_mb"][0]
+    assert per_mb > 0 and gpipe["act_per_mb"][0] == per_mb
+    assert gpipe["act_peak"][0] == m * per_mb
+    assert one["act_peak"][0] == pp * per_mb
+    rec = worlds[4][f"pp{pp}_1f1b_m{m}"][0]["records"][-1]
+    assert rec["mem_bytes"]["activations"] == max(one["act_peak"])
+
+
+def _act_bytes(micro: int) -> int:
+    return micro * 32 * 128 * 4  # micro-batch × seq_len × dim, fp32
+
+
+@pytest.mark.parametrize("name", ["pp4_1f1b_m8", "pp2_gpipe_m4", "pp4_interleaved_m8", "pp2_zb_m4"])
+def test_pp_bytes_are_the_activations_and_gradients_sent(worlds, name):
+    pp, m = int(name[2]), int(name.rsplit("m", 1)[1])
+    v = 2 if "interleaved" in name else 1
+    act = _act_bytes(8 // (4 // pp) // m)  # global batch 8 over dp = 4 / pp
+    for rank, r in enumerate(worlds[4][name]):
+        stage = _stage(name, rank)
+        # each chunk sends its output forward (but the last) and its input gradient back
+        # (but the first); p2p counts the bytes sent
+        chunks = [k * pp + stage for k in range(v)]
+        sends = sum((c < pp * v - 1) + (c > 0) for c in chunks)
+        for rec in r["records"]:
+            assert rec["comm_bytes"]["pp"] == sends * m * act, (name, rank)
+
+
+def _zero1_padded(params: dict) -> int:
+    """Elements of this stage's ZeRO-1 units (one per block, one per other top-level module),
+    each padded to a multiple of dp = 2."""
+    units: dict[str, int] = {}
+    for key, value in params.items():
+        parts = key.split(".")
+        root = ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
+        units[root] = units.get(root, 0) + value.numel()
+    return sum(-(-n // 2) * 2 for n in units.values())
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_tied_sum_and_zero1_traffic(worlds, rank):
+    """ZeRO-1 with pp: one reduce-scatter and one all-gather per step over dp (not one per
+    micro-batch); the tied gradient crosses the pipeline once per step, and only this rank's
+    reduced half of it (an all-reduce over 2 ranks counts 2·(2-1)/2·S = S)."""
+    r = worlds[4]["pp2_1f1b_m2_z1_tied"][rank]
+    tied = r["params"]["embed.weight" if rank == 0 else "head.weight"].numel() * 4
+    padded = _zero1_padded(r["params"])
+    for rec in r["records"]:
+        assert rec["comm_bytes"]["pp"] == 2 * _act_bytes(2) + tied / 2
+        assert rec["comm_bytes"]["dp"] == 2 * (2 - 1) / 2 * padded * 4
+
+
+def test_dp_reduces_once_per_step(worlds):
+    """DP all-reduce of this stage's parameters once per step, whatever m."""
+    for s in SCHEDULES:
+        r = worlds[4][f"pp2_{s}_m4"][0]
+        n = sum(p.numel() for p in r["params"].values())
+        assert r["records"][-1]["comm_bytes"]["dp"] == 2 * (2 - 1) / 2 * n * 4, s
+
+
+def test_bubble_is_reported_per_stage(worlds):
+    rep = worlds[4]["pp4_1f1b_m8"][0]["records"][-1]["pipeline"]
+    assert rep["schedule"] == "1f1b" and len(rep["bubble"]) == 4
+    assert all(0.0 < b < 1.0 for b in rep["bubble"])
+    assert all(0.0 < busy <= rep["makespan_s"] for busy in rep["busy_s"])
