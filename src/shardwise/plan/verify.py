@@ -51,8 +51,8 @@ def timed_run(cfg) -> dict:
         cpu.append(time.process_time())
         zero_grad()
 
-    def timed_step():
-        out = step()
+    def timed_step(*args, **kwargs):
+        out = step(*args, **kwargs)
         cpu[-1] = time.process_time() - cpu[-1]
         return out
 
