@@ -61,9 +61,25 @@ def _run(cases: dict, nproc: int) -> dict:
     return out
 
 
+RESUME = "resume_pp2_zb_m4_z1_tied"
+
+
 @pytest.fixture(scope="module")
-def worlds():
-    return {1: _run(WORLD1, 1), 4: _run(WORLD4, 4)}
+def worlds(tmp_path_factory):
+    # The tied 1-process reference also saves at step 10; a pp 2 × dp 2 ZeRO-1 zero-bubble
+    # run resumes from it (a checkpoint is layout-free: the tied head is stored once).
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    world1 = dict(WORLD1)
+    world1["ref4_tied"] = case(
+        *WORLD1["ref4_tied"]["overrides"], "--checkpoint.every=10", f"--checkpoint.dir={ckpt}"
+    )
+    world4 = dict(WORLD4)
+    world4[RESUME] = case(
+        *WORLD4["pp2_zb_m2_z1_tied"]["overrides"],
+        "--train.micro_batch=1",
+        f"--checkpoint.resume={ckpt}/step-00000010",
+    )
+    return {1: _run(world1, 1), 4: _run(world4, 4)}
 
 
 def _stage(name: str, rank: int) -> int:
@@ -98,7 +114,14 @@ def test_pipeline_matches_single_process(worlds, name):
     assert seen == set(ref["params"])
 
 
-@pytest.mark.parametrize("name", [n for n in WORLD4 if "tied" in n])
+def test_resume_from_a_single_process_checkpoint(worlds):
+    ref, got = worlds[1]["ref4_tied"][0], worlds[4][RESUME]
+    for r in got:  # steps 11..20 continue the reference exactly as far as fp32 allows
+        assert len(r["losses"]) == 10
+        assert max_rel(r["losses"], ref["losses"][10:]) <= 1e-5
+
+
+@pytest.mark.parametrize("name", [*(n for n in WORLD4 if "tied" in n), RESUME])
 def test_tied_weight_identical_on_first_and_last_stage(worlds, name):
     got = worlds[4][name]
     first, last = got[0]["params"], got[3]["params"]

@@ -23,6 +23,7 @@ import torch
 from shardwise import checkpoint_io as io
 from shardwise.comm import ControlChannel
 from shardwise.errors import CheckpointError
+from shardwise.models.init import canonical_name, find_spec
 from shardwise.optim import MixedPrecisionAdamW, lr_at
 from shardwise.parallel.zero import ZeroEngine
 
@@ -93,26 +94,29 @@ def slices_of(key: str, p: torch.Tensor, span: tuple[int, int], values: torch.Te
 
 
 def local_state(run) -> list[Local]:
-    """Every slice of model and optimizer state this rank holds, in a fixed order."""
+    """Every slice of model and optimizer state this rank holds, in a fixed order. A tied
+    head held by the last pipeline stage is stored under its one name, `embed.weight`."""
     out, params = [], {}
+    spec = find_spec(run.model)
+    key = lambda name: canonical_name(name, spec)  # noqa: E731
     if isinstance(run.reducer, ZeroEngine):
         for unit in run.reducer.units:
             for name, p, start, stop, at in unit.pieces():
                 params[name] = p
                 values = unit.shard[at : at + stop - start]
-                out += slices_of(f"param/{name}", p, (start, stop), _flat(values))
+                out += slices_of(f"param/{key(name)}", p, (start, stop), _flat(values))
     else:
         for name, p in run.model.named_parameters():
             params[name] = p
-            out += slices_of(f"param/{name}", p, (0, p.numel()), _flat(p))
+            out += slices_of(f"param/{key(name)}", p, (0, p.numel()), _flat(p))
     opt: MixedPrecisionAdamW = run.optimizer
     for t, m in zip(opt.targets, opt.masters, strict=True):
         span, p = t.span or (0, m.numel()), params[t.name]
         if opt.separate_master:
-            out += slices_of(f"master/{t.name}", p, span, _flat(m))
+            out += slices_of(f"master/{key(t.name)}", p, span, _flat(m))
         for kind, v in opt.inner.state.get(m, {}).items():
             if kind != "step":
-                out += slices_of(f"{kind}/{t.name}", p, span, _flat(v))
+                out += slices_of(f"{kind}/{key(t.name)}", p, span, _flat(v))
     for prefix, module in run.model.named_modules():
         for leaf, b in module._buffers.items():
             if b is not None and leaf not in module._non_persistent_buffers_set:
