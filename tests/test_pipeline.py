@@ -7,8 +7,8 @@ One 4-rank world runs every pipeline case, one 1-process world the references.""
 
 import pytest
 
-from shardwise.testing import run_world
 from shardwise.testing.compare import case, max_rel
+from shardwise.testing.harness import run_named
 
 pytestmark = pytest.mark.slow
 
@@ -52,15 +52,6 @@ WORLD1 = {
 }
 
 
-def _run(cases: dict, nproc: int) -> dict:
-    out = {}
-    for name, per_rank in zip(cases, run_world(nproc, list(cases.values())), strict=True):
-        for r in per_rank:
-            assert "error" not in r, f"{name}: {r['error']}"
-        out[name] = per_rank
-    return out
-
-
 RESUME = "resume_pp2_zb_m4_z1_tied"
 
 
@@ -79,7 +70,7 @@ def worlds(tmp_path_factory):
         "--train.micro_batch=1",
         f"--checkpoint.resume={ckpt}/step-00000010",
     )
-    return {1: _run(world1, 1), 4: _run(world4, 4)}
+    return {1: run_named(1, world1), 4: run_named(4, world4)}
 
 
 def _stage(name: str, rank: int) -> int:
@@ -218,7 +209,7 @@ CASE_3D = case(
 
 @pytest.fixture(scope="module")
 def world8():
-    return _run({"3d": CASE_3D}, 8)["3d"]
+    return run_named(8, {"3d": CASE_3D})["3d"]
 
 
 def test_3d_matches_single_process(worlds, world8):

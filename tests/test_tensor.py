@@ -6,8 +6,8 @@ references."""
 
 import pytest
 
-from shardwise.testing import run_world
 from shardwise.testing.compare import case, max_param_diff, max_rel
+from shardwise.testing.harness import run_named
 
 pytestmark = pytest.mark.slow
 
@@ -53,18 +53,9 @@ REFERENCE = {
 }
 
 
-def _run(cases: dict, nproc: int) -> dict:
-    out = {}
-    for name, per_rank in zip(cases, run_world(nproc, list(cases.values())), strict=True):
-        for r in per_rank:
-            assert "error" not in r, f"{name}: {r['error']}"
-        out[name] = per_rank
-    return out
-
-
 @pytest.fixture(scope="module")
 def worlds():
-    return {1: _run(WORLD1, 1), 4: _run(WORLD4, 4)}
+    return {1: run_named(1, WORLD1), 4: run_named(4, WORLD4)}
 
 
 def _outliers(pa: dict, pb: dict, bound: float) -> list[tuple[str, float]]:

@@ -4,8 +4,8 @@ One spawned world per size runs every case."""
 
 import pytest
 
-from shardwise.testing import run_world
 from shardwise.testing.compare import SMALL, case, max_param_diff, max_rel
+from shardwise.testing.harness import run_named
 
 pytestmark = pytest.mark.slow
 
@@ -55,18 +55,9 @@ for _z in (0, 1, 2, 3):
 WORLD4 = zero_cases("--train.micro_batch=1")
 
 
-def _run(cases: dict, nproc: int) -> dict:
-    out = {}
-    for name, per_rank in zip(cases, run_world(nproc, list(cases.values())), strict=True):
-        for r in per_rank:
-            assert "error" not in r, f"{name}: {r['error']}"
-        out[name] = per_rank
-    return out
-
-
 @pytest.fixture(scope="module")
 def worlds():
-    return {1: _run(WORLD1, 1), 2: _run(WORLD2, 2), 4: _run(WORLD4, 4)}
+    return {1: run_named(1, WORLD1), 2: run_named(2, WORLD2), 4: run_named(4, WORLD4)}
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

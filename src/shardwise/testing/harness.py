@@ -122,3 +122,14 @@ def run_here(case: dict, run_dir: str) -> dict:
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def run_named(nproc: int, cases: dict[str, dict]) -> dict[str, list[dict]]:
+    """`run_world` over named cases: each name maps to its per-rank results; a case that
+    failed on any rank fails the caller with that rank's error."""
+    out = {}
+    for name, per_rank in zip(cases, run_world(nproc, list(cases.values())), strict=True):
+        for r in per_rank:
+            assert "error" not in r, f"{name}: {r['error']}"
+        out[name] = per_rank
+    return out
