@@ -312,6 +312,36 @@ def test_a_changed_data_order_is_refused(runs: dict, tmp_path: Path) -> None:
         run_here(bigger, str(tmp_path))
 
 
+@pytest.mark.slow
+def test_a_failure_between_save_and_log_keeps_that_steps_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process dying after step 4's checkpoint is committed but before step 4's line reaches
+    metrics.jsonl: the resume at step 4 writes the record the checkpoint stored, so the file
+    holds every step once, with the uninterrupted run's losses (bitwise: same layout)."""
+    from shardwise.metrics import MetricsLogger
+
+    log = MetricsLogger.log
+
+    def dies_at_step_4(self, record: dict) -> None:
+        if record["step"] == 4:
+            raise RuntimeError("killed between the save and the log line")
+        log(self, record)
+
+    run_dir, first = tmp_path / "run", _ckpt(tmp_path, "c")
+    monkeypatch.setattr(MetricsLogger, "log", dies_at_step_4)
+    with pytest.raises(RuntimeError, match="between the save"):
+        run_here(first, str(run_dir))
+    monkeypatch.setattr(MetricsLogger, "log", log)
+    assert (tmp_path / "c" / HALF).is_dir()
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()]
+    assert steps == [1, 2, 3]  # the failure left step 4 out
+    run_here(_ckpt(tmp_path, "c", resume="c"), str(run_dir))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["loss"] for r in records] == run_here(_ckpt(tmp_path, "u"), str(tmp_path))["losses"]
+
+
 @pytest.mark.parametrize(
     ("argv", "words"),
     [

@@ -57,6 +57,9 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.saving_step = 0
+        # the metrics record of the step the resumed checkpoint was saved after: a failure
+        # between the save and the log line must not leave that step out of metrics.jsonl
+        self.record: dict | None = None
 
     # -- resume ---------------------------------------------------------------------------------
     def resume(self) -> int:
@@ -133,6 +136,7 @@ class Checkpointer:
                 f"{data['global_batch']} --train.seed={data['seed']}."
             )
         load_state(self.run, path, index, self.channel)
+        self.record = index.get("record")
         scaler, saved = self.run.optimizer.scaler, index["loop"]["loss_scaler"]
         if scaler.enabled and saved["enabled"]:
             scaler.scale, scaler.good_steps = saved["scale"], saved["good_steps"]
@@ -157,10 +161,10 @@ class Checkpointer:
             return
         t0 = time.perf_counter()
         self.wait()  # one save in flight at a time
-        self._save(step)
+        self._save(step, record)
         record["checkpoint_stall_s"] = time.perf_counter() - t0
 
-    def _save(self, step: int) -> None:
+    def _save(self, step: int, record: dict) -> None:
         locals_ = local_state(self.run)
         held = self.channel.all_gather(
             ([lo.piece for lo in locals_], adam_step(self.run.optimizer))
@@ -174,9 +178,10 @@ class Checkpointer:
                     raise ValueError(f"two slices named {name} on one rank")
                 mine[name] = self._snapshot(local)
         dev.synchronize(self.run.info)  # the device-to-host copies are complete
-        index = (
-            build_index(self.run, step, owner, max(h[1] for h in held)) if self.rank == 0 else None
-        )
+        index = None
+        if self.rank == 0:
+            index = build_index(self.run, step, owner, max(h[1] for h in held))
+            index["record"] = dict(record)  # logged after the save; restored if it never was
         self.saving_step = step
         if self.cfg.async_:
             # a daemon: a rank failing meanwhile must still exit (its save stays a .tmp)

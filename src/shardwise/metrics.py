@@ -66,9 +66,11 @@ def _before(line: str, step: int) -> bool:
 
 
 class MetricsLogger:
-    def __init__(self, run, start_step: int = 0) -> None:
+    def __init__(self, run, start_step: int = 0, saved: dict | None = None) -> None:
         """`start_step` > 0 continues a resumed run: records after it (written before a
-        failure, and about to be redone) are dropped, earlier ones kept."""
+        failure, and about to be redone) are dropped, earlier ones kept. `saved` is the
+        record the checkpoint stored for `start_step`: written when the failure came between
+        the save and its log line."""
         self.enabled = run.topo.rank == 0
         self.cfg = run.cfg
         self.total = run.cfg.train.steps
@@ -79,9 +81,12 @@ class MetricsLogger:
         (out / "config.json").write_text(json.dumps(run.cfg.to_dict(), indent=2))
         path = out / "metrics.jsonl"
         if start_step and path.is_file():  # replaced atomically: a kill here loses nothing
-            lines = path.read_text().splitlines(True)
+            kept = [line for line in path.read_text().splitlines(True) if _before(line, start_step)]
+            logged = {json.loads(line)["step"] for line in kept}
+            if saved is not None and saved["step"] == start_step and start_step not in logged:
+                kept.append(json.dumps(saved) + "\n")
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(line for line in lines if _before(line, start_step)))
+            tmp.write_text("".join(kept))
             os.replace(tmp, path)
             self.file = path.open("a")
         else:

@@ -30,7 +30,7 @@ def fit(run: Run) -> list[dict]:
         step_flops = flops_per_token(build_model(d.spec), d) * d.tokens_per_step
     ckpt = Checkpointer(run)
     start = ckpt.resume()  # the step to continue from (0: a fresh run)
-    logger = MetricsLogger(run, start)
+    logger = MetricsLogger(run, start, ckpt.record)
     guard = NonFiniteGuard(run)
     records = []
     for step in range(start, cfg.train.steps):
