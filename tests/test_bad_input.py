@@ -314,6 +314,16 @@ CONFIG_CASES = [
         id="tp-with-resnet",
     ),
     pytest.param(
+        ["explain", "--model.dropout=1.5"],
+        ["model.dropout=1.5", "[0, 1)", "--model.dropout=0.1"],
+        id="dropout-not-a-probability",
+    ),
+    pytest.param(
+        ["explain", "--model.name=hf-llama-tiny", "--model.attn_dropout=0.1"],
+        ["model.attn_dropout=0.1", "hf-llama-tiny", "global generator", "--model.attn_dropout=0"],
+        id="dropout-with-a-hugging-face-model",
+    ),
+    pytest.param(
         ["explain", "--model.n_heads=4", "--model.n_kv_heads=3"],
         ["model.n_heads=4", "model.n_kv_heads=3"],
         id="heads-not-divisible-by-kv-heads",

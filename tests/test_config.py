@@ -34,6 +34,8 @@ GOLDEN_KEYS = [
     "model.ffn_dim",
     "model.vocab_size",
     "model.tie_embeddings",
+    "model.dropout",
+    "model.attn_dropout",
     "model.init_from",
     "data.dataset",
     "data.seq_len",

@@ -273,3 +273,34 @@ def test_autocast_bf16_forward() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(_tokens(spec))
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+
+
+# -- layout-free dropout ----------------------------------------------------------------------
+def _dropped(split: str, shape: tuple, shard: tuple[int, int] | None, step: int = 3):
+    from shardwise.models.dropout import LayoutFreeDropout, random_stream, samples
+
+    drop = LayoutFreeDropout(0.25, split)
+    drop.site, drop.shard = "blocks.1.mlp_drop", shard
+    with random_stream(7, step), samples([11, 4]):
+        return drop(torch.ones(shape))
+
+
+@pytest.mark.parametrize(("split", "whole"), [("heads", (2, 4, 6, 6)), ("sequence", (2, 8, 5))])
+@pytest.mark.parametrize("t", [2, 4])
+def test_dropout_shards_are_slices_of_the_whole_mask(split: str, whole: tuple, t: int) -> None:
+    """A rank holding shard r of t (heads or sequence rows) drops exactly the entries the
+    unsplit run drops there; the keys (step here) change the mask; p is kept on average."""
+    full = _dropped(split, whole, None)
+    part = (whole[0], whole[1] // t, *whole[2:])
+    shards = [_dropped(split, part, (r, t)) for r in range(t)]
+    assert torch.equal(torch.cat(shards, dim=1), full)
+    assert set(full.unique().tolist()) == {0.0, torch.tensor(1 / 0.75).item()}  # fp32 scale
+    assert not torch.equal(_dropped(split, whole, None, step=4), full)
+
+
+def test_dropout_outside_a_training_step_is_refused() -> None:
+    from shardwise.models.dropout import LayoutFreeDropout
+
+    with pytest.raises(RuntimeError, match="random_stream"):
+        LayoutFreeDropout(0.1, "sequence")(torch.ones(2, 3, 4))
+    assert torch.equal(LayoutFreeDropout(0.1, "sequence").eval()(torch.ones(2)), torch.ones(2))

@@ -36,7 +36,9 @@ def _layers(name: str) -> int:
 
 
 def _ref(name: str) -> str:
-    return f"ref{_layers(name)}" + ("_tied" if "tied" in name else "")
+    return (
+        f"ref{_layers(name)}" + ("_tied" if "tied" in name else "") + (DROP if DROP in name else "")
+    )
 
 
 EVAL = "--train.eval_batches=1"  # one held-out batch at the end, forwards through the stages
@@ -45,14 +47,28 @@ WORLD4 = {
     for layout, extra in LAYOUTS.items()
     for s, flags in SCHEDULES.items()
 }
+# dropout (layout-free masks) through the split backward, with selective recomputation
+DROP = "_drop"
+DROPOUT = ["--model.dropout=0.1", "--model.attn_dropout=0.1", "--memory.recompute=selective"]
+WORLD4["pp2_zb_m4_drop"] = case(*WORLD4["pp2_zb_m4"]["overrides"], *DROPOUT)
 WORLD1 = {
     f"ref{n}{t}": case(f"--model.n_layers={n}", EVAL, *([TIED] if t else []))
     for n in (4, 8)
     for t in ("", "_tied")
 }
+WORLD1["ref4_drop"] = case(*WORLD1["ref4"]["overrides"], *DROPOUT)
 
 
 RESUME = "resume_pp2_zb_m4_z1_tied"
+SAVED = "pp2_1f1b_m4"  # also saves at step 10; resumed in a data-parallel-only layout
+SAVES: dict[str, str] = {}  # case name -> its checkpoint directory
+
+
+def _saves(tmp_path_factory, name: str) -> list[str]:
+    """Overrides that make case `name` save at step 10 (of 20), noted in SAVES."""
+    root = tmp_path_factory.mktemp("saved")
+    SAVES[name] = str(root / "step-00000010")
+    return ["--checkpoint.every=10", f"--checkpoint.dir={root}"]
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +81,7 @@ def worlds(tmp_path_factory):
         *WORLD1["ref4_tied"]["overrides"], "--checkpoint.every=10", f"--checkpoint.dir={ckpt}"
     )
     world4 = dict(WORLD4)
+    world4[SAVED] = case(*WORLD4[SAVED]["overrides"], *_saves(tmp_path_factory, SAVED))
     world4[RESUME] = case(
         *WORLD4["pp2_zb_m2_z1_tied"]["overrides"],
         "--train.micro_batch=1",
@@ -208,8 +225,26 @@ CASE_3D = case(
 
 
 @pytest.fixture(scope="module")
-def world8():
-    return run_named(8, {"3d": CASE_3D})["3d"]
+def world8(tmp_path_factory):
+    return run_named(8, {"3d": case(*CASE_3D["overrides"], *_saves(tmp_path_factory, "3d"))})["3d"]
+
+
+def test_pipeline_checkpoints_resume_as_data_parallel_only(worlds, world8):
+    """The reshard matrix's pp2 -> pp1 and 3D -> dp only: the step-10 checkpoints of pp 2 × dp 2
+    1F1B and of pp 2 × dp 2 × tp 2 + sp ZeRO-1 (tied) resume as dp 2 (ZeRO-1 for the 3D one)
+    and continue the single-process run within 1e-5."""
+    resumed = run_named(
+        2,
+        {
+            name: case("--model.n_layers=4", *extra, f"--checkpoint.resume={SAVES[name]}")
+            for name, extra in ((SAVED, []), ("3d", [TIED, "--parallel.zero=1"]))
+        },
+    )
+    for name, ref in ((SAVED, "ref4"), ("3d", "ref4_tied")):
+        want = worlds[1][ref][0]["losses"][10:]
+        for r in resumed[name]:
+            assert len(r["losses"]) == 10
+            assert max_rel(r["losses"], want) <= 1e-5, name
 
 
 def test_3d_matches_single_process(worlds, world8):

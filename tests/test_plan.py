@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from shardwise.cli.main import main
 from shardwise.memory import ActivationMeter
 from shardwise.models import build_model, preset
+from shardwise.models.dropout import random_stream, samples
 from shardwise.plan import activations as act
 from shardwise.plan.hardware import get_hardware
 from shardwise.plan.layout import FineTune, Job, Layout
@@ -65,18 +66,22 @@ def _meter_bytes(spec, mode: str, dtype: torch.dtype, b: int, s: int) -> int:
         cast_for_compute(model, dtype)
         meter = ActivationMeter(model)
         window = torch.zeros(b, s + 1, dtype=torch.long)  # as the loader: views of one window
-        with meter.measure():
+        with meter.measure(), random_stream(0, 0), samples(range(b)):
             logits = model(window[:, :-1])
             F.cross_entropy(logits.float().flatten(0, -2), window[:, 1:].flatten(), reduction="sum")
         return meter.take_peak()
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2-tiny", "tiny-mha"])
+@pytest.mark.parametrize(
+    "name", ["tiny", "gpt2-tiny", "tiny-mha", "tiny-dropout", "gpt2-tiny-dropout"]
+)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 def test_block_formula_matches_the_engine_accounting(name, precision, mode):
-    spec = preset("tiny", n_kv_heads=4) if name == "tiny-mha" else preset(name)
-    spec = preset(name.removesuffix("-mha"), n_layers=3, n_kv_heads=spec.n_kv_heads)
+    base = name.removesuffix("-mha").removesuffix("-dropout")
+    drop = 0.1 if name.endswith("-dropout") else 0.0
+    kv = 4 if name == "tiny-mha" else preset(base).n_kv_heads  # tiny-mha: 4 kv heads of 4
+    spec = preset(base, n_layers=3, n_kv_heads=kv, dropout=drop, attn_dropout=drop)
     b, s = 3, 24
     job = Job(spec, H100, 1, seq_len=s, global_batch=b, precision=precision)
     predicted = predict_memory(job, Layout(micro_batch=b, recompute=mode))["activations"]

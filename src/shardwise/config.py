@@ -48,6 +48,14 @@ class ModelConfig:
     tie_embeddings: Literal["preset", "true", "false"] = opt(
         "preset", "Share input embedding and output head: true, false or preset."
     )
+    dropout: float = opt(
+        0.0,
+        "Dropout on the embeddings and each residual branch (decoder/gpt2 models); masks "
+        "depend on (seed, step, sample, position) only, so every layout drops the same.",
+    )
+    attn_dropout: float = opt(
+        0.0, "Dropout on attention probabilities (decoder/gpt2; computes the softmax explicitly)."
+    )
     init_from: str = opt(
         "",
         "Start from Hugging Face weights: a directory with config.json and safetensors of a "

@@ -13,6 +13,7 @@ from shardwise.data import GlobalSampler, split_for_rank
 from shardwise.memory import model_state_bytes, step_memory
 from shardwise.metrics import MetricsLogger, flops_per_token
 from shardwise.models import build_model
+from shardwise.models.dropout import random_stream, samples
 from shardwise.nonfinite import NonFiniteGuard
 from shardwise.optim import lr_at
 from shardwise.parallel.data import sync_buffers
@@ -44,22 +45,25 @@ def fit(run: Run) -> list[dict]:
         loss_sum = torch.zeros((), device=device)
         act_peak = 0
         scale = run.optimizer.scaler.scale
-        # micro-steps: gradient sync only while the last micro-batch runs backward
-        if run.pipeline is not None:  # pp > 1: the schedule runs them through the stages
-            loss_sum, act_peak = run.pipeline.train_step(run, micro, global_count, scale)
-        else:
-            for i, idx in enumerate(micro):
-                run.reducer.sync = i == len(micro) - 1
-                run.reducer.start_micro_batch()
-                inputs, targets = (
-                    t.to(device, non_blocking=True) for t in run.train_data.get_batch(idx)
-                )
-                with run.meter.measure():
-                    loss = run.loss_sum(inputs, targets) / global_count
-                act_peak = max(act_peak, run.meter.take_peak())
-                (loss * scale).backward()
-                run.reducer.finish()
-                loss_sum += loss.detach()
+        # micro-steps: gradient sync only while the last micro-batch runs backward; dropout
+        # masks are keyed by (seed, step, global sample), never by the layout
+        with random_stream(cfg.train.seed, step):
+            if run.pipeline is not None:  # pp > 1: the schedule runs them through the stages
+                loss_sum, act_peak = run.pipeline.train_step(run, micro, global_count, scale)
+            else:
+                for i, idx in enumerate(micro):
+                    run.reducer.sync = i == len(micro) - 1
+                    run.reducer.start_micro_batch()
+                    inputs, targets = (
+                        t.to(device, non_blocking=True) for t in run.train_data.get_batch(idx)
+                    )
+                    with samples(idx):
+                        with run.meter.measure():
+                            loss = run.loss_sum(inputs, targets) / global_count
+                        act_peak = max(act_peak, run.meter.take_peak())
+                        (loss * scale).backward()  # recomputation redraws the same masks
+                    run.reducer.finish()
+                    loss_sum += loss.detach()
         # clip + step, skipped on every rank alike when the loss (reduced first, so every rank
         # decides on the same number) or the reduced gradient norm is not finite
         local_loss = loss_sum.clone()

@@ -14,7 +14,7 @@ import torch
 from shardwise.config import Config
 from shardwise.errors import ConfigError
 from shardwise.models import PRESETS, ModelSpec, preset
-from shardwise.models.presets import HF_ARCHS
+from shardwise.models.presets import HF_ARCHS, RESNET_ARCHS
 from shardwise.parallel.pipeline_split import plan_chunks
 from shardwise.topology import degrees
 
@@ -59,6 +59,21 @@ def model_spec(cfg: Config) -> ModelSpec:
             )
     if m.tie_embeddings != "preset":
         overrides["tie_embeddings"] = m.tie_embeddings == "true"
+    for key in ("dropout", "attn_dropout"):
+        value = getattr(m, key)
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(
+                f"model.{key}={value} is not a probability in [0, 1). Fix: e.g. "
+                f"--model.{key}=0.1, or 0 for none."
+            )
+        if value and not spec.is_transformer:
+            raise ConfigError(
+                f"model.{key}={value} applies to the shardwise decoders only, and "
+                f"model.name='{m.name}' is not one: {_no_dropout(spec)} Fix: "
+                f"--model.{key}=0, or a decoder (tiny, gpt2-tiny, ...)."
+            )
+        if value:
+            overrides[key] = value
     if spec.arch.startswith("resnet") and overrides:
         raise ConfigError(
             f"model.{next(iter(overrides))} does not apply to model.name='{m.name}'"
@@ -93,6 +108,15 @@ def model_spec(cfg: Config) -> ModelSpec:
     if not spec.arch.startswith("resnet"):
         _check_transformer(spec, cfg)
     return spec
+
+
+def _no_dropout(spec: ModelSpec) -> str:
+    if spec.arch in RESNET_ARCHS:
+        return "a ResNet has no dropout."
+    return (
+        "Hugging Face models draw dropout from torch's global generator, which would make "
+        "the masks depend on the layout."
+    )
 
 
 def _check_transformer(spec: ModelSpec, cfg: Config) -> None:

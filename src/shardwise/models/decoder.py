@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.models.dropout import LayoutFreeDropout, name_sites
 from shardwise.models.presets import ModelSpec
 
 
@@ -88,11 +89,14 @@ class AttentionCore(nn.Module):
 
     forward(q [B, S, H, D], k/v [B, S, KV, D]) -> [B, S, H, D]. A separate module so that
     selective recomputation (Korthikanti et al. 2022, §5) can target exactly this part.
+    With attention dropout (training only) the softmax is explicit, so that its layout-free
+    mask can be applied; SDPA's fused dropout draws from the global RNG.
     """
 
-    def __init__(self, rope_theta: float | None) -> None:
+    def __init__(self, rope_theta: float | None, attn_dropout: float = 0.0) -> None:
         super().__init__()
         self.rope_theta = rope_theta
+        self.drop = LayoutFreeDropout(attn_dropout, "heads")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n_heads, n_kv = q.shape[2], k.shape[2]
@@ -110,10 +114,17 @@ class AttentionCore(nn.Module):
             # enable_gqa keeps every SDPA backend (flash, memory-efficient, cuDNN) eligible.
             k = k.repeat_interleave(n_heads // n_kv, dim=2)
             v = v.repeat_interleave(n_heads // n_kv, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        return out.transpose(1, 2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.training and self.drop.p > 0:
+            return self._explicit(q, k, v).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q kᵀ / √d + causal) with dropout, times v; q, k, v [B, H, S, D]."""
+        s = q.shape[2]
+        causal = torch.full((s, s), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
+        scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + causal  # the add saves nothing
+        return self.drop(scores.softmax(-1)) @ v
 
 
 class Attention(nn.Module):
@@ -127,7 +138,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=bias)
         self.wv = nn.Linear(spec.dim, spec.n_kv_heads * spec.head_dim, bias=bias)
         self.wo = nn.Linear(spec.n_heads * spec.head_dim, spec.dim, bias=bias)
-        self.core = AttentionCore(spec.rope_theta if spec.arch == "decoder" else None)
+        rope = spec.rope_theta if spec.arch == "decoder" else None
+        self.core = AttentionCore(rope, spec.attn_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -179,7 +191,8 @@ def _norm(spec: ModelSpec) -> nn.Module:
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
+    """Pre-norm residual block: x + drop(attn(attn_norm(x))), then x + drop(mlp(mlp_norm(x)))
+    (the dropouts are identities unless `spec.dropout` > 0 and training)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -187,10 +200,12 @@ class Block(nn.Module):
         self.attn = Attention(spec)
         self.mlp_norm = _norm(spec)
         self.mlp = MLP(spec)
+        self.attn_drop = LayoutFreeDropout(spec.dropout, "sequence")
+        self.mlp_drop = LayoutFreeDropout(spec.dropout, "sequence")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attn_drop(self.attn(self.attn_norm(x)))
+        return x + self.mlp_drop(self.mlp(self.mlp_norm(x)))
 
 
 class Decoder(nn.Module):
@@ -215,6 +230,8 @@ class Decoder(nn.Module):
         self.head: nn.Linear | None = nn.Linear(spec.dim, spec.vocab_size, bias=False)
         if spec.tie_embeddings:  # one Parameter, seen once by .parameters() and optimizers
             self.head.weight = self.embed.weight
+        self.embed_drop = LayoutFreeDropout(spec.dropout, "sequence")
+        name_sites(self)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Decoder:
         # Moving meta -> a real device (`to_empty`) creates a new Parameter per module and
@@ -243,7 +260,7 @@ class Decoder(nn.Module):
                     "of the learned position table; raise model.max_seq_len or shorten data"
                 )
             h = h + self.pos_embed(torch.arange(seq_len, device=h.device))
-        return h
+        return self.embed_drop(h) if self.embed is not None else h
 
     def output(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and head (each skipped when a pipeline stage does not hold it)."""

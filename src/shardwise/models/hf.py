@@ -45,7 +45,8 @@ def build_hf(spec: ModelSpec) -> nn.Module:
         )
         model = tf.LlamaForCausalLM(config)
     else:
-        # dropout off: layout-independent random streams for dropout are not implemented
+        # dropout off: GPT-2 draws it from torch's global generator, so its masks would depend
+        # on the layout (model.dropout is the decoders' layout-free dropout, models/dropout.py)
         config = tf.GPT2Config(
             vocab_size=spec.vocab_size,
             n_positions=spec.max_seq_len,

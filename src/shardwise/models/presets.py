@@ -40,6 +40,8 @@ class ModelSpec:
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0  # RoPE base (Su et al. 2021, eq. 15)
+    dropout: float = 0.0  # embedding and residual-branch dropout (layout-free masks)
+    attn_dropout: float = 0.0  # attention-probability dropout (explicit softmax when > 0)
     num_classes: int = 10  # resnet only
     cifar_stem: bool = True  # resnet only: 3x3/1 stem and no max-pool, for 32x32 images
     in_channels: int = 1  # resnet only

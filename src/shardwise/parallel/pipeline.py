@@ -23,6 +23,7 @@ from shardwise import device as dev
 from shardwise.comm import Comm
 from shardwise.config import Config
 from shardwise.models.decoder import Decoder
+from shardwise.models.dropout import samples
 from shardwise.parallel.backward_split import Pending, backward_input, backward_weight
 from shardwise.parallel.pipeline_comm import Channel, tied_group
 from shardwise.parallel.pipeline_split import Chunk, plan_chunks, prune_to_stage
@@ -84,10 +85,11 @@ class Pipeline:
                 reducer.sync = j == sync_at
                 reducer.start_micro_batch()
             t0 = time.perf_counter()
-            if a.kind is Pass.F:
-                loss_sum += self._forward(run, a, received, held, global_count)
-            else:
-                self._backward(a, received, held, scale, channel)
+            with samples(micro[a.mb]):  # dropout masks (recomputed ones too) of this batch
+                if a.kind is Pass.F:
+                    loss_sum += self._forward(run, a, received, held, global_count)
+                else:
+                    self._backward(a, received, held, scale, channel)
             t1 = time.perf_counter()
             self.intervals.append((t0 - start, t1 - start))
             busy += t1 - t0

@@ -26,6 +26,7 @@ from torch import nn
 
 from shardwise.comm import Comm
 from shardwise.errors import ConfigError
+from shardwise.models.dropout import LayoutFreeDropout
 from shardwise.models.init import LocalSlice
 from shardwise.models.tp_plans import TPPlan
 from shardwise.parallel.tensor_comm import enter_tp, exit_tp, vocab_cross_entropy
@@ -312,6 +313,9 @@ def apply_tensor_parallel(
             raise ValueError(f"unknown tensor-parallel kind {kind!r} for {path}")
     for parent in sorted(shared):
         s.enter_at(modules[parent])
+    for m in modules.values():  # dropout draws whole per-sample masks and keeps its slice
+        if isinstance(m, LayoutFreeDropout) and (m.split == "heads" or sp):
+            m.shard = (s.r, t)
     s.finish()
     _fix_counts(model, plan, t, modules)
     return s.state

@@ -6,8 +6,10 @@ for backward, each with how tensor/sequence parallelism and selective recomputat
 and reproduces its formulas exactly: 34sbh + 5as²b; sbh(10 + 24/t + 5as/(ht)) with tp;
 (sbh/t)(34 + 5as/h) with tp+sp; 34sbh/t with selective recompute (+sp); 2sbh with full.
 `block_terms` is our real block (models/decoder.py, counted as memory.ActivationMeter counts:
-one storage once, parameters excluded): norms computed in fp32, no dropout, flash-style SDPA
-(saves q, k, v, output and the log-sum-exp; no s² tensor), RoPE tables, SwiGLU or GELU MLP.
+one storage once, parameters excluded): norms computed in fp32, flash-style SDPA (saves q, k,
+v, output and the log-sum-exp; no s² tensor) or, with attention dropout, an explicit softmax
+(its output, 1-byte mask and dropped probabilities), 1-byte masks for the embedding and
+residual dropouts, RoPE tables, SwiGLU or GELU MLP.
 A test checks it byte for byte against the meter on fake tensors.
 
 Under tp (Megatron-LM) attention heads and the MLP width are split; what lies between the
@@ -92,11 +94,17 @@ def block_terms(spec: ModelSpec, s: int, b: int, c: int) -> tuple[Term, ...]:
     out = norm_terms(spec, s, b, c, "attn_norm")
     if spec.arch == "decoder":  # cos/sin tables for q and k, fp32 [s, head_dim] each
         out.append(Term("RoPE tables", 4 * 4 * s * spec.head_dim, False, False, "not_selective"))
-    out += [
-        Term("SDPA q, k, v", 3 * c * sbh, True, False, "not_selective"),
-        Term("SDPA log-sum-exp", 4 * b * spec.n_heads * s, True, False, "not_selective"),
-        Term("attention output (wo input)", c * sbh, True, False),
-    ]
+    out.append(Term("SDPA q, k, v", 3 * c * sbh, True, False, "not_selective"))
+    if spec.attn_dropout:  # the explicit softmax (models/decoder.AttentionCore._explicit)
+        as2b = spec.n_heads * s * s * b
+        out += [
+            Term("softmax output", c * as2b, True, False, "not_selective"),
+            Term("attention dropout mask", as2b, True, False, "not_selective"),
+            Term("dropped probabilities", c * as2b, True, False, "not_selective"),
+        ]
+    else:
+        out.append(Term("SDPA log-sum-exp", 4 * b * spec.n_heads * s, True, False, "not_selective"))
+    out.append(Term("attention output (wo input)", c * sbh, True, False))
     if spec.arch == "decoder":  # the checkpointed core saves its inputs: q and un-repeated k, v
         out.append(
             Term("core inputs q, k, v", c * sbh * (1 + 2 * kv), True, False, "selective_only")
@@ -112,6 +120,8 @@ def block_terms(spec: ModelSpec, s: int, b: int, c: int) -> tuple[Term, ...]:
         ]
     else:
         out += [Term("GELU input", c * sbf, True, False), Term("w2 input", c * sbf, True, False)]
+    if spec.dropout:  # 1-byte masks on both residual branches, split like the hidden states
+        out += [Term(f"{where} dropout mask", sbh, False, True) for where in ("attention", "MLP")]
     return tuple(out)
 
 
@@ -141,6 +151,8 @@ def edge_terms(
             out.append(Term("local token ids and mask", 9 * b * s, False, False))
         if spec.arch == "gpt2":
             out.append(Term("position ids", 8 * s, False, True))
+        if spec.dropout:
+            out.append(Term("embedding dropout mask", s * b * spec.dim, False, True))
     if last:
         out += norm_terms(spec, s, b, c, "final norm")
         v = -(-spec.vocab_size // tp) * tp  # padded to a multiple of tp
