@@ -3,7 +3,11 @@
 * two hosts: two network namespaces joined by a veth link, one node of a 2-node × 2-rank
   job in each (`train --nnodes 2 --node-rank R --rdzv HOST:PORT`);
 * Slurm: munged, slurmctld and two slurmd daemons (installed from Debian when missing), and
-  the script `shardwise launch slurm --submit` writes, run as a 2-node × 2-rank CPU job."""
+  the script `shardwise launch slurm --submit` writes, run as a 2-node × 2-rank CPU job.
+
+Then failures: one host's processes are all killed mid-run and a replacement node joins, and
+a Slurm job is requeued mid-run; both must finish from their last checkpoint with the
+numbers of the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -134,6 +138,18 @@ def test_a_lost_host_without_restarts_fails_naming_it(
     assert "Traceback" not in log, log
 
 
+def wait_for_checkpoint(run_dir: Path, alive: Callable[[], bool], timeout: float = 300) -> int:
+    """Block until the job has committed a checkpoint; returns the steps logged by then, so
+    the caller can prove its fault struck mid-run (the job could otherwise outrun it)."""
+    latest, metrics = run_dir / "checkpoints" / "latest", run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while not latest.is_file():
+        assert alive(), "the job ended before its first checkpoint"
+        assert time.monotonic() < deadline, "no checkpoint in time"
+        time.sleep(0.05)
+    return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+
 def rx_bytes(host: Host) -> int:
     out = subprocess.run(
         ["ip", "-n", host.netns, "-j", "-s", "link", "show"], capture_output=True, text=True
@@ -157,6 +173,32 @@ def test_two_hosts_reproduce_the_single_host_run(
     # host's partial sum, the full gradient size, every step.
     grads = ours[-1]["mem_bytes"]["grads"]
     assert rx_bytes(a) - before >= STEPS * grads
+
+
+def test_a_lost_host_is_replaced_and_the_job_resumes(
+    reference: list[dict], hosts: tuple[Host, Host], tmp_path: Path
+) -> None:
+    """Kill every process on host b (agent and ranks: the host is gone), start a replacement
+    node there: node 0's agent restarts its ranks in a new rendezvous round with it and the
+    job continues from the newest checkpoint to the same numbers as the uninterrupted run."""
+    a, b = hosts
+    rdzv, run_dir = f"{a.addr}:29401", tmp_path / "run"
+    extra = ("--checkpoint.every=2", "--max-restarts", "1")
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node1-new.log"]
+    node0 = start_node(a, 0, rdzv, run_dir, logs[0], *extra)
+    node1 = start_node(b, 1, rdzv, run_dir, logs[1], *extra)
+    done = wait_for_checkpoint(run_dir, lambda: node0.poll() is None and node1.poll() is None)
+    assert b.kill_all(), "nothing ran on host b"
+    assert done < STEPS, "the job finished before the host was killed"
+    node1.wait(timeout=30)
+    assert node1.returncode != 0
+    replacement = start_node(b, 1, rdzv, run_dir, logs[2], *extra)
+    wait_all([node0, replacement], [logs[0], logs[2]], hosts, timeout=400)
+    assert_parity(records(run_dir), reference)
+    resumed = re.findall(
+        r"resumed from \S+ at step (\d+)", logs[0].read_text() + logs[2].read_text()
+    )
+    assert resumed and all(2 <= int(step) < STEPS for step in resumed), resumed
 
 
 # --- Slurm -----------------------------------------------------------------------------------
@@ -196,4 +238,27 @@ def test_slurm_script_runs_2_nodes_x_2_ranks(
     assert state["JobState"] == "COMPLETED", log
     assert (state["NumNodes"], state["NumTasks"], state["NodeList"]) == ("2", "2", "node[1-2]")
     assert log.count("nodes: 2 x 2 ranks; dp=4 across nodes") == 2, log  # one agent per node
+    assert_parity(records(tmp_path / "run"), reference)
+
+
+def test_requeued_slurm_job_finishes_from_its_checkpoint(
+    reference: list[dict], slurm: LocalSlurm, tmp_path: Path
+) -> None:
+    job = submit(slurm, tmp_path, "--checkpoint.every=2")
+    slurm.wait_job(job, timeout=300, until=("RUNNING",))
+    done = wait_for_checkpoint(
+        tmp_path / "run", lambda: slurm.job_state(job)["JobState"] == "RUNNING"
+    )
+    slurm.run(["scontrol", "requeue", job])
+    assert done < STEPS, "the job finished before it was requeued"
+    # Slurm holds a requeued job for ~2 minutes (BeginTime); release it now.
+    while slurm.job_state(job)["JobState"] != "PENDING":
+        time.sleep(0.2)
+    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    state = slurm.wait_job(job, timeout=300)
+    log = (tmp_path / f"shardwise-tiny-{job}.out").read_text()
+    assert (state["JobState"], state["Restarts"]) == ("COMPLETED", "1"), log
+    assert "DUE TO JOB REQUEUE" in log  # both attempts wrote to the one log
+    resumed = re.findall(r"resumed from \S+ at step (\d+)", log)
+    assert resumed and 2 <= int(resumed[0]) < STEPS, log
     assert_parity(records(tmp_path / "run"), reference)
