@@ -40,14 +40,14 @@ CASES = {  # name -> (schedule, m, v)
 }
 
 
-def overrides(schedule: str, m: int, v: int, steps: int) -> list[str]:
+def overrides(schedule: str, m: int, v: int, steps: int, ffn: int = FFN) -> list[str]:
     return [
         "--model.name=tiny",
         "--model.n_layers=7",
         f"--model.dim={DIM}",
         "--model.n_heads=4",
         "--model.n_kv_heads=4",
-        f"--model.ffn_dim={FFN}",
+        f"--model.ffn_dim={ffn}",
         f"--data.seq_len={SEQ}",
         f"--train.micro_batch={MICRO}",
         f"--train.global_batch={MICRO * m}",
@@ -70,12 +70,19 @@ def formula(schedule: str, m: int, v: int) -> float | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument(
+        "--ffn",
+        type=int,
+        default=FFN,
+        help="FFN width: the default balances the stages by FLOPs; a smaller one moves work "
+        "from the first stage (4 blocks) to the last (3 blocks + head)",
+    )
     args = parser.parse_args()
     print(f"shardwise commit {commit()}")
     print(f"$ {command_line()}")
-    print(f"model: {' '.join(overrides('<schedule>', 0, 1, args.steps)[:7])}")
+    print(f"model: {' '.join(overrides('<schedule>', 0, 1, args.steps, args.ffn)[:7])}")
     print(f"load average at the start: {load()} (2 cores, shared)")
-    cases = [{"overrides": overrides(*CASES[n], args.steps)} for n in CASES]
+    cases = [{"overrides": overrides(*CASES[n], args.steps, args.ffn)} for n in CASES]
     results = run_world(P, cases)
     check(results)
     rows, ok = [], True
@@ -106,6 +113,10 @@ def main() -> int:
             ]
         )
     header = ["case", "bubble stage 0 / 1", "formula", "±3 pts", "busy ms", "mb F+B ms", "step ms"]
+    header.append("busy 1/0")
+    for row in rows:
+        b0, b1 = (float(x) for x in row[4].split(" / "))
+        row.append(f"{b1 / b0:.3f}")
     print(table(header, rows))
     for m in (4, 8):
         zb, one = max(bubbles[f"zb m={m}"]), min(bubbles[f"1f1b m={m}"])
