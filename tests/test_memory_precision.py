@@ -17,7 +17,7 @@ SMALL = [
 ]
 # 200 steps of the tiny decoder (all 4 layers) at a short sequence length.
 LONG = [
-    "--data.seq_len=64",
+    "--data.seq_len=32",
     "--train.global_batch=8",
     "--train.steps=200",
     "--train.eval_every=0",
