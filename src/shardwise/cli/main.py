@@ -66,33 +66,31 @@ USAGE = """usage: shardwise {train,explain,plan,launch,export} [CONFIG.toml] [--
 """
 
 
+def _whole(flag: str, raw: str, least: int, example: int) -> int:
+    """`raw` (the value given to `flag`) as an int >= `least`, or one message with the fix."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ShardwiseError(
+            f"{flag} {raw!r} is not a whole number. Fix: {flag} {example}"
+        ) from None
+    if value < least:
+        raise ShardwiseError(f"{flag}={value} must be >= {least}. Fix: {flag} {example}")
+    return value
+
+
 def _nproc(args: argparse.Namespace) -> int:
     from shardwise.device import local_device_count
 
     if args.nproc is None:
         return local_device_count()
-    try:
-        nproc = int(args.nproc)
-    except ValueError:
-        raise ShardwiseError(
-            f"--nproc {args.nproc!r} is not a whole number. Fix: --nproc 2"
-        ) from None
-    if nproc < 1:
-        raise ShardwiseError(f"--nproc={nproc} must be >= 1. Fix: --nproc 2")
-    return nproc
+    return _whole("--nproc", args.nproc, 1, 2)
 
 
 def _max_restarts(args: argparse.Namespace, cfg: Config, external: bool) -> int:
     if args.max_restarts is None:
         return 0
-    try:
-        k = int(args.max_restarts)
-    except ValueError:
-        raise ShardwiseError(
-            f"--max-restarts {args.max_restarts!r} is not a whole number. Fix: --max-restarts 3"
-        ) from None
-    if k < 0:
-        raise ShardwiseError(f"--max-restarts={k} must be >= 0. Fix: --max-restarts 3")
+    k = _whole("--max-restarts", args.max_restarts, 0, 3)
     if external and k:
         raise ShardwiseError(
             "--max-restarts is for the ranks shardwise starts itself; under torchrun or srun "
