@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from shardwise.plan import kernels
 from shardwise.plan.hardware import GiB, Hardware
 
 _VERSION = 3
@@ -161,6 +162,7 @@ def calibration(refresh: bool = False) -> dict[str, float]:
         cached = {}
     if not refresh and _key() in cached:
         return cached[_key()]
+    kernels.clear()  # block, head and optimizer times are measured again as well
     values = measure()
     cached[_key()] = values
     try:
@@ -205,5 +207,6 @@ def cpu_hardware(measure: bool = True, refresh: bool = False) -> Hardware:
         reserve=0,
         cores=os.cpu_count() or 1,
         memory_shared=True,
+        measured_kernels=measure,
         calibrated="measured on this machine" if measure else "nominal (not measured)",
     )

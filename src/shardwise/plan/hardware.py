@@ -44,6 +44,9 @@ class Hardware:
     # fixed seconds per transformer layer per micro-batch (forward + backward): eager PyTorch
     # launches ~60 kernels at ~5 us each on a GPU; measured on CPUs
     block_overhead: float = 3e-4
+    # CPU calibrated on the spot: time the real modules at each layout's shapes (kernels.py)
+    # instead of dividing FLOPs by one rate
+    measured_kernels: bool = False
 
     def flops(self, precision: str) -> float:
         """Achieved FLOP/s of training compute in `precision` (peak x efficiency)."""

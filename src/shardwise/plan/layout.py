@@ -40,6 +40,7 @@ class Job:
     params: int = 0  # used when spec is None
     finetune: FineTune = field(default_factory=FineTune)
     frozen: tuple | None = None  # the real model's ZeRO units (explain with train.freeze)
+    pp_split: str = ""  # parallel.pp_split: blocks per pipeline chunk ("" = balanced cut)
 
     @property
     def bc(self) -> int:

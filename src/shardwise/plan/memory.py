@@ -111,10 +111,13 @@ def _zero_transient(us: tuple, dp: int, stage: int, bc: int, br: int) -> float:
 
 
 @lru_cache(maxsize=4096)
-def stage_split(spec, p: int, v: int, seq_len: int) -> tuple[tuple[int, bool, bool], ...]:
+def stage_split(
+    spec, p: int, v: int, seq_len: int, split: str = ""
+) -> tuple[tuple[int, bool, bool], ...]:
     """(blocks, holds the embedding, holds the head) per pipeline rank. The engine's cut
-    (parallel/pipeline_split.plan_chunks: chunks balanced by parameters and FLOPs, rank r
-    holding chunks r, r+p, ...) when it is there; else blocks split evenly."""
+    (parallel/pipeline_split.plan_chunks: `split` when given, else chunks balanced by
+    parameters and FLOPs; rank r holding chunks r, r+p, ...) when it is there; else blocks
+    split evenly."""
     if p == 1:
         return ((spec.n_layers, True, True),)
     try:
@@ -122,7 +125,7 @@ def stage_split(spec, p: int, v: int, seq_len: int) -> tuple[tuple[int, bool, bo
     except ImportError:  # before pipeline parallelism is in the engine
         chunks = None
     else:
-        chunks = plan_chunks(spec, p, v, "", seq_len)
+        chunks = plan_chunks(spec, p, v, split, seq_len)
     if chunks is None:
         return tuple(
             (spec.n_layers // p + (1 if r < spec.n_layers % p else 0), r == 0, r == p - 1)
@@ -140,7 +143,7 @@ def stage_split(spec, p: int, v: int, seq_len: int) -> tuple[tuple[int, bool, bo
 
 def stage_ranks(job: Job, layout: Layout) -> list[int]:
     """The pipeline ranks whose memory can be the largest: first, last, most blocks."""
-    split = stage_split(job.spec, layout.pp, layout.pp_virtual, job.seq_len)
+    split = stage_split(job.spec, layout.pp, layout.pp_virtual, job.seq_len, job.pp_split)
     most = max(range(len(split)), key=lambda r: split[r][0])
     return sorted({0, layout.pp - 1, most})
 
@@ -149,7 +152,8 @@ def stage_units(job: Job, layout: Layout, stage: int) -> list[Unit]:
     """The ZeRO units of pipeline rank `stage`."""
     if job.frozen is not None:  # the real model's units (explain with train.freeze)
         return list(job.frozen)
-    layers, first, last = stage_split(job.spec, layout.pp, layout.pp_virtual, job.seq_len)[stage]
+    split = stage_split(job.spec, layout.pp, layout.pp_virtual, job.seq_len, job.pp_split)
+    layers, first, last = split[stage]
     us = units(job.spec, layout.tp, layers, first=first, last=last)
     return finetune_units(us, job, layout.tp) if job.finetune.lora or job.finetune.base_4bit else us
 
@@ -179,7 +183,7 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     """Peak bytes saved for backward on one rank of pipeline stage `stage`."""
     spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
     p = layout.pp
-    layers, first, last = stage_split(spec, p, layout.pp_virtual, s)[stage]
+    layers, first, last = stage_split(spec, p, layout.pp_virtual, s, job.pp_split)[stage]
     if layout.recompute == "full":
         per_layer = act.full_recompute_bytes(spec, s, b, c, t, layout.sp)
     else:
@@ -191,7 +195,9 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     held = act.in_flight(layout.pp_schedule, p, m, layout.pp_virtual, stage)
     edges = act.edge_terms(spec, s, b, c, first, last, t)
     edge = act.layer_bytes(edges, t, layout.sp)
-    held_edge = 1.0 if (last and p > 1) else held  # the loss: one micro-batch
+    # the loss and logits of the last stage: 1F1B-like schedules run each micro-batch's
+    # backward right after its forward there (one held); GPipe runs all m forwards first
+    held_edge = 1.0 if (last and p > 1 and layout.pp_schedule != "gpipe") else held
     return per_layer * layers * held + edge * held_edge
 
 

@@ -42,6 +42,7 @@ def job_from_config(
         precision=cfg.precision.compute,
         reduce=cfg.precision.reduce,
         finetune=finetune or FineTune(),
+        pp_split=cfg.parallel.pp_split,
     )
 
 

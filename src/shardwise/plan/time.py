@@ -8,6 +8,7 @@ over the link's bandwidth (ring all-reduce: Patarasuk & Yuan 2009).
 
 from __future__ import annotations
 
+from shardwise.plan import kernels
 from shardwise.plan import memory as mem
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.shapes import non_embedding_params
@@ -108,21 +109,32 @@ def _bubble_units(layout: Layout) -> float:
     )
 
 
+def _micro_batch_seconds(job: Job, layout: Layout) -> float:
+    """Forward + backward of one micro-batch on the busiest pipeline stage (its blocks and
+    the head with the loss), on one device."""
+    hw, spec, s, t, p = job.hardware, job.spec, job.seq_len, layout.tp, layout.pp
+    tokens_mb = layout.micro_batch * s
+    layers = max(r[0] for r in mem.stage_split(spec, p, layout.pp_virtual, s, job.pp_split))
+    if hw.measured_kernels:  # this CPU: the real modules timed at this layout's shapes
+        block = kernels.block_seconds(spec, t, tokens_mb, s, job.precision, layout.recompute)
+        head = kernels.head_seconds(spec.dim, spec.vocab_size // t, tokens_mb, job.precision)
+        if block is not None and head is not None:
+            return layers * block + head
+    flops_mb = hardware_flops_per_token(job, layout) * tokens_mb / (t * p)
+    # the efficiency covers a block's element-wise kernels (norms, softmax, casts) too (the
+    # data-sheet default on GPUs), plus a fixed cost per layer (and one more for embedding,
+    # head and loss) that small micro-batches do not amortise
+    passes = 2 if layout.recompute == "full" else 1
+    return flops_mb / hw.flops(job.precision) + passes * (layers + 1) * hw.block_overhead
+
+
 def step_time(job: Job, layout: Layout, mem_bytes: dict[str, float]) -> dict[str, float]:
     """Seconds per step by part, and `step_s` their sum."""
     hw = job.hardware
     m, t, p, dp = layout.micro_batches(job), layout.tp, layout.pp, layout.dp
     ranks_here = min(job.devices, hw.per_node)
     slowdown = max(1.0, ranks_here / hw.cores) if hw.cores else 1.0
-    tokens_mb = layout.micro_batch * job.seq_len
-    flops_mb = hardware_flops_per_token(job, layout) * tokens_mb / (t * p)
-    # the efficiency covers a block's element-wise kernels (norms, softmax, casts) too: on
-    # GPUs the data-sheet default, on CPUs measured on a whole block (calibrate.py)
-    # plus a fixed cost per layer (and one more for embedding, head and loss) that small
-    # micro-batches do not amortise
-    layers = -(-job.spec.n_layers // p) + 1
-    passes = 2 if layout.recompute == "full" else 1
-    t_mb = slowdown * (flops_mb / hw.flops(job.precision) + passes * layers * hw.block_overhead)
+    t_mb = slowdown * _micro_batch_seconds(job, layout)
     if job.finetune.base_4bit:  # NF4 -> bf16 dequantisation before every use of a weight
         uses = 3 if layout.recompute == "full" else 2
         n = non_embedding_params(job.spec) / (t * p)
@@ -145,6 +157,8 @@ def step_time(job: Job, layout: Layout, mem_bytes: dict[str, float]) -> dict[str
     elems = local / 4 if local else mem_bytes["optimizer"] / 8
     opt_bw = (hw.host_mem_bw if layout.offload != "none" else hw.hbm_bw * hw.mem_eff) / slowdown
     optimizer = elems * ADAM_BYTES / opt_bw
+    if hw.measured_kernels:  # the optimizer runs on this CPU: its measured rate
+        optimizer = elems * kernels.adam_seconds_per_element() * slowdown
     offload = 0.0
     if layout.offload != "none":  # gradients down, updated parameters up, every step
         offload = elems * (job.br + job.bc) / hw.host_bw
