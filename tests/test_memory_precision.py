@@ -4,7 +4,7 @@ import pytest
 
 from shardwise.config import load_config
 from shardwise.explain import explain_record
-from shardwise.testing import run_world
+from shardwise.testing.harness import run_side_by_side
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +34,12 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def results():
-    out = run_world(1, [{"overrides": o} for o in CASES.values()])
+    # the two long runs side by side (one core each), the short ones after fp32's
+    names = [["fp32_long", "fp32", "bf16", "bf16_fp32_reduce"], ["bf16_long"]]
+    groups = run_side_by_side([[{"overrides": CASES[n]} for n in g] for g in names])
+    out = dict(zip([n for g in names for n in g], [r for g in groups for r in g], strict=True))
     res = {}
-    for name, per_rank in zip(CASES, out, strict=True):
+    for name, per_rank in out.items():
         assert "error" not in per_rank[0], per_rank[0].get("error")
         res[name] = per_rank[0]
     return res

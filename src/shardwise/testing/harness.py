@@ -111,6 +111,15 @@ def run_world(nproc: int, cases: list[dict]) -> list[list[dict]]:
     return [[per_rank[r][i] for r in range(nproc)] for i in range(len(cases))]
 
 
+def run_side_by_side(groups: list[list[dict]]) -> list[list[list[dict]]]:
+    """One single-process world per group, all at once: a rank runs one intra-op thread, so
+    independent single-process runs use the machine's other cores instead of queueing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(groups)) as pool:
+        return list(pool.map(lambda cases: run_world(1, cases), groups))
+
+
 def run_here(case: dict, run_dir: str) -> dict:
     """Run one case in this process as a single rank (no spawn); a process group created for
     it is destroyed afterwards."""
