@@ -8,6 +8,7 @@ core count share cores (Hardware.cores), which the time model accounts for.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -18,19 +19,32 @@ from pathlib import Path
 
 import torch
 
-from shardwise.plan import kernels
+from shardwise.device import dtype_of
 from shardwise.plan.hardware import GiB, Hardware
 
 _VERSION = 3
 
 
-def _cache_file() -> Path:
+def cache_file(name: str) -> Path:
+    """`name` in `$SHARDWISE_CACHE` (default ~/.cache/shardwise): measurements kept per machine."""
     root = os.environ.get("SHARDWISE_CACHE", "") or os.path.expanduser("~/.cache/shardwise")
-    return Path(root) / "calibration-cpu.json"
+    return Path(root) / name
 
 
-def _key() -> str:
+def machine_key() -> str:
+    """What a measurement depends on: this version of it, the host, its cores, torch."""
     return f"v{_VERSION}|{platform.node()}|{os.cpu_count()}|{torch.__version__}"
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Measure as a rank runs: one intra-op thread (device.set_cpu_threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _rate(fn, work: float, seconds: float) -> float:
@@ -58,7 +72,7 @@ def _block(dim: int, heads: int, ffn: int, b: int, s: int, precision: str):
     from shardwise.models.presets import ModelSpec
 
     spec = ModelSpec("decoder", 1, dim, heads, heads, ffn, 4096, max(s, 8))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = dtype_of(precision)
     block = Block(spec).to(dtype)
     x = torch.randn(b, s, spec.dim, dtype=dtype, requires_grad=True)
     params = sum(p.numel() for p in block.parameters())
@@ -125,9 +139,7 @@ def _gloo_bw(nbytes: int = 8 * 2**20, reps: int = 3) -> float:
 
 
 def measure() -> dict[str, float]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         out = {
             "fp32": _matmul_flops(torch.float32),
             "bf16": _matmul_flops(torch.bfloat16, seconds=0.15),
@@ -139,8 +151,6 @@ def measure() -> dict[str, float]:
         out["eff_fp32"] = _block_efficiency("fp32", out["fp32"], out["block_overhead"])
         out["eff_bf16"] = _block_efficiency("bf16", out["bf16"], out["block_overhead"], 0.8)
         return out
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _ram_bytes() -> int:
@@ -155,16 +165,18 @@ def _ram_bytes() -> int:
 
 def calibration(refresh: bool = False) -> dict[str, float]:
     """The cached measurement for this machine, measured now if missing or `refresh`."""
-    path = _cache_file()
+    path = cache_file("calibration-cpu.json")
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
-    if not refresh and _key() in cached:
-        return cached[_key()]
+    if not refresh and machine_key() in cached:
+        return cached[machine_key()]
+    from shardwise.plan import kernels  # which times its kernels with this module's helpers
+
     kernels.clear()  # block, head and optimizer times are measured again as well
     values = measure()
-    cached[_key()] = values
+    cached[machine_key()] = values
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(cached, indent=2))

@@ -11,7 +11,8 @@ tensor-parallel shard of every linear layer, the output head with the loss, and 
 step per element. Communication, the pipeline bubble and offload stay analytical (time.py).
 
 Times are per-thread CPU seconds (ranks run one intra-op thread each, device.set_cpu_threads),
-the median of a few repetitions after a warm-up, cached per shape for the process. Blocks whose
+the median of a few repetitions after a warm-up, kept per shape and machine in
+`$SHARDWISE_CACHE/kernels-cpu.json` beside the calibration. Blocks whose
 forward + backward would take more than a few seconds here are not run (`None`): the caller
 falls back to the FLOP model.
 """
@@ -21,34 +22,27 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from shardwise.device import dtype_of
+from shardwise.plan.calibrate import cache_file, machine_key, one_thread
 from shardwise.plan.shapes import linear_shapes
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_FLOPS = 2e10  # per measured call: ~0.2-1 s on one core; larger shapes use the FLOP model
 
 
-def _cache_file() -> Path:
-    root = os.environ.get("SHARDWISE_CACHE", "") or os.path.expanduser("~/.cache/shardwise")
-    return Path(root) / "kernels-cpu.json"
-
-
-_MACHINE = f"{platform.node()}|{os.cpu_count()}|{torch.__version__}"
+CACHE = "kernels-cpu.json"
 _memo: dict[str, float | None] | None = None
 
 
 def _read() -> dict[str, float | None]:
     try:
-        return json.loads(_cache_file().read_text()).get(_MACHINE, {})
+        return json.loads(cache_file(CACHE).read_text()).get(machine_key(), {})
     except (OSError, ValueError, AttributeError):
         return {}
 
@@ -60,11 +54,13 @@ def _stored() -> dict[str, float | None]:
     return _memo
 
 
-def _save() -> None:
-    path = _cache_file()
+def _save(merge: bool = True) -> None:
+    """Write this process's times; `merge` keeps those other processes wrote meanwhile."""
+    path, key = cache_file(CACHE), machine_key()
     try:
         everything = json.loads(path.read_text()) if path.exists() else {}
-        everything[_MACHINE] = {**everything.get(_MACHINE, {}), **_stored()}  # keep others'
+        kept = everything.get(key, {}) if merge else {}
+        everything[key] = {**kept, **_stored()}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(everything, indent=1))
     except (OSError, ValueError):
@@ -85,7 +81,7 @@ def _cached(fn):
         if key not in memo:
             if not memo:
                 print(
-                    f"(timing the layouts' blocks on this CPU once; kept in {_cache_file()})",
+                    f"(timing the layouts' blocks on this CPU once; kept in {cache_file(CACHE)})",
                     file=sys.stderr,
                 )
             memo[key] = fn(*args)
@@ -137,10 +133,8 @@ def block_seconds(spec, tp: int, tokens: int, seq_len: int, precision: str, reco
     if flops > MAX_FLOPS or spec.arch not in ("decoder", "gpt2"):
         return None
     b = max(1, tokens // seq_len)
-    dtype = DTYPES[precision]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    dtype = dtype_of(precision)
+    with one_thread():
         holder = nn.Module()
         plain = dataclasses.replace(spec, dropout=0.0, attn_dropout=0.0)
         holder.blocks = nn.ModuleList([_shard(Block(plain), plain, tp)])
@@ -152,8 +146,6 @@ def block_seconds(spec, tp: int, tokens: int, seq_len: int, precision: str, reco
             holder.blocks[0](x).float().sum().backward()
 
         return _seconds(step)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @_cached
@@ -162,10 +154,8 @@ def head_seconds(dim: int, vocab: int, tokens: int, precision: str) -> float | N
     cross-entropy loss, forward + backward, plus the embedding lookup and its gradient."""
     if 6.0 * dim * vocab * tokens > MAX_FLOPS:
         return None
-    dtype = DTYPES[precision]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    dtype = dtype_of(precision)
+    with one_thread():
         embed = nn.Embedding(vocab, dim).to(dtype)
         norm = nn.RMSNorm(dim).to(dtype)
         head = nn.Linear(dim, vocab, bias=False).to(dtype)
@@ -178,17 +168,13 @@ def head_seconds(dim: int, vocab: int, tokens: int, precision: str) -> float | N
             torch.nn.functional.cross_entropy(logits, targets).backward()
 
         return _seconds(step)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @_cached
 def adam_seconds_per_element(n: int = 1 << 21, tensors: int = 16) -> float:
     """CPU seconds per fp32 element of optim.py's step: the foreach norm for clipping, the
     clip multiply and torch's foreach AdamW (measured on `tensors` tensors of n elements)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         params = [torch.zeros(n // tensors, requires_grad=True) for _ in range(tensors)]
         for p in params:
             p.grad = torch.randn_like(p)
@@ -201,12 +187,10 @@ def adam_seconds_per_element(n: int = 1 << 21, tensors: int = 16) -> float:
             opt.step()
 
         return _seconds(step) / n
-    finally:
-        torch.set_num_threads(threads)
 
 
 def clear() -> None:
     """Forget measured times (a fresh calibration measures them again)."""
     global _memo
     _memo = {}
-    _save()
+    _save(merge=False)

@@ -155,10 +155,11 @@ def step_time(job: Job, layout: Layout, mem_bytes: dict[str, float]) -> dict[str
     dp_exposed = dp_s - hidden
     local = mem_bytes.get("master", 0) + mem_bytes.get("host_master", 0)
     elems = local / 4 if local else mem_bytes["optimizer"] / 8
-    opt_bw = (hw.host_mem_bw if layout.offload != "none" else hw.hbm_bw * hw.mem_eff) / slowdown
-    optimizer = elems * ADAM_BYTES / opt_bw
     if hw.measured_kernels:  # the optimizer runs on this CPU: its measured rate
         optimizer = elems * kernels.adam_seconds_per_element() * slowdown
+    else:
+        opt_bw = hw.host_mem_bw if layout.offload != "none" else hw.hbm_bw * hw.mem_eff
+        optimizer = elems * ADAM_BYTES * slowdown / opt_bw
     offload = 0.0
     if layout.offload != "none":  # gradients down, updated parameters up, every step
         offload = elems * (job.br + job.bc) / hw.host_bw
