@@ -138,7 +138,7 @@ def paired_peer(cfg) -> dict:
         {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
     ]
     betas = (o.beta1, o.beta2)
-    opt = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=betas, eps=o.eps, foreach=True)
+    opt = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=betas, eps=o.eps, fused=True)
     count = cfg.train.global_batch // d.dp * d.tokens_per_sample
 
     def ddp_step() -> float:

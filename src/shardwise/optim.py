@@ -67,8 +67,10 @@ class Target:
 def adamw(
     decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: Config
 ) -> torch.optim.AdamW:
-    """torch's AdamW (foreach) with the config's hyper-parameters; weight decay only on
-    `decay`. The PyTorch peers build theirs here too, so they train the same recipe."""
+    """torch's AdamW with the config's hyper-parameters; weight decay only on `decay`. The
+    fused implementation: one pass over parameter, gradient and both moments per element (on
+    one CPU thread 5x faster than the foreach one, which makes ~12 passes). The PyTorch peers
+    build theirs here too, so they train the same recipe."""
     o = cfg.optim
     return torch.optim.AdamW(
         [
@@ -78,7 +80,7 @@ def adamw(
         lr=cfg.train.lr,
         betas=(o.beta1, o.beta2),
         eps=o.eps,
-        foreach=True,
+        fused=True,
     )
 
 

@@ -22,7 +22,7 @@ import torch
 from shardwise.device import dtype_of
 from shardwise.plan.hardware import GiB, Hardware
 
-_VERSION = 3
+_VERSION = 4
 
 
 def cache_file(name: str) -> Path:

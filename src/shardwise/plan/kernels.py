@@ -173,12 +173,12 @@ def head_seconds(dim: int, vocab: int, tokens: int, precision: str) -> float | N
 @_cached
 def adam_seconds_per_element(n: int = 1 << 21, tensors: int = 16) -> float:
     """CPU seconds per fp32 element of optim.py's step: the foreach norm for clipping, the
-    clip multiply and torch's foreach AdamW (measured on `tensors` tensors of n elements)."""
+    clip multiply and torch's fused AdamW (measured on `tensors` tensors of n elements)."""
     with one_thread():
         params = [torch.zeros(n // tensors, requires_grad=True) for _ in range(tensors)]
         for p in params:
             p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+        opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
         grads = [p.grad for p in params]
 
         def step() -> None:

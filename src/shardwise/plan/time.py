@@ -13,7 +13,9 @@ from shardwise.plan import memory as mem
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.shapes import non_embedding_params
 
-ADAM_BYTES = 48  # bytes moved per element by one AdamW step (~12 fp32 passes in torch's foreach)
+ADAM_BYTES = (
+    28  # bytes per element of one fused AdamW step: reads param, grad, 2 moments (fp32), writes 3
+)
 
 
 def model_flops_per_token(job: Job) -> float:

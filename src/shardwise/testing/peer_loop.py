@@ -58,7 +58,7 @@ def setup(cfg: Config) -> Setup:
 
 
 def peer_adamw(cfg: Config, params: list[nn.Parameter]) -> torch.optim.AdamW:
-    """Our AdamW: weight decay only on matrices (ndim >= 2), foreach implementation."""
+    """Our AdamW: weight decay only on matrices (ndim >= 2), fused implementation (optim.adamw)."""
     params = [p for p in params if p.requires_grad]
     return adamw([p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2], cfg)
 
