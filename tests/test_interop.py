@@ -227,6 +227,21 @@ def test_export_round_trip_gives_our_logits(worlds, ckpt_root, tmp_path, name):
     assert diff <= 1e-5, diff
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_exported_config_keeps_the_dropout_rates(hf_dirs, kind):
+    """A model trained with dropout exports a config that fine-tunes with the same rates."""
+    from shardwise.export import hf_config
+
+    over = [*_overrides(kind, hf_dirs[kind]), "--model.dropout=0.1", "--model.attn_dropout=0.05"]
+    config = transformers.AutoConfig.for_model(
+        **hf_config(model_spec(load_config(None, over)), "float32")
+    )
+    if kind == "gpt2":
+        assert (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) == (0.1, 0.1, 0.05)
+    else:
+        assert config.attention_dropout == 0.05
+
+
 def test_export_bad_input_is_one_clear_error(tmp_path, capsys):
     from shardwise.cli.main import main
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -55,7 +56,10 @@ def _newest(root: Path) -> Path:
 
 
 def hf_config(spec: ModelSpec, dtype: str) -> dict:
-    """config.json for transformers (Llama or GPT-2); dropout off, as shardwise trains."""
+    """config.json for transformers (Llama or GPT-2), with the model's dropout rates. GPT-2
+    has a field for each of ours (embedding, residual, attention probabilities); transformers'
+    Llama has attention dropout only, so a residual/embedding rate cannot be carried there
+    (`export_hf` says so)."""
     if spec.arch == "decoder":
         return {
             "architectures": ["LlamaForCausalLM"],
@@ -74,7 +78,7 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict:
             "hidden_act": "silu",
             "attention_bias": False,
             "mlp_bias": False,
-            "attention_dropout": 0.0,
+            "attention_dropout": spec.attn_dropout,
             "tie_word_embeddings": spec.tie_embeddings,
             "torch_dtype": dtype,
         }
@@ -93,9 +97,9 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict:
         "vocab_size": spec.vocab_size,
         "layer_norm_epsilon": spec.norm_eps,
         "activation_function": "gelu_new",
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
+        "resid_pdrop": spec.dropout,
+        "embd_pdrop": spec.dropout,
+        "attn_pdrop": spec.attn_dropout,
         "tie_word_embeddings": spec.tie_embeddings,
         "bos_token_id": None,  # GPT-2's 50256 lies outside a smaller vocabulary
         "eos_token_id": None,
@@ -180,4 +184,11 @@ def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 
         index_out = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX).write_text(json.dumps(index_out, indent=2))
     (out / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2))
+    if spec.arch == "decoder" and spec.dropout > 0:
+        print(
+            f"note: model.dropout={spec.dropout} (embedding and residual dropout) is not in the "
+            "exported config: transformers' Llama has attention dropout only "
+            f"(attention_dropout={spec.attn_dropout} is)",
+            file=sys.stderr,
+        )
     return ckpt
