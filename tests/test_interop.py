@@ -84,12 +84,19 @@ def _overrides(kind: str, path: Path) -> list[str]:
     return [f"--model.name={NAMES[kind]}", f"--model.init_from={path}"]
 
 
+def _import(kind: str, path: Path) -> torch.nn.Module:
+    """Our model with the transformers checkpoint at `path` loaded, before any step."""
+    spec = model_spec(load_config(None, _overrides(kind, path)))
+    model = build_model(spec)
+    with torch.no_grad():
+        load_weights(model, HFWeights(path, spec.arch))
+    return model
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_import_gives_transformers_logits(hf_dirs, kind):
     path = hf_dirs[kind]
-    spec = model_spec(load_config(None, _overrides(kind, path)))
-    ours = build_model(spec)
-    load_weights(ours, HFWeights(path, spec.arch))
+    ours = _import(kind, path)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     tokens = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -173,14 +180,6 @@ def test_imported_run_starts_at_transformers_loss(hf_dirs, worlds, kind):
     assert abs(ours - theirs) / theirs <= 1e-5, (ours, theirs)
 
 
-def _imported(kind: str, path: Path) -> dict[str, torch.Tensor]:
-    """The parameters as imported, before any step."""
-    model = build_model(model_spec(load_config(None, _overrides(kind, path))))
-    with torch.no_grad():
-        load_weights(model, HFWeights(path, model.spec.arch))
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "ref"),
@@ -199,7 +198,7 @@ def test_import_into_any_layout_matches_single_process(worlds, name, ref):
     assert max_param_diff(got["params"], want["params"]) <= 1e-5
     # and it trained from there: the weights moved far beyond that bound (5 Adam steps move
     # a coordinate by up to the sum of the learning rates, 9e-4 here)
-    imported = _imported(ref, worlds["hf_dirs"][ref])
+    imported = dict(_import(ref, worlds["hf_dirs"][ref]).named_parameters())
     assert max_param_diff(want["params"], imported) >= 3e-4
 
 

@@ -141,9 +141,14 @@ def stage_split(
     )
 
 
+def job_split(job: Job, layout: Layout) -> tuple[tuple[int, bool, bool], ...]:
+    """`stage_split` of this job and layout (its configured `pp_split` included)."""
+    return stage_split(job.spec, layout.pp, layout.pp_virtual, job.seq_len, job.pp_split)
+
+
 def stage_ranks(job: Job, layout: Layout) -> list[int]:
     """The pipeline ranks whose memory can be the largest: first, last, most blocks."""
-    split = stage_split(job.spec, layout.pp, layout.pp_virtual, job.seq_len, job.pp_split)
+    split = job_split(job, layout)
     most = max(range(len(split)), key=lambda r: split[r][0])
     return sorted({0, layout.pp - 1, most})
 
@@ -152,8 +157,7 @@ def stage_units(job: Job, layout: Layout, stage: int) -> list[Unit]:
     """The ZeRO units of pipeline rank `stage`."""
     if job.frozen is not None:  # the real model's units (explain with train.freeze)
         return list(job.frozen)
-    split = stage_split(job.spec, layout.pp, layout.pp_virtual, job.seq_len, job.pp_split)
-    layers, first, last = split[stage]
+    layers, first, last = job_split(job, layout)[stage]
     us = units(job.spec, layout.tp, layers, first=first, last=last)
     return finetune_units(us, job, layout.tp) if job.finetune.lora or job.finetune.base_4bit else us
 
@@ -183,7 +187,7 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     """Peak bytes saved for backward on one rank of pipeline stage `stage`."""
     spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
     p = layout.pp
-    layers, first, last = stage_split(spec, p, layout.pp_virtual, s, job.pp_split)[stage]
+    layers, first, last = job_split(job, layout)[stage]
     if layout.recompute == "full":
         per_layer = act.full_recompute_bytes(spec, s, b, c, t, layout.sp)
     else:

@@ -13,9 +13,8 @@ from shardwise.plan import memory as mem
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.shapes import non_embedding_params
 
-ADAM_BYTES = (
-    28  # bytes per element of one fused AdamW step: reads param, grad, 2 moments (fp32), writes 3
-)
+# bytes per element of one fused AdamW step: reads param, grad, 2 moments (fp32), writes 3
+ADAM_BYTES = 28
 
 
 def model_flops_per_token(job: Job) -> float:
@@ -116,7 +115,7 @@ def _micro_batch_seconds(job: Job, layout: Layout) -> float:
     the head with the loss), on one device."""
     hw, spec, s, t, p = job.hardware, job.spec, job.seq_len, layout.tp, layout.pp
     tokens_mb = layout.micro_batch * s
-    layers = max(r[0] for r in mem.stage_split(spec, p, layout.pp_virtual, s, job.pp_split))
+    layers = max(r[0] for r in mem.job_split(job, layout))
     if hw.measured_kernels:  # this CPU: the real modules timed at this layout's shapes
         block = kernels.block_seconds(spec, t, tokens_mb, s, job.precision, layout.recompute)
         head = kernels.head_seconds(spec.dim, spec.vocab_size // t, tokens_mb, job.precision)
