@@ -95,6 +95,13 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var
 
 
+def _comm_s(pred: dict) -> float:
+    """Predicted exposed communication: what rank 0's `comm_wait_s` measures (it also waits
+    for slower ranks)."""
+    t = pred["time"]
+    return t["tp_comm_s"] + t["pp_comm_s"] + t["dp_exposed_s"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
@@ -134,9 +141,9 @@ def main() -> int:
     print()
     print(
         "| layout | states | pred total MB | meas total MB | total err | pred step s | "
-        "wall step s | err | CPU step s | err |"
+        "wall step s | err | CPU step s | err | pred comm s | meas wait s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, pred, got, e in rows:
         states = (
             "exact"
@@ -149,7 +156,8 @@ def main() -> int:
             f"{mb(got['mem_bytes']['total'])} | {100 * e['total_err']:+.1f}% | "
             f"{pred['step_time_s']:.4f} | {got['step_time_s']:.4f} | {100 * e['time_err']:+.1f}% | "
             f"{got['step_cpu_s']:.4f} | "
-            f"{100 * (pred['step_time_s'] - got['step_cpu_s']) / got['step_cpu_s']:+.1f}% |"
+            f"{100 * (pred['step_time_s'] - got['step_cpu_s']) / got['step_cpu_s']:+.1f}% | "
+            f"{_comm_s(pred):.4f} | {got['comm_wait_s']:.4f} |"
         )
     worst_mem = max(abs(e["total_err"]) for *_, e in rows)
     print()

@@ -36,7 +36,7 @@ TINY = [
     "--run.device=cpu",  # gloo on every machine: two ranks cannot share one GPU under NCCL
 ]
 CONTRACT = ["step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s"]
-CONTRACT += ["mem_bytes", "comm_bytes"]
+CONTRACT += ["mem_bytes", "comm_bytes", "comm_calls", "comm_wait_s"]
 MEM_KEYS = {"params", "grads", "master", "optimizer", "activations", "buffers", "total"}
 COMM_KEYS = {"dp", "tp", "pp"}
 
@@ -104,6 +104,11 @@ def test_metrics_jsonl_follows_the_contract(local_run: tuple[Path, str]) -> None
         assert set(comm) == COMM_KEYS
         # all-reduce of S gradient bytes over 2 ranks: 2(n-1)/n*S = S per rank
         assert comm["dp"] == mem["grads"] and comm["tp"] == 0 and comm["pp"] == 0
+        # the tiny model's gradients fit one 25 MB bucket: one all-reduce per step
+        assert r["comm_calls"] == {"dp": 1, "tp": 0, "pp": 0}
+        wait = r["comm_wait_s"]
+        assert set(wait) == COMM_KEYS and wait["tp"] == wait["pp"] == 0
+        assert 0 < wait["dp"] < r["step_time_s"]  # the gradient and loss all-reduces
     assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
     assert all(math.isfinite(r["eval_loss"]) for r in records if "eval_loss" in r)
     assert records[-1]["loss"] < records[0]["loss"]

@@ -1,7 +1,7 @@
 """The planner against measured runs: model-state bytes exactly equal to the engine's own
-accounting, and peak memory (`total`) within 5% (the issue's bound; measured: exact), over 17
-layouts (DP, ZeRO 1-3, offload, recompute, accumulation, GPT-2, tied, tp and sp) in one
-2-rank world; traffic per mesh dimension as comm.py counts it."""
+accounting, and peak memory (`total`) within 5% (the issue's bound; measured: exact), over 22
+layouts (DP, ZeRO 1-3, offload, recompute, accumulation, GPT-2, tied, tp, sp and pp) in one
+2-rank world; traffic and collective calls per mesh dimension as comm.py counts them."""
 
 import pytest
 
@@ -37,6 +37,7 @@ LAYOUTS = {
     ],
     "gpt2_z3": ["--model.name=gpt2-tiny", "--model.n_layers=2", "--parallel.zero=3"],
     "tied_z1_bf16": ["--model.tie_embeddings=true", "--parallel.zero=1", *BF16],
+    "dp_small_buckets": ["--parallel.bucket_mb=1"],  # 4 buckets: 4 all-reduces a step
     "tp2": ["--parallel.tp=2"],
     "tp2_sp_full_bf16": ["--parallel.tp=2", "--parallel.sp=true", "--memory.recompute=full", *BF16],
     "tp2_sp_gpt2_selective": [
@@ -105,3 +106,5 @@ def test_prediction_matches_measured_memory(measured, name):
     assert pm["activations"] == mm["activations"], (pm, mm)
     for dim in ("dp", "tp", "pp"):
         assert pred["comm_bytes"][dim] == got["comm_bytes"][dim], dim
+    # and the collectives making up that traffic, call for call (each pays a latency)
+    assert pred["comm_calls"] == got["comm_calls"]

@@ -2,11 +2,13 @@
 
 Each call is counted in ring-equivalent bytes sent per rank, per mesh dimension (DESIGN.md):
 all-reduce of S bytes over n ranks = 2(n-1)/n·S; reduce-scatter / all-gather of a full tensor
-of S bytes = (n-1)/n·S; point-to-point = S. Each call is also appended to a per-rank trace
-(op, mesh dim, shape, dtype, call site, and its index among this rank's collectives on that
-dimension) so a hang can be localised to the first collective on which ranks disagree; while a
-collective blocks, `blocked` says which one and since when (read by shardwise.watchdog). At
-degree 1 every collective is a no-op and costs nothing.
+of S bytes = (n-1)/n·S; point-to-point = S (a receive is counted by its sender). The calls are
+counted too (a send is one call; each pays a latency whatever its size), and the time this
+rank spends blocked in them. Each call is also appended to a per-rank trace (op, mesh dim,
+shape, dtype, call site, and its index among this rank's collectives on that dimension) so a
+hang can be localised to the first collective on which ranks disagree; while a collective
+blocks (a point-to-point wait included), `blocked` says which one and since when (read by
+shardwise.watchdog). At degree 1 every collective is a no-op and costs nothing.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class _Watched:
     def wait(self) -> bool:
         return self.comm._blocking(self.entry, self.work.wait)
 
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
 
 class _Done:
     """Stands in for a finished async handle at degree 1."""
@@ -65,7 +70,13 @@ class Comm:
     def __init__(self, topology: Topology, trace_len: int = 4096) -> None:
         self.topo = topology
         self.step_bytes: dict[str, float] = defaultdict(float)
+        self.step_calls: dict[str, int] = defaultdict(int)
         self.control_bytes: float = 0.0
+        self.last_calls: dict[str, int] = {}  # training calls per dimension in the last step
+        # seconds this rank spent blocked in collectives (launch or wait) per dimension: the
+        # communication the step did not hide, plus waiting for slower ranks
+        self.wait_s: dict[str, float] = defaultdict(float)
+        self.last_wait_s: dict[str, float] = {}
         self.trace: deque[TraceEntry] = deque(maxlen=trace_len)
         self.seq = 0
         self.dim_seq: dict[str, int] = defaultdict(int)
@@ -92,13 +103,15 @@ class Comm:
             self.control_bytes += sent
         else:
             self.step_bytes[dim] += sent
+            self.step_calls[dim] += int(factor > 0)  # a receive is its sender's call
         return entry
 
     def _blocking(self, entry: TraceEntry, call):
         """Run `call` (a collective or a handle's wait) marked as blocking on `entry`. A
         failure (gloo's own timeout, a peer that went away) is handed to the watchdog first,
         so every rank's trace is collected before the job stops."""
-        self.blocked = (entry, time.monotonic())
+        t0 = time.monotonic()
+        self.blocked = (entry, t0)
         try:
             return call()
         except RuntimeError as exc:
@@ -107,6 +120,7 @@ class Comm:
             raise
         finally:
             self.blocked = None
+            self.wait_s[entry.dim] += time.monotonic() - t0
 
     def _issue(self, entry: TraceEntry, fn, *args, async_op: bool = False, **kwargs):
         """Call the collective `fn`; an async one's handle is timed when waited on."""
@@ -114,9 +128,13 @@ class Comm:
         return _Watched(work, entry, self) if async_op else work
 
     def take_step_bytes(self) -> dict[str, float]:
-        """Bytes per dimension since the last call, then reset."""
+        """Bytes per dimension since the last call, then reset (the call counts too)."""
         out = {d: self.step_bytes.get(d, 0.0) for d in ("dp", "tp", "pp")}
         self.step_bytes.clear()
+        self.last_calls = {d: self.step_calls.get(d, 0) for d in ("dp", "tp", "pp")}
+        self.step_calls.clear()
+        self.last_wait_s = {d: round(self.wait_s.get(d, 0.0), 6) for d in ("dp", "tp", "pp")}
+        self.wait_s.clear()
         return out
 
     # -- collectives ------------------------------------------------------------------------
@@ -187,19 +205,20 @@ class Comm:
         waitable per op (sends first). A send counts its bytes (p2p counts S); receives are
         counted by their senders."""
         group = self.topo.group(dim)
-        ops = []
+        ops, entries = [], []
         for t, peer in sends:
-            self._record("send", dim, t, 1.0, False)
+            entries.append(self._record("send", dim, t, 1.0, False))
             ops.append(dist.P2POp(dist.isend, t, peer, group))
         for t, peer in recvs:
-            self._record("recv", dim, t, 0.0, False)
+            entries.append(self._record("recv", dim, t, 0.0, False))
             ops.append(dist.P2POp(dist.irecv, t, peer, group))
         if not ops:
             return []
         works = dist.batch_isend_irecv(ops)
         if len(works) != len(ops):  # a coalesced backend (NCCL) returns one handle
             works = [works[-1]] * len(ops)
-        return works
+        # waits are timed (and shown to the watchdog) like every other collective's
+        return [_Watched(w, e, self) for w, e in zip(works, entries, strict=True)]
 
     def all_reduce_world(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Control-plane all-reduce over every rank (metrics, checks); not training traffic."""

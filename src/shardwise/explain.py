@@ -48,8 +48,9 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
         "mem_bytes": pred["mem_bytes"],
         "comm_bytes": {k: float(v) for k, v in pred.get("comm_bytes", {}).items()}
         or {"dp": 0.0, "tp": 0.0, "pp": 0.0},
+        "comm_calls": pred.get("comm_calls", {"dp": 0, "tp": 0, "pp": 0}),
     }
-    for key in ("step_time_s", "tokens_per_s", "mfu"):  # transformer models only
+    for key in ("step_time_s", "tokens_per_s", "mfu", "time"):  # transformer models only
         if key in pred:
             record[key] = pred[key]
     return record

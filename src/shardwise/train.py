@@ -38,6 +38,7 @@ def fit(run: Run) -> list[dict]:
         lr = lr_at(step, cfg)
         run.optimizer.set_lr(lr)
         dev.reset_peak_memory(run.info)
+        run.comm.wait_s.clear()  # blocked time within this step only (not eval or saving)
         t0 = time.perf_counter()
         # fetch: this rank's slice of the step's global batch, cut into micro-batches
         micro = split_for_rank(run.sampler.global_indices(step), run.dp_rank, d.dp, d.micro_batch)
@@ -92,6 +93,8 @@ def fit(run: Run) -> list[dict]:
             "mfu": step_flops / step_time / (peak * d.world) if peak else None,
             "mem_bytes": mem,
             "comm_bytes": comm_bytes,
+            "comm_calls": run.comm.last_calls,
+            "comm_wait_s": run.comm.last_wait_s,
             "skipped": result.skipped,
             "loss_scale": scale,
         }

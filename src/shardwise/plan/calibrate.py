@@ -22,7 +22,7 @@ import torch
 from shardwise.device import dtype_of
 from shardwise.plan.hardware import GiB, Hardware
 
-_VERSION = 4
+_VERSION = 5
 
 
 def cache_file(name: str) -> Path:
@@ -106,36 +106,58 @@ def _memory_bw(seconds: float = 0.2) -> float:
     return _rate(lambda: torch.add(a, b, out=out), 12.0 * n, seconds)
 
 
-def _gloo_bw(nbytes: int = 8 * 2**20, reps: int = 3) -> float:
-    """Ring bus bandwidth (bytes/s per rank per direction) of a 2-rank gloo all-reduce over
-    loopback, two process groups in two threads of this process, per CPU-second: loopback TCP
-    is CPU-bound (kernel copies), and CPU time stays meaningful on a shared machine."""
+def _gloo_pair():
+    """`run(work)` calls `work(group, rank)` in two threads of this process, each a gloo rank
+    of one 2-rank group over loopback (created on the first call), and returns their results."""
     import torch.distributed as dist
 
-    store, ready = dist.HashStore(), threading.Barrier(2)
-    groups: dict[int, object] = {}
+    store, groups = dist.HashStore(), {}
 
-    def rank(r: int, reps: int) -> None:
-        if r not in groups:
-            groups[r] = dist.ProcessGroupGloo(store, r, 2, datetime.timedelta(seconds=30))
-        t = torch.ones(nbytes // 4)
-        ready.wait()
-        for _ in range(reps):
-            groups[r].allreduce([t]).wait()
+    def run(work) -> list:
+        out = [None, None]
 
-    def run(reps: int) -> None:
-        threads = [threading.Thread(target=rank, args=(r, reps)) for r in range(2)]
+        def rank(r: int) -> None:
+            if r not in groups:
+                groups[r] = dist.ProcessGroupGloo(store, r, 2, datetime.timedelta(seconds=30))
+            out[r] = work(groups[r], r)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        return out
 
-    run(1)  # connect and warm up
+    return run
+
+
+def _gloo(nbytes: int = 8 * 2**20, reps: int = 3, calls: int = 200) -> tuple[float, float]:
+    """Ring bus bandwidth (bytes/s per rank per direction) of a 2-rank gloo all-reduce over
+    loopback per CPU-second (loopback TCP is CPU-bound: kernel copies; CPU time stays
+    meaningful on a shared machine), and the latency of one call: the median wall-clock time
+    of a one-element all-reduce (wake-ups and round trips, which cost no CPU)."""
+    run = _gloo_pair()
+    bufs = [torch.ones(nbytes // 4), torch.ones(nbytes // 4)]  # one per rank
+
+    def bandwidth(group, r: int) -> None:
+        for _ in range(reps):
+            group.allreduce([bufs[r]]).wait()
+
+    def latency(group, r: int) -> list[float]:
+        one, times = torch.ones(1), []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            group.allreduce([one]).wait()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    run(lambda group, r: group.allreduce([torch.ones(1)]).wait())  # connect and warm up
     c0 = time.process_time()  # both ranks' threads, gloo's own threads and the kernel's copies
-    run(reps)
+    run(bandwidth)
     per_rank = (time.process_time() - c0) / 2 / reps
     # an all-reduce of S bytes over n ranks moves 2(n-1)/n * S per rank: S for n = 2
-    return nbytes / per_rank
+    times = sorted(t for ts in run(latency) for t in ts)
+    return nbytes / per_rank, times[len(times) // 2]
 
 
 def measure() -> dict[str, float]:
@@ -145,8 +167,8 @@ def measure() -> dict[str, float]:
             "bf16": _matmul_flops(torch.bfloat16, seconds=0.15),
             "fp16": _matmul_flops(torch.float16, n=128, seconds=0.1),
             "mem_bw": _memory_bw(),
-            "gloo_bw": _gloo_bw(),
         }
+        out["gloo_bw"], out["gloo_latency"] = _gloo()
         out["block_overhead"] = _block_overhead()
         out["eff_fp32"] = _block_efficiency("fp32", out["fp32"], out["block_overhead"])
         out["eff_bf16"] = _block_efficiency("bf16", out["bf16"], out["block_overhead"], 0.8)
@@ -211,6 +233,7 @@ def cpu_hardware(measure: bool = True, refresh: bool = False) -> Hardware:
         matmul_eff=eff["fp32"],
         eff=eff,
         block_overhead=c.get("block_overhead", 1e-3),
+        latency=c.get("gloo_latency", 1e-4),
         comm_eff=1.0,
         mem_eff=1.0,
         # The ranks keep every core busy computing: gloo's transfer threads get no spare core,

@@ -44,6 +44,9 @@ class Hardware:
     # fixed seconds per transformer layer per micro-batch (forward + backward): eager PyTorch
     # launches ~60 kernels at ~5 us each on a GPU; measured on CPUs
     block_overhead: float = 3e-4
+    # seconds every collective call costs whatever its size (the alpha of an alpha-beta
+    # model): nccl-tests' small-message all-reduce inside a node is ~10-20 us; measured on CPUs
+    latency: float = 2e-5
     # CPU calibrated on the spot: time the real modules at each layout's shapes (kernels.py)
     # instead of dividing FLOPs by one rate
     measured_kernels: bool = False

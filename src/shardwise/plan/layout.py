@@ -41,6 +41,7 @@ class Job:
     finetune: FineTune = field(default_factory=FineTune)
     frozen: tuple | None = None  # the real model's ZeRO units (explain with train.freeze)
     pp_split: str = ""  # parallel.pp_split: blocks per pipeline chunk ("" = balanced cut)
+    bucket_mb: float = 25.0  # parallel.bucket_mb: the data-parallel gradient bucket cap
 
     @property
     def bc(self) -> int:

@@ -43,6 +43,7 @@ def job_from_config(
         reduce=cfg.precision.reduce,
         finetune=finetune or FineTune(),
         pp_split=cfg.parallel.pp_split,
+        bucket_mb=cfg.parallel.bucket_mb,
     )
 
 

@@ -89,6 +89,7 @@ def evaluate(job: Job, lay: Layout) -> dict:
         "mfu": mfu,
         "time": parts,
         "comm_bytes": tm.traffic(job, lay),
+        "comm_calls": tm.collective_calls(job, lay),
     }
 
 

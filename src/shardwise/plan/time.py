@@ -3,7 +3,8 @@
 
 Traffic is counted as comm.py counts it (ring-equivalent bytes sent per rank, DESIGN.md), so
 predicted and measured `comm_bytes` compare key by key; a collective's time is those bytes
-over the link's bandwidth (ring all-reduce: Patarasuk & Yuan 2009).
+over the link's bandwidth (ring all-reduce: Patarasuk & Yuan 2009) plus a fixed latency per
+call (the alpha-beta model, Hockney 1994), with calls counted as comm.py counts them too.
 """
 
 from __future__ import annotations
@@ -83,6 +84,54 @@ def traffic(job: Job, layout: Layout) -> dict[str, float]:
     return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes}
 
 
+def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
+    """Training collectives per rank per step by mesh dimension, as comm.py counts them (a
+    point-to-point send is one call; its receive is the sender's): each pays the link's
+    latency whatever its size. They follow `traffic`'s reasoning call by call."""
+    spec = job.spec
+    m, dp, t, p, v = layout.micro_batches(job), layout.dp, layout.tp, layout.pp, layout.pp_virtual
+    units = [u for u in mem.stage_units(job, layout, 0) if any(e[1] for e in u.entries)]
+    n_units = sum(u.count for u in units)
+    dp_calls = 0
+    if dp > 1:  # ZeRO-0: one all-reduce per bucket; ZeRO-1/2/3: per unit, as in `traffic`
+        dp_calls = {
+            0: _buckets(units, job.br, job.bucket_mb),
+            1: 2 * n_units,
+            2: (m + 1) * n_units,
+            3: 3 * m * n_units,
+        }[layout.zero]
+        if layout.zero == 3 and spec.tie_embeddings and p == 1:
+            dp_calls += m  # the tied head's second gather
+    tp_calls = 0
+    if t > 1:  # per layer 2 forward + 2 backward (sp: an all-gather/reduce-scatter pair for
+        # each, 8); embedding, head and vocabulary-parallel loss 4 (sp: 6); full recompute
+        # repeats 1 (sp 3) per layer; the partial gradients' all-reduce once per step
+        layers = -(-spec.n_layers // p)
+        per_layer = (8 if layout.sp else 4) + (3 if layout.sp else 1) * (layout.recompute == "full")
+        tp_calls = m * (per_layer * layers + (6 if layout.sp else 4))
+        tp_calls += 1 if _tp_partial(spec, t, layout.sp) else 0
+    pp_calls = 0
+    if p > 1:  # one send per micro-batch and chunk boundary (as `traffic`), plus the tied
+        # embedding/head gradient all-reduce between the first and last stage
+        pp_calls = m * (2 * v - (1 if p == 2 else 0)) + (1 if spec.tie_embeddings else 0)
+    return {"dp": dp_calls, "tp": tp_calls, "pp": pp_calls}
+
+
+def _buckets(units, nbytes: int, cap_mb: float) -> int:
+    """parallel/data.py's buckets: trainable parameters in reverse order, a new bucket when
+    the next one would pass the cap."""
+    cap, count, size = int(cap_mb * 1024 * 1024), 0, 0
+    for u in reversed(units):
+        for _ in range(u.count):
+            for e in reversed(u.entries):
+                if not e[1]:
+                    continue
+                if count == 0 or (size and size + e[0] * nbytes > cap):
+                    count, size = count + 1, 0
+                size += e[0] * nbytes
+    return count
+
+
 def _tp_partial(spec, t: int, sp: bool) -> int:
     """Elements of replicated parameters whose gradients are all-reduced over tp: with sp the
     norms (and GPT-2's row-layer biases and positions) saw only a sequence chunk; kv heads
@@ -142,11 +191,14 @@ def step_time(job: Job, layout: Layout, mem_bytes: dict[str, float]) -> dict[str
         t_mb += slowdown * uses * n * (mem.NF4_BYTES + job.bc) / (hw.hbm_bw * hw.mem_eff)
     compute = m * t_mb
     bubble = _bubble_units(layout) * t_mb
-    tr = traffic(job, layout)
+    tr, calls = traffic(job, layout), collective_calls(job, layout)
     intra, inter = hw.intra_bw * hw.comm_eff, hw.inter_bw * hw.comm_eff
-    tp_s = tr["tp"] / (intra if t <= hw.per_node else inter) * slowdown
-    pp_s = tr["pp"] / (intra if t * dp * p <= hw.per_node else inter) * slowdown
-    dp_s = tr["dp"] / (intra if t * dp <= hw.per_node else inter) * slowdown
+
+    def comm_s(dim: str, ranks: int) -> float:
+        bw = intra if ranks <= hw.per_node else inter
+        return (tr[dim] / bw + calls[dim] * hw.latency) * slowdown
+
+    tp_s, pp_s, dp_s = comm_s("tp", t), comm_s("pp", t * dp * p), comm_s("dp", t * dp)
     # what can hide: gradient reduction behind backward (2/3 of compute) of the syncing
     # micro-batch (ZeRO-0/1) or of every micro-batch (ZeRO-2/3, which also prefetch gathers
     # behind forward); ZeRO-1/2's all-gather of updated slices runs after the step, exposed

@@ -83,6 +83,10 @@ def measure(nproc: int, cases: list[list[str]], steps: int = 6, warmup: int = 2)
             {
                 "mem_bytes": recs[-1]["mem_bytes"],
                 "comm_bytes": recs[-1]["comm_bytes"],
+                "comm_calls": recs[-1]["comm_calls"],
+                "comm_wait_s": statistics.median(
+                    sum(x["comm_wait_s"].values()) for x in recs[warmup:]
+                ),
                 "step_time_s": statistics.median(wall[warmup:]),
                 "step_cpu_s": statistics.median(cpu[warmup:]),
             }
