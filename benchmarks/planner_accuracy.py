@@ -1,13 +1,15 @@
 """The planner against measured runs on this CPU: for each layout, predicted vs measured memory
 (the engine's accounting; model states must be exact, peak within 5%) and step time (median of
 the steps after warm-up, slowest rank), then the step-time MAPE and the Spearman rank
-correlation, against both the wall-clock step time and the process CPU time per step. On an
-idle machine the two agree for these compute-bound CPU ranks; on a loaded one only CPU time
-still measures the step (the calibration, too, times CPU).
+correlation against the median wall-clock step (the bound), and, to show how much of the error
+is interference from other jobs, against the fastest step and the process CPU time per step
+(the calibration times best-of CPU time). Per layout also the predicted exposed communication
+next to rank 0's measured time blocked in collectives (`comm_wait_s`).
 
     .venv/bin/python benchmarks/planner_accuracy.py [--steps 8] [--warmup 3]
 
-The CPU is calibrated first (matmul FLOP/s, memory and gloo bandwidth; plan/calibrate.py).
+The CPU is calibrated first (matmul FLOP/s, memory bandwidth, gloo bandwidth and latency;
+plan/calibrate.py).
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def main() -> int:
         f"(one thread), {hw.cores} cores"
     )
     print(f"model: {' '.join(BASE)}; timing: median of steps {args.warmup + 1}..{args.steps}")
-    rows, pred_t, meas_t, cpu_t = [], [], [], []
+    rows, pred_t, meas_t, cpu_t, best_t = [], [], [], [], []
     for nproc, all_layouts in LAYOUTS.items():
         layouts = {}
         for name, over in all_layouts.items():
@@ -137,6 +139,7 @@ def main() -> int:
             pred_t.append(pred["step_time_s"])
             meas_t.append(got["step_time_s"])
             cpu_t.append(got["step_cpu_s"])
+            best_t.append(got["step_best_s"])
     print(f"load after: {load()}")
     print()
     print(
@@ -163,7 +166,9 @@ def main() -> int:
     print()
     print(f"layouts: {len(rows)}; model states exact: {sum(e['states_exact'] for *_, e in rows)}")
     print(f"peak memory: max |error| {100 * worst_mem:.2f}% (bound 5%)")
-    for label, meas in (("wall-clock", meas_t), ("CPU time", cpu_t)):
+    # the bound is claimed against the median wall-clock step; the other two show how much of
+    # the error is other tenants' interference (the calibration times best-of, like `best`)
+    for label, meas in (("wall-clock", meas_t), ("fastest step", best_t), ("CPU time", cpu_t)):
         mape = statistics.mean(abs(p - m) / m for p, m in zip(pred_t, meas, strict=True))
         rho = spearman(pred_t, meas)
         print(

@@ -133,11 +133,32 @@ def run_here(case: dict, run_dir: str) -> dict:
             dist.destroy_process_group()
 
 
+def _run_cases_here(cases: list[dict]) -> list[list[dict]]:
+    """`run_world(1, cases)` without spawning: this process is the one rank (a spawned rank
+    spends ~4 s CPU importing torch before its first case)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a spawned rank runs
+    results = []
+    try:
+        with tempfile.TemporaryDirectory() as out_dir:
+            for i, case in enumerate(cases):
+                try:
+                    results.append([run_here(case, os.path.join(out_dir, f"case{i}"))])
+                except Exception as exc:
+                    trace = traceback.format_exc()
+                    results.append([{"error": f"{type(exc).__name__}: {exc}\n{trace}"}])
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
 def run_named(nproc: int, cases: dict[str, dict]) -> dict[str, list[dict]]:
-    """`run_world` over named cases: each name maps to its per-rank results; a case that
-    failed on any rank fails the caller with that rank's error."""
+    """`run_world` over named cases (one rank: in this process): each name maps to its
+    per-rank results; a case that failed on any rank fails the caller with that rank's error."""
+    cases_ = list(cases.values())
+    results = _run_cases_here(cases_) if nproc == 1 else run_world(nproc, cases_)
     out = {}
-    for name, per_rank in zip(cases, run_world(nproc, list(cases.values())), strict=True):
+    for name, per_rank in zip(cases, results, strict=True):
         for r in per_rank:
             assert "error" not in r, f"{name}: {r['error']}"
         out[name] = per_rank
