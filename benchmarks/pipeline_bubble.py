@@ -12,7 +12,10 @@ of its formula, and ZB below 1F1B.
 The formulas assume balanced stages and negligible communication, so the model is built to
 be balanced: the FFN width is chosen so that the output head (2·d·V FLOPs per token) costs
 one block (2·(4d² + 3·d·f) + 4·s·d), and 7 blocks are cut 4 | 3 + head (v = 2: chunks of
-2, 2, 2, 1 + head, so 4 | 4 block-equivalents per rank). The measured per-stage busy times are
+2, 2, 2, 1 + head, so 4 | 4 block-equivalents per rank). `--symmetric` builds the stages
+alike instead: 8 blocks cut 4 | 4 with a 512-token vocabulary, whose head is an eighth of one
+block (run side by side on two cores, blocks and a big head slow down by different amounts, so
+FLOP balance is not time balance). The measured per-stage busy times are
 printed so the balance can be checked, and one micro-batch's forward + backward must compute
 for >= 50 ms, so that fixed per-pass costs (p2p, Python) are small against it.
 """
@@ -40,10 +43,21 @@ CASES = {  # name -> (schedule, m, v)
 }
 
 
-def overrides(schedule: str, m: int, v: int, steps: int, ffn: int = FFN) -> list[str]:
+SYMMETRIC_VOCAB = 512  # head 2·d·V = 12% of one block: 4 blocks | 4 blocks + a small head
+
+
+def overrides(
+    schedule: str, m: int, v: int, steps: int, ffn: int = FFN, symmetric: bool = False
+) -> list[str]:
+    if symmetric:  # both stages run the same blocks at the same shapes
+        shape = ["--model.n_layers=8", f"--model.vocab_size={SYMMETRIC_VOCAB}"]
+        split = "4,4" if v == 1 else "2,2,2,2"
+    else:  # 4 blocks | 3 blocks + a head that costs one block in FLOPs
+        shape = ["--model.n_layers=7"]
+        split = "4,3" if v == 1 else "2,2,2,1"
     return [
         "--model.name=tiny",
-        "--model.n_layers=7",
+        *shape,
         f"--model.dim={DIM}",
         "--model.n_heads=4",
         "--model.n_kv_heads=4",
@@ -57,7 +71,7 @@ def overrides(schedule: str, m: int, v: int, steps: int, ffn: int = FFN) -> list
         f"--parallel.pp={P}",
         f"--parallel.pp_schedule={schedule}",
         f"--parallel.pp_virtual={v}",
-        f"--parallel.pp_split={'4,3' if v == 1 else '2,2,2,1'}",
+        f"--parallel.pp_split={split}",
     ]
 
 
@@ -77,12 +91,22 @@ def main() -> int:
         help="FFN width: the default balances the stages by FLOPs; a smaller one moves work "
         "from the first stage (4 blocks) to the last (3 blocks + head)",
     )
+    parser.add_argument(
+        "--symmetric",
+        action="store_true",
+        help=f"8 blocks cut 4 | 4 and a {SYMMETRIC_VOCAB}-token vocabulary: the stages run the "
+        "same blocks, so they stay balanced however the machine treats matmuls and "
+        "element-wise work (the FLOP-balanced head does not, measured in session 3)",
+    )
     args = parser.parse_args()
     print(f"shardwise commit {commit()}")
     print(f"$ {command_line()}")
-    print(f"model: {' '.join(overrides('<schedule>', 0, 1, args.steps, args.ffn)[:7])}")
+    shape = overrides("<schedule>", 0, 1, args.steps, args.ffn, args.symmetric)
+    print(f"model: {' '.join(o for o in shape if o.startswith(('--model', '--data')))}")
     print(f"load average at the start: {load()} (2 cores, shared)")
-    cases = [{"overrides": overrides(*CASES[n], args.steps, args.ffn)} for n in CASES]
+    cases = [
+        {"overrides": overrides(*CASES[n], args.steps, args.ffn, args.symmetric)} for n in CASES
+    ]
     results = run_world(P, cases)
     check(results)
     rows, ok = [], True

@@ -6,7 +6,7 @@ is interference from other jobs, against the fastest step and the process CPU ti
 (the calibration times best-of CPU time). Per layout also the predicted exposed communication
 next to rank 0's measured time blocked in collectives (`comm_wait_s`).
 
-    .venv/bin/python benchmarks/planner_accuracy.py [--steps 8] [--warmup 3]
+    .venv/bin/python benchmarks/planner_accuracy.py [--steps 8] [--warmup 3] [--back-to-back]
 
 The CPU is calibrated first (matmul FLOP/s, memory bandwidth, gloo bandwidth and latency;
 plan/calibrate.py).
@@ -108,6 +108,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument(
+        "--back-to-back",
+        action="store_true",
+        help="predict each layout in its own world just before measuring it (its kernels "
+        "timed afresh), instead of once for all layouts from the calibration",
+    )
     args = ap.parse_args()
     print("command:", command_line())
     print(f"load before: {load()}")
@@ -128,12 +134,12 @@ def main() -> int:
             else:
                 layouts[name] = over
         cases = [[*BASE, *o] for o in layouts.values()]
-        results = measure(nproc, cases, args.steps, args.warmup)
+        results = measure(nproc, cases, args.steps, args.warmup, predict=args.back_to_back)
         for (name, over), got in zip(layouts.items(), results, strict=True):
             if "error" in got:
                 print(f"{name}: failed: {got['error']}")
                 continue
-            pred = explain_record(load_config(None, [*BASE, *over]), nproc, hw)
+            pred = got["pred"] or explain_record(load_config(None, [*BASE, *over]), nproc, hw)
             e = compare(pred, got)
             rows.append((name, pred, got, e))
             pred_t.append(pred["step_time_s"])

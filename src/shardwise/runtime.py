@@ -215,6 +215,7 @@ def build_run(cfg: Config) -> Run:
     derived = derive(cfg, dist.get_world_size())
     if info.type == "cpu":
         dev.set_cpu_threads()
+        dev.keep_freed_memory()
     topo = build_topology(cfg.parallel.tp, cfg.parallel.pp, info.type, cfg.parallel.timeout_s)
     comm = Comm(topo)
     watchdog = start_watchdog(comm, cfg.parallel.timeout_s, cfg.run.dir)

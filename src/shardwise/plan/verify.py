@@ -60,15 +60,37 @@ def timed_run(cfg) -> dict:
     return {"records": fit(run), "step_cpu_times": cpu}
 
 
-def measure(nproc: int, cases: list[list[str]], steps: int = 6, warmup: int = 2) -> list[dict]:
+def predicted_run(cfg) -> dict:
+    """`timed_run`, with the planner's prediction for this config (`pred`) made in this world
+    just before: rank 0 times the layout's kernels afresh while the other ranks wait, so a
+    drift of a shared machine's speed between calibration and measurement stays out of the
+    comparison."""
+    import torch.distributed as dist
+
+    from shardwise.explain import explain_record
+    from shardwise.plan import kernels
+    from shardwise.plan.calibrate import cpu_hardware
+
+    pred = None
+    if dist.get_rank() == 0:
+        kernels.clear()
+        pred = explain_record(cfg, dist.get_world_size(), cpu_hardware())
+    dist.barrier()
+    return {**timed_run(cfg), "pred": pred}
+
+
+def measure(
+    nproc: int, cases: list[list[str]], steps: int = 6, warmup: int = 2, predict: bool = False
+) -> list[dict]:
     """Run each list of overrides on `nproc` local ranks (one world for all); per case: the
     last step's `mem_bytes` and `comm_bytes` (max over ranks), the median over the steps after
     `warmup` of the slowest rank's wall-clock step time (`step_time_s`; its fastest step:
-    `step_best_s`) and process CPU time (`step_cpu_s`), or `error`."""
+    `step_best_s`) and process CPU time (`step_cpu_s`), or `error`; with `predict`, also the
+    prediction made just before (`predicted_run`)."""
     from shardwise.testing.harness import run_world
 
     quiet = ["--train.eval_every=0", "--train.eval_batches=0", f"--train.steps={steps}"]
-    peer = "shardwise.plan.verify:timed_run"
+    peer = f"shardwise.plan.verify:{'predicted_run' if predict else 'timed_run'}"
     out = []
     for per_rank in run_world(nproc, [{"overrides": [*c, *quiet], "peer": peer} for c in cases]):
         errors = [r["error"] for r in per_rank if "error" in r]
@@ -90,6 +112,7 @@ def measure(nproc: int, cases: list[list[str]], steps: int = 6, warmup: int = 2)
                 "step_time_s": statistics.median(wall[warmup:]),
                 "step_best_s": min(wall[warmup:]),
                 "step_cpu_s": statistics.median(cpu[warmup:]),
+                "pred": per_rank[0].get("pred"),
             }
         )
     return out
