@@ -17,7 +17,11 @@ alike instead: 8 blocks cut 4 | 4 with a 512-token vocabulary, whose head is an 
 block (run side by side on two cores, blocks and a big head slow down by different amounts, so
 FLOP balance is not time balance). The measured per-stage busy times are
 printed so the balance can be checked, and one micro-batch's forward + backward must compute
-for >= 50 ms, so that fixed per-pass costs (p2p, Python) are small against it.
+for >= 50 ms, so that fixed per-pass costs (p2p, Python) are small against it. "replayed" is
+the bubble the same plan has with the pass times each stage measured in that step and
+instant messages (schedules.simulate): measured minus replayed is what communication and the
+runtime between passes cost; replayed minus formula is what unequal or varying pass times
+cost.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import sys
 
 from common import check, command_line, commit, load, median, table
+from shardwise.parallel.schedules import build_plan, simulate
 from shardwise.testing import run_world
 
 P = 2
@@ -81,6 +86,39 @@ def formula(schedule: str, m: int, v: int) -> float | None:
     return (P - 1) / (v * m + P - 1)
 
 
+def traced(cfg) -> dict:
+    """One rank's run (`fit`) that also keeps each step's pass durations, in plan order."""
+    from shardwise.runtime import build_run
+    from shardwise.train import fit
+
+    run = build_run(cfg)
+    pipeline, passes = run.pipeline, []
+    train_step = pipeline.train_step
+
+    def step(*args, **kwargs):
+        out = train_step(*args, **kwargs)
+        passes.append([t1 - t0 for t0, t1 in pipeline.intervals])
+        return out
+
+    pipeline.train_step = step
+    try:
+        return {"records": fit(run), "passes": passes}
+    finally:
+        run.close()
+
+
+def replayed(per_rank: list[dict], schedule: str, m: int, v: int) -> list[float]:
+    """Per stage, the median over steps of the bubble the plan has with the pass times each
+    stage measured and instant messages: what the measured one would be without any
+    communication or runtime cost between passes."""
+    plan = build_plan(schedule, P, m, v)
+    steps = range(WARMUP, len(per_rank[0]["passes"]))
+    bubbles = [
+        simulate(plan, v, durations=[r["passes"][s] for r in per_rank]).bubble for s in steps
+    ]
+    return [median([b[r] for b in bubbles]) for r in range(P)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -105,7 +143,11 @@ def main() -> int:
     print(f"model: {' '.join(o for o in shape if o.startswith(('--model', '--data')))}")
     print(f"load average at the start: {load()} (2 cores, shared)")
     cases = [
-        {"overrides": overrides(*CASES[n], args.steps, args.ffn, args.symmetric)} for n in CASES
+        {
+            "overrides": overrides(*CASES[n], args.steps, args.ffn, args.symmetric),
+            "peer": "pipeline_bubble:traced",
+        }
+        for n in CASES
     ]
     results = run_world(P, cases)
     check(results)
@@ -134,13 +176,12 @@ def main() -> int:
                 " / ".join(f"{1000 * b:.0f}" for b in busy),
                 f"{1000 * per_mb:.0f}",
                 f"{1000 * median([rep['makespan_s'] for rep in reps]):.0f}",
+                f"{busy[1] / busy[0]:.3f}",
+                " / ".join(f"{100 * b:.1f}%" for b in replayed(per_rank, schedule, m, v)),
             ]
         )
     header = ["case", "bubble stage 0 / 1", "formula", "±3 pts", "busy ms", "mb F+B ms", "step ms"]
-    header.append("busy 1/0")
-    for row in rows:
-        b0, b1 = (float(x) for x in row[4].split(" / "))
-        row.append(f"{b1 / b0:.3f}")
+    header += ["busy 1/0", "replayed 0 / 1"]
     print(table(header, rows))
     for m in (4, 8):
         zb, one = max(bubbles[f"zb m={m}"]), min(bubbles[f"1f1b m={m}"])

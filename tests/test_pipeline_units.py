@@ -39,6 +39,21 @@ def test_interleaved_bubble_is_the_formula(p, m):
             assert bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
 
 
+def test_replay_with_measured_pass_times():
+    """Per-pass durations (what benchmarks/pipeline_bubble.py replays) reproduce the per-kind
+    replay when they equal the costs, and one slow pass on stage 0 makes the other wait."""
+    plan = build_plan("1f1b", 2, 4, 1)
+    same = [[COST[a.kind] for a in acts] for acts in plan]
+    assert simulate(plan, 1, durations=same).makespan == _replay("1f1b", 2, 4).makespan
+    slow = [list(d) for d in same]
+    slow[0][1] += 5.0  # stage 0's second forward: stage 1's next forward waits for it
+    replay = simulate(plan, 1, durations=slow)
+    # 2 of the 5 units hide in stage 0's wait for stage 1's first backward (F=1, B=2: it
+    # would have idled from t=2 to 4), 3 lengthen the step: 15 -> 18
+    assert _replay("1f1b", 2, 4).makespan == 15.0 and replay.makespan == 18.0
+    assert replay.busy[1] == _replay("1f1b", 2, 4).busy[1]  # stage 1 only waited longer
+
+
 @pytest.mark.parametrize(("p", "m"), LAYOUTS)
 def test_zero_bubble_beats_1f1b_without_more_activations(p, m):
     zb, one = _replay("zb", p, m), _replay("1f1b", p, m)

@@ -152,8 +152,14 @@ def _global(action: Action, r: int, p: int) -> int:
     return action.chunk * p + r
 
 
-def simulate(plan: Plan, v: int, cost: dict[Pass, float] | None = None) -> Replay:
-    """Replay `plan` with pass times `cost` (default F=1, B=2, I=W=1) and free messages.
+def simulate(
+    plan: Plan,
+    v: int,
+    cost: dict[Pass, float] | None = None,
+    durations: list[list[float]] | None = None,
+) -> Replay:
+    """Replay `plan` with pass times `cost` (default F=1, B=2, I=W=1), or each rank's own
+    measured time of each of its passes (`durations[r][j]`), and free messages.
 
     Raises ValueError on a deadlock, or when a channel (sender, receiver) would carry
     messages in a different order than the receiver posts its receives: point-to-point
@@ -179,8 +185,9 @@ def simulate(plan: Plan, v: int, cost: dict[Pass, float] | None = None) -> Repla
             if need is not None and need not in done:
                 continue
             start = max(clock[r], done.get(need, 0.0))
-            clock[r] = start + cost[a.kind]
-            busy[r] += cost[a.kind]
+            took = durations[r][pos[r]] if durations else cost[a.kind]
+            clock[r] = start + took
+            busy[r] += took
             kind = Pass.I if a.kind is Pass.B else a.kind
             done[(kind, c, a.mb)] = clock[r]
             if a.kind is Pass.F:
