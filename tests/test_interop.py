@@ -16,8 +16,8 @@ from shardwise.config import load_config  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.models import build_model  # noqa: E402
 from shardwise.models.hf_weights import HFWeights, load_weights  # noqa: E402
-from shardwise.testing import run_world  # noqa: E402
 from shardwise.testing.compare import case, max_param_diff, max_rel  # noqa: E402
+from shardwise.testing.harness import run_named  # noqa: E402
 from shardwise.validate import derive, model_spec  # noqa: E402
 
 VOCAB = 4096  # the tokenizer cache the other tests use
@@ -162,12 +162,7 @@ def worlds(hf_dirs, ckpt_root):
     for name in CKPT:
         cases = w1 if name in w1 else w2
         cases[name]["overrides"] += ["--checkpoint.every=5", f"--checkpoint.dir={ckpt_root / name}"]
-    out = {}
-    for nproc, cases in ((1, w1), (2, w2)):
-        for name, per_rank in zip(cases, run_world(nproc, list(cases.values())), strict=True):
-            for r in per_rank:
-                assert "error" not in r, f"{name}: {r['error']}"
-            out[name] = per_rank
+    out = {**run_named(1, w1), **run_named(2, w2)}
     out["hf_dirs"] = hf_dirs
     return out
 

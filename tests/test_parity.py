@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from shardwise.metrics import format_line
-from shardwise.testing import run_world
 from shardwise.testing.compare import case, max_param_diff, max_rel
+from shardwise.testing.harness import run_cases
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ WORLD4 = {
 
 
 def _run(cases: dict, nproc: int) -> dict:
-    results = run_world(nproc, list(cases.values()))
+    results = run_cases(nproc, list(cases.values()))
     out = {}
     for name, per_rank in zip(cases, results, strict=True):
         for r in per_rank:
