@@ -299,4 +299,3 @@ def load_state(run, path: Path, index: dict, channel: ControlChannel) -> None:
         reader.close()
     if isinstance(run.reducer, ZeroEngine):
         run.reducer.after_step()  # ZeRO-1/2: publish the loaded slices to every replica
-    run.comm.take_step_bytes()  # loading is not the next step's traffic

@@ -69,14 +69,13 @@ class Comm:
 
     def __init__(self, topology: Topology, trace_len: int = 4096) -> None:
         self.topo = topology
+        # per mesh dimension since `start_step`: training bytes and calls, and the seconds this
+        # rank spent blocked in any collective (launch or wait: the communication the step did
+        # not hide, plus waiting for slower ranks)
         self.step_bytes: dict[str, float] = defaultdict(float)
         self.step_calls: dict[str, int] = defaultdict(int)
+        self.step_wait: dict[str, float] = defaultdict(float)
         self.control_bytes: float = 0.0
-        self.last_calls: dict[str, int] = {}  # training calls per dimension in the last step
-        # seconds this rank spent blocked in collectives (launch or wait) per dimension: the
-        # communication the step did not hide, plus waiting for slower ranks
-        self.wait_s: dict[str, float] = defaultdict(float)
-        self.last_wait_s: dict[str, float] = {}
         self.trace: deque[TraceEntry] = deque(maxlen=trace_len)
         self.seq = 0
         self.dim_seq: dict[str, int] = defaultdict(int)
@@ -120,22 +119,34 @@ class Comm:
             raise
         finally:
             self.blocked = None
-            self.wait_s[entry.dim] += time.monotonic() - t0
+            self.step_wait[entry.dim] += time.monotonic() - t0
 
     def _issue(self, entry: TraceEntry, fn, *args, async_op: bool = False, **kwargs):
         """Call the collective `fn`; an async one's handle is timed when waited on."""
         work = self._blocking(entry, lambda: fn(*args, async_op=async_op, **kwargs))
         return _Watched(work, entry, self) if async_op else work
 
-    def take_step_bytes(self) -> dict[str, float]:
-        """Bytes per dimension since the last call, then reset (the call counts too)."""
-        out = {d: self.step_bytes.get(d, 0.0) for d in ("dp", "tp", "pp")}
-        self.step_bytes.clear()
-        self.last_calls = {d: self.step_calls.get(d, 0) for d in ("dp", "tp", "pp")}
-        self.step_calls.clear()
-        self.last_wait_s = {d: round(self.wait_s.get(d, 0.0), 6) for d in ("dp", "tp", "pp")}
-        self.wait_s.clear()
+    def start_step(self) -> None:
+        """Count from here: what ran before (loading a checkpoint, evaluation, a save) is not
+        the step's communication."""
+        for counts in (self.step_bytes, self.step_calls, self.step_wait):
+            counts.clear()
+
+    def take_step(self) -> dict[str, dict]:
+        """The step's `comm_bytes`, `comm_calls` and `comm_wait_s` per dimension (the
+        metrics.jsonl keys), then start counting again."""
+        dims = ("dp", "tp", "pp")
+        out = {
+            "comm_bytes": {d: self.step_bytes.get(d, 0.0) for d in dims},
+            "comm_calls": {d: self.step_calls.get(d, 0) for d in dims},
+            "comm_wait_s": {d: round(self.step_wait.get(d, 0.0), 6) for d in dims},
+        }
+        self.start_step()
         return out
+
+    def take_step_bytes(self) -> dict[str, float]:
+        """Bytes per dimension since the last call (or `start_step`), then reset."""
+        return self.take_step()["comm_bytes"]
 
     # -- collectives ------------------------------------------------------------------------
     def all_reduce(

@@ -38,7 +38,7 @@ def fit(run: Run) -> list[dict]:
         lr = lr_at(step, cfg)
         run.optimizer.set_lr(lr)
         dev.reset_peak_memory(run.info)
-        run.comm.wait_s.clear()  # blocked time within this step only (not eval or saving)
+        run.comm.start_step()
         t0 = time.perf_counter()
         # fetch: this rank's slice of the step's global batch, cut into micro-batches
         micro = split_for_rank(run.sampler.global_indices(step), run.dp_rank, d.dp, d.micro_batch)
@@ -75,7 +75,7 @@ def fit(run: Run) -> list[dict]:
         dev.synchronize(run.info)
         step_time = time.perf_counter() - t0
         # log: bookkeeping collectives are counted apart from the step's traffic
-        comm_bytes = run.comm.take_step_bytes()
+        comm = run.comm.take_step()
         mem = step_memory(model_state_bytes(model, run.reducer, run.optimizer), act_peak)
         device_peak = dev.peak_memory(run.info)
         if device_peak is not None:
@@ -92,9 +92,7 @@ def fit(run: Run) -> list[dict]:
             "tokens_per_s": tokens_per_s,
             "mfu": step_flops / step_time / (peak * d.world) if peak else None,
             "mem_bytes": mem,
-            "comm_bytes": comm_bytes,
-            "comm_calls": run.comm.last_calls,
-            "comm_wait_s": run.comm.last_wait_s,
+            **comm,  # comm_bytes, comm_calls, comm_wait_s
             "skipped": result.skipped,
             "loss_scale": scale,
         }

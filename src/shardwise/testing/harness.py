@@ -46,6 +46,14 @@ def _run_case(case: dict, run_dir: str) -> dict:
     return result
 
 
+def _or_error(run, case: dict, run_dir: str) -> dict:
+    """`run(case, run_dir)`, or its failure as `{"error": ...}` for the test to report."""
+    try:
+        return run(case, run_dir)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+
+
 def _train_case(case: dict, run, fit) -> dict:
     if case.get("hook"):
         _resolve(case["hook"])(run)
@@ -93,10 +101,7 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -
     dist.init_process_group("gloo")
     results = []
     for i, case in enumerate(cases):
-        try:
-            results.append(_run_case(case, os.path.join(out_dir, f"case{i}")))
-        except Exception as exc:  # returned to the test, which reports it
-            results.append({"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"})
+        results.append(_or_error(_run_case, case, os.path.join(out_dir, f"case{i}")))
         dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as fh:
         pickle.dump(results, fh)
@@ -144,11 +149,7 @@ def _run_cases_here(cases: list[dict]) -> list[list[dict]]:
     try:
         with tempfile.TemporaryDirectory() as out_dir:
             for i, case in enumerate(cases):
-                try:
-                    results.append([run_here(case, os.path.join(out_dir, f"case{i}"))])
-                except Exception as exc:
-                    trace = traceback.format_exc()
-                    results.append([{"error": f"{type(exc).__name__}: {exc}\n{trace}"}])
+                results.append([_or_error(run_here, case, os.path.join(out_dir, f"case{i}"))])
     finally:
         torch.set_num_threads(threads)
     return results
