@@ -71,7 +71,8 @@ def evaluate(job: Job, lay: Layout) -> dict:
     """The full prediction for one layout: the candidate record of `plan --json`."""
     hw = job.hardware
     mb = mem.predict_memory(job, lay)
-    parts = tm.step_time(job, lay, mb)
+    tr, calls = tm.traffic(job, lay), tm.collective_calls(job, lay)
+    parts = tm.step_time(job, lay, mb, tr, calls)
     transient = mem.backward_transient(job, lay)
     peak = mb["total"] + transient + hw.reserve
     host = sum(v for k, v in mb.items() if k.startswith("host_"))
@@ -88,8 +89,8 @@ def evaluate(job: Job, lay: Layout) -> dict:
         "tokens_per_s": tokens,
         "mfu": mfu,
         "time": parts,
-        "comm_bytes": tm.traffic(job, lay),
-        "comm_calls": tm.collective_calls(job, lay),
+        "comm_bytes": tr,
+        "comm_calls": calls,
     }
 
 

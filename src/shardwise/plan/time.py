@@ -178,8 +178,15 @@ def _micro_batch_seconds(job: Job, layout: Layout) -> float:
     return flops_mb / hw.flops(job.precision) + passes * (layers + 1) * hw.block_overhead
 
 
-def step_time(job: Job, layout: Layout, mem_bytes: dict[str, float]) -> dict[str, float]:
-    """Seconds per step by part, and `step_s` their sum."""
+def step_time(
+    job: Job,
+    layout: Layout,
+    mem_bytes: dict[str, float],
+    tr: dict[str, float] | None = None,
+    calls: dict[str, int] | None = None,
+) -> dict[str, float]:
+    """Seconds per step by part, and `step_s` their sum; `tr` and `calls` are this layout's
+    `traffic` and `collective_calls` where the caller has them already."""
     hw = job.hardware
     m, t, p, dp = layout.micro_batches(job), layout.tp, layout.pp, layout.dp
     ranks_here = min(job.devices, hw.per_node)
@@ -191,7 +198,8 @@ def step_time(job: Job, layout: Layout, mem_bytes: dict[str, float]) -> dict[str
         t_mb += slowdown * uses * n * (mem.NF4_BYTES + job.bc) / (hw.hbm_bw * hw.mem_eff)
     compute = m * t_mb
     bubble = _bubble_units(layout) * t_mb
-    tr, calls = traffic(job, layout), collective_calls(job, layout)
+    tr = traffic(job, layout) if tr is None else tr
+    calls = collective_calls(job, layout) if calls is None else calls
     intra, inter = hw.intra_bw * hw.comm_eff, hw.inter_bw * hw.comm_eff
 
     def comm_s(dim: str, ranks: int) -> float:
