@@ -74,3 +74,35 @@ def test_kernels_time_the_shard_shapes(monkeypatch, tmp_path):
     kernels.clear()  # a fresh calibration: every time is measured again, on disk too
     monkeypatch.setattr(kernels, "_memo", None)
     assert kernels._stored() == {}
+
+
+def test_collective_kinds_cost_what_the_transport_charges():
+    """ZeRO-1 over 2 ranks: a reduce-scatter of the padded gradients and an all-gather of
+    the updated slices, each half of the bytes; a transport whose reduce-scatter costs 3x and
+    all-gather 2x an all-reduce per ring byte (gloo measures in that range) makes exactly that
+    much more communication time; plain DP (all-reduce only) is unchanged."""
+    job = _job(False)
+    z1, dp = Layout(dp=2, zero=1, micro_batch=2), Layout(dp=2, micro_batch=2)
+    kinds = tm.traffic_by_kind(job, z1)["dp"]
+    assert kinds["all_reduce"] == 0
+    assert kinds["reduce_scatter"] == kinds["all_gather"] > 0  # fp32 gradients and params
+    assert sum(kinds.values()) == tm.traffic(job, z1)["dp"]
+    costly = job.hardware.with_overrides(collective_cost={"reduce_scatter": 3, "all_gather": 2})
+    job2 = Job(**{**job.__dict__, "hardware": costly})
+    bw = job.hardware.intra_bw * job.hardware.comm_eff
+    for lay, extra in ((z1, (2 * kinds["reduce_scatter"] + kinds["all_gather"]) / bw), (dp, 0)):
+        mem = predict_memory(job, lay)
+        before = tm.step_time(job, lay, mem)["dp_comm_s"]
+        after = tm.step_time(job2, lay, mem)["dp_comm_s"]
+        assert after - before == pytest.approx(extra)
+
+
+def test_calibration_measures_gloo_per_collective_kind():
+    """Two gloo ranks in threads: the all-reduce's bandwidth and latency, and what a
+    reduce-scatter and an all-gather cost per ring byte relative to it (positive, finite)."""
+    from shardwise.plan.calibrate import _gloo
+
+    out = _gloo(nbytes=2**20, reps=2, calls=20)
+    assert out["gloo_bw"] > 0 and 0 < out["gloo_latency"] < 1
+    for key in ("gloo_rs_cost", "gloo_ag_cost"):
+        assert 0 < out[key] < 100, (key, out[key])

@@ -22,7 +22,7 @@ import torch
 from shardwise.device import dtype_of
 from shardwise.plan.hardware import GiB, Hardware
 
-_VERSION = 5
+_VERSION = 6
 
 
 def cache_file(name: str) -> Path:
@@ -131,17 +131,30 @@ def _gloo_pair():
     return run
 
 
-def _gloo(nbytes: int = 8 * 2**20, reps: int = 3, calls: int = 200) -> tuple[float, float]:
-    """Ring bus bandwidth (bytes/s per rank per direction) of a 2-rank gloo all-reduce over
-    loopback per CPU-second (loopback TCP is CPU-bound: kernel copies; CPU time stays
-    meaningful on a shared machine), and the latency of one call: the median wall-clock time
-    of a one-element all-reduce (wake-ups and round trips, which cost no CPU)."""
+def _gloo(nbytes: int = 8 * 2**20, reps: int = 5, calls: int = 200) -> dict[str, float]:
+    """Gloo over loopback between two ranks: the ring bus bandwidth of an all-reduce (bytes/s
+    per rank per direction) per CPU-second (loopback TCP is CPU-bound: kernel copies; CPU time
+    stays meaningful on a shared machine); the cost per ring byte of a reduce-scatter and an
+    all-gather relative to it (gloo's run well above the ring model's half an all-reduce); and
+    the latency of one call: the median wall-clock time of a one-element all-reduce (wake-ups
+    and round trips, which cost no CPU)."""
     run = _gloo_pair()
-    bufs = [torch.ones(nbytes // 4), torch.ones(nbytes // 4)]  # one per rank
+    full = [torch.ones(nbytes // 4), torch.ones(nbytes // 4)]  # one per rank
+    half = [torch.ones(nbytes // 8), torch.ones(nbytes // 8)]
+    kinds = {
+        "all_reduce": lambda g, r: g.allreduce([full[r]]),
+        "reduce_scatter": lambda g, r: g._reduce_scatter_base(half[r], full[r]),
+        "all_gather": lambda g, r: g._allgather_base(full[r], half[r]),
+    }
 
-    def bandwidth(group, r: int) -> None:
-        for _ in range(reps):
-            group.allreduce([bufs[r]]).wait()
+    def cpu_per_call(kind: str) -> float:
+        def work(group, r: int) -> None:
+            for _ in range(reps):
+                kinds[kind](group, r).wait()
+
+        c0 = time.process_time()  # both ranks' threads, gloo's own threads, the kernel's copies
+        run(work)
+        return (time.process_time() - c0) / 2 / reps
 
     def latency(group, r: int) -> list[float]:
         one, times = torch.ones(1), []
@@ -152,12 +165,15 @@ def _gloo(nbytes: int = 8 * 2**20, reps: int = 3, calls: int = 200) -> tuple[flo
         return times
 
     run(lambda group, r: group.allreduce([torch.ones(1)]).wait())  # connect and warm up
-    c0 = time.process_time()  # both ranks' threads, gloo's own threads and the kernel's copies
-    run(bandwidth)
-    per_rank = (time.process_time() - c0) / 2 / reps
-    # an all-reduce of S bytes over n ranks moves 2(n-1)/n * S per rank: S for n = 2
+    cost = {kind: cpu_per_call(kind) for kind in kinds}
+    # ring bytes per rank over 2 ranks: an all-reduce of S bytes moves S, the others S / 2
     times = sorted(t for ts in run(latency) for t in ts)
-    return nbytes / per_rank, times[len(times) // 2]
+    return {
+        "gloo_bw": nbytes / cost["all_reduce"],
+        "gloo_latency": times[len(times) // 2],
+        "gloo_rs_cost": 2 * cost["reduce_scatter"] / cost["all_reduce"],
+        "gloo_ag_cost": 2 * cost["all_gather"] / cost["all_reduce"],
+    }
 
 
 def measure() -> dict[str, float]:
@@ -168,7 +184,7 @@ def measure() -> dict[str, float]:
             "fp16": _matmul_flops(torch.float16, n=128, seconds=0.1),
             "mem_bw": _memory_bw(),
         }
-        out["gloo_bw"], out["gloo_latency"] = _gloo()
+        out.update(_gloo())
         out["block_overhead"] = _block_overhead()
         out["eff_fp32"] = _block_efficiency("fp32", out["fp32"], out["block_overhead"])
         out["eff_bf16"] = _block_efficiency("bf16", out["bf16"], out["block_overhead"], 0.8)
@@ -234,6 +250,10 @@ def cpu_hardware(measure: bool = True, refresh: bool = False) -> Hardware:
         eff=eff,
         block_overhead=c.get("block_overhead", 1e-3),
         latency=c.get("gloo_latency", 1e-4),
+        collective_cost={
+            "reduce_scatter": c.get("gloo_rs_cost", 1.0),
+            "all_gather": c.get("gloo_ag_cost", 1.0),
+        },
         comm_eff=1.0,
         mem_eff=1.0,
         # The ranks keep every core busy computing: gloo's transfer threads get no spare core,

@@ -47,6 +47,10 @@ class Hardware:
     # seconds every collective call costs whatever its size (the alpha of an alpha-beta
     # model): nccl-tests' small-message all-reduce inside a node is ~10-20 us; measured on CPUs
     latency: float = 2e-5
+    # cost per ring byte of a collective kind ("reduce_scatter", "all_gather", "send")
+    # relative to an all-reduce's (absent = 1, the ring model's NCCL): gloo's reduce-scatter
+    # and all-gather cost more per byte than its all-reduce, measured on CPUs (calibrate.py)
+    collective_cost: dict[str, float] = dataclasses.field(default_factory=dict)
     # CPU calibrated on the spot: time the real modules at each layout's shapes (kernels.py)
     # instead of dividing FLOPs by one rate
     measured_kernels: bool = False

@@ -71,8 +71,8 @@ def evaluate(job: Job, lay: Layout) -> dict:
     """The full prediction for one layout: the candidate record of `plan --json`."""
     hw = job.hardware
     mb = mem.predict_memory(job, lay)
-    tr, calls = tm.traffic(job, lay), tm.collective_calls(job, lay)
-    parts = tm.step_time(job, lay, mb, tr, calls)
+    kinds, calls = tm.traffic_by_kind(job, lay), tm.collective_calls(job, lay)
+    parts = tm.step_time(job, lay, mb, kinds, calls)
     transient = mem.backward_transient(job, lay)
     peak = mb["total"] + transient + hw.reserve
     host = sum(v for k, v in mb.items() if k.startswith("host_"))
@@ -89,7 +89,7 @@ def evaluate(job: Job, lay: Layout) -> dict:
         "tokens_per_s": tokens,
         "mfu": mfu,
         "time": parts,
-        "comm_bytes": tr,
+        "comm_bytes": {dim: sum(k.values()) for dim, k in kinds.items()},
         "comm_calls": calls,
     }
 

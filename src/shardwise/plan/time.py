@@ -49,22 +49,32 @@ def _ring(n: int) -> float:
 
 def traffic(job: Job, layout: Layout) -> dict[str, float]:
     """Ring-equivalent bytes sent per rank per step over dp, tp and pp."""
+    return {dim: sum(kinds.values()) for dim, kinds in traffic_by_kind(job, layout).items()}
+
+
+def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
+    """`traffic` split by collective kind (all_reduce, reduce_scatter, all_gather, send) per
+    mesh dimension: the kinds cost differently per byte on some transports (gloo)."""
     spec, s, b = job.spec, job.seq_len, layout.micro_batch
     m, dp, t, p, v = layout.micro_batches(job), layout.dp, layout.tp, layout.pp, layout.pp_virtual
     us = mem.stage_units(job, layout, 0)
     padded = sum(-(-u.numel // dp) * dp * u.count for u in us)
     trainable = sum(e[0] * u.count for u in us for e in u.entries if e[1])
     bc, br, ring = job.bc, job.br, _ring(dp)
-    dp_bytes = {
-        0: 2 * ring * trainable * br,  # one all-reduce of every gradient per step
-        1: ring * padded * (br + bc),  # reduce-scatter once + all-gather of the updated slices
-        2: ring * padded * (m * br + bc),  # reduce-scatter every micro-batch
-        3: ring * padded * m * (br + 2 * bc),  # + gather before forward and before backward
-    }[layout.zero]
+    # ZeRO-0: one all-reduce of every gradient per step; ZeRO-1: a reduce-scatter once and an
+    # all-gather of the updated slices; ZeRO-2: reduce-scatter every micro-batch; ZeRO-3: and
+    # a gather before forward and before backward
+    scatters = {0: 0, 1: 1, 2: m, 3: m}[layout.zero]
+    gathers = {0: 0, 1: 1, 2: 1, 3: 2 * m}[layout.zero]
+    dp_kinds = {
+        "all_reduce": 2 * ring * trainable * br if layout.zero == 0 else 0.0,
+        "reduce_scatter": ring * padded * br * scatters,
+        "all_gather": ring * padded * bc * gathers,
+    }
     if layout.zero == 3 and spec.tie_embeddings and p == 1:
         # the tied head is a second root of the embedding's unit: it is gathered again for
         # the head's forward (it was freed after the embedding's), once per micro-batch
-        dp_bytes += ring * -(-us[0].numel // dp) * dp * bc * m
+        dp_kinds["all_gather"] += ring * -(-us[0].numel // dp) * dp * bc * m
     act = b * s * spec.dim * bc
     layers = -(-spec.n_layers // p)
     # parallel/tensor.py, per micro-batch: per layer 2 all-reduces forward and 2 backward
@@ -72,16 +82,21 @@ def traffic(job: Job, layout: Layout) -> dict[str, float]:
     # the vocabulary-parallel loss all-reduces 3 fp32 values per token. Full recomputation
     # repeats a block's forward up to its last saved tensor: 1 all-reduce (sp: 3 halves).
     per_mb = 2 * (4 * layers + 2) + (3 if layout.sp else 2) * layers * (layout.recompute == "full")
-    tp_bytes = _ring(t) * m * (act * per_mb + 4 * 6 * b * s)
+    blocks = _ring(t) * m * act * per_mb
+    tp_kinds = {"all_reduce": _ring(t) * m * 4 * 6 * b * s}
+    if layout.sp:
+        tp_kinds["all_gather"] = tp_kinds["reduce_scatter"] = blocks / 2
+    else:
+        tp_kinds["all_reduce"] += blocks
     if t > 1:  # gradients of parameters replicated over tp ranks that each saw part of them,
         # summed in fp32 (the optimizer's master gradients) once per step
-        tp_bytes += 2 * _ring(t) * _tp_partial(spec, t, layout.sp) * 4
+        tp_kinds["all_reduce"] += 2 * _ring(t) * _tp_partial(spec, t, layout.sp) * 4
     pp_bytes = 0.0
     if p > 1:  # activations forward and their gradients backward, per micro-batch and chunk:
         # a rank sends forward from its v chunks (the last chunk's rank one fewer) and backward
         # likewise (the first chunk's rank one fewer); with p = 2 each rank is one of those
         pp_bytes = m * act / (t if layout.sp else 1) * (2 * v - (1 if p == 2 else 0))
-    return {"dp": dp_bytes, "tp": tp_bytes, "pp": pp_bytes}
+    return {"dp": dp_kinds, "tp": tp_kinds, "pp": {"send": pp_bytes}}
 
 
 def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
@@ -182,11 +197,11 @@ def step_time(
     job: Job,
     layout: Layout,
     mem_bytes: dict[str, float],
-    tr: dict[str, float] | None = None,
+    kinds: dict[str, dict[str, float]] | None = None,
     calls: dict[str, int] | None = None,
 ) -> dict[str, float]:
-    """Seconds per step by part, and `step_s` their sum; `tr` and `calls` are this layout's
-    `traffic` and `collective_calls` where the caller has them already."""
+    """Seconds per step by part, and `step_s` their sum; `kinds` and `calls` are this layout's
+    `traffic_by_kind` and `collective_calls` where the caller has them already."""
     hw = job.hardware
     m, t, p, dp = layout.micro_batches(job), layout.tp, layout.pp, layout.dp
     ranks_here = min(job.devices, hw.per_node)
@@ -198,13 +213,14 @@ def step_time(
         t_mb += slowdown * uses * n * (mem.NF4_BYTES + job.bc) / (hw.hbm_bw * hw.mem_eff)
     compute = m * t_mb
     bubble = _bubble_units(layout) * t_mb
-    tr = traffic(job, layout) if tr is None else tr
+    kinds = traffic_by_kind(job, layout) if kinds is None else kinds
     calls = collective_calls(job, layout) if calls is None else calls
     intra, inter = hw.intra_bw * hw.comm_eff, hw.inter_bw * hw.comm_eff
 
     def comm_s(dim: str, ranks: int) -> float:
         bw = intra if ranks <= hw.per_node else inter
-        return (tr[dim] / bw + calls[dim] * hw.latency) * slowdown
+        cost = sum(n * hw.collective_cost.get(k, 1.0) for k, n in kinds[dim].items())
+        return (cost / bw + calls[dim] * hw.latency) * slowdown
 
     tp_s, pp_s, dp_s = comm_s("tp", t), comm_s("pp", t * dp * p), comm_s("dp", t * dp)
     # what can hide: gradient reduction behind backward (2/3 of compute) of the syncing
