@@ -209,3 +209,21 @@ def test_interleaved_fix_suggests_a_micro_batch_that_works():
     )
     with pytest.raises(ConfigError, match=r"--train\.micro_batch=4"):
         derive(cfg, 2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb", "interleaved"])
+def test_planner_in_flight_is_the_plans_peak(schedule):
+    """The planner's micro-batches in flight per stage (plan/activations.py) equal the peak of
+    forwards not yet released by their backward (or, zero bubble, weight pass) in the plans the
+    engine runs."""
+    from shardwise.plan.activations import in_flight
+
+    v = 2 if schedule == "interleaved" else 1
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p, 3 * p):
+            for stage, plan in enumerate(build_plan(schedule, p, m, v)):
+                held = peak = 0
+                for a in plan:
+                    held += 1 if a.kind is Pass.F else -(a.kind in (Pass.B, Pass.W))
+                    peak = max(peak, held)
+                assert in_flight(schedule, p, m, v, stage) == peak / v, (p, m, stage)

@@ -158,8 +158,12 @@ def edge_terms(
         v = -(-spec.vocab_size // tp) * tp  # padded to a multiple of tp
         out.append(Term("log-softmax (fp32)", 4 * s * b * v, True, False))
         if tp == 1:
+            # targets are a view of the loader's (b, s+1) window: flattening copies it, except
+            # for one sample, where the flat view keeps the window itself (already held as the
+            # token ids when this stage is also the first)
+            targets = 8 * s * b if b > 1 else (0 if first else 8 * (s + 1))
             out += [
-                Term("targets (flattened)", 8 * s * b, False, False),
+                Term("targets (flattened)", targets, False, False),
                 Term("loss weight sum", 4, False, False),
             ]
         else:
@@ -169,14 +173,18 @@ def edge_terms(
 
 def in_flight(schedule: str, p: int, m: int, v: int, stage: int = 0) -> float:
     """Micro-batches whose activations a pipeline stage holds at its peak, in units of the
-    stage's layers. GPipe: all m. 1F1B and ZB-H1 (Qi et al. 2024: same peak as 1F1B): p - stage,
-    at most m. Interleaved (Narayanan et al. 2021 §2.2): (p-stage-1)·2 + (v-1)·p + 1 model
-    chunks of L/(pv) layers, i.e. L(1 + (p-1)/(pv)) layers on the first stage."""
+    stage's layers. GPipe: all m. 1F1B: p - stage, at most m. ZB-H1 (Qi et al. 2024): p on
+    every stage, at most m (the first stage's 1F1B peak: a later stage keeps a micro-batch
+    from its input-gradient pass until its deferred weight-gradient pass). Interleaved
+    (Narayanan et al. 2021 §2.2): (p-stage-1)·2 + (v-1)·p + 1 model chunks of L/(pv) layers,
+    i.e. L(1 + (p-1)/(pv)) layers on the first stage."""
     if p == 1:
         return 1.0
     if schedule == "gpipe":
         return float(m)
     if schedule == "interleaved":
+        if m == p:  # no steady state: every forward runs first (as Megatron-LM's)
+            return float(m)
         chunks = min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
         return chunks / v
-    return float(min(m, p - stage))
+    return float(min(m, p if schedule == "zb" else p - stage))

@@ -199,9 +199,11 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     held = act.in_flight(layout.pp_schedule, p, m, layout.pp_virtual, stage)
     edges = act.edge_terms(spec, s, b, c, first, last, t)
     edge = act.layer_bytes(edges, t, layout.sp)
-    # the loss and logits of the last stage: 1F1B-like schedules run each micro-batch's
-    # backward right after its forward there (one held); GPipe runs all m forwards first
-    held_edge = 1.0 if (last and p > 1 and layout.pp_schedule != "gpipe") else held
+    # the loss and logits of the last stage: 1F1B and interleaved run each micro-batch's
+    # backward right after its forward there (one held); GPipe runs all m forwards first and
+    # zero bubble keeps them, with the rest of the micro-batch, until its weight pass
+    one = layout.pp_schedule in ("1f1b", "interleaved")
+    held_edge = 1.0 if (last and p > 1 and one) else held
     return per_layer * layers * held + edge * held_edge
 
 
