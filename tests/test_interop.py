@@ -16,11 +16,12 @@ from shardwise.config import load_config  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.models import build_model  # noqa: E402
 from shardwise.models.hf_weights import HFWeights, load_weights  # noqa: E402
+from shardwise.testing.compare import VOCAB as SMALL_VOCAB  # noqa: E402
 from shardwise.testing.compare import case, max_param_diff, max_rel  # noqa: E402
 from shardwise.testing.harness import run_named  # noqa: E402
 from shardwise.validate import derive, model_spec  # noqa: E402
 
-VOCAB = 4096  # the tokenizer cache the other tests use
+VOCAB = SMALL_VOCAB  # the tokenizer cache the other tests use
 # lr 3e-4 as test_tensor.py's Hugging Face cases: an entry whose gradient is zero up to fp32
 # rounding (summed in another order by another layout) moves by up to ±lr per Adam step
 # (testing/compare.py); at lr 1e-3 one of the 262k embedding entries ends 1.3e-5 apart, every

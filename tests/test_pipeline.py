@@ -7,7 +7,7 @@ One 4-rank world runs every pipeline case, one 1-process world the references.""
 
 import pytest
 
-from shardwise.testing.compare import case, max_rel
+from shardwise.testing.compare import VOCAB, case, max_rel
 from shardwise.testing.harness import run_named
 
 pytestmark = pytest.mark.slow
@@ -274,9 +274,9 @@ def test_3d_matches_single_process(worlds, world8):
 def test_3d_sends_sequence_shards(world8):
     """With sp the activation sent between stages is this tp rank's sequence shard: micro-batch
     1 × 32/2 tokens × 128 × 4 bytes; plus, once per step, the tied gradient's ZeRO-1 slice of
-    this rank's vocabulary shard (4096/2 × 128 / dp 2 elements) summed over the two ends."""
+    this rank's vocabulary shard (VOCAB/2 × 128 / dp 2 elements) summed over the two ends."""
     shard = 1 * 16 * 128 * 4
-    tied = 4096 // 2 * 128 // 2 * 4
+    tied = VOCAB // 2 * 128 // 2 * 4
     for rank in (0, 7):
         for rec in world8[rank]["records"]:
             assert rec["comm_bytes"]["pp"] == 4 * shard + tied, rank

@@ -4,7 +4,7 @@ One spawned world per size runs every case."""
 
 import pytest
 
-from shardwise.testing.compare import SMALL, case, max_param_diff, max_rel
+from shardwise.testing.compare import SMALL, VOCAB, case, max_param_diff, max_rel
 from shardwise.testing.harness import run_named
 
 pytestmark = pytest.mark.slow
@@ -151,7 +151,7 @@ def test_frozen_parameters_stay_at_init_and_the_rest_matches(worlds, stage):
     got, ref = worlds[2][f"z{stage}_frozen"][0], worlds[1]["ref_frozen"][0]
     assert max_rel(got["losses"], ref["losses"]) <= 1e-5
     assert max_param_diff(got["params"], ref["params"]) <= 1e-5
-    model = build_model(preset("tiny", n_layers=2))
+    model = build_model(preset("tiny", n_layers=2, vocab_size=VOCAB))
     init_weights(model, 0)
     init = dict(model.named_parameters())
     for name in ("embed.weight", "blocks.0.attn.wq.weight", "blocks.0.mlp_norm.weight"):

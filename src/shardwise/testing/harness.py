@@ -1,4 +1,4 @@
-"""The parity harness: one spawned world of N gloo ranks runs a list of cases.
+"""The parity harness: one world of N gloo ranks runs a list of cases.
 
 Process start-up dominates on small machines, so a world is started once and every case
 (a list of `--section.key=value` overrides, optionally a hook or the PyTorch-peer flag) runs
@@ -86,9 +86,14 @@ def _train_case(case: dict, run, fit) -> dict:
     }
 
 
-def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, cases: list[dict], out_dir: str, env: dict[str, str]
+) -> None:
     import torch.distributed as dist
 
+    # a rank forks from the server with the server's environment: take the caller's
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -108,12 +113,23 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -
     dist.destroy_process_group()
 
 
+# Ranks fork from a server process that imported torch and the training code once, for all
+# the worlds this process starts (a spawned rank spends ~5 s CPU importing them per world)
+_PRELOAD = ["torch", "torch._dynamo", "shardwise.runtime", "shardwise.train", __name__]
+
+
+def _start_method() -> str:
+    if "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)  # before its first start
+    return "forkserver"
+
+
 def run_world(nproc: int, cases: list[dict]) -> list[list[dict]]:
     """Run `cases` on `nproc` ranks; returns results[case][rank]."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _worker, args=(nproc, free_port(), cases, out_dir), nprocs=nproc, start_method="spawn"
-        )
+        args = (nproc, free_port(), cases, out_dir, dict(os.environ))
+        mp.start_processes(_worker, args=args, nprocs=nproc, start_method=_start_method())
         per_rank = [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(nproc)]
     return [[per_rank[r][i] for r in range(nproc)] for i in range(len(cases))]
 
