@@ -45,6 +45,23 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def cpu_jiffies() -> tuple[int, int]:
+    """(stolen, total) CPU jiffies of this machine since boot (/proc/stat; (0, 0) elsewhere):
+    time the hypervisor gave this VM's CPUs to other guests."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [int(x) for x in fh.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return 0, 0
+    return fields[7], sum(fields)
+
+
+def stolen(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """Fraction of the CPU time between two `cpu_jiffies` readings that was stolen."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
 def steady(times: Sequence[float], warmup: int = WARMUP_STEPS) -> list[float]:
     """Step times after the warm-up steps (all of them if the run is too short)."""
     return list(times[warmup:]) or list(times)

@@ -21,7 +21,9 @@ for >= 50 ms, so that fixed per-pass costs (p2p, Python) are small against it. "
 the bubble the same plan has with the pass times each stage measured in that step and
 instant messages (schedules.simulate): measured minus replayed is what communication and the
 runtime between passes cost; replayed minus formula is what unequal or varying pass times
-cost.
+cost. "stolen" is the median share of this VM's CPU time the hypervisor gave to other guests
+during a step (/proc/stat); the last column is the bubble over the steps with at most 2% stolen
+(their count first), for comparison only: the verdict uses every step.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import check, command_line, commit, load, median, table
+from common import check, command_line, commit, cpu_jiffies, load, median, stolen, table
 from shardwise.parallel.schedules import build_plan, simulate
 from shardwise.testing import run_world
 
@@ -37,6 +39,7 @@ P = 2
 DIM, VOCAB, SEQ, MICRO = 256, 4096, 128, 2
 FFN = (2 * VOCAB - 8 * DIM - 4 * SEQ) // 6  # head FLOPs = one block's FLOPs (see above)
 WARMUP = 2  # steps whose bubble is not counted (allocator growth, first-touch)
+CALM = 0.02  # a step during which the hypervisor took at most this share of the CPUs
 CASES = {  # name -> (schedule, m, v)
     "gpipe m=4": ("gpipe", 4, 1),
     "gpipe m=8": ("gpipe", 8, 1),
@@ -92,17 +95,19 @@ def traced(cfg) -> dict:
     from shardwise.train import fit
 
     run = build_run(cfg)
-    pipeline, passes = run.pipeline, []
+    pipeline, passes, steal = run.pipeline, [], []
     train_step = pipeline.train_step
 
     def step(*args, **kwargs):
+        before = cpu_jiffies()
         out = train_step(*args, **kwargs)
+        steal.append(stolen(before, cpu_jiffies()))
         passes.append([t1 - t0 for t0, t1 in pipeline.intervals])
         return out
 
     pipeline.train_step = step
     try:
-        return {"records": fit(run), "passes": passes}
+        return {"records": fit(run), "passes": passes, "steal": steal}
     finally:
         run.close()
 
@@ -157,6 +162,9 @@ def main() -> int:
         schedule, m, v = CASES[name]
         reps = [r["pipeline"] for r in per_rank[0]["records"][WARMUP:]]
         stage = [median([rep["bubble"][s] for rep in reps]) for s in range(P)]
+        steal = per_rank[0]["steal"][WARMUP:]
+        calm = [rep for rep, x in zip(reps, steal, strict=True) if x <= CALM]
+        calm_stage = [median([rep["bubble"][s] for rep in calm]) for s in range(P)] if calm else []
         busy = [median([rep["busy_s"][s] for rep in reps]) for s in range(P)]
         per_mb = min(busy) / m  # one micro-batch's forward + backward on a stage
         want = formula(schedule, m, v)
@@ -178,10 +186,12 @@ def main() -> int:
                 f"{1000 * median([rep['makespan_s'] for rep in reps]):.0f}",
                 f"{busy[1] / busy[0]:.3f}",
                 " / ".join(f"{100 * b:.1f}%" for b in replayed(per_rank, schedule, m, v)),
+                f"{100 * median(steal):.1f}%",
+                f"{len(calm)}: " + " / ".join(f"{100 * b:.1f}%" for b in calm_stage),
             ]
         )
     header = ["case", "bubble stage 0 / 1", "formula", "±3 pts", "busy ms", "mb F+B ms", "step ms"]
-    header += ["busy 1/0", "replayed 0 / 1"]
+    header += ["busy 1/0", "replayed 0 / 1", "stolen", f"steps stolen <= {100 * CALM:.0f}%"]
     print(table(header, rows))
     for m in (4, 8):
         zb, one = max(bubbles[f"zb m={m}"]), min(bubbles[f"1f1b m={m}"])

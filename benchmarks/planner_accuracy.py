@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from common import command_line, load, mb
+from common import command_line, cpu_jiffies, load, mb, stolen
 from shardwise.config import load_config
 from shardwise.explain import explain_record
 from shardwise.plan.calibrate import cpu_hardware
@@ -117,6 +117,7 @@ def main() -> int:
     args = ap.parse_args()
     print("command:", command_line())
     print(f"load before: {load()}")
+    jiffies = cpu_jiffies()
     hw = cpu_hardware(refresh=True)
     print(
         f"calibration: fp32 {hw.peak['fp32'] / 1e9:.1f} GFLOP/s, bf16 {hw.peak['bf16'] / 1e9:.1f} "
@@ -147,6 +148,8 @@ def main() -> int:
             cpu_t.append(got["step_cpu_s"])
             best_t.append(got["step_best_s"])
     print(f"load after: {load()}")
+    share = stolen(jiffies, cpu_jiffies())
+    print(f"CPU time stolen by the hypervisor during the run: {100 * share:.1f}%")
     print()
     print(
         "| layout | states | pred total MB | meas total MB | total err | pred step s | "

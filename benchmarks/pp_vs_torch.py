@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from common import check, command_line, commit, load, median, table
+from common import check, command_line, commit, cpu_jiffies, load, median, stolen, table
 from shardwise.testing import run_world
 
 P = 2
@@ -151,6 +151,7 @@ def main() -> int:
     print(f"$ {command_line()}")
     print(f"model and batch: {' '.join(overrides('1f1b', args.steps)[:9])}")
     print(f"load average at the start: {load()} (2 cores, shared)")
+    jiffies = cpu_jiffies()
     names = list(SCHEDULES)
     cases = [{"overrides": overrides(n, args.steps), "peer": "pp_vs_torch:paired"} for n in names]
     results = run_world(P, cases)
@@ -178,6 +179,8 @@ def main() -> int:
         )
     print(table(["schedule", "ours ms", "torch ms", "ratio", "target 1.0", "loss 1"], rows))
     print(f"load average at the end: {load()}")
+    share = stolen(jiffies, cpu_jiffies())
+    print(f"CPU time stolen by the hypervisor during the run: {100 * share:.1f}%")
     print("OK" if ok else "FAILED: a ratio is above 1.15 or the first losses differ")
     return 0 if ok else 1
 
