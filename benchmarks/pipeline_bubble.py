@@ -55,7 +55,13 @@ SYMMETRIC_VOCAB = 512  # head 2·d·V = 12% of one block: 4 blocks | 4 blocks + 
 
 
 def overrides(
-    schedule: str, m: int, v: int, steps: int, ffn: int = FFN, symmetric: bool = False
+    schedule: str,
+    m: int,
+    v: int,
+    steps: int,
+    ffn: int = FFN,
+    symmetric: bool = False,
+    micro: int = MICRO,
 ) -> list[str]:
     if symmetric:  # both stages run the same blocks at the same shapes
         shape = ["--model.n_layers=8", f"--model.vocab_size={SYMMETRIC_VOCAB}"]
@@ -71,8 +77,8 @@ def overrides(
         "--model.n_kv_heads=4",
         f"--model.ffn_dim={ffn}",
         f"--data.seq_len={SEQ}",
-        f"--train.micro_batch={MICRO}",
-        f"--train.global_batch={MICRO * m}",
+        f"--train.micro_batch={micro}",
+        f"--train.global_batch={micro * m}",
         f"--train.steps={steps}",
         "--train.eval_every=0",
         "--train.eval_batches=0",
@@ -141,15 +147,26 @@ def main() -> int:
         "same blocks, so they stay balanced however the machine treats matmuls and "
         "element-wise work (the FLOP-balanced head does not, measured in session 3)",
     )
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=MICRO,
+        help="sequences per micro-batch: longer passes, so the same absolute jitter in a pass "
+        "(the host's) is a smaller share of it",
+    )
     args = parser.parse_args()
     print(f"shardwise commit {commit()}")
     print(f"$ {command_line()}")
-    shape = overrides("<schedule>", 0, 1, args.steps, args.ffn, args.symmetric)
-    print(f"model: {' '.join(o for o in shape if o.startswith(('--model', '--data')))}")
+    shape = overrides("<schedule>", 0, 1, args.steps, args.ffn, args.symmetric, args.micro_batch)
+    print(
+        f"model: {' '.join(o for o in shape if o.startswith(('--model', '--data', '--train.m')))}"
+    )
     print(f"load average at the start: {load()} (2 cores, shared)")
     cases = [
         {
-            "overrides": overrides(*CASES[n], args.steps, args.ffn, args.symmetric),
+            "overrides": overrides(
+                *CASES[n], args.steps, args.ffn, args.symmetric, args.micro_batch
+            ),
             "peer": "pipeline_bubble:traced",
         }
         for n in CASES

@@ -121,8 +121,10 @@ def main() -> int:
     hw = cpu_hardware(refresh=True)
     print(
         f"calibration: fp32 {hw.peak['fp32'] / 1e9:.1f} GFLOP/s, bf16 {hw.peak['bf16'] / 1e9:.1f} "
-        f"GFLOP/s, memory {hw.hbm_bw / 1e9:.1f} GB/s, gloo {hw.intra_bw / 1e9:.2f} GB/s "
-        f"(one thread), {hw.cores} cores"
+        f"GFLOP/s, memory {hw.hbm_bw / 1e9:.1f} GB/s (one thread), gloo {hw.intra_bw / 1e9:.2f} "
+        f"GB/s + {hw.latency * 1e3:.2f} ms a call, reduce-scatter x"
+        f"{hw.collective_cost['reduce_scatter']:.1f} and all-gather x"
+        f"{hw.collective_cost['all_gather']:.1f} per byte, {hw.cores} cores"
     )
     print(f"model: {' '.join(BASE)}; timing: median of steps {args.warmup + 1}..{args.steps}")
     rows, pred_t, meas_t, cpu_t, best_t = [], [], [], [], []

@@ -98,11 +98,11 @@ def test_collective_kinds_cost_what_the_transport_charges():
 
 
 def test_calibration_measures_gloo_per_collective_kind():
-    """Two gloo ranks in threads: the all-reduce's bandwidth and latency, and what a
+    """Two gloo ranks in two processes: the all-reduce's bandwidth and latency, and what a
     reduce-scatter and an all-gather cost per ring byte relative to it (positive, finite)."""
     from shardwise.plan.calibrate import _gloo
 
-    out = _gloo(nbytes=2**20, reps=2, calls=20)
+    out = _gloo(nbytes=2**20, reps=3, calls=20)
     assert out["gloo_bw"] > 0 and 0 < out["gloo_latency"] < 1
     for key in ("gloo_rs_cost", "gloo_ag_cost"):
         assert 0 < out[key] < 100, (key, out[key])

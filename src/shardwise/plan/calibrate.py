@@ -1,9 +1,10 @@
 """`cpu` hardware measured on the spot: matmul FLOP/s, memory bandwidth, gloo bandwidth.
 
-About a second of measurement, cached per machine (host name, core count, torch version) in
-`$SHARDWISE_CACHE/calibration-cpu.json`, so later plans reuse it. CPU ranks run one intra-op
-thread each (device.set_cpu_threads), so every rate is measured on one thread; ranks beyond the
-core count share cores (Hardware.cores), which the time model accounts for.
+A few seconds of measurement (gloo with a second process), cached per machine (host name, core
+count, torch version) in `$SHARDWISE_CACHE/calibration-cpu.json`, so later plans reuse it.
+CPU ranks run one intra-op thread each (device.set_cpu_threads), so every rate is measured on
+one thread; ranks beyond the core count share cores (Hardware.cores), which the time model
+accounts for.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import datetime
 import json
 import os
 import platform
-import threading
 import time
 from pathlib import Path
 
@@ -22,7 +22,7 @@ import torch
 from shardwise.device import dtype_of
 from shardwise.plan.hardware import GiB, Hardware
 
-_VERSION = 6
+_VERSION = 7
 
 
 def cache_file(name: str) -> Path:
@@ -106,73 +106,84 @@ def _memory_bw(seconds: float = 0.2) -> float:
     return _rate(lambda: torch.add(a, b, out=out), 12.0 * n, seconds)
 
 
-def _gloo_pair():
-    """`run(work)` calls `work(group, rank)` in two threads of this process, each a gloo rank
-    of one 2-rank group over loopback (created on the first call), and returns their results."""
+def _gloo_ops(group, nbytes: int, reps: int, calls: int) -> dict[str, float]:
+    """The collectives both calibration ranks run in the same order; this rank's median
+    wall-clock seconds per call: a one-element all-reduce (`latency`), all-reduces of
+    `nbytes` / 16 and `nbytes`, and a reduce-scatter and an all-gather of `nbytes`."""
+    full, half = torch.ones(nbytes // 4), torch.ones(nbytes // 8)
+    small = torch.ones(nbytes // 64)
+    ops = {
+        "latency": (lambda: group.allreduce([torch.ones(1)]), calls),
+        "all_reduce_small": (lambda: group.allreduce([small]), reps),
+        "all_reduce": (lambda: group.allreduce([full]), reps),
+        "reduce_scatter": (lambda: group._reduce_scatter_base(half, full), reps),
+        "all_gather": (lambda: group._allgather_base(full, half), reps),
+    }
+    ops["latency"][0]().wait()  # connect and warm up
+    out = {}
+    for name, (op, n) in ops.items():
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            op().wait()
+            times.append(time.perf_counter() - t0)
+        out[name] = sorted(times)[len(times) // 2]
+    return out
+
+
+def _gloo_peer(port: int, nbytes: int, reps: int, calls: int) -> None:
+    """Rank 1 of the calibration pair, in its own process."""
     import torch.distributed as dist
 
-    store, groups = dist.HashStore(), {}
-
-    def run(work) -> list:
-        out = [None, None]
-
-        def rank(r: int) -> None:
-            if r not in groups:
-                groups[r] = dist.ProcessGroupGloo(store, r, 2, datetime.timedelta(seconds=30))
-            out[r] = work(groups[r], r)
-
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return out
-
-    return run
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, False, datetime.timedelta(seconds=60))
+    _gloo_ops(
+        dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=60)), nbytes, reps, calls
+    )
 
 
-def _gloo(nbytes: int = 8 * 2**20, reps: int = 5, calls: int = 200) -> dict[str, float]:
-    """Gloo over loopback between two ranks: the ring bus bandwidth of an all-reduce (bytes/s
-    per rank per direction) per CPU-second (loopback TCP is CPU-bound: kernel copies; CPU time
-    stays meaningful on a shared machine); the cost per ring byte of a reduce-scatter and an
-    all-gather relative to it (gloo's run well above the ring model's half an all-reduce); and
-    the latency of one call: the median wall-clock time of a one-element all-reduce (wake-ups
-    and round trips, which cost no CPU)."""
-    run = _gloo_pair()
-    full = [torch.ones(nbytes // 4), torch.ones(nbytes // 4)]  # one per rank
-    half = [torch.ones(nbytes // 8), torch.ones(nbytes // 8)]
-    kinds = {
-        "all_reduce": lambda g, r: g.allreduce([full[r]]),
-        "reduce_scatter": lambda g, r: g._reduce_scatter_base(half[r], full[r]),
-        "all_gather": lambda g, r: g._allgather_base(full[r], half[r]),
-    }
+def _gloo_timings(nbytes: int, reps: int, calls: int) -> dict[str, float]:
+    """`_gloo_ops` on two gloo ranks over loopback in two processes, as training ranks run
+    (a wake-up across processes costs more than across threads); this process is rank 0."""
+    import multiprocessing
 
-    def cpu_per_call(kind: str) -> float:
-        def work(group, r: int) -> None:
-            for _ in range(reps):
-                kinds[kind](group, r).wait()
+    import torch.distributed as dist
 
-        c0 = time.process_time()  # both ranks' threads, gloo's own threads, the kernel's copies
-        run(work)
-        return (time.process_time() - c0) / 2 / reps
+    from shardwise.launch import free_port
 
-    def latency(group, r: int) -> list[float]:
-        one, times = torch.ones(1), []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            group.allreduce([one]).wait()
-            times.append(time.perf_counter() - t0)
-        return times
+    port = free_port()
+    peer = multiprocessing.get_context("spawn").Process(
+        target=_gloo_peer, args=(port, nbytes, reps, calls), daemon=True
+    )
+    peer.start()
+    try:
+        timeout = datetime.timedelta(seconds=60)
+        store = dist.TCPStore("127.0.0.1", port, 2, True, timeout)
+        return _gloo_ops(dist.ProcessGroupGloo(store, 0, 2, timeout), nbytes, reps, calls)
+    finally:
+        peer.join(timeout=60)
+        if peer.is_alive():
+            peer.kill()
 
-    run(lambda group, r: group.allreduce([torch.ones(1)]).wait())  # connect and warm up
-    cost = {kind: cpu_per_call(kind) for kind in kinds}
-    # ring bytes per rank over 2 ranks: an all-reduce of S bytes moves S, the others S / 2
-    times = sorted(t for ts in run(latency) for t in ts)
+
+def _gloo(nbytes: int = 4 * 2**20, reps: int = 9, calls: int = 100) -> dict[str, float]:
+    """Gloo between two processes over loopback, as an alpha-beta model: the latency of one
+    call (a one-element all-reduce), the ring bus bandwidth (bytes/s per rank per direction:
+    an all-reduce of S bytes over 2 ranks moves S) from the growth of the all-reduce's time
+    between S/16 and S, and what a reduce-scatter and an all-gather cost per ring byte
+    relative to it (gloo's run well above the ring model's half an all-reduce). Medians of
+    wall-clock times: that is what a rank waits for."""
+    t = _gloo_timings(nbytes, reps, calls)
+    bw = (nbytes - nbytes / 16) / max(t["all_reduce"] - t["all_reduce_small"], 1e-9)
+    # the line through the two all-reduces, at 0 bytes: what a call of the sizes training
+    # sends (activations, gradient units) pays beyond its bytes; at least the tiny call's
+    latency = max(t["latency"], t["all_reduce_small"] - nbytes / 16 / bw)
+    half = nbytes / 2 / bw  # a reduce-scatter or all-gather at the ring model's bandwidth
     return {
-        "gloo_bw": nbytes / cost["all_reduce"],
-        "gloo_latency": times[len(times) // 2],
-        "gloo_rs_cost": 2 * cost["reduce_scatter"] / cost["all_reduce"],
-        "gloo_ag_cost": 2 * cost["all_gather"] / cost["all_reduce"],
+        "gloo_bw": bw,
+        "gloo_latency": latency,
+        "gloo_rs_cost": max(t["reduce_scatter"] - latency, 0.0) / half,
+        "gloo_ag_cost": max(t["all_gather"] - latency, 0.0) / half,
     }
 
 
