@@ -132,3 +132,10 @@ def nan_loss_on_rank1_step3(run) -> None:
 
 def nan_loss_on_rank1_from_step3(run) -> None:
     _nan_loss_on_rank1(run, range(3, 10**6))
+
+
+def environment(cfg) -> dict:
+    """A harness peer that trains nothing: the environment and process id its rank sees."""
+    import os
+
+    return {"env": dict(os.environ), "pid": os.getpid()}
