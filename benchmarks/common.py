@@ -62,6 +62,43 @@ def stolen(before: tuple[int, int], after: tuple[int, int]) -> float:
     return (after[0] - before[0]) / total if total > 0 else 0.0
 
 
+def slowest_rank_steps(per_rank: list[dict]) -> list[float]:
+    """Per step, the slowest rank's time (a step ends for the job when its last rank ends):
+    from a peer's `step_times` or from our records."""
+    if "step_times" in per_rank[0]:
+        runs = [r["step_times"] for r in per_rank]
+    else:
+        runs = [[x["step_time_s"] for x in r["records"]] for r in per_rank]
+    return [max(ts) for ts in zip(*runs, strict=True)]
+
+
+def abba_cases(rounds: int, sizes: list[str], pair, make) -> tuple[list[dict], list[tuple]]:
+    """The timed cases of `pair` ((name, case entries) for us and the peer) per size, in
+    alternating order per round (A B, B A, A B, ...: drift hits both alike), with their
+    (size, name, round) keys; `make(size)` gives a case's overrides."""
+    cases, keys = [], []
+    for r in range(rounds):
+        for size in sizes:
+            for who, extra in pair if r % 2 == 0 else pair[::-1]:
+                cases.append({"overrides": make(size), **extra})
+                keys.append((size, who, r))
+    return cases, keys
+
+
+def round_medians(by_key: dict, size: str, sides: tuple[str, str], rounds: int, label: str):
+    """Per side the median steady step of each round and the fastest step, the per-round
+    ratios sides[0] / sides[1], and the rows of the per-round table."""
+    med, best, rows = {}, {}, []
+    for who in sides:
+        times = [steady(slowest_rank_steps(by_key[size, who, r])) for r in range(rounds)]
+        med[who] = [median(t) for t in times]
+        best[who] = min(min(t) for t in times)
+        rows.append([size, who, *(f"{m * 1000:.1f}" for m in med[who])])
+    paired = [a / b for a, b in zip(med[sides[0]], med[sides[1]], strict=True)]
+    rows.append([size, label, *(f"{x:.3f}" for x in paired)])
+    return med, best, paired, rows
+
+
 def steady(times: Sequence[float], warmup: int = WARMUP_STEPS) -> list[float]:
     """Step times after the warm-up steps (all of them if the run is too short)."""
     return list(times[warmup:]) or list(times)

@@ -25,7 +25,19 @@ import sys
 
 import torch
 
-from common import WARMUP_STEPS, check, command_line, commit, load, mb, median, steady, table
+from common import (
+    WARMUP_STEPS,
+    abba_cases,
+    check,
+    command_line,
+    commit,
+    load,
+    mb,
+    median,
+    round_medians,
+    steady,
+    table,
+)
 from shardwise.testing import run_world
 
 NPROC = 2
@@ -54,15 +66,6 @@ def overrides(size: str, steps: int) -> list[str]:
     ]
 
 
-def step_times(per_rank: list[dict]) -> list[float]:
-    """Per step, the slowest rank (a step ends for the job when its last rank ends)."""
-    if "step_times" in per_rank[0]:  # the DDP peer
-        runs = [r["step_times"] for r in per_rank]
-    else:
-        runs = [[x["step_time_s"] for x in r["records"]] for r in per_rank]
-    return [max(ts) for ts in zip(*runs, strict=True)]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=25, help="steps per case (5 warm-up)")
@@ -83,13 +86,8 @@ def main() -> int:
     )
     print(f"load average at the start: {load()} (2 cores, shared)\n")
 
-    cases, keys = [], []
     pair = (("ours", {}), ("ddp", {"peer": DDP}))
-    for r in range(rounds):  # interleaved A B, B A, A B, ...: drift hits both alike
-        for size in sizes:
-            for who, extra in pair if r % 2 == 0 else pair[::-1]:
-                cases.append({"overrides": overrides(size, steps), **extra})
-                keys.append((size, who, r))
+    cases, keys = abba_cases(rounds, sizes, pair, lambda size: overrides(size, steps))
     for size in sizes:  # DDP's bytes, measured apart from the timed runs; then step-paired
         cases.append({"overrides": overrides(size, 3), "peer": COUNTING_DDP})
         keys.append((size, "ddp-bytes", 0))
@@ -101,14 +99,8 @@ def main() -> int:
 
     rows, per_round, worst = [], [], 0.0
     for size in sizes:
-        med, best = {}, {}
-        for who in ("ours", "ddp"):
-            times = [steady(step_times(by_key[size, who, r])) for r in range(rounds)]
-            med[who] = [median(t) for t in times]
-            best[who] = min(min(t) for t in times)
-            per_round.append([size, who, *(f"{m * 1000:.1f}" for m in med[who])])
-        paired = [a / b for a, b in zip(med["ours"], med["ddp"], strict=True)]
-        per_round.append([size, "ours/DDP", *(f"{x:.3f}" for x in paired)])
+        med, best, paired, lines = round_medians(by_key, size, ("ours", "ddp"), rounds, "ours/DDP")
+        per_round += lines
         ratio = median(med["ours"]) / median(med["ddp"])
         worst = max(worst, ratio)
         ours0 = by_key[size, "ours", 0][0]

@@ -19,7 +19,18 @@ import sys
 
 import torch
 
-from common import WARMUP_STEPS, check, command_line, commit, load, mb, median, steady, table
+from common import (
+    WARMUP_STEPS,
+    abba_cases,
+    check,
+    command_line,
+    commit,
+    load,
+    mb,
+    median,
+    round_medians,
+    table,
+)
 from shardwise.testing import run_world
 
 NPROC = 2
@@ -46,15 +57,6 @@ def overrides(size: str, steps: int) -> list[str]:
         "--precision.compute=fp32",
         f"--parallel.tp={NPROC}",
     ]
-
-
-def step_times(per_rank: list[dict]) -> list[float]:
-    """Per step, the slowest rank."""
-    if "step_times" in per_rank[0]:
-        runs = [r["step_times"] for r in per_rank]
-    else:
-        runs = [[x["step_time_s"] for x in r["records"]] for r in per_rank]
-    return [max(ts) for ts in zip(*runs, strict=True)]
 
 
 def tp_formula(size: str) -> float:
@@ -87,27 +89,18 @@ def main() -> int:
     )
     print(f"load average at the start: {load()} (2 cores, shared)\n")
 
-    cases, keys = [], []
     pair = (("ours", {}), ("dtensor", {"peer": DTENSOR}))
-    for r in range(rounds):
-        for size in sizes:
-            for who, extra in pair if r % 2 == 0 else pair[::-1]:
-                cases.append({"overrides": overrides(size, steps), **extra})
-                keys.append((size, who, r))
+    cases, keys = abba_cases(rounds, sizes, pair, lambda size: overrides(size, steps))
     results = run_world(NPROC, cases)
     check(results)
     by_key = dict(zip(keys, results, strict=True))
 
     rows, per_round, worst = [], [], 0.0
     for size in sizes:
-        med, best = {}, {}
-        for who in ("ours", "dtensor"):
-            times = [steady(step_times(by_key[size, who, r])) for r in range(rounds)]
-            med[who] = [median(t) for t in times]
-            best[who] = min(min(t) for t in times)
-            per_round.append([size, who, *(f"{m * 1000:.1f}" for m in med[who])])
-        paired = [a / b for a, b in zip(med["ours"], med["dtensor"], strict=True)]
-        per_round.append([size, "ours/DTensor", *(f"{x:.3f}" for x in paired)])
+        med, best, paired, lines = round_medians(
+            by_key, size, ("ours", "dtensor"), rounds, "ours/DTensor"
+        )
+        per_round += lines
         ratio = median(med["ours"]) / median(med["dtensor"])
         worst = max(worst, ratio)
         ours0 = by_key[size, "ours", 0][0]
