@@ -22,7 +22,7 @@ import torch
 from shardwise.device import dtype_of
 from shardwise.plan.hardware import GiB, Hardware
 
-_VERSION = 7
+_VERSION = 8
 
 
 def cache_file(name: str) -> Path:
@@ -178,12 +178,14 @@ def _gloo(nbytes: int = 4 * 2**20, reps: int = 9, calls: int = 100) -> dict[str,
     # the line through the two all-reduces, at 0 bytes: what a call of the sizes training
     # sends (activations, gradient units) pays beyond its bytes; at least the tiny call's
     latency = max(t["latency"], t["all_reduce_small"] - nbytes / 16 / bw)
-    half = nbytes / 2 / bw  # a reduce-scatter or all-gather at the ring model's bandwidth
+    # per ring byte against the all-reduce of the same S bytes (which moves twice as many):
+    # a ratio of two times that both include a call's latency, so a noisy latency estimate
+    # cannot push it to zero or below
     return {
         "gloo_bw": bw,
         "gloo_latency": latency,
-        "gloo_rs_cost": max(t["reduce_scatter"] - latency, 0.0) / half,
-        "gloo_ag_cost": max(t["all_gather"] - latency, 0.0) / half,
+        "gloo_rs_cost": 2 * t["reduce_scatter"] / t["all_reduce"],
+        "gloo_ag_cost": 2 * t["all_gather"] / t["all_reduce"],
     }
 
 
