@@ -89,7 +89,7 @@ def evaluate(job: Job, lay: Layout) -> dict:
         "tokens_per_s": tokens,
         "mfu": mfu,
         "time": parts,
-        "comm_bytes": {dim: sum(k.values()) for dim, k in kinds.items()},
+        "comm_bytes": tm.traffic_totals(kinds),
         "comm_calls": calls,
     }
 

@@ -49,7 +49,12 @@ def _ring(n: int) -> float:
 
 def traffic(job: Job, layout: Layout) -> dict[str, float]:
     """Ring-equivalent bytes sent per rank per step over dp, tp and pp."""
-    return {dim: sum(kinds.values()) for dim, kinds in traffic_by_kind(job, layout).items()}
+    return traffic_totals(traffic_by_kind(job, layout))
+
+
+def traffic_totals(by_kind: dict[str, dict[str, float]]) -> dict[str, float]:
+    """`traffic_by_kind` summed over the kinds of each mesh dimension."""
+    return {dim: sum(kinds.values()) for dim, kinds in by_kind.items()}
 
 
 def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
