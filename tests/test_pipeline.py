@@ -51,6 +51,9 @@ WORLD4 = {
 DROP = "_drop"
 DROPOUT = ["--model.dropout=0.1", "--model.attn_dropout=0.1", "--memory.recompute=selective"]
 WORLD4["pp2_zb_m4_drop"] = case(*WORLD4["pp2_zb_m4"]["overrides"], *DROPOUT)
+# whole blocks recomputed in I: the recomputation runs zero bubble's deferring linear layers
+# and norms as the forward did (checkpoint compares what both saved)
+WORLD4["pp2_zb_m4_full"] = case(*WORLD4["pp2_zb_m4"]["overrides"], "--memory.recompute=full")
 # evaluations during training (steps 5, 10, 15) send activations too: none of that traffic may
 # count towards the next training step's comm_bytes (test_pp_bytes_are_...)
 WORLD4["pp2_gpipe_m4"] = case(*WORLD4["pp2_gpipe_m4"]["overrides"], "--train.eval_every=5")

@@ -9,12 +9,14 @@ parameter names (and hence layout-invariant init and checkpoints) are unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardwise.errors import ConfigError
+from shardwise.parallel.deferred_grads import recompute_context
 
 PLANS: dict[str, dict[str, list[str]]] = {
     "decoder": {"full": ["blocks.*"], "selective": ["blocks.*.attn.core", "blocks.*.mlp.act"]},
@@ -25,7 +27,11 @@ PLANS: dict[str, dict[str, list[str]]] = {
 
 def _checkpointed(forward):
     def run(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        # the recomputation runs in the forward's context: zero bubble's deferring ops save
+        # other tensors than the plain ones, and checkpoint checks they match
+        again = recompute_context()
+        contexts = lambda: (contextlib.nullcontext(), again)  # noqa: E731
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     return run
 

@@ -1,13 +1,17 @@
 """The backward pass split in two, for zero-bubble pipelining (Qi et al. 2023, §2).
 
 I (input gradient) runs autograd from the chunk's output to its input only: the engine then
-skips every weight-gradient matmul. On the way it records, at each *departure* node — a node
+skips every weight-gradient matmul. The linear layers and norms of a forward run under
+`deferred_grads.deferring()` keep their weight gradients as closures that W runs directly
+(deferred_grads). Any other weight (an op that module does not know) goes the general way:
+on the way I records, at each *departure* node — a node
 on the input path with a child that leads to weights without returning to the input path
 (the matmul of a Linear, the scale of a norm) — the gradient arriving there. W (weight
 gradient) later restarts autograd from each departure node with that gradient, towards its
-own weights only. The graph is kept alive between the two (retain_graph), so W reuses the
-activations the forward saved. Weight gradients accumulate into `.grad` through autograd, so
-the gradient reducers' hooks fire as for an ordinary backward.
+own weights only, which walks the graph below that node again; the graph is then kept alive
+between the two (retain_graph), so W reuses the activations the forward saved. Weight
+gradients accumulate into `.grad` through autograd either way, so the gradient reducers'
+hooks fire as for an ordinary backward.
 """
 
 from __future__ import annotations
@@ -18,12 +22,20 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from shardwise.errors import ShardwiseError
+from shardwise.parallel.deferred_grads import (
+    Deferred,
+    collect,
+    is_deferred,
+    run_deferred,
+)
 
 
 @dataclass
 class Pending:
-    """What I leaves for W: per departure node, the gradients that arrived and its weights."""
+    """What I leaves for W: the deferred weight gradients; per departure node, the gradients
+    that arrived and its weights."""
 
+    deferred: list[Deferred] = field(default_factory=list)
     departures: list[tuple[Node, tuple, list[torch.Tensor]]] = field(default_factory=list)
 
 
@@ -77,7 +89,7 @@ def backward_input(
     caught: dict[Node, tuple] = {}
     handles = []
     for node, (to_in, _) in memo.items():
-        if not to_in:
+        if not to_in or is_deferred(node):
             continue
         off_path = [c for c, _ in node.next_functions if c is not None and not memo[c][0]]
         if not any(memo[c][1] for c in off_path):
@@ -94,7 +106,9 @@ def backward_input(
         pending.departures.append((node, (), below))
         handles.append(node.register_prehook(lambda g, n=node: caught.__setitem__(n, g)))
     try:
-        torch.autograd.backward(root, grad, inputs=[inputs], retain_graph=True)
+        with collect() as pending.deferred:
+            retain = bool(pending.departures)  # else W needs nothing of the graph
+            torch.autograd.backward(root, grad, inputs=[inputs], retain_graph=retain)
     finally:
         for h in handles:
             h.remove()
@@ -104,6 +118,7 @@ def backward_input(
 
 def backward_weight(pending: Pending) -> None:
     """W: accumulate the weight gradients that I left out."""
+    run_deferred(pending.deferred)
     for node, grads, weights in pending.departures:
         edges = [GradientEdge(node, i) for i, g in enumerate(grads) if g is not None]
         values = [g for g in grads if g is not None]

@@ -12,6 +12,7 @@ token count, so every layout reproduces the single-process losses.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from shardwise.config import Config
 from shardwise.models.decoder import Decoder
 from shardwise.models.dropout import samples
 from shardwise.parallel.backward_split import Pending, backward_input, backward_weight
+from shardwise.parallel.deferred_grads import deferring
 from shardwise.parallel.pipeline_comm import Channel, tied_group
 from shardwise.parallel.pipeline_split import Chunk, plan_chunks, prune_to_stage
 from shardwise.parallel.schedules import Action, Pass, build_plan
@@ -112,7 +114,8 @@ class Pipeline:
         # the first chunk takes token ids; the others a received activation, made a leaf so
         # its gradient can be sent back
         inputs = self._batches.inputs(a.mb) if chunk.first else received.requires_grad_(True)
-        with run.meter.measure():
+        # zero bubble: linear layers and norms keep their weight gradients for W
+        with run.meter.measure(), deferring() if self.split else contextlib.nullcontext():
             h = self.model.embed_tokens(inputs) if chunk.first else inputs
             embedded = None
             if chunk.first and self.split:  # I stops at the embedding output; W does the rest
