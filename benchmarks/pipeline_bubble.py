@@ -29,7 +29,6 @@ during a step (/proc/stat); the last column is the bubble over the steps with at
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from common import check, command_line, commit, cpu_jiffies, load, median, stolen, table
@@ -101,9 +100,6 @@ def traced(cfg) -> dict:
     from shardwise.runtime import build_run
     from shardwise.train import fit
 
-    if os.environ.get("BUBBLE_PIN"):
-        rank = int(os.environ["LOCAL_RANK"])
-        os.sched_setaffinity(0, {rank % os.cpu_count()})
     run = build_run(cfg)
     pipeline, passes, steal = run.pipeline, [], []
     train_step = pipeline.train_step
@@ -158,10 +154,7 @@ def main() -> int:
         help="sequences per micro-batch: longer passes, so the same absolute jitter in a pass "
         "(the host's) is a smaller share of it",
     )
-    parser.add_argument("--pin", action="store_true")
     args = parser.parse_args()
-    if args.pin:
-        os.environ["BUBBLE_PIN"] = "1"
     print(f"shardwise commit {commit()}")
     print(f"$ {command_line()}")
     shape = overrides("<schedule>", 0, 1, args.steps, args.ffn, args.symmetric, args.micro_batch)
