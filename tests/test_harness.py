@@ -1,7 +1,11 @@
 """The test harness itself: its ranks fork from a server started once, yet each world sees
-the environment of the moment it is started, not the server's."""
+the environment of the moment it is started, not the server's; a failed case names its
+cause first."""
+
+import pytest
 
 from shardwise.testing import run_world
+from shardwise.testing.harness import run_named
 
 PEER = {"overrides": [], "peer": "shardwise.testing.hooks:environment"}
 
@@ -15,3 +19,12 @@ def test_each_world_sees_the_callers_current_environment(monkeypatch):
         assert [r["env"]["RANK"] for r in per_rank] == ["0", "1"]
         seen += [r["pid"] for r in per_rank]
     assert len(set(seen)) == 4  # fresh rank processes every world
+
+
+def test_a_failed_case_reports_the_cause_before_the_timeouts_it_caused():
+    case = {"overrides": [], "peer": "shardwise.testing.hooks:fail_rank1_first"}
+    with pytest.raises(AssertionError) as failed:
+        run_named(2, {"broken": case})
+    message = str(failed.value)
+    assert message.startswith("broken: rank 1: ValueError: the cause, on rank 1")
+    assert "rank 0: RuntimeError: Timed out" in message

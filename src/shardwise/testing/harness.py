@@ -195,11 +195,14 @@ def run_cases(nproc: int, cases: list[dict]) -> list[list[dict]]:
 
 def run_named(nproc: int, cases: dict[str, dict]) -> dict[str, list[dict]]:
     """`run_cases` over named cases: each name maps to its per-rank results; a case that
-    failed on any rank fails the caller with that rank's error."""
+    failed on any rank fails the caller with every failed rank's error. A rank that fails
+    first leaves the others waiting for it until the collective timeout, so the errors that
+    are not timeouts come first: they are the cause."""
     results = run_cases(nproc, list(cases.values()))
     out = {}
     for name, per_rank in zip(cases, results, strict=True):
-        for r in per_rank:
-            assert "error" not in r, f"{name}: {r['error']}"
+        errors = [(rank, r["error"]) for rank, r in enumerate(per_rank) if "error" in r]
+        errors.sort(key=lambda e: "timed out" in e[1].lower())
+        assert not errors, f"{name}: " + "\n".join(f"rank {k}: {e}" for k, e in errors)
         out[name] = per_rank
     return out

@@ -139,3 +139,12 @@ def environment(cfg) -> dict:
     import os
 
     return {"env": dict(os.environ), "pid": os.getpid()}
+
+
+def fail_rank1_first(cfg) -> dict:
+    """Rank 1 fails with the cause; rank 0 then fails as a rank left waiting does."""
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise ValueError("the cause, on rank 1")
+    raise RuntimeError("Timed out waiting 300000ms for recv operation to complete")
