@@ -106,3 +106,21 @@ def test_calibration_measures_gloo_per_collective_kind():
     assert out["gloo_bw"] > 0 and 0 < out["gloo_latency"] < 1
     for key in ("gloo_rs_cost", "gloo_ag_cost"):
         assert 0 < out[key] < 100, (key, out[key])
+
+
+def test_gloo_calibration_retries_when_noise_hides_the_bandwidth(monkeypatch):
+    """When the bigger all-reduce does not come out slower than the small one (a noisy host),
+    the fit would divide by ~0: measure again, and if it never grows, bound the bandwidth by
+    the big all-reduce's bytes over its whole time."""
+    from shardwise.plan import calibrate
+
+    flat = {"latency": 1e-4, "all_reduce_small": 2e-3, "all_reduce": 2e-3}
+    flat |= {"reduce_scatter": 2e-3, "all_gather": 2e-3}
+    good = dict(flat, all_reduce=5e-3)
+    runs = [flat, good]
+    monkeypatch.setattr(calibrate, "_gloo_timings", lambda *a: runs.pop(0))
+    out = calibrate._gloo(nbytes=2**20)
+    assert not runs  # measured twice
+    assert out["gloo_bw"] == pytest.approx((2**20 * 15 / 16) / 3e-3)
+    monkeypatch.setattr(calibrate, "_gloo_timings", lambda *a: flat)
+    assert calibrate._gloo(nbytes=2**20)["gloo_bw"] == pytest.approx(2**20 / 2e-3)
