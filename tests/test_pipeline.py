@@ -54,6 +54,9 @@ WORLD4["pp2_zb_m4_drop"] = case(*WORLD4["pp2_zb_m4"]["overrides"], *DROPOUT)
 # whole blocks recomputed in I: the recomputation runs zero bubble's deferring linear layers
 # and norms as the forward did (checkpoint compares what both saved)
 WORLD4["pp2_zb_m4_full"] = case(*WORLD4["pp2_zb_m4"]["overrides"], "--memory.recompute=full")
+# pp 2 × tp 2 with sequence parallelism: the deferring linear layers are the tp shards
+TP_SP = ["--parallel.pp=2", "--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=2"]
+WORLD4["pp2_zb_m4_tp2_sp_tied"] = case("--model.n_layers=4", EVAL, TIED, *TP_SP, *SCHEDULES["zb"])
 # evaluations during training (steps 5, 10, 15) send activations too: none of that traffic may
 # count towards the next training step's comm_bytes (test_pp_bytes_are_...)
 WORLD4["pp2_gpipe_m4"] = case(*WORLD4["pp2_gpipe_m4"]["overrides"], "--train.eval_every=5")
