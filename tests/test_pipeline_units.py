@@ -15,6 +15,7 @@ from shardwise.parallel.backward_split import backward_input, backward_weight
 from shardwise.parallel.deferred_grads import deferring
 from shardwise.parallel.pipeline_split import balance, layer_costs, plan_chunks, prune_to_stage
 from shardwise.parallel.schedules import Action, Pass, build_plan, simulate
+from shardwise.recompute import apply_recompute
 from shardwise.validate import derive
 
 # F : B = 1 : 2 (a backward is two matmuls per forward matmul); I = W = 1 for zero bubble
@@ -244,3 +245,30 @@ def test_planner_in_flight_is_the_plans_peak(schedule):
                     held += 1 if a.kind is Pass.F else -(a.kind in (Pass.B, Pass.W))
                     peak = max(peak, held)
                 assert in_flight(schedule, p, m, v, stage) == peak / v, (p, m, stage)
+
+
+def test_recomputed_blocks_run_deferring_as_their_forward_did():
+    """Blocks recomputed (memory.recompute=full) during a backward of a forward run under
+    `deferring()` save what that forward saved, however often a kept graph is walked: two
+    backwards through it give twice one plain backward's gradients."""
+    spec = preset("tiny", n_layers=2)
+    plain, again = build_model(spec), build_model(spec)
+    for m in (plain, again):
+        init_weights(m, 0)
+    assert apply_recompute(again, "decoder", "full") == 2
+    x = torch.randn(2, 8, spec.dim, generator=torch.Generator().manual_seed(1))
+
+    def loss(model):
+        h = x
+        for block in model.blocks:
+            h = block(h)
+        return model.output(h).square().mean()
+
+    loss(plain).backward()
+    with deferring():
+        out = loss(again)
+    out.backward(retain_graph=True)
+    out.backward()
+    for (name, a), b in zip(again.named_parameters(), plain.parameters(), strict=True):
+        if b.grad is not None:
+            assert (a.grad - 2 * b.grad).norm() <= 1e-6 * b.grad.norm(), name

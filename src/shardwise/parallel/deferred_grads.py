@@ -159,10 +159,22 @@ def deferring() -> Iterator[None]:
         _active = False
 
 
+class _Again:
+    """`deferring()` for each recomputation (a backward that keeps its graph may recompute a
+    region twice, and one generator context cannot be entered twice)."""
+
+    def __enter__(self) -> None:
+        self._context = deferring()
+        self._context.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self._context.__exit__(*exc)
+
+
 def recompute_context() -> contextlib.AbstractContextManager:
     """The context a recomputed forward (activation checkpointing) must run in: the one its
     forward ran in, or its Functions would save other tensors than the forward saved."""
-    return deferring() if _active else contextlib.nullcontext()
+    return _Again() if _active else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
