@@ -7,6 +7,7 @@ is interference from other jobs, against the fastest step and the process CPU ti
 next to rank 0's measured time blocked in collectives (`comm_wait_s`).
 
     .venv/bin/python benchmarks/planner_accuracy.py [--steps 8] [--warmup 3] [--back-to-back]
+        [--rounds R]
 
 The CPU is calibrated first (matmul FLOP/s, memory bandwidth, gloo bandwidth and latency;
 plan/calibrate.py).
@@ -104,6 +105,30 @@ def _comm_s(pred: dict) -> float:
     return t["tp_comm_s"] + t["pp_comm_s"] + t["dp_exposed_s"]
 
 
+def measured_rounds(nproc: int, cases: list, args) -> list[dict]:
+    """`measure` `args.rounds` times, the case order reversed every other round (a burst of
+    other tenants' load then hits other layouts each round); per case the median over rounds
+    of the wall-clock and CPU step times and of the wait, the fastest step of all rounds."""
+    rounds = []
+    for r in range(args.rounds):
+        order = list(range(len(cases)))[:: -1 if r % 2 else 1]
+        got = measure(nproc, [cases[i] for i in order], args.steps, args.warmup, args.back_to_back)
+        rounds.append(dict(zip(order, got, strict=True)))
+    out = []
+    for i in range(len(cases)):
+        runs = [rd[i] for rd in rounds]
+        failed = [g for g in runs if "error" in g]
+        if failed:
+            out.append(failed[0])
+            continue
+        merged = dict(runs[0])
+        for key in ("step_time_s", "step_cpu_s", "comm_wait_s"):
+            merged[key] = statistics.median(g[key] for g in runs)
+        merged["step_best_s"] = min(g["step_best_s"] for g in runs)
+        out.append(merged)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
@@ -113,6 +138,12 @@ def main() -> int:
         action="store_true",
         help="predict each layout in its own world just before measuring it (its kernels "
         "timed afresh), instead of once for all layouts from the calibration",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every layout this many times, in alternating order; medians over rounds",
     )
     args = ap.parse_args()
     print("command:", command_line())
@@ -126,7 +157,10 @@ def main() -> int:
         f"{hw.collective_cost['reduce_scatter']:.1f} and all-gather x"
         f"{hw.collective_cost['all_gather']:.1f} per byte, {hw.cores} cores"
     )
-    print(f"model: {' '.join(BASE)}; timing: median of steps {args.warmup + 1}..{args.steps}")
+    print(
+        f"model: {' '.join(BASE)}; timing: median of steps {args.warmup + 1}..{args.steps}"
+        + (f", median of {args.rounds} rounds" if args.rounds > 1 else "")
+    )
     rows, pred_t, meas_t, cpu_t, best_t = [], [], [], [], []
     for nproc, all_layouts in LAYOUTS.items():
         layouts = {}
@@ -137,7 +171,7 @@ def main() -> int:
             else:
                 layouts[name] = over
         cases = [[*BASE, *o] for o in layouts.values()]
-        results = measure(nproc, cases, args.steps, args.warmup, predict=args.back_to_back)
+        results = measured_rounds(nproc, cases, args)
         for (name, over), got in zip(layouts.items(), results, strict=True):
             if "error" in got:
                 print(f"{name}: failed: {got['error']}")

@@ -2,13 +2,12 @@
 
 I (input gradient) runs autograd from the chunk's output to its input only: the engine then
 skips every weight-gradient matmul. The linear layers and norms of a forward run under
-`deferred_grads.deferring()` keep their weight gradients as closures that W runs directly
-(deferred_grads). Any other weight (an op that module does not know) goes the general way:
-on the way I records, at each *departure* node — a node
-on the input path with a child that leads to weights without returning to the input path
-(the matmul of a Linear, the scale of a norm) — the gradient arriving there. W (weight
-gradient) later restarts autograd from each departure node with that gradient, towards its
-own weights only, which walks the graph below that node again; the graph is then kept alive
+`deferred_grads.deferring()` keep their weight gradients as closures that W (weight
+gradient) runs directly. Any other weight (of an op that module does not know) goes the
+general way: on the way I records, at each *departure* node — a node on the input path with a
+child that leads to weights without returning to the input path — the gradient arriving
+there, and W restarts autograd from each departure node with that gradient, towards its own
+weights only (which walks the graph below that node again); the graph is then kept alive
 between the two (retain_graph), so W reuses the activations the forward saved. Weight
 gradients accumulate into `.grad` through autograd either way, so the gradient reducers'
 hooks fire as for an ordinary backward.
