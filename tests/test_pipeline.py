@@ -47,13 +47,12 @@ WORLD4 = {
     for layout, extra in LAYOUTS.items()
     for s, flags in SCHEDULES.items()
 }
-# dropout (layout-free masks) through the split backward, with selective recomputation
+# dropout (layout-free masks) through the split backward, with whole blocks recomputed in I:
+# the recomputation runs zero bubble's deferring linear layers and norms as the forward did
+# (checkpoint compares what both saved), and draws the forward's masks again
 DROP = "_drop"
-DROPOUT = ["--model.dropout=0.1", "--model.attn_dropout=0.1", "--memory.recompute=selective"]
+DROPOUT = ["--model.dropout=0.1", "--model.attn_dropout=0.1", "--memory.recompute=full"]
 WORLD4["pp2_zb_m4_drop"] = case(*WORLD4["pp2_zb_m4"]["overrides"], *DROPOUT)
-# whole blocks recomputed in I: the recomputation runs zero bubble's deferring linear layers
-# and norms as the forward did (checkpoint compares what both saved)
-WORLD4["pp2_zb_m4_full"] = case(*WORLD4["pp2_zb_m4"]["overrides"], "--memory.recompute=full")
 # pp 2 × tp 2 with sequence parallelism: the deferring linear layers are the tp shards
 TP_SP = ["--parallel.pp=2", "--parallel.tp=2", "--parallel.sp=true", "--train.micro_batch=2"]
 WORLD4["pp2_zb_m4_tp2_sp_tied"] = case("--model.n_layers=4", EVAL, TIED, *TP_SP, *SCHEDULES["zb"])
