@@ -18,7 +18,7 @@ from shardwise.models import build_model  # noqa: E402
 from shardwise.models.hf_weights import HFWeights, load_weights  # noqa: E402
 from shardwise.testing.compare import VOCAB as SMALL_VOCAB  # noqa: E402
 from shardwise.testing.compare import case, max_param_diff, max_rel  # noqa: E402
-from shardwise.testing.harness import run_named  # noqa: E402
+from shardwise.testing.harness import run_named_worlds  # noqa: E402
 from shardwise.validate import derive, model_spec  # noqa: E402
 
 VOCAB = SMALL_VOCAB  # the tokenizer cache the other tests use
@@ -163,7 +163,8 @@ def worlds(hf_dirs, ckpt_root):
     for name in CKPT:
         cases = w1 if name in w1 else w2
         cases[name]["overrides"] += ["--checkpoint.every=5", f"--checkpoint.dir={ckpt_root / name}"]
-    out = {**run_named(1, w1), **run_named(2, w2)}
+    both = run_named_worlds({1: w1, 2: w2})
+    out = {**both[1], **both[2]}
     out["hf_dirs"] = hf_dirs
     return out
 

@@ -8,7 +8,7 @@ One 4-rank world runs every pipeline case, one 1-process world the references.""
 import pytest
 
 from shardwise.testing.compare import VOCAB, case, max_rel
-from shardwise.testing.harness import run_named
+from shardwise.testing.harness import run_named, run_named_worlds
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,9 @@ def worlds(tmp_path_factory):
         "--train.micro_batch=1",
         f"--checkpoint.resume={ckpt}/step-00000010",
     )
-    return {1: run_named(1, world1), 4: run_named(4, world4)}
+    # the 3D world too: the three worlds side by side keep both cores busy
+    world8 = {"3d": case(*CASE_3D["overrides"], *_saves(tmp_path_factory, "3d"))}
+    return run_named_worlds({1: world1, 4: world4, 8: world8})
 
 
 def _stage(name: str, rank: int) -> int:
@@ -233,8 +235,8 @@ CASE_3D = case(
 
 
 @pytest.fixture(scope="module")
-def world8(tmp_path_factory):
-    return run_named(8, {"3d": case(*CASE_3D["overrides"], *_saves(tmp_path_factory, "3d"))})["3d"]
+def world8(worlds):
+    return worlds[8]["3d"]
 
 
 def test_pipeline_checkpoints_resume_as_data_parallel_only(worlds, world8):

@@ -8,7 +8,7 @@ references."""
 import pytest
 
 from shardwise.testing.compare import case, max_param_diff, max_rel
-from shardwise.testing.harness import run_named
+from shardwise.testing.harness import run_named_worlds
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ REFERENCE = {
 
 @pytest.fixture(scope="module")
 def worlds():
-    return {1: run_named(1, WORLD1), 4: run_named(4, WORLD4)}
+    return run_named_worlds({1: WORLD1, 4: WORLD4})
 
 
 @pytest.mark.parametrize("name", list(REFERENCE))

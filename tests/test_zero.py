@@ -5,7 +5,7 @@ One spawned world per size runs every case."""
 import pytest
 
 from shardwise.testing.compare import SMALL, VOCAB, case, max_param_diff, max_rel
-from shardwise.testing.harness import run_named
+from shardwise.testing.harness import run_named_worlds
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ WORLD4 = zero_cases("--train.micro_batch=1")
 
 @pytest.fixture(scope="module")
 def worlds():
-    return {1: run_named(1, WORLD1), 2: run_named(2, WORLD2), 4: run_named(4, WORLD4)}
+    return run_named_worlds({1: WORLD1, 2: WORLD2, 4: WORLD4})
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

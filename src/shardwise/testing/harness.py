@@ -206,3 +206,18 @@ def run_named(nproc: int, cases: dict[str, dict]) -> dict[str, list[dict]]:
         assert not errors, f"{name}: " + "\n".join(f"rank {k}: {e}" for k, e in errors)
         out[name] = per_rank
     return out
+
+
+def run_named_worlds(worlds: dict[int, dict[str, dict]]) -> dict[int, dict[str, list[dict]]]:
+    """`run_named` for several worlds at once: each multi-rank world from its own thread, the
+    single-process one in this thread. A single process leaves the other cores idle and the
+    ranks of one world idle while they wait for each other, so a fixture's worlds side by
+    side take less time than one after another (the same work, fewer idle cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    spawned = [n for n in worlds if n > 1]
+    with ThreadPoolExecutor(max(1, len(spawned))) as pool:
+        running = {n: pool.submit(run_named, n, worlds[n]) for n in spawned}
+        out = {n: run_named(n, cases) for n, cases in worlds.items() if n == 1}
+        out.update({n: future.result() for n, future in running.items()})
+    return out
