@@ -1,13 +1,14 @@
 """The test harness itself: its ranks fork from a server started once, yet each world sees
 the environment of the moment it is started, not the server's; a failed case names its
-cause first."""
+cause first; worlds run side by side return each world's results and failures."""
 
 import pytest
 
 from shardwise.testing import run_world
-from shardwise.testing.harness import run_named
+from shardwise.testing.harness import run_named, run_named_worlds
 
 PEER = {"overrides": [], "peer": "shardwise.testing.hooks:environment"}
+BROKEN = {"overrides": [], "peer": "shardwise.testing.hooks:fail_rank1_first"}
 
 
 def test_each_world_sees_the_callers_current_environment(monkeypatch):
@@ -22,9 +23,18 @@ def test_each_world_sees_the_callers_current_environment(monkeypatch):
 
 
 def test_a_failed_case_reports_the_cause_before_the_timeouts_it_caused():
-    case = {"overrides": [], "peer": "shardwise.testing.hooks:fail_rank1_first"}
     with pytest.raises(AssertionError) as failed:
-        run_named(2, {"broken": case})
+        run_named(2, {"broken": BROKEN})
     message = str(failed.value)
     assert message.startswith("broken: rank 1: ValueError: the cause, on rank 1")
     assert "rank 0: RuntimeError: Timed out" in message
+
+
+def test_worlds_side_by_side_return_each_worlds_results_and_failures():
+    out = run_named_worlds({1: {"one": PEER}, 2: {"two": PEER}, 3: {"three": PEER}})
+    assert sorted(out) == [1, 2, 3]
+    assert [len(out[n][name]) for n, name in ((1, "one"), (2, "two"), (3, "three"))] == [1, 2, 3]
+    assert [r["env"]["RANK"] for r in out[3]["three"]] == ["0", "1", "2"]
+    with pytest.raises(AssertionError) as failed:  # a spawned world's failure reaches the caller
+        run_named_worlds({1: {"fine": PEER}, 2: {"broken": BROKEN}})
+    assert str(failed.value).startswith("broken: rank 1: ValueError: the cause, on rank 1")
