@@ -13,9 +13,12 @@ The formulas assume balanced stages and negligible communication, so the model i
 be balanced: the FFN width is chosen so that the output head (2·d·V FLOPs per token) costs
 one block (2·(4d² + 3·d·f) + 4·s·d), and 7 blocks are cut 4 | 3 + head (v = 2: chunks of
 2, 2, 2, 1 + head, so 4 | 4 block-equivalents per rank). `--symmetric` builds the stages
-alike instead: 8 blocks cut 4 | 4 with a 512-token vocabulary, whose head is an eighth of one
-block (run side by side on two cores, blocks and a big head slow down by different amounts, so
-FLOP balance is not time balance). The measured per-stage busy times are
+alike instead: 8 blocks cut 4 | 4 with a 257-token vocabulary (the smallest the byte-level BPE
+allows), whose head is a fifteenth of one block (run side by side on two cores, blocks and a big
+head slow down by different amounts, so FLOP balance is not time balance; with 512 tokens the
+last stage was ~3 % busier, which its peer waits out as bubble). `--affinity cores` (the
+default) pins each rank to its own core (`run.cpu_affinity`); `--affinity none` leaves the
+placement to the OS, for comparison. The measured per-stage busy times are
 printed so the balance can be checked, and one micro-batch's forward + backward must compute
 for >= 50 ms, so that fixed per-pass costs (p2p, Python) are small against it. "replayed" is
 the bubble the same plan has with the pass times each stage measured in that step and
@@ -51,7 +54,7 @@ CASES = {  # name -> (schedule, m, v)
 }
 
 
-SYMMETRIC_VOCAB = 512  # head 2·d·V = 12% of one block: 4 blocks | 4 blocks + a small head
+SYMMETRIC_VOCAB = 257  # head 2·d·V = 7% of one block: 4 blocks | 4 blocks + a small head
 
 
 def overrides(
@@ -62,6 +65,7 @@ def overrides(
     ffn: int = FFN,
     symmetric: bool = False,
     micro: int = MICRO,
+    affinity: str = "cores",
 ) -> list[str]:
     if symmetric:  # both stages run the same blocks at the same shapes
         shape = ["--model.n_layers=8", f"--model.vocab_size={SYMMETRIC_VOCAB}"]
@@ -86,6 +90,7 @@ def overrides(
         f"--parallel.pp_schedule={schedule}",
         f"--parallel.pp_virtual={v}",
         f"--parallel.pp_split={split}",
+        f"--run.cpu_affinity={affinity}",
     ]
 
 
@@ -154,19 +159,24 @@ def main() -> int:
         help="sequences per micro-batch: longer passes, so the same absolute jitter in a pass "
         "(the host's) is a smaller share of it",
     )
+    parser.add_argument(
+        "--affinity",
+        choices=["cores", "none"],
+        default="cores",
+        help="run.cpu_affinity of the ranks: cores pins each to its own core (the benchmark has "
+        "the machine to itself); none leaves placement to the OS",
+    )
     args = parser.parse_args()
     print(f"shardwise commit {commit()}")
     print(f"$ {command_line()}")
-    shape = overrides("<schedule>", 0, 1, args.steps, args.ffn, args.symmetric, args.micro_batch)
-    print(
-        f"model: {' '.join(o for o in shape if o.startswith(('--model', '--data', '--train.m')))}"
-    )
+    opts = (args.steps, args.ffn, args.symmetric, args.micro_batch, args.affinity)
+    shape = overrides("<schedule>", 0, 1, *opts)
+    kept = ("--model", "--data", "--train.m", "--run.cpu")
+    print(f"model: {' '.join(o for o in shape if o.startswith(kept))}")
     print(f"load average at the start: {load()} (2 cores, shared)")
     cases = [
         {
-            "overrides": overrides(
-                *CASES[n], args.steps, args.ffn, args.symmetric, args.micro_batch
-            ),
+            "overrides": overrides(*CASES[n], *opts),
             "peer": "pipeline_bubble:traced",
         }
         for n in CASES

@@ -85,6 +85,7 @@ GOLDEN_KEYS = [
     "log.progress",
     "run.dir",
     "run.device",
+    "run.cpu_affinity",
 ]
 
 # Keys DESIGN.md names as a contract other tools rely on: they must never disappear.

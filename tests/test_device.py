@@ -1,5 +1,7 @@
 """CPU ranks keep freed tensor memory in the heap (device.keep_freed_memory): glibc would
-otherwise return it to the kernel and every step would page-fault it in again."""
+otherwise return it to the kernel and every step would page-fault it in again. And
+`run.cpu_affinity=cores` pins every thread of a rank to its share of the cores
+(device.pin_cpu_cores)."""
 
 import subprocess
 import sys
@@ -37,3 +39,52 @@ def test_freed_memory_is_kept_for_the_next_step():
     # 5 steps); kept in the heap they fault in once, before the counted steps
     assert int(default) > 5_000, default
     assert int(ours) < int(default) / 20, (ours, default)
+
+
+PIN_SCRIPT = """
+import json, os, threading
+from shardwise.device import pin_cpu_cores
+
+def affinities():
+    tids = os.listdir("/proc/self/task")
+    return sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids})
+
+def in_new_thread():
+    out = []
+    t = threading.Thread(target=lambda: out.append(sorted(os.sched_getaffinity(0))))
+    t.start(); t.join()
+    return out[0]
+
+stop = threading.Event()
+early = threading.Thread(target=stop.wait)  # stands for gloo's threads, started before pinning
+early.start()
+allowed = sorted(os.sched_getaffinity(0))
+got = {"allowed": allowed, "none_first": pin_cpu_cores("none", 0, 2), "ranks": []}
+for rank in range(3):
+    cores = pin_cpu_cores("cores", rank, 3)
+    got["ranks"].append([cores, affinities(), in_new_thread()])
+got["none_after"] = [pin_cpu_cores("none", 0, 3), affinities()]
+stop.set(); early.join()
+print(json.dumps(got))
+"""
+
+
+def test_cpu_affinity_pins_every_thread_of_a_rank_to_its_share():
+    import json
+
+    out = subprocess.run(
+        [sys.executable, "-c", PIN_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    allowed = got["allowed"]
+    assert got["none_first"] is None  # never pinned: nothing touched
+    k = max(1, len(allowed) // 3)
+    for rank, (cores, threads, new_thread) in enumerate(got["ranks"]):
+        first = (rank * k) % len(allowed)
+        assert cores == allowed[first : first + k], (rank, cores, allowed)
+        # every thread (the one started before pinning too) and a thread started later
+        assert threads == [cores], (rank, threads)
+        assert new_thread == cores
+    none, threads = got["none_after"]
+    assert none is None and threads == [allowed]  # "none" undoes this process's pinning

@@ -198,6 +198,11 @@ class LogConfig:
 class RunConfig:
     dir: str = opt("runs/default", "Output directory: metrics.jsonl, config.json, tb/.")
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "Compute device (auto: CUDA if present).")
+    cpu_affinity: Literal["none", "cores"] = opt(
+        "none",
+        "cores: pin each local rank's threads to its own share of the cores (a machine the job "
+        "has to itself: a woken peer thread then never preempts a busy rank); none: the OS's.",
+    )
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from dataclasses import dataclass
@@ -81,6 +82,45 @@ def set_cpu_threads() -> None:
     """Several CPU ranks on few cores: one intra-op thread each unless the user set one."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
+
+
+_ALLOWED_CORES: list[int] | None = None  # the cores this process could use before any pinning
+
+
+def pin_cpu_cores(mode: str, local_rank: int, local_world: int) -> list[int] | None:
+    """`run.cpu_affinity`: with "cores", pin every thread of this rank (compute, the transport's
+    own threads, and any started later: threads inherit it) to the rank's equal share of the
+    cores the process may use (local rank i gets cores i·k .. i·k + k − 1, k = cores // local
+    ranks, at least 1; ranks beyond the cores share them round-robin). Returns the cores.
+
+    Why: with a core per rank and no pinning, the scheduler runs the thread a message wakes
+    (the receiver's gloo thread, then its training thread) on whichever core is free at that
+    instant, which is often the sender's, so a busy rank is preempted on its own core by its
+    peer and its short sends take milliseconds (measured: a pipeline rank's sends 2.5-5 ms each
+    unpinned, 24 -> 9.5 ms a step pinned; benchmarks/pipeline_bubble.py). Not the default: on
+    a machine shared with other jobs, fixed cores can be the busy ones. "none" leaves the
+    affinity as the process found it (and undoes an earlier pinning of this process)."""
+    global _ALLOWED_CORES
+    if mode == "none" and _ALLOWED_CORES is None:
+        return None
+    if not hasattr(os, "sched_setaffinity"):
+        raise ConfigError(
+            f"run.cpu_affinity={mode}: this platform cannot pin threads to cores. "
+            "Fix: --run.cpu_affinity=none."
+        )
+    if _ALLOWED_CORES is None:
+        _ALLOWED_CORES = sorted(os.sched_getaffinity(0))
+    allowed = _ALLOWED_CORES
+    if mode == "none":
+        cores = allowed
+    else:
+        k = max(1, len(allowed) // max(1, local_world))
+        first = (local_rank * k) % len(allowed)
+        cores = allowed[first : first + k]
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+            os.sched_setaffinity(int(tid), cores)
+    return None if mode == "none" else cores
 
 
 # glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64 bits

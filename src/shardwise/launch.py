@@ -35,6 +35,8 @@ def adopt_slurm_env() -> None:
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    if "SLURM_NTASKS_PER_NODE" in os.environ:  # run.cpu_affinity shares a node's cores
+        os.environ["LOCAL_WORLD_SIZE"] = os.environ["SLURM_NTASKS_PER_NODE"]
     os.environ.setdefault("MASTER_PORT", "29500")
     if "MASTER_ADDR" not in os.environ:
         raise ShardwiseError(

@@ -213,6 +213,8 @@ def build_run(cfg: Config) -> Run:
     """Everything one rank needs for `fit()`. The process group must exist (init_distributed)."""
     info = init_distributed(cfg)
     derived = derive(cfg, dist.get_world_size())
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    dev.pin_cpu_cores(cfg.run.cpu_affinity, int(os.environ.get("LOCAL_RANK", "0")), local_world)
     if info.type == "cpu":
         dev.set_cpu_threads()
         dev.keep_freed_memory()

@@ -98,6 +98,7 @@ def _worker(
         RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
