@@ -39,7 +39,7 @@ MODEL = [  # the balanced model of benchmarks/pipeline_bubble.py
 ]
 
 
-def overrides(schedule: str, steps: int) -> list[str]:
+def overrides(schedule: str, steps: int, affinity: str = "cores") -> list[str]:
     v = SCHEDULES[schedule]
     return [
         *MODEL,
@@ -53,6 +53,7 @@ def overrides(schedule: str, steps: int) -> list[str]:
         f"--parallel.pp={P}",
         f"--parallel.pp_schedule={schedule}",
         f"--parallel.pp_virtual={v}",
+        f"--run.cpu_affinity={affinity}",  # pins the process: both engines run pinned (or not)
     ]
 
 
@@ -146,14 +147,24 @@ def paired(cfg) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--affinity",
+        choices=["cores", "none"],
+        default="cores",
+        help="run.cpu_affinity of the ranks (both engines share the processes)",
+    )
     args = parser.parse_args()
     print(f"shardwise commit {commit()}, torch {torch.__version__}")
     print(f"$ {command_line()}")
     print(f"model and batch: {' '.join(overrides('1f1b', args.steps)[:9])}")
+    print(f"run.cpu_affinity={args.affinity}")
     print(f"load average at the start: {load()} (2 cores, shared)")
     jiffies = cpu_jiffies()
     names = list(SCHEDULES)
-    cases = [{"overrides": overrides(n, args.steps), "peer": "pp_vs_torch:paired"} for n in names]
+    cases = [
+        {"overrides": overrides(n, args.steps, args.affinity), "peer": "pp_vs_torch:paired"}
+        for n in names
+    ]
     results = run_world(P, cases)
     check(results)
     rows, ok = [], True
