@@ -4,29 +4,33 @@ What it measures: each pipeline rank records the busy intervals of its passes (f
 backward, and the zero-bubble input/weight halves) in every step; the bubble of a stage is
 1 − busy / makespan, the makespan being the slowest stage's span of the step after a common
 start (`Pipeline.report`). Per case we print the median over the steps after warm-up, per
-stage, next to the formula: (p − 1)/(m + p − 1) for GPipe and 1F1B, (p − 1)/(v·m + p − 1)
-for interleaved 1F1B (Narayanan et al. 2021); zero bubble (ZB-H1, Qi et al. 2023) must come
-out below 1F1B at the same m. Verdict: every GPipe/1F1B/interleaved stage within ±3 points
+stage (with `--rounds R`, the median over R such measurements), next to the formula:
+(p − 1)/(m + p − 1) for GPipe and 1F1B, (p − 1)/(v·m + p − 1) for interleaved 1F1B
+(Narayanan et al. 2021); zero bubble (ZB-H1, Qi et al. 2023) must come out below 1F1B at the
+same m. Verdict: every GPipe/1F1B/interleaved stage within ±3 points
 of its formula, and ZB below 1F1B.
 
-The formulas assume balanced stages and negligible communication, so the model is built to
-be balanced: the FFN width is chosen so that the output head (2·d·V FLOPs per token) costs
-one block (2·(4d² + 3·d·f) + 4·s·d), and 7 blocks are cut 4 | 3 + head (v = 2: chunks of
-2, 2, 2, 1 + head, so 4 | 4 block-equivalents per rank). `--symmetric` builds the stages
-alike instead: 8 blocks cut 4 | 4 with a 257-token vocabulary (the smallest the byte-level BPE
-allows), whose head is a fifteenth of one block (run side by side on two cores, blocks and a big
-head slow down by different amounts, so FLOP balance is not time balance; with 512 tokens the
-last stage was ~3 % busier, which its peer waits out as bubble). `--affinity cores` (the
-default) pins each rank to its own core (`run.cpu_affinity`); `--affinity none` leaves the
-placement to the OS, for comparison. The measured per-stage busy times are
-printed so the balance can be checked, and one micro-batch's forward + backward must compute
-for >= 50 ms, so that fixed per-pass costs (p2p, Python) are small against it. "replayed" is
-the bubble the same plan has with the pass times each stage measured in that step and
-instant messages (schedules.simulate): measured minus replayed is what communication and the
-runtime between passes cost; replayed minus formula is what unequal or varying pass times
-cost. "stolen" is the median share of this VM's CPU time the hypervisor gave to other guests
-during a step (/proc/stat); the last column is the bubble over the steps with at most 2% stolen
-(their count first), for comparison only: the verdict uses every step.
+The formulas assume balanced stages and negligible communication, so the model is built to be
+balanced: the FFN width is chosen so that the output head (2·d·V FLOPs per token) costs one
+block (2·(4d² + 3·d·f) + 4·s·d), and 7 blocks are cut 4 | 3 + head (v = 2: chunks of 2, 2, 2, 1
++ head, so 4 | 4 block-equivalents per rank). `--symmetric` builds the stages alike instead: 8
+blocks cut 4 | 4 with a 257-token vocabulary (the smallest the byte-level BPE allows), whose
+head is a fifteenth of one block (run side by side on two cores, blocks and a big head slow down
+by different amounts, so FLOP balance is not time balance; with 512 tokens the last stage was ~3
+% busier, which its peer waits out as bubble). `--affinity cores` (the default) pins each rank
+to its own core (`run.cpu_affinity`); `--affinity none` leaves the placement to the OS, for
+comparison. On the 2-core machine the formulas are met with `--symmetric --ffn 1876 --rounds 3`
+(RESULTS.md): blocks twice as wide make the head a thirtieth of a block and each micro-batch
+~150 ms, and three rounds outvote a round in which one core ran a few percent slower for a while
+(busy 1/0 up to 1.045 in a single round). The measured per-stage busy times are printed so the
+balance can be checked, and one micro-batch's forward + backward must compute for >= 50 ms, so
+that fixed per-pass costs (p2p, Python) are small against it. "replayed" is the bubble the same
+plan has with the pass times each stage measured in that step and instant messages
+(schedules.simulate): measured minus replayed is what communication and the runtime between
+passes cost; replayed minus formula is what unequal or varying pass times cost. "stolen" is the
+median share of this VM's CPU time the hypervisor gave to other guests during a step
+(/proc/stat); the last column is the bubble over the steps with at most 2% stolen (their count
+first), for comparison only: the verdict uses every step.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ DIM, VOCAB, SEQ, MICRO = 256, 4096, 128, 2
 FFN = (2 * VOCAB - 8 * DIM - 4 * SEQ) // 6  # head FLOPs = one block's FLOPs (see above)
 WARMUP = 2  # steps whose bubble is not counted (allocator growth, first-touch)
 CALM = 0.02  # a step during which the hypervisor took at most this share of the CPUs
+TRACED = "pipeline_bubble:traced"
 CASES = {  # name -> (schedule, m, v)
     "gpipe m=4": ("gpipe", 4, 1),
     "gpipe m=8": ("gpipe", 8, 1),
@@ -135,6 +140,32 @@ def replayed(per_rank: list[dict], schedule: str, m: int, v: int) -> list[float]
     return [median([b[r] for b in bubbles]) for r in range(P)]
 
 
+def summarise(name: str, per_rank: list[dict]) -> dict:
+    """One round of one case: per stage the median over the steps after warm-up of the
+    bubble, busy time and replayed bubble; the median makespan and CPU stolen; and the
+    per-stage bubbles of the steps with at most CALM stolen."""
+    schedule, m, v = CASES[name]
+    reps = [r["pipeline"] for r in per_rank[0]["records"][WARMUP:]]
+    steal = per_rank[0]["steal"][WARMUP:]
+    return {
+        "stage": [median([rep["bubble"][s] for rep in reps]) for s in range(P)],
+        "busy": [median([rep["busy_s"][s] for rep in reps]) for s in range(P)],
+        "makespan": median([rep["makespan_s"] for rep in reps]),
+        "replayed": replayed(per_rank, schedule, m, v),
+        "steal": median(steal),
+        "calm": [rep["bubble"] for rep, x in zip(reps, steal, strict=True) if x <= CALM],
+    }
+
+
+def _med(summaries: list[dict], key: str) -> list[float]:
+    """Per stage, the median over rounds of a per-stage summary value."""
+    return [median([g[key][s] for g in summaries]) for s in range(P)]
+
+
+def _pct(stage: list[float]) -> str:
+    return " / ".join(f"{100 * b:.1f}" for b in stage)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -166,6 +197,14 @@ def main() -> int:
         help="run.cpu_affinity of the ranks: cores pins each to its own core (the benchmark has "
         "the machine to itself); none leaves placement to the OS",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every case this many times, the order reversed every other round, and "
+        "take per stage the median over rounds (a stretch of the host's load, or a core that "
+        "runs slower for a while, then hits one round of a case, not all)",
+    )
     args = parser.parse_args()
     print(f"shardwise commit {commit()}")
     print(f"$ {command_line()}")
@@ -174,25 +213,20 @@ def main() -> int:
     kept = ("--model", "--data", "--train.m", "--run.cpu")
     print(f"model: {' '.join(o for o in shape if o.startswith(kept))}")
     print(f"load average at the start: {load()} (2 cores, shared)")
-    cases = [
-        {
-            "overrides": overrides(*CASES[n], *opts),
-            "peer": "pipeline_bubble:traced",
-        }
-        for n in CASES
-    ]
-    results = run_world(P, cases)
-    check(results)
+    cases = {n: {"overrides": overrides(*CASES[n], *opts), "peer": TRACED} for n in CASES}
+    per_round = []  # per round: case name -> its summary
+    for r in range(args.rounds):
+        names = list(CASES)[:: -1 if r % 2 else 1]  # a burst of host load hits other cases
+        results = run_world(P, [cases[n] for n in names])
+        check(results)
+        per_round.append({n: summarise(n, res) for n, res in zip(names, results, strict=True)})
     rows, ok = [], True
     bubbles = {}
-    for name, per_rank in zip(CASES, results, strict=True):
+    for name in CASES:
         schedule, m, v = CASES[name]
-        reps = [r["pipeline"] for r in per_rank[0]["records"][WARMUP:]]
-        stage = [median([rep["bubble"][s] for rep in reps]) for s in range(P)]
-        steal = per_rank[0]["steal"][WARMUP:]
-        calm = [rep for rep, x in zip(reps, steal, strict=True) if x <= CALM]
-        calm_stage = [median([rep["bubble"][s] for rep in calm]) for s in range(P)] if calm else []
-        busy = [median([rep["busy_s"][s] for rep in reps]) for s in range(P)]
+        got = [rd[name] for rd in per_round]
+        stage = _med(got, "stage")
+        busy = _med(got, "busy")
         per_mb = min(busy) / m  # one micro-batch's forward + backward on a stage
         want = formula(schedule, m, v)
         bubbles[name] = stage
@@ -202,6 +236,8 @@ def main() -> int:
             verdict = "ok" if good else "OFF"
             ok &= good
         ok &= per_mb >= 0.050
+        calm = [b for g in got for b in g["calm"]]
+        calm_stage = [median([b[s] for b in calm]) for s in range(P)] if calm else []
         rows.append(
             [
                 name,
@@ -210,15 +246,17 @@ def main() -> int:
                 verdict,
                 " / ".join(f"{1000 * b:.0f}" for b in busy),
                 f"{1000 * per_mb:.0f}",
-                f"{1000 * median([rep['makespan_s'] for rep in reps]):.0f}",
+                f"{1000 * median([g['makespan'] for g in got]):.0f}",
                 f"{busy[1] / busy[0]:.3f}",
-                " / ".join(f"{100 * b:.1f}%" for b in replayed(per_rank, schedule, m, v)),
-                f"{100 * median(steal):.1f}%",
+                " / ".join(f"{100 * b:.1f}%" for b in _med(got, "replayed")),
+                f"{100 * median([g['steal'] for g in got]):.1f}%",
                 f"{len(calm)}: " + " / ".join(f"{100 * b:.1f}%" for b in calm_stage),
             ]
+            + ([", ".join(_pct(g["stage"]) for g in got)] if args.rounds > 1 else [])
         )
     header = ["case", "bubble stage 0 / 1", "formula", "±3 pts", "busy ms", "mb F+B ms", "step ms"]
     header += ["busy 1/0", "replayed 0 / 1", "stolen", f"steps stolen <= {100 * CALM:.0f}%"]
+    header += ["each round"] if args.rounds > 1 else []
     print(table(header, rows))
     for m in (4, 8):
         zb, one = max(bubbles[f"zb m={m}"]), min(bubbles[f"1f1b m={m}"])
