@@ -218,3 +218,23 @@ def test_train_plan_auto_picks_a_runnable_layout(capsys):
     out = capsys.readouterr().out
     assert out.startswith("shardwise: --plan auto on 2 x cpu:") and "tokens/s" in out
     assert f"micro_batch={chosen.train.micro_batch}" in out
+
+
+def test_plan_verify_runs_the_best_candidate_here_and_compares(capsys):
+    from shardwise.testing.compare import SMALL
+
+    code, out, err = _plan(
+        capsys, "--hardware", "cpu", "--devices", "1", "--top", "1", "--verify", *SMALL
+    )
+    assert code == 0, err
+    lines = out.splitlines()
+    head = next(
+        i for i, line in enumerate(lines) if line.startswith("layout") and "meas total" in line
+    )
+    row = lines[head + 1].split()
+    assert row[0] == "tp1" and "failed:" not in lines[head + 1], lines[head + 1]
+    # predicted vs measured: total memory (error within the 5 %), states, step time
+    total_err, states = float(row[-7].rstrip("%")), row[-6]
+    assert states == "exact" and abs(total_err) <= 5.0, lines[head + 1]
+    pred_s, wall_s = float(row[-5]), float(row[-4])
+    assert pred_s > 0 and wall_s > 0
