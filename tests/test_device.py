@@ -88,3 +88,22 @@ def test_cpu_affinity_pins_every_thread_of_a_rank_to_its_share():
         assert new_thread == cores
     none, threads = got["none_after"]
     assert none is None and threads == [allowed]  # "none" undoes this process's pinning
+
+
+def test_run_cpu_affinity_pins_each_rank_of_a_job_and_none_undoes_it():
+    import os
+
+    from shardwise.testing import run_world
+    from shardwise.testing.compare import SMALL
+
+    def case(mode: str) -> dict:
+        overrides = [*SMALL, f"--run.cpu_affinity={mode}"]
+        return {"overrides": overrides, "peer": "shardwise.testing.hooks:thread_affinities"}
+
+    allowed = sorted(os.sched_getaffinity(0))
+    k = max(1, len(allowed) // 2)
+    pinned, unpinned = run_world(2, [case("cores"), case("none")])  # the same two processes
+    for rank, got in enumerate(pinned):
+        first = (rank * k) % len(allowed)
+        assert got["affinities"] == [allowed[first : first + k]], (rank, got)
+    assert [got["affinities"] for got in unpinned] == [[allowed], [allowed]]

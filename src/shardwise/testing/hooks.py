@@ -148,3 +148,19 @@ def fail_rank1_first(cfg) -> dict:
     if os.environ["RANK"] == "1":
         raise ValueError("the cause, on rank 1")
     raise RuntimeError("Timed out waiting 300000ms for recv operation to complete")
+
+
+def thread_affinities(cfg) -> dict:
+    """A harness peer that builds the run (where `run.cpu_affinity` applies) and trains
+    nothing: the distinct core sets of this rank's threads, gloo's included."""
+    import os
+
+    from shardwise.runtime import build_run
+
+    run = build_run(cfg)
+    try:
+        tids = os.listdir("/proc/self/task")
+        sets = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids}
+        return {"affinities": [list(cores) for cores in sorted(sets)]}
+    finally:
+        run.close()
