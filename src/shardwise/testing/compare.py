@@ -9,6 +9,12 @@ import torch
 # is zero up to fp32 rounding (large contributions cancelling, summed in a different order in
 # another layout) moves by up to ±lr per step. The differences in the final parameters scale with
 # lr (measured: 2.3e-5 at lr 3e-3 on 18 of 524k embedding entries, 4e-6 at 1e-3), the losses not.
+# Adam's eps is 1e-6 for the same reason: with the default 1e-8 below that rounding noise
+# (~1e-9), such an entry's update is lr·g/(|g| + eps), a sizeable fraction of lr whose size the
+# noise decides; on an AVX-512 host one embedding entry of a pp2 run ended 1.06e-4 from the
+# single process's (relative L2 of the tensor 2.1e-5) while every other entry agreed to 5e-6.
+# With 1e-6 that tensor agrees to 3.1e-7 (max entry 8.9e-7); real gradients here are
+# 1e-4..1e-1, their √v far above either eps.
 # The 512-token vocabulary (its own BPE, trained once and cached) keeps the output head from
 # dominating a step: with the preset's 4096 it took a third of each case's time.
 VOCAB = 512
@@ -22,6 +28,7 @@ SMALL = [
     "--train.eval_batches=0",
     "--optim.warmup_steps=5",
     "--train.lr=1e-3",
+    "--optim.eps=1e-6",
 ]
 
 
