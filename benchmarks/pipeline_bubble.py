@@ -166,6 +166,33 @@ def _pct(stage: list[float]) -> str:
     return " / ".join(f"{100 * b:.1f}" for b in stage)
 
 
+def case_row(name: str, got: list[dict]) -> tuple[list[str], bool, list[float]]:
+    """The table row of one case from its rounds' summaries, whether it meets the formula (and
+    computes >= 50 ms per micro-batch), and its per-stage bubbles (medians over rounds)."""
+    schedule, m, v = CASES[name]
+    stage, busy = _med(got, "stage"), _med(got, "busy")
+    per_mb = min(busy) / m  # one micro-batch's forward + backward on a stage
+    want = formula(schedule, m, v)
+    good = want is None or all(abs(b - want) <= 0.03 for b in stage)
+    verdict = "-" if want is None else ("ok" if good else "OFF")
+    calm = [b for g in got for b in g["calm"]]
+    calm_stage = [median([b[s] for b in calm]) for s in range(P)] if calm else []
+    row = [
+        name,
+        " / ".join(f"{100 * b:.1f}%" for b in stage),
+        "-" if want is None else f"{100 * want:.1f}%",
+        verdict,
+        " / ".join(f"{1000 * b:.0f}" for b in busy),
+        f"{1000 * per_mb:.0f}",
+        f"{1000 * median([g['makespan'] for g in got]):.0f}",
+        f"{busy[1] / busy[0]:.3f}",
+        " / ".join(f"{100 * b:.1f}%" for b in _med(got, "replayed")),
+        f"{100 * median([g['steal'] for g in got]):.1f}%",
+        f"{len(calm)}: " + " / ".join(f"{100 * b:.1f}%" for b in calm_stage),
+    ]
+    return row, good and per_mb >= 0.050, stage
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -220,40 +247,14 @@ def main() -> int:
         results = run_world(P, [cases[n] for n in names])
         check(results)
         per_round.append({n: summarise(n, res) for n, res in zip(names, results, strict=True)})
-    rows, ok = [], True
-    bubbles = {}
+    rows, ok, bubbles = [], True, {}
     for name in CASES:
-        schedule, m, v = CASES[name]
-        got = [rd[name] for rd in per_round]
-        stage = _med(got, "stage")
-        busy = _med(got, "busy")
-        per_mb = min(busy) / m  # one micro-batch's forward + backward on a stage
-        want = formula(schedule, m, v)
-        bubbles[name] = stage
-        verdict = "-"
-        if want is not None:
-            good = all(abs(b - want) <= 0.03 for b in stage)
-            verdict = "ok" if good else "OFF"
-            ok &= good
-        ok &= per_mb >= 0.050
-        calm = [b for g in got for b in g["calm"]]
-        calm_stage = [median([b[s] for b in calm]) for s in range(P)] if calm else []
+        row, good, bubbles[name] = case_row(name, [rd[name] for rd in per_round])
         rows.append(
-            [
-                name,
-                " / ".join(f"{100 * b:.1f}%" for b in stage),
-                "-" if want is None else f"{100 * want:.1f}%",
-                verdict,
-                " / ".join(f"{1000 * b:.0f}" for b in busy),
-                f"{1000 * per_mb:.0f}",
-                f"{1000 * median([g['makespan'] for g in got]):.0f}",
-                f"{busy[1] / busy[0]:.3f}",
-                " / ".join(f"{100 * b:.1f}%" for b in _med(got, "replayed")),
-                f"{100 * median([g['steal'] for g in got]):.1f}%",
-                f"{len(calm)}: " + " / ".join(f"{100 * b:.1f}%" for b in calm_stage),
-            ]
-            + ([", ".join(_pct(g["stage"]) for g in got)] if args.rounds > 1 else [])
+            row
+            + ([", ".join(_pct(rd[name]["stage"]) for rd in per_round)] if args.rounds > 1 else [])
         )
+        ok &= good
     header = ["case", "bubble stage 0 / 1", "formula", "±3 pts", "busy ms", "mb F+B ms", "step ms"]
     header += ["busy 1/0", "replayed 0 / 1", "stolen", f"steps stolen <= {100 * CALM:.0f}%"]
     header += ["each round"] if args.rounds > 1 else []
