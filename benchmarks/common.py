@@ -215,3 +215,14 @@ def paired_peer(cfg) -> dict:
             times[who].append(step())
             torch.distributed.barrier()  # both start the next step together, as in `fit`
     return times
+
+
+def alternating_rounds(run, keys: list, rounds: int) -> list[dict]:
+    """Run the cases named by `keys` `rounds` times through `run(keys) -> results in order`,
+    the order reversed every other round (a burst of other tenants' load, or a core that runs
+    slower for a while, then hits other cases each round); per round, key -> its result."""
+    out = []
+    for r in range(rounds):
+        order = list(keys)[:: -1 if r % 2 else 1]
+        out.append(dict(zip(order, run(order), strict=True)))
+    return out

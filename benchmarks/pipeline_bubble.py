@@ -38,7 +38,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import check, command_line, commit, cpu_jiffies, load, median, stolen, table
+from common import (
+    alternating_rounds,
+    check,
+    command_line,
+    commit,
+    cpu_jiffies,
+    load,
+    median,
+    stolen,
+    table,
+)
 from shardwise.parallel.schedules import build_plan, simulate
 from shardwise.testing import run_world
 
@@ -241,12 +251,13 @@ def main() -> int:
     print(f"model: {' '.join(o for o in shape if o.startswith(kept))}")
     print(f"load average at the start: {load()} (2 cores, shared)")
     cases = {n: {"overrides": overrides(*CASES[n], *opts), "peer": TRACED} for n in CASES}
-    per_round = []  # per round: case name -> its summary
-    for r in range(args.rounds):
-        names = list(CASES)[:: -1 if r % 2 else 1]  # a burst of host load hits other cases
+
+    def run(names: list[str]) -> list[dict]:
         results = run_world(P, [cases[n] for n in names])
         check(results)
-        per_round.append({n: summarise(n, res) for n, res in zip(names, results, strict=True)})
+        return [summarise(n, res) for n, res in zip(names, results, strict=True)]
+
+    per_round = alternating_rounds(run, list(CASES), args.rounds)  # case name -> its summary
     rows, ok, bubbles = [], True, {}
     for name in CASES:
         row, good, bubbles[name] = case_row(name, [rd[name] for rd in per_round])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from common import command_line, cpu_jiffies, load, mb, stolen
+from common import alternating_rounds, command_line, cpu_jiffies, load, mb, stolen
 from shardwise.config import load_config
 from shardwise.explain import explain_record
 from shardwise.plan.calibrate import cpu_hardware
@@ -109,11 +109,12 @@ def measured_rounds(nproc: int, cases: list, args) -> list[dict]:
     """`measure` `args.rounds` times, the case order reversed every other round (a burst of
     other tenants' load then hits other layouts each round); per case the median over rounds
     of the wall-clock and CPU step times and of the wait, the fastest step of all rounds."""
-    rounds = []
-    for r in range(args.rounds):
-        order = list(range(len(cases)))[:: -1 if r % 2 else 1]
-        got = measure(nproc, [cases[i] for i in order], args.steps, args.warmup, args.back_to_back)
-        rounds.append(dict(zip(order, got, strict=True)))
+
+    def run(order: list[int]) -> list[dict]:
+        picked = [cases[i] for i in order]
+        return measure(nproc, picked, args.steps, args.warmup, args.back_to_back)
+
+    rounds = alternating_rounds(run, list(range(len(cases))), args.rounds)
     out = []
     for i in range(len(cases)):
         runs = [rd[i] for rd in rounds]
