@@ -177,8 +177,8 @@ def paired_peer(cfg) -> dict:
 
     from shardwise.data import split_for_rank
     from shardwise.models import build_model, init_weights
-    from shardwise.runtime import build_run
-    from shardwise.train import fit
+    from shardwise.training.loop import fit
+    from shardwise.training.runtime import build_run
 
     steps, cfg.train.steps = cfg.train.steps, 1
     run = build_run(cfg)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from common import command_line, load
-from shardwise import checkpoint_io as io
+from shardwise.checkpoint import io as io
 from shardwise.testing.chaos import run_and_kill
 
 STEPS, EVERY = 12, 2

@@ -117,8 +117,8 @@ def formula(schedule: str, m: int, v: int) -> float | None:
 
 def traced(cfg) -> dict:
     """One rank's run (`fit`) that also keeps each step's pass durations, in plan order."""
-    from shardwise.runtime import build_run
-    from shardwise.train import fit
+    from shardwise.training.loop import fit
+    from shardwise.training.runtime import build_run
 
     run = build_run(cfg)
     pipeline, passes, steal = run.pipeline, [], []

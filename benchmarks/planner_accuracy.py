@@ -19,10 +19,10 @@ import argparse
 import statistics
 
 from common import alternating_rounds, command_line, cpu_jiffies, load, mb, stolen
+from shardwise.cli.verify import STATES, compare, measure
 from shardwise.config import load_config
-from shardwise.explain import explain_record
 from shardwise.plan.calibrate import cpu_hardware
-from shardwise.plan.verify import STATES, compare, measure
+from shardwise.plan.explain import explain_record
 
 BASE = [
     "--model.n_layers=4",
@@ -68,7 +68,7 @@ LAYOUTS = {
 def runnable(overrides: list[str], nproc: int) -> str | None:
     """Why this version cannot run the layout, or None."""
     from shardwise.errors import ShardwiseError
-    from shardwise.validate import derive
+    from shardwise.training.validate import derive
 
     try:
         derive(load_config(None, overrides), nproc)

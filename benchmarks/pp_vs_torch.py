@@ -121,8 +121,8 @@ def _torch_side(run, cfg):
 
 def paired(cfg) -> dict:
     """Alternate one step of ours and one of PyTorch's, order flipped every step."""
-    from shardwise.runtime import build_run
-    from shardwise.train import fit
+    from shardwise.training.loop import fit
+    from shardwise.training.runtime import build_run
 
     steps, cfg.train.steps = cfg.train.steps, 1
     run = build_run(cfg)

@@ -31,7 +31,7 @@ import time
 import torch
 
 from common import command_line, commit, load, median, table
-from shardwise.device import keep_freed_memory
+from shardwise.distributed.device import keep_freed_memory
 from shardwise.models import ModelSpec, build_model, init_weights
 from shardwise.parallel.backward_split import backward_input, backward_weight
 from shardwise.parallel.deferred_grads import deferring

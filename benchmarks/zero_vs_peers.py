@@ -81,8 +81,8 @@ def ours_timed(cfg) -> dict:
     """Our engine as the harness runs it (`build_run`, `fit`, gather), also taking each
     step's process CPU time, from `zero_grad` (the step's start) to the end of the optimizer
     step: with other jobs on the machine, wall-clock inflates more than CPU time does."""
-    from shardwise.runtime import build_run
-    from shardwise.train import fit
+    from shardwise.training.loop import fit
+    from shardwise.training.runtime import build_run
 
     run = build_run(cfg)
     cpu: list[float] = []

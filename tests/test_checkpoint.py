@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise import checkpoint_io as io
+from shardwise.checkpoint import io as io
 from shardwise.testing import run_world
 from shardwise.testing.compare import case, max_param_diff, max_rel
 from shardwise.testing.harness import run_here
@@ -194,7 +194,7 @@ def test_slices_reassemble_across_tensor_parallel_and_zero_cuts(tmp_path: Path) 
     its columns (three boxes per rank) and a vocabulary-parallel weight with a padding row,
     each cut again by ZeRO spans of the local tensor over dp=2, are written as files; the
     index reassembles both, and a rank of another layout (tp1, ZeRO over 3) reads its slices."""
-    from shardwise.checkpoint_state import slices_of
+    from shardwise.checkpoint.state import slices_of
     from shardwise.models.init import LocalSlice
 
     full = {"qkv": torch.randn(6, 12), "vocab": torch.randn(5, 3)}
@@ -319,7 +319,7 @@ def test_a_failure_between_save_and_log_keeps_that_steps_record(
     """A process dying after step 4's checkpoint is committed but before step 4's line reaches
     metrics.jsonl: the resume at step 4 writes the record the checkpoint stored, so the file
     holds every step once, with the uninterrupted run's losses (bitwise: same layout)."""
-    from shardwise.metrics import MetricsLogger
+    from shardwise.training.metrics import MetricsLogger
 
     log = MetricsLogger.log
 

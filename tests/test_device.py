@@ -8,7 +8,7 @@ import sys
 
 SCRIPT = """
 import os, resource, torch
-from shardwise.device import keep_freed_memory
+from shardwise.distributed.device import keep_freed_memory
 
 def faults():
     def step():  # 64 x 1 MB of activations, freed together at the end of a step
@@ -43,7 +43,7 @@ def test_freed_memory_is_kept_for_the_next_step():
 
 PIN_SCRIPT = """
 import json, os, threading
-from shardwise.device import pin_cpu_cores
+from shardwise.distributed.device import pin_cpu_cores
 
 def affinities():
     tids = os.listdir("/proc/self/task")

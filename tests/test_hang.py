@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from shardwise.hangreport import compose, disagreements, groups
+from shardwise.distributed.hangreport import compose, disagreements, groups
+from shardwise.distributed.watchdog import Watchdog
 from shardwise.testing.compare import SMALL
-from shardwise.watchdog import Watchdog
 
 # Short, so the tests stop quickly, but not so short that a rank starved of CPU on a loaded
 # 2-core machine (several ranks per core) looks hung.
@@ -108,10 +108,10 @@ def test_skipped_collective_is_reported(hung_jobs: dict[str, dict]) -> None:
     # in the training loop; rank 1 made every dp collective before it
     n = _dp_number(first)
     assert f"rank(s) [0] called all_reduce over dp (#{n} on dp, shape ()" in first, report
-    assert "at train.py:" in first
+    assert "at loop.py:" in first
     assert f"rank 1 never called it (its last dp collective is #{n - 1};" in first
     # and where rank 1 went instead
-    assert "waiting" in first and "all_reduce over world" in first and "train.py:" in first
+    assert "waiting" in first and "all_reduce over world" in first and "loop.py:" in first
     assert (job["dir"] / "hang_report.txt").read_text().strip() in report
     for rank in (0, 1):
         assert (job["dir"] / "hang" / f"rank-{rank:05d}.trace").is_file()

@@ -19,7 +19,7 @@ from shardwise.models.hf_weights import HFWeights, load_weights  # noqa: E402
 from shardwise.testing.compare import VOCAB as SMALL_VOCAB  # noqa: E402
 from shardwise.testing.compare import case, max_param_diff, max_rel  # noqa: E402
 from shardwise.testing.harness import run_named_worlds  # noqa: E402
-from shardwise.validate import derive, model_spec  # noqa: E402
+from shardwise.training.validate import derive, model_spec  # noqa: E402
 
 VOCAB = SMALL_VOCAB  # the tokenizer cache the other tests use
 # lr 3e-4 as test_tensor.py's Hugging Face cases: an entry whose gradient is zero up to fp32
@@ -128,8 +128,8 @@ def test_bad_init_from_is_one_clear_error(hf_dirs, tmp_path):
 def _first_batch_loss(kind: str, path: Path) -> float:
     """transformers' own loss on the first global batch our data pipeline feeds."""
     from shardwise.data import GlobalSampler, load_data
-    from shardwise.runtime import data_spec
     from shardwise.testing.compare import SMALL
+    from shardwise.training.runtime import data_spec
 
     cfg = load_config(None, [*SMALL, *_overrides(kind, path)])
     data = load_data(data_spec(cfg, VOCAB), "train")
@@ -226,7 +226,7 @@ def test_export_round_trip_gives_our_logits(worlds, ckpt_root, tmp_path, name):
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_exported_config_keeps_the_dropout_rates(hf_dirs, kind):
     """A model trained with dropout exports a config that fine-tunes with the same rates."""
-    from shardwise.export import hf_config
+    from shardwise.checkpoint.export import hf_config
 
     over = [*_overrides(kind, hf_dirs[kind]), "--model.dropout=0.1", "--model.attn_dropout=0.05"]
     config = transformers.AutoConfig.for_model(

@@ -3,7 +3,7 @@
 import pytest
 
 from shardwise.config import load_config
-from shardwise.explain import explain_record
+from shardwise.plan.explain import explain_record
 from shardwise.testing.harness import run_side_by_side
 
 pytestmark = pytest.mark.slow

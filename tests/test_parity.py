@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from shardwise.metrics import format_line
 from shardwise.testing.compare import case, max_param_diff, max_rel
 from shardwise.testing.harness import run_cases
+from shardwise.training.metrics import format_line
 
 pytestmark = pytest.mark.slow
 

@@ -9,14 +9,14 @@ import torch
 
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
-from shardwise.memory import ActivationMeter
 from shardwise.models import build_model, init_weights, preset
 from shardwise.parallel.backward_split import backward_input, backward_weight
 from shardwise.parallel.deferred_grads import deferring
 from shardwise.parallel.pipeline_split import balance, layer_costs, plan_chunks, prune_to_stage
+from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.schedules import Action, Pass, build_plan, simulate
-from shardwise.recompute import apply_recompute
-from shardwise.validate import derive
+from shardwise.training.memory import ActivationMeter
+from shardwise.training.validate import derive
 
 # F : B = 1 : 2 (a backward is two matmuls per forward matmul); I = W = 1 for zero bubble
 COST = {Pass.F: 1.0, Pass.B: 2.0, Pass.I: 1.0, Pass.W: 1.0}

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardwise.cli.main import main
-from shardwise.memory import ActivationMeter
 from shardwise.models import build_model, preset
 from shardwise.models.dropout import random_stream, samples
+from shardwise.parallel.recompute import apply_recompute
 from shardwise.plan import activations as act
 from shardwise.plan.hardware import get_hardware
 from shardwise.plan.layout import FineTune, Job, Layout
@@ -21,8 +21,8 @@ from shardwise.plan.memory import NF4_BYTES, predict_memory
 from shardwise.plan.predict import model_units
 from shardwise.plan.search import search
 from shardwise.plan.shapes import units
-from shardwise.recompute import apply_recompute
-from shardwise.runtime import cast_for_compute
+from shardwise.training.memory import ActivationMeter
+from shardwise.training.runtime import cast_for_compute
 
 H100 = get_hardware("h100-sxm")
 
@@ -195,7 +195,7 @@ def test_nothing_fits_says_what_is_needed(capsys):
 
 def test_explain_prints_the_planner_record_for_exactly_that_config():
     from shardwise.config import load_config
-    from shardwise.explain import explain_record
+    from shardwise.plan.explain import explain_record
 
     cfg = load_config(
         None, ["--parallel.zero=2", "--train.micro_batch=2", "--memory.recompute=full"]
@@ -210,7 +210,7 @@ def test_explain_prints_the_planner_record_for_exactly_that_config():
 def test_train_plan_auto_picks_a_runnable_layout(capsys):
     from shardwise.config import load_config
     from shardwise.plan.auto import auto_config
-    from shardwise.validate import derive
+    from shardwise.training.validate import derive
 
     cfg = load_config(None, ["--train.global_batch=8", "--data.seq_len=64"])
     chosen = auto_config(cfg, 2)

@@ -5,10 +5,10 @@ layouts (DP, ZeRO 1-3, offload, recompute, accumulation, GPT-2, tied, tp, sp and
 
 import pytest
 
+from shardwise.cli.verify import STATES, measure
 from shardwise.config import load_config
-from shardwise.explain import explain_record
+from shardwise.plan.explain import explain_record
 from shardwise.plan.hardware import get_hardware
-from shardwise.plan.verify import STATES, measure
 from shardwise.testing.compare import SMALL
 
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ PP_LAYOUTS = {
 
 def _pp_supported() -> bool:
     from shardwise.errors import NotYetSupportedError
-    from shardwise.validate import derive
+    from shardwise.training.validate import derive
 
     try:
         derive(load_config(None, [*SMALL, *PP_LAYOUTS["pp2_1f1b"]]), 2)

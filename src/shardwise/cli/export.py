@@ -41,7 +41,7 @@ def export_main(argv: list[str]) -> int:
                 f"expected RUN_DIR --format hf OUT, got {' '.join(argv) or 'nothing'}. "
                 "Fix: shardwise export runs/default --format hf exported/"
             )
-        from shardwise.export import export_hf
+        from shardwise.checkpoint.export import export_hf
 
         run_dir, out = args.paths
         ckpt = export_hf(run_dir, out, parse_size(args.max_shard_size))

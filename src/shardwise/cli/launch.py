@@ -149,10 +149,10 @@ def _restarts_need_checkpoints(restarts: int, cfg: Config) -> None:
 def train_nodes(cfg: Config, nproc: int, args: argparse.Namespace) -> None:
     """`train --nnodes ...`: validate for the whole job, prepare data, run this node's agent."""
     from shardwise.data import prepare_data
-    from shardwise.explain import explain_record, print_plan
     from shardwise.launchers.nodes import launch_nodes, parse_nodes, placement_line
-    from shardwise.runtime import data_spec
-    from shardwise.validate import derive
+    from shardwise.plan.explain import explain_record, print_plan
+    from shardwise.training.runtime import data_spec
+    from shardwise.training.validate import derive
 
     nodes = parse_nodes(args.nnodes, args.node_rank, args.rdzv, nproc)
     try:

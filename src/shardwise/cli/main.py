@@ -80,7 +80,7 @@ def _whole(flag: str, raw: str, least: int, example: int) -> int:
 
 
 def _nproc(args: argparse.Namespace) -> int:
-    from shardwise.device import local_device_count
+    from shardwise.distributed.device import local_device_count
 
     if args.nproc is None:
         return local_device_count()
@@ -111,7 +111,12 @@ def _max_restarts(args: argparse.Namespace, cfg: Config, external: bool) -> int:
 
 
 def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
-    from shardwise.launch import adopt_slurm_env, launch_local, rank_main, under_external_launcher
+    from shardwise.launchers.local import (
+        adopt_slurm_env,
+        launch_local,
+        rank_main,
+        under_external_launcher,
+    )
 
     if args.nnodes is not None:  # one elastic agent per node, even inside a Slurm step
         from shardwise.cli.launch import train_nodes
@@ -123,9 +128,9 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
         adopt_slurm_env()
         rank_main(cfg.to_dict())
         return
-    from shardwise.explain import explain_record, print_plan
-    from shardwise.runtime import data_spec
-    from shardwise.validate import derive
+    from shardwise.plan.explain import explain_record, print_plan
+    from shardwise.training.runtime import data_spec
+    from shardwise.training.validate import derive
 
     nproc = _nproc(args)
     if args.plan == "auto":
@@ -142,7 +147,7 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
 
 def cmd_explain(cfg: Config, args: argparse.Namespace) -> None:
     from shardwise.cli.launch import explain_world
-    from shardwise.explain import explain_record, print_explain
+    from shardwise.plan.explain import explain_record, print_explain
 
     if args.max_restarts not in (None, "0"):
         raise ShardwiseError("--max-restarts is an option of train. Fix: drop it here.")
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"train": cmd_train, "explain": cmd_explain, "plan": None}
     try:
         if command == "plan":
-            from shardwise.plan.cli import run
+            from shardwise.cli.plan import run
 
             return run(*split_overrides(rest))
         if command not in commands:

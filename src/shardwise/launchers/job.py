@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from shardwise.config import Config
 from shardwise.errors import ConfigError
-from shardwise.validate import derive
+from shardwise.training.validate import derive
 
 
 @dataclass(frozen=True)

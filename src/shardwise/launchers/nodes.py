@@ -146,8 +146,8 @@ def launch_nodes(cfg: Config, nodes: Nodes, max_restarts: int = 0) -> None:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig
 
-    from shardwise import device
-    from shardwise.launch import run_elastic
+    from shardwise.distributed import device
+    from shardwise.launchers.local import run_elastic
 
     # With the rendezvous store shared with the ranks (torch's default), a node that joins
     # a later round — a replacement for a lost node — waits for a MASTER_ADDR the surviving

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardwise.comm import Comm
+from shardwise.distributed.comm import Comm
 
 
 @dataclass

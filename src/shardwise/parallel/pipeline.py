@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from shardwise import device as dev
-from shardwise.comm import Comm
 from shardwise.config import Config
+from shardwise.distributed import device as dev
+from shardwise.distributed.comm import Comm
 from shardwise.models.decoder import Decoder
 from shardwise.models.dropout import samples
 from shardwise.parallel.backward_split import Pending, backward_input, backward_weight

@@ -15,9 +15,9 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from shardwise.comm import Comm
+from shardwise.distributed.comm import Comm
+from shardwise.distributed.topology import Topology
 from shardwise.parallel.schedules import Action, Pass
-from shardwise.topology import Topology
 
 
 def stage_rank(topo: Topology, pp_index: int) -> int:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.comm import Comm
+from shardwise.distributed.comm import Comm
 from shardwise.errors import ConfigError
 from shardwise.models.dropout import LayoutFreeDropout
 from shardwise.models.init import LocalSlice

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import Function
 
-from shardwise.comm import Comm
+from shardwise.distributed.comm import Comm
 
 SEQ_DIM = 1  # activations are [batch, sequence, hidden]
 

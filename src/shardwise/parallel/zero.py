@@ -28,7 +28,7 @@ import warnings
 import torch
 from torch import nn
 
-from shardwise.comm import Comm
+from shardwise.distributed.comm import Comm
 from shardwise.errors import ShardwiseError
 from shardwise.models.init import canonical_name, find_spec, initial_local, restore_buffers
 from shardwise.optim import Target

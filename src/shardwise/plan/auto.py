@@ -24,8 +24,8 @@ def apply_layout(cfg: Config, cand: dict) -> Config:
 
 def auto_config(cfg: Config, nproc: int) -> Config:
     """Search, then take the best candidate this version of the engine can run; print it."""
-    from shardwise.plan.cli import nothing_fits
-    from shardwise.validate import derive
+    from shardwise.cli.plan import nothing_fits
+    from shardwise.training.validate import derive
 
     hw = detect_hardware()
     job = job_from_config(cfg, hw, nproc)

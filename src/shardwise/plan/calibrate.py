@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.device import dtype_of
+from shardwise.distributed.device import dtype_of
 from shardwise.plan.hardware import GiB, Hardware
 
 _VERSION = 8
@@ -149,7 +149,7 @@ def _gloo_timings(nbytes: int, reps: int, calls: int) -> dict[str, float]:
 
     import torch.distributed as dist
 
-    from shardwise.launch import free_port
+    from shardwise.launchers.local import free_port
 
     port = free_port()
     peer = multiprocessing.get_context("spawn").Process(

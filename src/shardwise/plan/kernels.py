@@ -29,7 +29,7 @@ import time
 import torch
 from torch import nn
 
-from shardwise.device import dtype_of
+from shardwise.distributed.device import dtype_of
 from shardwise.plan.calibrate import cache_file, machine_key, one_thread
 from shardwise.plan.shapes import linear_shapes
 
@@ -127,7 +127,7 @@ def block_seconds(spec, tp: int, tokens: int, seq_len: int, precision: str, reco
     """CPU seconds of one block's forward + backward (with `recompute`) on a tp rank for a
     micro-batch of `tokens` tokens, or None when the shape is too large to time here."""
     from shardwise.models.decoder import Block
-    from shardwise.recompute import apply_recompute
+    from shardwise.parallel.recompute import apply_recompute
 
     flops = 6.0 * 12 * spec.dim * spec.dim * tokens / tp  # a rough size test only
     if flops > MAX_FLOPS or spec.arch not in ("decoder", "gpt2"):

@@ -3,7 +3,7 @@
 Model states follow the engine's layout exactly (parallel/zero.py, optim.py): ZeRO units are
 flat buffers padded to a multiple of dp; rank r keeps slice r; AdamW keeps two fp32 moments per
 element and a 4-byte step counter per parameter piece; a separate fp32 master exists with
-16-bit compute or offload. The report is the max over ranks per category, as train.py's
+16-bit compute or offload. The report is the max over ranks per category, as training/loop.py's
 metrics are. For Ψ parameters on N ranks with 16-bit params and gradients this is the ZeRO
 paper's 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (Rajbhandari et al. 2020, fig. 1), plus the step
 counters and padding.

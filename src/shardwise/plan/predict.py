@@ -14,24 +14,24 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from shardwise import device as dev
 from shardwise.config import Config
-from shardwise.memory import ActivationMeter, tensor_bytes
+from shardwise.distributed import device as dev
 from shardwise.models import build_model, count_params
+from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.zero_units import unit_roots
 from shardwise.plan import memory as mem
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import FineTune, Job, Layout
 from shardwise.plan.search import evaluate
 from shardwise.plan.shapes import Unit
-from shardwise.recompute import apply_recompute
-from shardwise.runtime import cast_for_compute, freeze
+from shardwise.training.memory import ActivationMeter, tensor_bytes
+from shardwise.training.runtime import cast_for_compute, freeze
 
 
 def job_from_config(
     cfg: Config, hardware: Hardware, devices: int, spec=None, finetune: FineTune | None = None
 ) -> Job:
-    from shardwise.validate import model_spec
+    from shardwise.training.validate import model_spec
 
     return Job(
         spec=spec or model_spec(cfg),

@@ -3,7 +3,7 @@ the ZeRO model-state table of `--params`, and what would be needed when nothing 
 
 from __future__ import annotations
 
-from shardwise.metrics import human_bytes
+from shardwise.training.metrics import human_bytes
 
 CATEGORIES = ("params", "grads", "master", "optimizer", "activations", "buffers")
 

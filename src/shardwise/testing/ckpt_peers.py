@@ -18,8 +18,8 @@ def dcp_peer(cfg: Config, rounds: int = 3) -> dict:
     of the model and optimizer state; returns the seconds per save, sync and async stall."""
     from dataclasses import replace
 
-    from shardwise.runtime import build_run
-    from shardwise.train import fit
+    from shardwise.training.loop import fit
+    from shardwise.training.runtime import build_run
 
     cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, every=0, resume="none"))
     run = build_run(cfg)

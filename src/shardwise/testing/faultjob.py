@@ -9,9 +9,9 @@ import sys
 from shardwise.config import load_config
 from shardwise.data import prepare_data
 from shardwise.errors import ShardwiseError
-from shardwise.launch import launch_local
-from shardwise.runtime import data_spec
-from shardwise.validate import derive
+from shardwise.launchers.local import launch_local
+from shardwise.training.runtime import data_spec
+from shardwise.training.validate import derive
 
 
 def main(argv: list[str] | None = None) -> int:

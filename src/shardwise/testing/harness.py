@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from shardwise.launch import free_port
+from shardwise.launchers.local import free_port
 
 BASE = ["--log.tensorboard=false", "--log.progress=off", "--log.every=1000000"]
 
@@ -30,8 +30,8 @@ def _resolve(path: str):
 
 def _run_case(case: dict, run_dir: str) -> dict:
     from shardwise.config import load_config
-    from shardwise.runtime import build_run
-    from shardwise.train import fit
+    from shardwise.training.loop import fit
+    from shardwise.training.runtime import build_run
 
     cfg = load_config(None, [*BASE, f"--run.dir={run_dir}", *case.get("overrides", [])])
     if case.get("peer"):
@@ -116,7 +116,13 @@ def _worker(
 
 # Ranks fork from a server process that imported torch and the training code once, for all
 # the worlds this process starts (a spawned rank spends ~5 s CPU importing them per world)
-_PRELOAD = ["torch", "torch._dynamo", "shardwise.runtime", "shardwise.train", __name__]
+_PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "shardwise.training.runtime",
+    "shardwise.training.loop",
+    __name__,
+]
 
 
 def _start_method() -> str:

@@ -155,7 +155,7 @@ def thread_affinities(cfg) -> dict:
     nothing: the distinct core sets of this rank's threads, gloo's included."""
     import os
 
-    from shardwise.runtime import build_run
+    from shardwise.training.runtime import build_run
 
     run = build_run(cfg)
     try:

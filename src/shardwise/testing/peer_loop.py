@@ -13,14 +13,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise import device as dev
 from shardwise.config import Config
 from shardwise.data import GlobalSampler, load_data, split_for_rank
+from shardwise.distributed import device as dev
 from shardwise.models import build_model, init_weights
 from shardwise.optim import adamw, lr_at
-from shardwise.runtime import data_spec, freeze, init_distributed
 from shardwise.testing.collectives import CollectiveCounter
-from shardwise.validate import Derived, derive
+from shardwise.training.runtime import data_spec, freeze, init_distributed
+from shardwise.training.validate import Derived, derive
 
 
 @dataclass

@@ -11,13 +11,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from shardwise import device as dev
 from shardwise.config import Config
 from shardwise.data import GlobalSampler, load_data, split_for_rank
+from shardwise.distributed import device as dev
 from shardwise.models import build_model, init_weights
 from shardwise.optim import adamw, lr_at
-from shardwise.runtime import data_spec, init_distributed
-from shardwise.validate import derive
+from shardwise.training.runtime import data_spec, init_distributed
+from shardwise.training.validate import derive
 
 
 def ddp_peer(cfg: Config) -> dict:

@@ -25,13 +25,13 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from shardwise import device as dev
 from shardwise.config import Config
 from shardwise.data import GlobalSampler, load_data, split_for_rank
+from shardwise.distributed import device as dev
 from shardwise.models import build_model, init_weights
 from shardwise.optim import adamw, lr_at
-from shardwise.runtime import build_run, data_spec, init_distributed
-from shardwise.validate import derive
+from shardwise.training.runtime import build_run, data_spec, init_distributed
+from shardwise.training.validate import derive
 
 
 def dtensor_plan(n_layers: int) -> dict:

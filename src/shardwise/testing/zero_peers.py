@@ -31,8 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise import device as dev
 from shardwise.config import Config
+from shardwise.distributed import device as dev
 from shardwise.testing.collectives import count_collectives, patch_deepspeed_backend
 from shardwise.testing.peer_loop import (
     loss_sum,
@@ -44,7 +44,7 @@ from shardwise.testing.peer_loop import (
     to_local,
     train_loop,
 )
-from shardwise.validate import Derived
+from shardwise.training.validate import Derived
 
 
 # -- FSDP2 ------------------------------------------------------------------------------------

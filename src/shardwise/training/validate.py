@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from shardwise.config import Config
+from shardwise.distributed.topology import degrees
 from shardwise.errors import ConfigError
 from shardwise.models import PRESETS, ModelSpec, preset
 from shardwise.models.presets import HF_ARCHS, RESNET_ARCHS
 from shardwise.parallel.pipeline_split import plan_chunks
-from shardwise.topology import degrees
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ import time
 
 from shardwise.config import load_config
 from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.metrics import human_bytes
 from shardwise.plan.layout import Job
-from shardwise.validate import derive
+from shardwise.training.metrics import human_bytes
+from shardwise.training.validate import derive
 
 STATES = ("params", "grads", "master", "optimizer")
 
@@ -40,8 +40,8 @@ def timed_run(cfg) -> dict:
     """One rank of a harness case (`build_run`, `fit`) that also takes each step's process CPU
     time, from `zero_grad` (the step's start) to the end of the optimizer step: on a shared
     machine wall-clock time inflates with the other jobs, CPU time much less."""
-    from shardwise.runtime import build_run
-    from shardwise.train import fit
+    from shardwise.training.loop import fit
+    from shardwise.training.runtime import build_run
 
     run = build_run(cfg)
     cpu: list[float] = []
@@ -67,9 +67,9 @@ def predicted_run(cfg) -> dict:
     comparison."""
     import torch.distributed as dist
 
-    from shardwise.explain import explain_record
     from shardwise.plan import kernels
     from shardwise.plan.calibrate import cpu_hardware
+    from shardwise.plan.explain import explain_record
 
     pred = None
     if dist.get_rank() == 0:
@@ -90,7 +90,7 @@ def measure(
     from shardwise.testing.harness import run_world
 
     quiet = ["--train.eval_every=0", "--train.eval_batches=0", f"--train.steps={steps}"]
-    peer = f"shardwise.plan.verify:{'predicted_run' if predict else 'timed_run'}"
+    peer = f"shardwise.cli.verify:{'predicted_run' if predict else 'timed_run'}"
     out = []
     for per_rank in run_world(nproc, [{"overrides": [*c, *quiet], "peer": peer} for c in cases]):
         errors = [r["error"] for r in per_rank if "error" in r]

@@ -7,17 +7,17 @@ import time
 
 import torch
 
-from shardwise import device as dev
-from shardwise.checkpoint import Checkpointer
+from shardwise.checkpoint.manager import Checkpointer
 from shardwise.data import GlobalSampler, split_for_rank
-from shardwise.memory import model_state_bytes, step_memory
-from shardwise.metrics import MetricsLogger, flops_per_token
+from shardwise.distributed import device as dev
 from shardwise.models import build_model
 from shardwise.models.dropout import random_stream, samples
-from shardwise.nonfinite import NonFiniteGuard
 from shardwise.optim import lr_at
 from shardwise.parallel.data import sync_buffers
-from shardwise.runtime import Run
+from shardwise.training.memory import model_state_bytes, step_memory
+from shardwise.training.metrics import MetricsLogger, flops_per_token
+from shardwise.training.nonfinite import NonFiniteGuard
+from shardwise.training.runtime import Run
 
 
 def fit(run: Run) -> list[dict]:

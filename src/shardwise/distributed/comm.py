@@ -8,7 +8,7 @@ rank spends blocked in them. Each call is also appended to a per-rank trace (op,
 shape, dtype, call site, and its index among this rank's collectives on that dimension) so a
 hang can be localised to the first collective on which ranks disagree; while a collective
 blocks (a point-to-point wait included), `blocked` says which one and since when (read by
-shardwise.watchdog). At degree 1 every collective is a no-op and costs nothing.
+shardwise.distributed.watchdog). At degree 1 every collective is a no-op and costs nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from shardwise.topology import Topology
+from shardwise.distributed.topology import Topology
 
 # torch 2.13 renamed the flat collectives; keep working on the older releases we support.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -81,7 +81,7 @@ class Comm:
         self.dim_seq: dict[str, int] = defaultdict(int)
         # (entry, time.monotonic() when the wait began) while this rank blocks in a collective
         self.blocked: tuple[TraceEntry, float] | None = None
-        self.watchdog = None  # shardwise.watchdog.Watchdog when the job has > 1 rank
+        self.watchdog = None  # shardwise.distributed.watchdog.Watchdog when the job has > 1 rank
         # Code of wrappers that forward to these methods: the call site is their caller's.
         self.passthrough: set = set()
 

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from shardwise import checkpoint_io as cio
+from shardwise.checkpoint import io as cio
 from shardwise.config import config_from_dict
 from shardwise.errors import ShardwiseError
 from shardwise.models import build_model
 from shardwise.models.hf_weights import INDEX, SINGLE, hf_shape, rule_for
 from shardwise.models.init import canonical_name
 from shardwise.models.presets import ModelSpec
-from shardwise.validate import model_spec
+from shardwise.training.validate import model_spec
 
 
 def find_checkpoint(run_dir: Path) -> Path:

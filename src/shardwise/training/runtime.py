@@ -12,24 +12,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise import device as dev
-from shardwise.comm import Comm
 from shardwise.config import Config
 from shardwise.data import DataSpec, GlobalSampler, load_data
+from shardwise.distributed import device as dev
+from shardwise.distributed.comm import Comm
+from shardwise.distributed.topology import Topology, build_topology
+from shardwise.distributed.watchdog import Watchdog, start_watchdog
 from shardwise.errors import ConfigError
-from shardwise.memory import ActivationMeter
 from shardwise.models import build_model, init_weights, to_empty
 from shardwise.models.hf_weights import HFWeights, load_weights
 from shardwise.models.tp_plans import plan_for
 from shardwise.optim import MixedPrecisionAdamW, replicated_targets
 from shardwise.parallel.data import GradReducer, apply_data_parallel
 from shardwise.parallel.pipeline import Pipeline, apply_pipeline
+from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.tensor import TensorParallel, apply_tensor_parallel, keep_tp_marks
 from shardwise.parallel.zero import ZeroEngine, apply_zero
-from shardwise.recompute import apply_recompute
-from shardwise.topology import Topology, build_topology
-from shardwise.validate import Derived, derive
-from shardwise.watchdog import Watchdog, start_watchdog
+from shardwise.training.memory import ActivationMeter
+from shardwise.training.validate import Derived, derive
 
 
 def data_spec(cfg: Config, vocab_size: int) -> DataSpec:

@@ -16,7 +16,7 @@ rely on it. Every `poll_s` it
 
 On the alarm every rank that can still answer publishes its trace (and its main thread's
 stack) and writes it to `run.dir/hang/rank-NNNNN.trace`; the rank that raised the alarm
-first waits up to `grace_s` for the others, composes one report (shardwise.hangreport),
+first waits up to `grace_s` for the others, composes one report (shardwise.distributed.hangreport),
 writes `run.dir/hang_report.txt`, and every rank exits with status 3. The job so stops
 within timeout + poll + grace seconds, never hangs.
 """
@@ -38,8 +38,8 @@ from typing import ClassVar
 
 import torch.distributed as dist
 
-from shardwise import hangreport
-from shardwise.comm import Comm, TraceEntry
+from shardwise.distributed import hangreport
+from shardwise.distributed.comm import Comm, TraceEntry
 
 EXIT_HANG = 3  # the exit status of every rank of a job stopped by the watchdog
 REPORT = "hang_report.txt"

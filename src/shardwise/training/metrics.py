@@ -11,7 +11,7 @@ from pathlib import Path
 from torch import nn
 
 from shardwise.models import count_params
-from shardwise.nonfinite import describe
+from shardwise.training.nonfinite import describe
 
 
 def flops_per_token(model: nn.Module, derived) -> float:

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 
-from shardwise import checkpoint_io as io
-from shardwise import device as dev
-from shardwise.checkpoint_state import (
+from shardwise.checkpoint import io as io
+from shardwise.checkpoint.state import (
     Local,
     adam_step,
     assign_writers,
@@ -26,7 +25,8 @@ from shardwise.checkpoint_state import (
     load_state,
     local_state,
 )
-from shardwise.comm import ControlChannel
+from shardwise.distributed import device as dev
+from shardwise.distributed.comm import ControlChannel
 from shardwise.errors import CheckpointError
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardwise.config import Config, config_from_dict
+from shardwise.distributed.watchdog import EXIT_HANG, LOCAL_LAUNCH_ENV, REPORT
 from shardwise.errors import ShardwiseError
-from shardwise.watchdog import EXIT_HANG, LOCAL_LAUNCH_ENV, REPORT
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -56,8 +56,8 @@ def train_here(cfg: Config, hook: str | None = None) -> None:
     ("module:function") is applied to the built run first: tests inject faults with it."""
     import torch.distributed as dist
 
-    from shardwise.runtime import build_run
-    from shardwise.train import fit
+    from shardwise.training.loop import fit
+    from shardwise.training.runtime import build_run
 
     try:
         run = build_run(cfg)

@@ -10,10 +10,10 @@ this CPU calibrated on the spot)."""
 from __future__ import annotations
 
 from shardwise.config import Config
-from shardwise.metrics import human_bytes
 from shardwise.plan.hardware import Hardware, detect_hardware
 from shardwise.plan.predict import predict_config
-from shardwise.validate import derive
+from shardwise.training.metrics import human_bytes
+from shardwise.training.validate import derive
 
 
 def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) -> dict:

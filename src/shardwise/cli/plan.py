@@ -53,7 +53,7 @@ def _devices(args, hw: Hardware) -> int:
         return args.nodes * hw.per_node
     if args.devices is not None:
         return args.devices
-    from shardwise.device import local_device_count
+    from shardwise.distributed.device import local_device_count
 
     return local_device_count()
 
@@ -158,7 +158,7 @@ def run(argv: list[str], overrides: list[str]) -> int:
             )
         raise nothing_fits(job, result)
     if args.verify:
-        from shardwise.plan.verify import verify
+        from shardwise.cli.verify import verify
 
         return verify(job, result.candidates, args.config, overrides, args.top)
     if args.json:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from shardwise import checkpoint_io as io
-from shardwise.comm import ControlChannel
+from shardwise.checkpoint import io as io
+from shardwise.distributed.comm import ControlChannel
 from shardwise.errors import CheckpointError
 from shardwise.models.init import canonical_name, find_spec
 from shardwise.optim import MixedPrecisionAdamW, lr_at
