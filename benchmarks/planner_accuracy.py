@@ -21,8 +21,8 @@ import statistics
 from common import alternating_rounds, command_line, cpu_jiffies, load, mb, stolen
 from shardwise.cli.verify import STATES, compare, measure
 from shardwise.config import load_config
-from shardwise.plan.calibrate import cpu_hardware
 from shardwise.plan.explain import explain_record
+from shardwise.plan.hardware import cpu_hardware
 
 BASE = [
     "--model.n_layers=4",

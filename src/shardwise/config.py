@@ -351,6 +351,23 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(own options, `--section.key[=| ]value` overrides), separated first so a
+    space-separated override value is never mistaken for the config file."""
+    overrides, own, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "." in arg.split("=", 1)[0]:
+            overrides.append(arg)
+            if "=" not in arg and i + 1 < len(argv):
+                overrides.append(argv[i + 1])
+                i += 1
+        else:
+            own.append(arg)
+        i += 1
+    return own, overrides
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the TOML file, then command-line overrides (later wins)."""
     cfg = Config()

@@ -26,7 +26,7 @@ from shardwise.models import build_model
 from shardwise.models.hf_weights import INDEX, SINGLE, hf_shape, rule_for
 from shardwise.models.init import canonical_name
 from shardwise.models.presets import ModelSpec
-from shardwise.training.validate import model_spec
+from shardwise.models.spec import spec_from_config
 
 
 def find_checkpoint(run_dir: Path) -> Path:
@@ -148,7 +148,7 @@ def _spec(cfg) -> ModelSpec:
             f"'{cfg.model.init_from}', which is gone; its config.json gives the model's sizes."
             " Fix: restore that directory (its weights are not read, only config.json)."
         )
-    return model_spec(cfg)
+    return spec_from_config(cfg)
 
 
 def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 30) -> Path:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from shardwise.config import Config, load_config
+from shardwise.config import Config, load_config, split_overrides
 from shardwise.errors import ConfigError, ShardwiseError
 
 USAGE = """usage: shardwise launch {slurm,k8s} [CONFIG.toml] --nodes N[:MAX] [options]
@@ -110,7 +110,6 @@ def _k8s(args: argparse.Namespace, cfg: Config, shape, name: str) -> None:
 
 def launch_main(argv: list[str]) -> int:
     """Entry of `shardwise launch`; returns the exit code like `main`."""
-    from shardwise.cli.main import split_overrides
     from shardwise.launchers.job import check_config, job_shape
 
     if not argv or argv[0] in ("-h", "--help") or "--help" in argv or "-h" in argv:

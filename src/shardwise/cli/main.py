@@ -6,25 +6,8 @@ import argparse
 import json
 import sys
 
-from shardwise.config import Config, load_config, reference_markdown
+from shardwise.config import Config, load_config, reference_markdown, split_overrides
 from shardwise.errors import ShardwiseError
-
-
-def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(own options, `--section.key[=| ]value` overrides), separated first so a
-    space-separated override value is never mistaken for the config file."""
-    overrides, own, i = [], [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--") and "." in arg.split("=", 1)[0]:
-            overrides.append(arg)
-            if "=" not in arg and i + 1 < len(argv):
-                overrides.append(argv[i + 1])
-                i += 1
-        else:
-            own.append(arg)
-        i += 1
-    return own, overrides
 
 
 def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -11,7 +11,6 @@ The model, sequence length, global batch and precision come from the config (as 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 from shardwise.config import load_config
@@ -20,7 +19,7 @@ from shardwise.plan import report
 from shardwise.plan.hardware import Hardware, detect_hardware, get_hardware
 from shardwise.plan.layout import FineTune, Job
 from shardwise.plan.memory import states_only
-from shardwise.plan.search import Result, search
+from shardwise.plan.search import nothing_fits, search
 
 
 def parser() -> argparse.ArgumentParser:
@@ -95,38 +94,6 @@ def states_records(job: Job) -> list[dict]:
             {"zero": zero, "dp": job.devices, "mem_bytes": {k: int(v) for k, v in mem.items()}}
         )
     return rows
-
-
-def nothing_fits(job: Job, result: Result) -> ConfigError:
-    """What would be needed: the least memory any layout needs, and the smallest device count
-    (doubling) at which something fits with the same global batch."""
-    least, hw = result.best_unfit, job.hardware
-    need = ""
-    if least:
-        need = (
-            f" The closest layout ({_short(least)}) needs {least['peak_bytes'] / 1e9:.1f} GB "
-            f"per device and {least['host_bytes'] / 1e9:.1f} GB of host memory per device; "
-            f"{hw.name} has {hw.memory / 1e9:.1f} GB and {hw.host_memory / 1e9:.1f} GB."
-        )
-    more = ""
-    for k in range(1, 11):
-        bigger = dataclasses.replace(job, devices=job.devices * 2**k)
-        if search(bigger).candidates:
-            more = f" The smallest device count (doubling) that fits is {bigger.devices}."
-            break
-    return ConfigError(
-        f"no layout of {job.spec.n_layers}-layer, {job.spec.dim}-wide model fits on "
-        f"{job.devices} x {job.hardware.name} (seq_len {job.seq_len}, global batch "
-        f"{job.global_batch}).{need}{more} Fix: more devices, a device with more memory, "
-        "a smaller micro-batch or sequence, or fine-tuning options (--lora-rank, --base-4bit)."
-    )
-
-
-def _short(r: dict) -> str:
-    return (
-        f"tp={r['tp']} pp={r['pp']} dp={r['dp']} zero={r['zero']} mb={r['micro_batch']} "
-        f"recompute={r['recompute']} offload={r['offload']}"
-    )
 
 
 def public(rec: dict) -> dict:

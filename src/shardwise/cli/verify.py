@@ -68,8 +68,8 @@ def predicted_run(cfg) -> dict:
     import torch.distributed as dist
 
     from shardwise.plan import kernels
-    from shardwise.plan.calibrate import cpu_hardware
     from shardwise.plan.explain import explain_record
+    from shardwise.plan.hardware import cpu_hardware
 
     pred = None
     if dist.get_rank() == 0:

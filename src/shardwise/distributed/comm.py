@@ -13,6 +13,7 @@ shardwise.distributed.watchdog). At degree 1 every collective is a no-op and cos
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 from collections import defaultdict, deque
@@ -263,3 +264,10 @@ class ControlChannel:
         out: list = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+def free_port() -> int:
+    """A free TCP port on loopback for a rendezvous store that stays on this machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import socket
 import sys
 import time
 import uuid
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardwise.config import Config, config_from_dict
+from shardwise.distributed.comm import free_port
 from shardwise.distributed.watchdog import EXIT_HANG, LOCAL_LAUNCH_ENV, REPORT
 from shardwise.errors import ShardwiseError
 
@@ -43,12 +43,6 @@ def adopt_slurm_env() -> None:
             "running under srun without MASTER_ADDR. Fix: export MASTER_ADDR="
             "$(scontrol show hostnames $SLURM_NODELIST | head -n1) before srun."
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_here(cfg: Config, hook: str | None = None) -> None:

@@ -8,7 +8,7 @@ from shardwise.config import Config
 from shardwise.errors import NotYetSupportedError
 from shardwise.plan.hardware import detect_hardware
 from shardwise.plan.predict import job_from_config
-from shardwise.plan.search import search
+from shardwise.plan.search import nothing_fits, search
 
 
 def apply_layout(cfg: Config, cand: dict) -> Config:
@@ -24,7 +24,6 @@ def apply_layout(cfg: Config, cand: dict) -> Config:
 
 def auto_config(cfg: Config, nproc: int) -> Config:
     """Search, then take the best candidate this version of the engine can run; print it."""
-    from shardwise.cli.plan import nothing_fits
     from shardwise.training.validate import derive
 
     hw = detect_hardware()

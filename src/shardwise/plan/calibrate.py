@@ -9,42 +9,15 @@ accounts for.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
-import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 
 from shardwise.distributed.device import dtype_of
-from shardwise.plan.hardware import GiB, Hardware
-
-_VERSION = 8
-
-
-def cache_file(name: str) -> Path:
-    """`name` in `$SHARDWISE_CACHE` (default ~/.cache/shardwise): measurements kept per machine."""
-    root = os.environ.get("SHARDWISE_CACHE", "") or os.path.expanduser("~/.cache/shardwise")
-    return Path(root) / name
-
-
-def machine_key() -> str:
-    """What a measurement depends on: this version of it, the host, its cores, torch."""
-    return f"v{_VERSION}|{platform.node()}|{os.cpu_count()}|{torch.__version__}"
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Measure as a rank runs: one intra-op thread (device.set_cpu_threads)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+from shardwise.plan.cache import cache_file, machine_key, one_thread
 
 
 def _rate(fn, work: float, seconds: float) -> float:
@@ -149,7 +122,7 @@ def _gloo_timings(nbytes: int, reps: int, calls: int) -> dict[str, float]:
 
     import torch.distributed as dist
 
-    from shardwise.launchers.local import free_port
+    from shardwise.distributed.comm import free_port
 
     port = free_port()
     peer = multiprocessing.get_context("spawn").Process(
@@ -210,14 +183,14 @@ def measure() -> dict[str, float]:
         return out
 
 
-def _ram_bytes() -> int:
+def ram_bytes() -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 16 * GiB
+    return 16 << 30
 
 
 def calibration(refresh: bool = False) -> dict[str, float]:
@@ -240,47 +213,3 @@ def calibration(refresh: bool = False) -> dict[str, float]:
     except OSError:
         pass  # an unwritable cache only costs a re-measurement next time
     return values
-
-
-def cpu_hardware(measure: bool = True, refresh: bool = False) -> Hardware:
-    """This machine's CPU as planner hardware: one rank per core at one thread, all ranks on
-    one node sharing its RAM. Rates are measured; the compute efficiency is a whole block's
-    achieved FLOP/s over the matmul rate; communication and memory efficiencies are 1."""
-    c = (
-        calibration(refresh)
-        if measure
-        else {"fp32": 5e10, "bf16": 5e9, "fp16": 5e9, "mem_bw": 5e9, "gloo_bw": 5e8}
-    )
-    eff = {"fp32": c.get("eff_fp32", 0.5), "bf16": c.get("eff_bf16", 0.5)}
-    eff["fp16"] = eff["bf16"]
-    ram = _ram_bytes()
-    return Hardware(
-        name="cpu",
-        memory=ram,
-        peak={k: c[k] for k in ("fp32", "bf16", "fp16")},
-        hbm_bw=c["mem_bw"],
-        intra_bw=c["gloo_bw"],
-        inter_bw=c["gloo_bw"],
-        host_bw=c["mem_bw"],
-        per_node=1 << 16,  # every rank runs on this machine
-        host_memory=ram,
-        host_mem_bw=c["mem_bw"],
-        matmul_eff=eff["fp32"],
-        eff=eff,
-        block_overhead=c.get("block_overhead", 1e-3),
-        latency=c.get("gloo_latency", 1e-4),
-        collective_cost={
-            "reduce_scatter": c.get("gloo_rs_cost", 1.0),
-            "all_gather": c.get("gloo_ag_cost", 1.0),
-        },
-        comm_eff=1.0,
-        mem_eff=1.0,
-        # The ranks keep every core busy computing: gloo's transfer threads get no spare core,
-        # so nothing hides behind compute.
-        overlap=0.0,
-        reserve=0,
-        cores=os.cpu_count() or 1,
-        memory_shared=True,
-        measured_kernels=measure,
-        calibrated="measured on this machine" if measure else "nominal (not measured)",
-    )

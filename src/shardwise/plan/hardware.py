@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass
 
 from shardwise.errors import ConfigError
+from shardwise.plan.calibrate import calibration, ram_bytes
 
 GiB = 2**30
 GB = 10**9
@@ -115,8 +117,6 @@ def get_hardware(name: str, calibrate: bool = True) -> Hardware:
     """The catalog entry for `name` (case-insensitive; `cpu` is measured on this machine)."""
     key = ALIASES.get(name.lower(), name.lower())
     if key == "cpu":
-        from shardwise.plan.calibrate import cpu_hardware
-
         return cpu_hardware(measure=calibrate)
     if key not in CATALOG:
         close = difflib.get_close_matches(key, hardware_names(), n=1, cutoff=0.5)
@@ -153,4 +153,48 @@ def detect_hardware() -> Hardware:
     raise ConfigError(
         f"GPU '{torch.cuda.get_device_name(0)}' is not in the planner's catalog. Fix: plan "
         f"with --hardware <one of {', '.join(CATALOG)}> and pass the chosen layout explicitly."
+    )
+
+
+def cpu_hardware(measure: bool = True, refresh: bool = False) -> Hardware:
+    """This machine's CPU as planner hardware: one rank per core at one thread, all ranks on
+    one node sharing its RAM. Rates are measured; the compute efficiency is a whole block's
+    achieved FLOP/s over the matmul rate; communication and memory efficiencies are 1."""
+    c = (
+        calibration(refresh)
+        if measure
+        else {"fp32": 5e10, "bf16": 5e9, "fp16": 5e9, "mem_bw": 5e9, "gloo_bw": 5e8}
+    )
+    eff = {"fp32": c.get("eff_fp32", 0.5), "bf16": c.get("eff_bf16", 0.5)}
+    eff["fp16"] = eff["bf16"]
+    ram = ram_bytes()
+    return Hardware(
+        name="cpu",
+        memory=ram,
+        peak={k: c[k] for k in ("fp32", "bf16", "fp16")},
+        hbm_bw=c["mem_bw"],
+        intra_bw=c["gloo_bw"],
+        inter_bw=c["gloo_bw"],
+        host_bw=c["mem_bw"],
+        per_node=1 << 16,  # every rank runs on this machine
+        host_memory=ram,
+        host_mem_bw=c["mem_bw"],
+        matmul_eff=eff["fp32"],
+        eff=eff,
+        block_overhead=c.get("block_overhead", 1e-3),
+        latency=c.get("gloo_latency", 1e-4),
+        collective_cost={
+            "reduce_scatter": c.get("gloo_rs_cost", 1.0),
+            "all_gather": c.get("gloo_ag_cost", 1.0),
+        },
+        comm_eff=1.0,
+        mem_eff=1.0,
+        # The ranks keep every core busy computing: gloo's transfer threads get no spare core,
+        # so nothing hides behind compute.
+        overlap=0.0,
+        reserve=0,
+        cores=os.cpu_count() or 1,
+        memory_shared=True,
+        measured_kernels=measure,
+        calibrated="measured on this machine" if measure else "nominal (not measured)",
     )

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from shardwise.distributed.device import dtype_of
-from shardwise.plan.calibrate import cache_file, machine_key, one_thread
+from shardwise.plan.cache import cache_file, machine_key, one_thread
 from shardwise.plan.shapes import linear_shapes
 
 MAX_FLOPS = 2e10  # per measured call: ~0.2-1 s on one core; larger shapes use the FLOP model

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from shardwise.launchers.local import free_port
+from shardwise.distributed.comm import free_port
 
 BASE = ["--log.tensorboard=false", "--log.progress=off", "--log.every=1000000"]
 

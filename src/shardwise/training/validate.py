@@ -5,7 +5,6 @@ the fix (STYLE.md rule 8)."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,8 +13,9 @@ import torch
 from shardwise.config import Config
 from shardwise.distributed.topology import degrees
 from shardwise.errors import ConfigError
-from shardwise.models import PRESETS, ModelSpec, preset
-from shardwise.models.presets import HF_ARCHS, RESNET_ARCHS
+from shardwise.models import ModelSpec
+from shardwise.models.presets import HF_ARCHS
+from shardwise.models.spec import spec_from_config
 from shardwise.parallel.pipeline_split import plan_chunks
 
 
@@ -40,83 +40,12 @@ class Derived:
 
 
 def model_spec(cfg: Config) -> ModelSpec:
-    """The preset named by model.name with the non-zero overrides applied."""
-    m = cfg.model
-    if m.name not in PRESETS:
-        names = ", ".join(PRESETS)
-        raise ConfigError(f"model.name='{m.name}' is not a known model. Fix: one of {names}.")
-    spec = preset(m.name)
-    overrides = {
-        k: getattr(m, k)
-        for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
-        if getattr(m, k)
-    }
-    for key, value in overrides.items():
-        if value < 0:
-            raise ConfigError(
-                f"model.{key}={value} must be positive. Fix: a positive value, or "
-                f"--model.{key}=0 to keep the preset's."
-            )
-    if m.tie_embeddings != "preset":
-        overrides["tie_embeddings"] = m.tie_embeddings == "true"
-    for key in ("dropout", "attn_dropout"):
-        value = getattr(m, key)
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(
-                f"model.{key}={value} is not a probability in [0, 1). Fix: e.g. "
-                f"--model.{key}=0.1, or 0 for none."
-            )
-        if value and not spec.is_transformer:
-            raise ConfigError(
-                f"model.{key}={value} applies to the shardwise decoders only, and "
-                f"model.name='{m.name}' is not one: {_no_dropout(spec)} Fix: "
-                f"--model.{key}=0, or a decoder (tiny, gpt2-tiny, ...)."
-            )
-        if value:
-            overrides[key] = value
-    if spec.arch.startswith("resnet") and overrides:
-        raise ConfigError(
-            f"model.{next(iter(overrides))} does not apply to model.name='{m.name}'"
-            " (a ResNet). Fix: remove it, or use a transformer model."
-        )
-    if "n_heads" in overrides and "n_kv_heads" not in overrides:
-        heads, kv = overrides["n_heads"], spec.n_kv_heads
-        if heads % kv:
-            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-            raise ConfigError(
-                f"model.n_heads={heads} is not divisible by the preset's "
-                f"n_kv_heads={kv} ({m.name}). Fix: also set --model.n_kv_heads="
-                f"<one of {divisors}>."
-            )
-        overrides["n_kv_heads"] = min(kv, heads)
-    if "vocab_size" in overrides and overrides["vocab_size"] < 257:
-        raise ConfigError(
-            f"model.vocab_size={overrides['vocab_size']} is below 257, the 256 "
-            "bytes of the byte-level BPE plus its end-of-text token. Fix: "
-            "--model.vocab_size=4096 (or 0 for the preset's)."
-        )
-    spec = dataclasses.replace(spec, **overrides)
-    if m.init_from:
-        if not spec.is_transformer:
-            raise ConfigError(
-                f"model.init_from needs a transformer, but model.name='{m.name}' is a ResNet."
-                " Fix: --model.name=tiny (Llama) or gpt2-tiny (GPT-2)."
-            )
-        from shardwise.models.hf_weights import adapt_spec
-
-        spec = adapt_spec(spec, m, m.init_from)
+    """The model the config names (models.spec.spec_from_config), checked against the
+    sequence length and tensor parallelism it will run with."""
+    spec = spec_from_config(cfg)
     if not spec.arch.startswith("resnet"):
         _check_transformer(spec, cfg)
     return spec
-
-
-def _no_dropout(spec: ModelSpec) -> str:
-    if spec.arch in RESNET_ARCHS:
-        return "a ResNet has no dropout."
-    return (
-        "Hugging Face models draw dropout from torch's global generator, which would make "
-        "the masks depend on the layout."
-    )
 
 
 def _check_transformer(spec: ModelSpec, cfg: Config) -> None:
