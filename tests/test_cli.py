@@ -224,3 +224,50 @@ def test_help_and_help_config() -> None:
     proc = _run([SHARDWISE, "train", "--help-config"], timeout=60)
     for key in all_keys():
         assert f"| `{key}` |" in proc.stdout, key
+
+
+def test_help_config_works_where_help_says() -> None:
+    """`shardwise --help` lists `--help-config` at the top level; there it prints the config
+    reference (it used to answer "unknown command '--help-config'")."""
+    from shardwise.cli.main import USAGE
+
+    assert "--help-config" in USAGE
+    proc = _run([SHARDWISE, "--help-config"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for key in all_keys():
+        assert f"| `{key}` |" in proc.stdout, key
+
+
+def _parsers():
+    from shardwise.cli import export, launch, main, plan
+
+    return {
+        "train": main.parser("train"),
+        "explain": main.parser("explain"),
+        "plan": plan.parser(),
+        "launch": launch._parser(),
+        "export": export._parser(),
+    }
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("command", ["train", "explain", "plan", "launch", "export"])
+def test_every_option_is_described_in_its_commands_help(command, capsys) -> None:
+    """`shardwise COMMAND -h` prints every option of the parser that reads the command line,
+    each with a one-line description (the help is generated from that parser, so it cannot
+    list an option the command does not take, or miss one it does)."""
+    from shardwise.cli.main import main
+
+    parser = _parsers()[command]
+    args = ["launch", "--help"] if command == "launch" else [command, "-h"]
+    assert main(args) == 0
+    shown = _flat(capsys.readouterr().out)
+    assert shown.startswith(f"usage: shardwise {command}")
+    for action in parser._actions:
+        assert action.help and action.help.strip(), f"{command}: {action.dest} has no help"
+        assert _flat(action.help % {"default": action.default}) in shown, (command, action.dest)
+        for flag in action.option_strings:
+            assert flag in shown, (command, flag)

@@ -7,13 +7,6 @@ import sys
 
 from shardwise.errors import ShardwiseError
 
-USAGE = """usage: shardwise export RUN_DIR --format hf OUT [--max-shard-size 2GB]
-
-  RUN_DIR   a run.dir (its newest checkpoint), a checkpoint.dir, or one checkpoint directory
-  --format  hf: Hugging Face safetensors shards + index + config.json (Llama / GPT-2), loadable
-            with transformers' AutoModelForCausalLM.from_pretrained(OUT)
-"""
-
 _UNITS = {"kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "b": 1}
 
 
@@ -25,15 +18,36 @@ def parse_size(text: str) -> int:
     raise ShardwiseError(f"--max-shard-size {text!r} is not a size. Fix: e.g. --max-shard-size 2GB")
 
 
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shardwise export",
+        add_help=False,
+        usage="%(prog)s RUN_DIR --format hf OUT [--max-shard-size 2GB]",
+        description="A run's newest checkpoint in another format.",
+    )
+    p.add_argument(
+        "paths",
+        nargs="*",
+        metavar="RUN_DIR OUT",
+        help="a run.dir (its newest checkpoint), a checkpoint.dir or one checkpoint directory; "
+        "then the output directory",
+    )
+    p.add_argument(
+        "--format",
+        choices=["hf"],
+        help="hf: Hugging Face safetensors shards + index + config.json (Llama / GPT-2), "
+        "loadable with transformers' AutoModelForCausalLM.from_pretrained(OUT)",
+    )
+    p.add_argument("--max-shard-size", default="2GB", help="largest file written (default 2GB)")
+    p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    return p
+
+
 def export_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="shardwise export", add_help=False)
-    parser.add_argument("paths", nargs="*")
-    parser.add_argument("--format", choices=["hf"])
-    parser.add_argument("--max-shard-size", default="2GB")
-    parser.add_argument("-h", "--help", action="store_true")
+    parser = _parser()
     args, rest = parser.parse_known_intermixed_args(argv)
     if args.help:
-        print(USAGE)
+        print(parser.format_help())
         return 0
     try:
         if rest or len(args.paths) != 2 or args.format is None:

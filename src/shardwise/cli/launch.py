@@ -12,19 +12,12 @@ from typing import NoReturn
 from shardwise.config import Config, load_config, split_overrides
 from shardwise.errors import ConfigError, ShardwiseError
 
-USAGE = """usage: shardwise launch {slurm,k8s} [CONFIG.toml] --nodes N[:MAX] [options]
-                        [--section.key=value ...]
-
+DESCRIPTION = """targets:
   slurm   write an sbatch script (one task per node running the elastic agent, rendezvous
           on the first node, --requeue); --submit runs sbatch and prints the job id
-          [--partition P] [--time T] [--account A] [--port 29400] [--submit]
   k8s     write a Kubeflow PyTorchJob manifest for `kubectl apply -f`
-          --image IMAGE [--namespace NS] [--claim PVC] [--mount-path /workspace]
 
-  both:   --gpus-per-node G | --cpus-per-node C (CPU clusters) [--nproc-per-node P]
-          [--name NAME] [--max-restarts R] [-o FILE]
-  The config is checked for every world size the job may run at before anything is written.
-"""
+The config is checked for every world size the job may run at before anything is written."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,25 +26,37 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="shardwise launch", add_help=False)
-    p.add_argument("target", choices=["slurm", "k8s"])
-    p.add_argument("config", nargs="?", default=None)
-    p.add_argument("--nodes", required=True)
-    p.add_argument("--gpus-per-node", type=int, default=0)
-    p.add_argument("--cpus-per-node", type=int, default=0)
-    p.add_argument("--nproc-per-node", type=int, default=None)
-    p.add_argument("--name", default=None)
-    p.add_argument("--max-restarts", type=int, default=None)
-    p.add_argument("-o", "--output", default=None)
-    p.add_argument("--partition", default="")
-    p.add_argument("--time", default="")
-    p.add_argument("--account", default="")
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--submit", action="store_true")
-    p.add_argument("--image", default="")
-    p.add_argument("--namespace", default="")
-    p.add_argument("--claim", default="shardwise-checkpoints")
-    p.add_argument("--mount-path", default="/workspace")
+    p = _Parser(
+        prog="shardwise launch",
+        add_help=False,
+        usage="%(prog)s {slurm,k8s} [CONFIG.toml] --nodes N[:MAX] [options] "
+        "[--section.key=value ...]",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("target", choices=["slurm", "k8s"], help="the cluster manager")
+    p.add_argument("config", nargs="?", default=None, help="TOML config of the training job")
+    both = p.add_argument_group("both targets")
+    both.add_argument("--nodes", required=True, help="N, or MIN:MAX for an elastic job")
+    both.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node")
+    both.add_argument("--cpus-per-node", type=int, default=0, help="CPUs per node (CPU clusters)")
+    both.add_argument("--nproc-per-node", type=int, default=None, help="ranks per node")
+    both.add_argument("--name", default=None, help="job name (default: from the config)")
+    both.add_argument("--max-restarts", type=int, default=None, help="restarts after a failure")
+    both.add_argument(
+        "-o", "--output", default=None, help="file to write (default NAME.sbatch/.yaml)"
+    )
+    slurm = p.add_argument_group("slurm")
+    slurm.add_argument("--partition", default="", help="sbatch --partition")
+    slurm.add_argument("--time", default="", help="sbatch --time limit")
+    slurm.add_argument("--account", default="", help="sbatch --account")
+    slurm.add_argument("--port", type=int, default=None, help="rendezvous port (default 29400)")
+    slurm.add_argument("--submit", action="store_true", help="run sbatch and print the job id")
+    k8s = p.add_argument_group("k8s")
+    k8s.add_argument("--image", default="", help="container image with shardwise installed")
+    k8s.add_argument("--namespace", default="", help="Kubernetes namespace")
+    k8s.add_argument("--claim", default="shardwise-checkpoints", help="PVC for checkpoints")
+    k8s.add_argument("--mount-path", default="/workspace", help="where the claim is mounted")
     return p
 
 
@@ -113,7 +118,7 @@ def launch_main(argv: list[str]) -> int:
     from shardwise.launchers.job import check_config, job_shape
 
     if not argv or argv[0] in ("-h", "--help") or "--help" in argv or "-h" in argv:
-        print(USAGE)
+        print(_parser().format_help())
         return 0
     try:
         own, overrides = split_overrides(argv)

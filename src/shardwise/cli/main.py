@@ -10,26 +10,60 @@ from shardwise.config import Config, load_config, reference_markdown, split_over
 from shardwise.errors import ShardwiseError
 
 
+def parser(command: str = "train") -> argparse.ArgumentParser:
+    """The options of `train` and `explain` (one parser: explain refuses train's own)."""
+    p = argparse.ArgumentParser(
+        prog=f"shardwise {command}",
+        add_help=False,
+        usage="%(prog)s [CONFIG.toml] [--section.key=value ...] [options]",
+        description=COMMANDS[command],
+    )
+    p.add_argument("config", nargs="?", default=None, help="TOML config; keys as --help-config")
+    p.add_argument(
+        "--nproc",
+        "--nproc-per-node",
+        dest="nproc",
+        default=None,
+        metavar="N",
+        help="local ranks to spawn (per node with --nnodes; default: one per device)",
+    )
+    p.add_argument("--nnodes", default=None, metavar="N", help="machines the job spans")
+    p.add_argument("--node-rank", default=None, metavar="R", help="this machine's index")
+    p.add_argument("--rdzv", default=None, metavar="HOST:PORT", help="rendezvous of all nodes")
+    p.add_argument(
+        "--max-restarts",
+        default="0",
+        metavar="K",
+        help="train: restart every rank after a failure, up to K times",
+    )
+    p.add_argument("--json", action="store_true", help="explain: machine-readable output")
+    p.add_argument(
+        "--help-config", action="store_true", help="every config key, its default and meaning"
+    )
+    p.add_argument(
+        "--plan",
+        choices=["auto"],
+        default=None,
+        help="train: pick the best layout for this hardware and world size first",
+    )
+    p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    return p
+
+
 def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     own, overrides = split_overrides(argv)
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("config", nargs="?", default=None)
-    parser.add_argument("--nproc", "--nproc-per-node", dest="nproc", default=None)
-    parser.add_argument("--nnodes", default=None)
-    parser.add_argument("--node-rank", default=None)
-    parser.add_argument("--rdzv", default=None)
-    parser.add_argument("--max-restarts", default="0")
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--help-config", action="store_true")
-    parser.add_argument("--plan", choices=["auto"], default=None)
-    parser.add_argument("-h", "--help", action="store_true")
-    known, rest = parser.parse_known_args(own)
+    known, rest = parser().parse_known_args(own)
     if known.config is not None and known.config.startswith("-"):
         rest.insert(0, known.config)
         known.config = None
     return known, rest + overrides
 
 
+COMMANDS = {
+    "train": "Train a model: spawns --nproc local ranks unless under torchrun/srun.",
+    "explain": "Every derived value of a config and the planner's per-rank prediction of "
+    "memory by category and step time.",
+}
 USAGE = """usage: shardwise {train,explain,plan,launch,export} [CONFIG.toml] [--nproc N]
                  [--section.key=value ...]
 
@@ -143,11 +177,11 @@ def cmd_explain(cfg: Config, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or argv[0] in ("-h", "--help", "--help-config"):
         if not argv:  # no arguments at all: the default job
             argv = ["train"]
         else:
-            print(USAGE)
+            print(reference_markdown() if argv[0] == "--help-config" else USAGE)
             return 0
     command, rest = argv[0], argv[1:]
     if command == "export":
@@ -168,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ShardwiseError(f"unknown command '{command}'. Fix: one of {', '.join(commands)}.")
         args, overrides = _split(rest)
         if args.help:
-            print(USAGE)
+            print(parser(command).format_help())
             return 0
         if args.help_config:
             print(reference_markdown())

@@ -21,25 +21,40 @@ from shardwise.plan.layout import FineTune, Job
 from shardwise.plan.memory import states_only
 from shardwise.plan.search import nothing_fits, search
 
+DESCRIPTION = (
+    "Predict memory by category and step time of every layout of a job on some hardware and "
+    "rank them by tokens/s. The model, sequence length, global batch and precision come from "
+    "the config (as for `train`); --params without an architecture plans model states only."
+)
+
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shardwise plan", add_help=False)
-    p.add_argument("config", nargs="?", default=None)
+    p = argparse.ArgumentParser(
+        prog="shardwise plan",
+        add_help=False,
+        usage="%(prog)s [CONFIG.toml] [--section.key=value ...] [options]",
+        description=DESCRIPTION,
+    )
+    p.add_argument("config", nargs="?", default=None, help="TOML config (model, data, batch)")
     p.add_argument("--hardware", default=None, help="catalog name or cpu (default: detected)")
     p.add_argument("--devices", type=int, default=None, help="total devices (ranks)")
     p.add_argument("--nodes", type=int, default=None, help="nodes (devices = nodes x per node)")
     p.add_argument("--model", default=None, help="named model or a Hugging Face config.json")
     p.add_argument("--params", type=float, default=None, help="parameter count: states only")
-    p.add_argument("--top", type=int, default=5)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--explain", type=int, default=None, metavar="N")
-    p.add_argument("--verify", action="store_true")
+    p.add_argument("--top", type=int, default=5, help="how many of the best layouts to show")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--explain", type=int, default=None, metavar="N", help="every term of candidate N's row"
+    )
+    p.add_argument(
+        "--verify", action="store_true", help="run the best candidates here: predicted vs measured"
+    )
     p.add_argument("--misses", type=int, default=0, help="also show the K closest misses")
-    p.add_argument("--lora-rank", type=int, default=0)
-    p.add_argument("--lora-targets", default="wq,wk,wv,wo")
-    p.add_argument("--base-4bit", action="store_true")
-    p.add_argument("--optim-8bit", action="store_true")
-    p.add_argument("-h", "--help", action="store_true")
+    p.add_argument("--lora-rank", type=int, default=0, help="plan a LoRA fine-tune of rank R")
+    p.add_argument("--lora-targets", default="wq,wk,wv,wo", help="layers that get adapters")
+    p.add_argument("--base-4bit", action="store_true", help="frozen base stored in 4 bits")
+    p.add_argument("--optim-8bit", action="store_true", help="8-bit optimizer moments")
+    p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     return p
 
 
@@ -103,7 +118,7 @@ def public(rec: dict) -> dict:
 def run(argv: list[str], overrides: list[str]) -> int:
     args, rest = parser().parse_known_args(argv)
     if args.help:
-        print(__doc__)
+        print(parser().format_help())
         return 0
     if rest:
         raise ConfigError(f"unexpected argument(s) {rest} for plan. Fix: see `shardwise plan -h`.")
