@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from common import check, command_line, load, median, table
+from common import add_smoke, check, command_line, load, median, table
 from shardwise.testing import run_world
 
 NPROC = 2
@@ -40,20 +41,21 @@ RUN = [
     "--log.every=1000000",
 ]
 EVERY = 5
+SMOKE = ["--model.n_layers=1", "--model.dim=64", "--train.steps=6"]  # two saves
 
 
-def cases(root: Path, rounds: int) -> list[tuple[str, dict]]:
-    out = []
+def cases(root: Path, rounds: int, smoke: bool = False) -> list[tuple[str, dict]]:
+    out, run = [], [*RUN, *SMOKE] if smoke else RUN
     for r in range(rounds):
         order = ["sync", "async", "dcp"] if r % 2 == 0 else ["dcp", "async", "sync"]
         for kind in order:
             ckpt = [f"--checkpoint.dir={root}/{kind}{r}", "--checkpoint.resume=none"]
             if kind == "dcp":
-                case = {"overrides": [*RUN, *ckpt], "peer": "shardwise.testing.ckpt_peers:dcp_peer"}
+                case = {"overrides": [*run, *ckpt], "peer": "shardwise.testing.ckpt_peers:dcp_peer"}
             else:
                 flag = "true" if kind == "async" else "false"
                 every = [f"--checkpoint.every={EVERY}", f"--checkpoint.async={flag}"]
-                case = {"overrides": [*RUN, *ckpt, *every]}
+                case = {"overrides": [*run, *ckpt, *every]}
             out.append((kind, case))
     return out
 
@@ -61,11 +63,13 @@ def cases(root: Path, rounds: int) -> list[tuple[str, dict]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
+    add_smoke(parser)
     args = parser.parse_args()
+    args.rounds = 1 if args.smoke else args.rounds
     print(f"$ {command_line()}")
     print(f"date: {datetime.date.today()}  load average at the start: {load()} (2 cores)")
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
-    todo = cases(root, args.rounds)
+    todo = cases(root, args.rounds, args.smoke)
     results = run_world(NPROC, [c for _, c in todo])
     check(results)
     stalls: dict[str, list[float]] = {"sync": [], "async": []}
@@ -87,6 +91,8 @@ def main() -> None:
                 plain[kind].append(time)
     newest = sorted((root / "sync0").glob("step-*"))[-1]
     size = sum(f.stat().st_size for f in newest.glob("*.safetensors"))
+    if args.smoke:  # the suite's run leaves nothing behind; a real one keeps its checkpoints
+        shutil.rmtree(root, ignore_errors=True)
     print(f"checkpointed state: {size / 1e6:.1f} MB in {NPROC} files (fp32 params + AdamW)")
     sync_s, async_s = median(stalls["sync"]), median(stalls["async"])
     dsync, dasync = median(dcp["dcp_sync_s"]), median(dcp["dcp_async_stall_s"])
@@ -106,7 +112,7 @@ def main() -> None:
     print(f"async stall / sync save = {async_s / sync_s:.3f} (target < 0.20)")
     print(f"ours / DCP: sync {sync_s / dsync:.2f}x, async stall {async_s / dasync:.2f}x")
     print(f"load average at the end: {load()}")
-    if async_s / sync_s >= 0.2:
+    if async_s / sync_s >= 0.2 and not args.smoke:
         sys.exit("async stall is not under 20% of the synchronous save time")
 
 

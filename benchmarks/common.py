@@ -4,6 +4,7 @@ spawned ranks, which inherit the parent's `sys.path`)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import statistics
@@ -15,6 +16,16 @@ from collections.abc import Sequence
 import torch
 
 WARMUP_STEPS = 5  # first steps pay allocator growth, lazy init and cold caches
+SMOKE_HELP = (
+    "the smallest case for a couple of steps, one round: shows that the script still runs "
+    "against today's API (tests/test_benchmarks.py runs every benchmark so); its numbers mean "
+    "nothing and no verdict is drawn from them"
+)
+
+
+def add_smoke(parser: argparse.ArgumentParser) -> None:
+    """Every benchmark's `--smoke` flag."""
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
 
 
 def commit() -> str:

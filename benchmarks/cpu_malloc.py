@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import command_line, commit, load, median, steady, table
+from common import add_smoke, command_line, commit, load, median, steady, table
 
 
 def one(layers: int, seq: int, steps: int, default: bool) -> tuple[float, int]:
@@ -45,7 +45,10 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
+    add_smoke(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds, args.layers, args.seq, args.steps = 1, 1, 32, 2
     print(f"shardwise commit {commit()}\n$ {command_line()}\nload at the start: {load()}")
     got: dict[str, list[tuple[float, int]]] = {"ours": [], "glibc default": []}
     for i in range(args.rounds):

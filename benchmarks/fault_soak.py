@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from common import command_line, load
+from common import add_smoke, command_line, load
 from shardwise.checkpoint import io as io
 from shardwise.testing.chaos import run_and_kill
 
@@ -105,7 +106,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=None, help="kill-point seed (random)")
+    add_smoke(parser)
     args = parser.parse_args()
+    args.trials = 1 if args.smoke else args.trials
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     print(f"$ {command_line()}")
     print(f"date: {datetime.date.today()}  load average at the start: {load()}  seed {seed}")
@@ -119,6 +122,8 @@ def main() -> None:
         survived += ok
         print(f"trial {i + 1:2d}: {'ok  ' if ok else 'FAIL'} {line}", flush=True)
     print(f"survived {survived}/{args.trials}")
+    if args.smoke and survived == args.trials:  # the suite's run leaves nothing behind
+        shutil.rmtree(root, ignore_errors=True)
     print(f"load average at the end: {load()}")
     if survived != args.trials:
         sys.exit(1)

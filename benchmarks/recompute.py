@@ -12,6 +12,7 @@ import argparse
 import statistics
 import sys
 
+from common import add_smoke
 from shardwise.testing import run_world
 
 
@@ -20,7 +21,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
+    add_smoke(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.seq_len, args.batch = 3, 32, 2
     print("command:", " ".join([".venv/bin/python", *sys.argv]))
     base = [
         f"--train.steps={args.steps}",

@@ -22,6 +22,7 @@ import torch
 from common import (
     WARMUP_STEPS,
     abba_cases,
+    add_smoke,
     check,
     command_line,
     commit,
@@ -75,10 +76,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4, help="repetitions (even: ABBA)")
     parser.add_argument("--gate", action="store_true", help="exit 1 if ours/DTensor > 1.15")
     parser.add_argument("--quick", action="store_true", help="first size, 2 rounds, 10 steps")
+    add_smoke(parser)
     args = parser.parse_args()
+    args.quick |= args.smoke
     sizes = list(SIZES)[:1] if args.quick else list(SIZES)
-    steps = 10 if args.quick else args.steps
-    rounds = 2 if args.quick else args.rounds
+    steps = 2 if args.smoke else 10 if args.quick else args.steps
+    rounds = 1 if args.smoke else 2 if args.quick else args.rounds
     print(f"$ {command_line()}")
     print(f"shardwise commit {commit()}, torch {torch.__version__}")
     for size in sizes:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import command_line, load, mb, median, steady, table
+from common import add_smoke, command_line, load, mb, median, steady, table
 from shardwise.testing import run_world
 
 LAYOUTS = [
@@ -30,7 +30,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--nproc", type=int, default=2)
+    add_smoke(ap)
     args = ap.parse_args()
+    args.steps = 2 if args.smoke else args.steps
     print("command:", command_line())
     print(f"load before: {load()}")
     # GPT-2 style (LayerNorm, learned positions, GELU, tied embeddings), bf16 compute and

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import sys
 import time
 
-from common import WARMUP_STEPS, check, command_line, mb, median, steady, table
+from common import WARMUP_STEPS, add_smoke, check, command_line, mb, median, steady, table
 from shardwise.testing import run_world
 
 NPROC = 2
@@ -77,6 +78,13 @@ ENGINES = [
 ]
 
 
+def available_engines() -> list[tuple[str, int, str]]:
+    """ENGINES less DeepSpeed's rows where DeepSpeed is not installed (an optional extra)."""
+    if importlib.util.find_spec("deepspeed") is not None:
+        return ENGINES
+    return [e for e in ENGINES if not e[0].startswith("DeepSpeed")]
+
+
 def ours_timed(cfg) -> dict:
     """Our engine as the harness runs it (`build_run`, `fit`, gather), also taking each
     step's process CPU time, from `zero_grad` (the step's start) to the end of the optimizer
@@ -92,8 +100,8 @@ def ours_timed(cfg) -> dict:
         cpu.append(time.process_time())
         zero_grad()
 
-    def timed_step():
-        out = step()
+    def timed_step(*args, **kwargs):
+        out = step(*args, **kwargs)
         cpu[-1] = time.process_time() - cpu[-1]
         return out
 
@@ -157,12 +165,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every engine")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES)[:1], choices=list(SIZES))
     parser.add_argument("--quick", action="store_true", help="first size, 1 round, 10 steps")
+    add_smoke(parser)
     args = parser.parse_args()
+    args.quick |= args.smoke
     sizes = list(SIZES)[:1] if args.quick else args.sizes
-    steps = 10 if args.quick else args.steps
+    steps = 2 if args.smoke else 10 if args.quick else args.steps
     rounds = 1 if args.quick else args.rounds
+    engines = available_engines()
     print(f"$ {command_line()}")
     print(f"date: {datetime.date.today().isoformat()}; load average: {load()}")
+    if len(engines) < len(ENGINES):
+        print("DeepSpeed is not installed: its rows are skipped (pip install -e '.[bench]')")
     for size in sizes:
         print(f"{size}: {' '.join(overrides(size, steps, 0)[:-1])} --parallel.zero=1|2|3")
     print(
@@ -174,11 +187,11 @@ def main() -> int:
     cases, keys = [], []
     for r in range(rounds):
         for size in sizes:
-            for engine, stage, peer in ENGINES if r % 2 == 0 else ENGINES[::-1]:
+            for engine, stage, peer in engines if r % 2 == 0 else engines[::-1]:
                 cases.append({"overrides": overrides(size, steps, stage), "peer": peer})
                 keys.append((size, engine, stage, r))
     for size in sizes:  # bf16 compute, fp32 masters: model states only
-        for engine, stage, peer in ENGINES:
+        for engine, stage, peer in engines:
             cases.append({"overrides": overrides(size, 3, stage, tuple(BF16)), "peer": peer})
             keys.append((size, engine, stage, "bf16"))
     t0 = time.perf_counter()
@@ -190,7 +203,7 @@ def main() -> int:
     rows, per_round, mem_rows, worst = [], [], [], {}
     for size in sizes:
         med, cpu = {}, {}
-        for engine, stage, _ in ENGINES:
+        for engine, stage, _ in engines:
             runs = [by_key[size, engine, stage, r] for r in range(rounds)]
             meds = [median(steady(step_times(res))) for res in runs]
             med[engine, stage] = median(meds)
@@ -198,7 +211,7 @@ def main() -> int:
             per_round.append([size, f"{engine} z{stage}", *(f"{m * 1000:.1f}" for m in meds)])
         first = by_key[size, "ours", 1, 0][0]
         psi = sum(p.numel() for p in first["params"].values())
-        for engine, stage, _ in ENGINES:
+        for engine, stage, _ in engines:
             if engine == "ours":
                 continue
             ours, peer = by_key[size, "ours", stage, 0], by_key[size, engine, stage, 0]
@@ -227,7 +240,7 @@ def main() -> int:
             )
         for precision in ("fp32", "bf16"):
             bf16 = precision == "bf16"
-            for engine, stage, _ in ENGINES:
+            for engine, stage, _ in engines:
                 if engine == "ours":
                     continue
                 key = "bf16" if bf16 else 0
@@ -288,17 +301,20 @@ def main() -> int:
     print(table(["size", "engine", *(f"round {r + 1}" for r in range(rounds))], per_round))
     ds = [r for key, res in by_key.items() if key[1].startswith("DeepSpeed") for r in res[:1]]
     print(f"\nload average at the end: {load()}")
-    print(
-        f"DeepSpeed: first import {max(r['import_s'] for r in ds):.1f} s, "
-        f"first initialize {max(r['init_s'] for r in ds):.1f} s; whole world {wall:.0f} s"
-    )
+    if ds:
+        print(
+            f"DeepSpeed: first import {max(r['import_s'] for r in ds):.1f} s, "
+            f"first initialize {max(r['init_s'] for r in ds):.1f} s; whole world {wall:.0f} s"
+        )
     failed = False
     for engine, limit in LIMITS.items():
+        if engine not in worst:
+            continue
         w = worst[engine]
         verdict = "meets target" if w <= 1.0 else "within limit" if w <= limit else "TOO SLOW"
         failed |= w > limit
         print(f"worst time ratio vs {engine}: {w:.3f}: {verdict} (target <= 1.00, limit {limit})")
-    return 1 if failed else 0
+    return 1 if failed and not args.smoke else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,74 @@
+"""Every benchmark still runs: each script's `--smoke` mode (the smallest case, a couple of
+steps, one round) exits 0 here, so an API change that breaks a benchmark fails the suite
+instead of rotting until someone measures. What the benchmarks measure is recorded in
+benchmarks/RESULTS.md; a smoke run's numbers mean nothing and draw no verdict."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+HELPERS = {"common.py"}  # imported by the scripts, not run
+TIMEOUT_S = 300
+
+
+def scripts() -> list[str]:
+    return sorted(p.name for p in BENCH.glob("*.py") if p.name not in HELPERS)
+
+
+def run_smoke(script: Path, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`python SCRIPT --smoke` from the repository root, as RESULTS.md's commands run."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, str(script), "--smoke"],
+        cwd=BENCH.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _explain(proc: subprocess.CompletedProcess) -> str:
+    out, err = proc.stdout[-3000:], proc.stderr[-3000:]
+    return f"exit {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
+
+
+def test_every_benchmark_has_a_smoke_mode():
+    for name in scripts():
+        assert "add_smoke(" in (BENCH / name).read_text(), (
+            f"benchmarks/{name} has no --smoke mode. Fix: call common.add_smoke(parser) and "
+            "shrink the run when args.smoke is set."
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", scripts())
+def test_benchmark_smoke_runs(name):
+    proc = run_smoke(BENCH / name)
+    assert proc.returncode == 0, _explain(proc)
+    assert proc.stdout.strip(), "a benchmark prints its command and its table"
+
+
+def test_a_broken_benchmark_call_fails_its_smoke_run(tmp_path):
+    """The check can fail: a copy of a benchmark whose call into shardwise no longer fits the
+    API (the way zero_vs_peers broke when the optimizer step gained `skip`) exits non-zero."""
+    source = (BENCH / "zb_split.py").read_text()
+    assert "keep_freed_memory()" in source
+    broken = source.replace("keep_freed_memory()", "keep_freed_memory(skip=True)", 1)
+    script = tmp_path / "zb_split_broken.py"
+    script.write_text(broken)
+    env_path = f"{BENCH}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke"],
+        cwd=BENCH.parent,
+        env={**os.environ, "PYTHONPATH": env_path},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode != 0
+    assert "TypeError" in proc.stderr and "skip" in proc.stderr
