@@ -148,3 +148,13 @@ def test_lazy_and_relative_imports_are_seen(tmp_path):
     assert "shardwise.cli.plan" in graph["shardwise.cli.main"]
     assert graph["shardwise.checkpoint.manager"] >= {"shardwise.checkpoint.io"}
     assert set(modules) == set(graph)
+
+
+def test_the_architecture_page_lists_every_package():
+    """`ls src/shardwise/*/` reads like docs/architecture.md's floor table."""
+    doc = (SRC.parent / "docs" / "architecture.md").read_text()
+    table = doc[doc.index("## Floors") : doc.index("## Where the coming features land")]
+    packages = sorted(p.parent.name for p in (SRC / "shardwise").glob("*/__init__.py"))
+    for name in packages:
+        assert f"`{name}/`" in table, f"docs/architecture.md's floor table lacks {name}/"
+        floor_of(f"shardwise.{name}")
