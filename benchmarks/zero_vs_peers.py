@@ -89,30 +89,14 @@ def ours_timed(cfg) -> dict:
     """Our engine as the harness runs it (`build_run`, `fit`, gather), also taking each
     step's process CPU time, from `zero_grad` (the step's start) to the end of the optimizer
     step: with other jobs on the machine, wall-clock inflates more than CPU time does."""
-    from shardwise.training.loop import fit
+    from shardwise.cli.verify import timed_fit
     from shardwise.training.runtime import build_run
 
     run = build_run(cfg)
-    cpu: list[float] = []
-    zero_grad, step = run.reducer.zero_grad, run.optimizer.step
-
-    def timed_zero_grad() -> None:
-        cpu.append(time.process_time())
-        zero_grad()
-
-    def timed_step(*args, **kwargs):
-        out = step(*args, **kwargs)
-        cpu[-1] = time.process_time() - cpu[-1]
-        return out
-
-    run.reducer.zero_grad, run.optimizer.step = timed_zero_grad, timed_step
-    records = fit(run)
-    return {
-        "records": records,
-        "losses": [r["loss"] for r in records],
-        "params": run.reducer.full_parameters(),
-        "step_cpu_times": cpu,
-    }
+    out = timed_fit(run)
+    out["losses"] = [r["loss"] for r in out["records"]]
+    out["params"] = run.reducer.full_parameters()
+    return out
 
 
 def step_times(per_rank: list[dict], cpu: bool = False) -> list[float]:

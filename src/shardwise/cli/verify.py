@@ -40,10 +40,15 @@ def timed_run(cfg) -> dict:
     """One rank of a harness case (`build_run`, `fit`) that also takes each step's process CPU
     time, from `zero_grad` (the step's start) to the end of the optimizer step: on a shared
     machine wall-clock time inflates with the other jobs, CPU time much less."""
-    from shardwise.training.loop import fit
     from shardwise.training.runtime import build_run
 
-    run = build_run(cfg)
+    return timed_fit(build_run(cfg))
+
+
+def timed_fit(run) -> dict:
+    """`fit(run)`'s records and each step's process CPU time (see `timed_run`)."""
+    from shardwise.training.loop import fit
+
     cpu: list[float] = []
     zero_grad, step = run.reducer.zero_grad, run.optimizer.step
 
