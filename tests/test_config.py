@@ -40,6 +40,7 @@ GOLDEN_KEYS = [
     "data.dataset",
     "data.seq_len",
     "data.text_field",
+    "data.tokenizer",
     "data.val_fraction",
     "data.image_size",
     "data.cache_dir",

@@ -82,7 +82,9 @@ NAMES = {"llama": "tiny", "gpt2": "gpt2-tiny"}
 
 
 def _overrides(kind: str, path: Path) -> list[str]:
-    return [f"--model.name={NAMES[kind]}", f"--model.init_from={path}"]
+    # random weights saved without a tokenizer: the other tests' BPE cache (the checkpoint's own
+    # tokenizer, data.tokenizer=auto, is tested in test_pretrained_tokenizer.py)
+    return [f"--model.name={NAMES[kind]}", f"--model.init_from={path}", "--data.tokenizer=bpe"]
 
 
 def _import(kind: str, path: Path) -> torch.nn.Module:

@@ -73,6 +73,12 @@ class DataConfig:
     )
     seq_len: int = opt(128, "Tokens per sample (text).")
     text_field: str = opt("text", "Field holding the text in .jsonl/.json/.parquet files.")
+    tokenizer: str = opt(
+        "auto",
+        "Tokenizer of text data: auto (the checkpoint's own when model.init_from is set, else "
+        "a BPE trained on the data), bpe (always train one), or a folder holding a Hugging "
+        "Face tokenizer (as tokenizer.save_pretrained writes it).",
+    )
     val_fraction: float = opt(0.02, "Fraction of documents held out for evaluation.")
     image_size: int = opt(32, "Digits are resized from 8x8 to this many pixels per side.")
     cache_dir: str = opt("", "Tokenizer/token cache ('' = $SHARDWISE_CACHE or ~/.cache/shardwise).")

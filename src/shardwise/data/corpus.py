@@ -38,6 +38,7 @@ class DataSpec:
     val_fraction: float = 0.02  # held-out fraction (documents for text, images for digits)
     image_size: int = 32  # digits are resized (bilinear) from 8x8 to this
     cache_dir: str = ""  # "" -> $SHARDWISE_CACHE or ~/.cache/shardwise
+    tokenizer: str = ""  # a folder with a Hugging Face tokenizer; "" -> train a BPE (text)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset.strip():
@@ -46,7 +47,7 @@ class DataSpec:
             raise DataError(f"data.seq_len={self.seq_len} must be >= 1. Fix: use e.g. 128.")
         # A byte-level BPE needs its 256 byte tokens plus the end-of-text token.
         # Image models have no vocabulary (vocab_size 0), so only text data checks it.
-        if self.dataset != "digits" and self.vocab_size < 257:
+        if self.dataset != "digits" and not self.tokenizer and self.vocab_size < 257:
             raise DataError(
                 f"data.vocab_size={self.vocab_size} is below the 257 tokens a byte-level BPE "
                 "needs (256 bytes + <|endoftext|>). Fix: use e.g. 4096."

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shardwise.data import pretrained
 from shardwise.data.corpus import DataSpec, Source, read_documents, resolve_source, split_documents
 from shardwise.errors import DataError
 
@@ -94,6 +95,7 @@ def prepare_text(spec: DataSpec) -> tuple[Path, dict]:
             meta = _read_meta(out)  # another process may have built it while we waited
             if meta is None:
                 meta = _build(spec, source, out)
+    _check_vocab(spec, meta)
     _check_size(spec, meta, "train")
     if spec.val_fraction > 0:
         _check_size(spec, meta, "val")
@@ -118,7 +120,12 @@ def _cache_key(spec: DataSpec, source: Source) -> str:
         "format": FORMAT_VERSION,
         "tokenizers": tokenizers.__version__,  # a new BPE implementation may merge differently
         "files": source.identity(),
-        "vocab_size": spec.vocab_size,
+        # a trained BPE depends on its target size; a given tokenizer only on its files
+        **(
+            {"tokenizer": pretrained.content_key(spec.tokenizer)}
+            if spec.tokenizer
+            else {"vocab_size": spec.vocab_size}
+        ),
         "val_fraction": spec.val_fraction,
         "text_field": spec.text_field,
     }
@@ -143,25 +150,46 @@ def _build(spec: DataSpec, source: Source, out: Path) -> dict:
     read = time.perf_counter()
     n_chars = sum(map(len, train))
     what = "stdlib sources" if source.is_stdlib else f"{spec.dataset!r}"
-    _say(
-        f"training a {spec.vocab_size}-token BPE on {n_chars / 1e6:.1f} M characters of {what} "
-        f"({len(train)} train / {len(val)} held-out documents; cached in {out})"
-    )
-    tokenizer = _train_bpe(train, spec.vocab_size)
+    docs = f"{len(train)} train / {len(val)} held-out documents; cached in {out}"
+    if spec.tokenizer:
+        tok = pretrained.load_tokenizer(spec.tokenizer)
+        _say(f"encoding {what} with the tokenizer of {spec.tokenizer} ({len(tok)} tokens; {docs})")
+        tokenizer, vocab, eos_id, bos_id = (
+            tok.backend_tokenizer,
+            len(tok),
+            tok.eos_token_id,
+            tok.bos_token_id,
+        )
+
+        def encode(texts: list[str]) -> list[list[int]]:
+            return pretrained.encode_documents(tok, texts)
+    else:
+        _say(
+            f"training a {spec.vocab_size}-token BPE on {n_chars / 1e6:.1f} M characters of "
+            f"{what} ({docs})"
+        )
+        tokenizer = _train_bpe(train, spec.vocab_size)
+        vocab, eos_id, bos_id = tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS), None
+
+        def encode(texts: list[str]) -> list[list[int]]:
+            # encode_batch_fast skips offset tracking: ~2x faster, and offsets are unused.
+            encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+            return [[*enc.ids, eos_id] for enc in encodings]
+
     trained = time.perf_counter()
-    vocab = tokenizer.get_vocab_size()
     dtype = np.uint16 if vocab < 2**16 else np.uint32
-    eos_id = tokenizer.token_to_id(EOS)
     counts = {}
     for split, texts in (("train", train), ("val", val)):
-        counts[split] = _encode_to_file(tokenizer, texts, eos_id, dtype, out / f"{split}.bin")
+        counts[split] = _encode_to_file(encode, texts, dtype, out / f"{split}.bin")
     _atomic_write(out / "tokenizer.json", tokenizer.to_str().encode("utf-8"))
     end = time.perf_counter()
     meta = {
         "format": FORMAT_VERSION,
         "dataset": spec.dataset,
+        "tokenizer": spec.tokenizer or "bpe",
         "vocab_size": vocab,
         "eos_id": eos_id,
+        "bos_id": bos_id,
         "dtype": np.dtype(dtype).name,
         "train_docs": len(train),
         "val_docs": len(val),
@@ -208,17 +236,14 @@ def _take_chars(texts: list[str], budget: int) -> Iterator[str]:
         budget -= len(text)
 
 
-def _encode_to_file(tokenizer, texts: list[str], eos_id: int, dtype, path: Path) -> int:
-    """Encode documents in chunks, each followed by EOS, into a flat binary array."""
+def _encode_to_file(encode, texts: list[str], dtype, path: Path) -> int:
+    """Encode documents in chunks (`encode`: texts -> each one's ids, its end-of-text token
+    included) into a flat binary array."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     total = 0
     with open(tmp, "wb") as f:
         for chunk in _chunks(texts, ENCODE_CHUNK_CHARS):
-            flat: list[int] = []
-            # encode_batch_fast skips offset tracking: ~2x faster, and offsets are unused.
-            for enc in tokenizer.encode_batch_fast(chunk, add_special_tokens=False):
-                flat.extend(enc.ids)
-                flat.append(eos_id)
+            flat = [i for ids in encode(chunk) for i in ids]
             np.asarray(flat, dtype=dtype).tofile(f)
             total += len(flat)
     os.replace(tmp, path)
@@ -242,6 +267,18 @@ def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def _check_vocab(spec: DataSpec, meta: dict) -> None:
+    """Every id the tokenizer can produce must have a row in the model's embedding."""
+    if meta["vocab_size"] > spec.vocab_size:
+        raise DataError(
+            f"the tokenizer of {meta.get('tokenizer', 'bpe')!r} has {meta['vocab_size']} tokens "
+            f"but the model's embedding has {spec.vocab_size} rows: ids from "
+            f"{spec.vocab_size} on would index past it. Fix: a model whose vocabulary holds the "
+            f"tokenizer's (--model.vocab_size={meta['vocab_size']} for a preset), or the "
+            "tokenizer saved with that model."
+        )
 
 
 def _check_size(spec: DataSpec, meta: dict, split: str) -> None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from shardwise.config import Config
 from shardwise.data import DataSpec, GlobalSampler, load_data
+from shardwise.data.pretrained import tokenizer_dir
 from shardwise.distributed import device as dev
 from shardwise.distributed.comm import Comm
 from shardwise.distributed.topology import Topology, build_topology
@@ -35,6 +36,7 @@ from shardwise.training.validate import Derived, derive
 def data_spec(cfg: Config, vocab_size: int) -> DataSpec:
     d = cfg.data
     return DataSpec(
+        tokenizer=tokenizer_dir(d.tokenizer, cfg.model.init_from, d.dataset),
         dataset=d.dataset,
         seq_len=d.seq_len,
         vocab_size=vocab_size,
