@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardwise.data import pretrained
 from shardwise.data.corpus import DataSpec, Source, read_documents, resolve_source, split_documents
+from shardwise.data.pretrained import content_key, encode_documents, load_tokenizer
 from shardwise.errors import DataError
 
 FORMAT_VERSION = 1
@@ -122,7 +122,7 @@ def _cache_key(spec: DataSpec, source: Source) -> str:
         "files": source.identity(),
         # a trained BPE depends on its target size; a given tokenizer only on its files
         **(
-            {"tokenizer": pretrained.content_key(spec.tokenizer)}
+            {"tokenizer": content_key(spec.tokenizer)}
             if spec.tokenizer
             else {"vocab_size": spec.vocab_size}
         ),
@@ -152,7 +152,7 @@ def _build(spec: DataSpec, source: Source, out: Path) -> dict:
     what = "stdlib sources" if source.is_stdlib else f"{spec.dataset!r}"
     docs = f"{len(train)} train / {len(val)} held-out documents; cached in {out}"
     if spec.tokenizer:
-        tok = pretrained.load_tokenizer(spec.tokenizer)
+        tok = load_tokenizer(spec.tokenizer)
         _say(f"encoding {what} with the tokenizer of {spec.tokenizer} ({len(tok)} tokens; {docs})")
         tokenizer, vocab, eos_id, bos_id = (
             tok.backend_tokenizer,
@@ -162,7 +162,7 @@ def _build(spec: DataSpec, source: Source, out: Path) -> dict:
         )
 
         def encode(texts: list[str]) -> list[list[int]]:
-            return pretrained.encode_documents(tok, texts)
+            return encode_documents(tok, texts)
     else:
         _say(
             f"training a {spec.vocab_size}-token BPE on {n_chars / 1e6:.1f} M characters of "
