@@ -52,6 +52,7 @@ GOLDEN_KEYS = [
     "train.eval_every",
     "train.eval_batches",
     "train.freeze",
+    "train.loss",
     "train.max_skipped_steps",
     "optim.beta1",
     "optim.beta2",

@@ -33,7 +33,8 @@ class ModelConfig:
         "tiny",
         "Named model: tiny, 125m, 1b, 7b, 13b, 70b, 175b (decoder), "
         "gpt2-tiny, gpt2-125m (GPT-2 style), hf-llama-tiny, hf-gpt2-tiny (Hugging Face "
-        "LlamaForCausalLM / GPT2LMHeadModel), resnet18, resnet50 (images).",
+        "LlamaForCausalLM / GPT2LMHeadModel), resnet18, resnet50 (images), or your own "
+        "nn.Module: module:factory or file.py:factory.",
     )
     n_layers: int = opt(0, "Override the preset's number of transformer blocks (0 = preset).")
     dim: int = opt(0, "Override the hidden size (0 = preset).")
@@ -68,8 +69,9 @@ class ModelConfig:
 class DataConfig:
     dataset: str = opt(
         "stdlib",
-        "stdlib (Python's own sources), digits (scikit-learn images), or a "
-        "path/dir/glob of .txt, .jsonl, .json, .parquet files.",
+        "stdlib (Python's own sources), digits (scikit-learn images), a "
+        "path/dir/glob of .txt, .jsonl, .json, .parquet files, or your own dataset: "
+        "module:factory or file.py:factory, factory(split) -> (input, target) items or None.",
     )
     seq_len: int = opt(128, "Tokens per sample (text).")
     text_field: str = opt("text", "Field holding the text in .jsonl/.json/.parquet files.")
@@ -101,6 +103,11 @@ class TrainConfig:
         "",
         "Comma-separated parameter-name patterns (fnmatch) to freeze, e.g. "
         "'embed.*,blocks.0.*': not trained, not reduced, not in the optimizer.",
+    )
+    loss: str = opt(
+        "cross_entropy",
+        "cross_entropy, or your own: module:fn or file.py:fn, fn(output, target) -> the "
+        "micro-batch's summed loss (divided by the global sample count).",
     )
     max_skipped_steps: int = opt(
         10,

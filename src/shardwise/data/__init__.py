@@ -11,6 +11,7 @@ from shardwise.data.corpus import DataSpec
 from shardwise.data.images import ImageDataset, load_digits
 from shardwise.data.sampler import GlobalSampler, split_for_rank
 from shardwise.data.tokens import TokenDataset, load_tokens, prepare_text
+from shardwise.data.user import UserDataset, load_user
 
 __all__ = [
     "DataSpec",
@@ -33,13 +34,18 @@ def prepare_data(spec: DataSpec) -> None:
     """
     if spec.dataset == "digits":
         return  # bundled with scikit-learn and tiny: loaded in memory, nothing to cache
+    if spec.is_user:  # your dataset: imported and its first item read, nothing to cache
+        load_user(spec.dataset, "train")
+        return
     prepare_text(spec)
 
 
-def load_data(spec: DataSpec, split: str) -> TokenDataset | ImageDataset:
+def load_data(spec: DataSpec, split: str) -> TokenDataset | ImageDataset | UserDataset | None:
     """The "train" or "val" split of `spec.dataset` (prepares the cache first if needed)."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {SPLITS}")
     if spec.dataset == "digits":
         return load_digits(spec, split)
+    if spec.is_user:
+        return load_user(spec.dataset, split)  # None when your factory has no such split
     return load_tokens(spec, split)

@@ -47,7 +47,8 @@ class DataSpec:
             raise DataError(f"data.seq_len={self.seq_len} must be >= 1. Fix: use e.g. 128.")
         # A byte-level BPE needs its 256 byte tokens plus the end-of-text token.
         # Image models have no vocabulary (vocab_size 0), so only text data checks it.
-        if self.dataset != "digits" and not self.tokenizer and self.vocab_size < 257:
+        text = self.dataset != "digits" and not self.is_user
+        if text and not self.tokenizer and self.vocab_size < 257:
             raise DataError(
                 f"data.vocab_size={self.vocab_size} is below the 257 tokens a byte-level BPE "
                 "needs (256 bytes + <|endoftext|>). Fix: use e.g. 4096."
@@ -58,6 +59,11 @@ class DataSpec:
             )
         if self.image_size < 1:
             raise DataError(f"data.image_size={self.image_size} must be >= 1. Fix: use e.g. 32.")
+
+    @property
+    def is_user(self) -> bool:
+        """Your own dataset factory (data/user.py): `module:factory` or `file.py:factory`."""
+        return ":" in self.dataset
 
     def cache_root(self) -> Path:
         """The directory holding every cached corpus."""

@@ -40,6 +40,10 @@ def build_model(spec: ModelSpec) -> nn.Module:
     """
     if spec.is_transformer:
         return Decoder(spec)
+    if spec.arch == "custom":
+        from shardwise.models.custom import build_custom
+
+        return build_custom(spec)
     if spec.arch in HF_ARCHS:
         from shardwise.models.hf import build_hf  # imports transformers on first use
 

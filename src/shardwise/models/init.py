@@ -113,6 +113,10 @@ def initial_value(
 
     Sharding code slices this to get a local shard equal to the same slice of the full init.
     """
+    if spec is not None and spec.arch == "custom":  # the module's own reset_parameters()
+        from shardwise.models.custom import reset_value
+
+        return reset_value(module, leaf, param_seed(seed, name.rpartition(".")[0]))
     generator = torch.Generator(device="cpu")
     generator.manual_seed(param_seed(seed, name))
     value = torch.empty(shape, dtype=torch.float32, device="cpu")
@@ -189,9 +193,10 @@ def restore_buffers(model: nn.Module) -> None:
 def find_spec(model: nn.Module) -> ModelSpec | None:
     """The `ModelSpec` of the (possibly wrapped) model, or None for a foreign module."""
     for module in model.modules():
-        spec = getattr(module, "spec", None)
-        if isinstance(spec, ModelSpec):
-            return spec
+        for attr in ("spec", "shardwise_spec"):  # ours / a foreign module's (custom, ...)
+            spec = getattr(module, attr, None)
+            if isinstance(spec, ModelSpec):
+                return spec
     return None
 
 

@@ -8,7 +8,7 @@ from typing import Literal, get_args
 
 from shardwise.errors import ConfigError
 
-Arch = Literal["decoder", "gpt2", "resnet18", "resnet50", "hf-llama", "hf-gpt2"]
+Arch = Literal["decoder", "gpt2", "resnet18", "resnet50", "hf-llama", "hf-gpt2", "custom"]
 ARCHS: tuple[str, ...] = get_args(Arch)
 TRANSFORMER_ARCHS = ("decoder", "gpt2")
 HF_ARCHS = ("hf-llama", "hf-gpt2")  # Hugging Face transformers models (models/hf.py)
@@ -45,12 +45,16 @@ class ModelSpec:
     num_classes: int = 10  # resnet only
     cifar_stem: bool = True  # resnet only: 3x3/1 stem and no max-pool, for 32x32 images
     in_channels: int = 1  # resnet only
+    factory: str = ""  # custom only: `module:factory` or `file.py:factory` (models/custom.py)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ConfigError(f"model arch {self.arch!r} is unknown. Fix: one of {list(ARCHS)}.")
         if self.arch in RESNET_ARCHS:
             _require_positive(self, ("num_classes", "in_channels"))
+            return
+        if self.arch == "custom":  # the user's module: its shapes are its own
+            _require_positive(self, ("vocab_size", "max_seq_len"))
             return
         _require_positive(self, ("n_layers", "dim", "n_heads", "vocab_size", "max_seq_len"))
         # Fill defaults so that every consumer (memory model, TP plan) reads concrete numbers.

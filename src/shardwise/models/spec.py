@@ -8,6 +8,7 @@ import dataclasses
 
 from shardwise.config import Config
 from shardwise.errors import ConfigError
+from shardwise.models.custom import is_import_path
 from shardwise.models.presets import PRESETS, RESNET_ARCHS, ModelSpec, preset
 
 
@@ -15,6 +16,8 @@ def spec_from_config(cfg: Config) -> ModelSpec:
     """The preset named by model.name with the non-zero overrides applied (and, with
     model.init_from, the checkpoint's own sizes)."""
     m = cfg.model
+    if is_import_path(m.name):
+        return _custom(cfg)
     if m.name not in PRESETS:
         names = ", ".join(PRESETS)
         raise ConfigError(f"model.name='{m.name}' is not a known model. Fix: one of {names}.")
@@ -88,3 +91,29 @@ def _no_dropout(spec: ModelSpec) -> str:
         "Hugging Face models draw dropout from torch's global generator, which would make "
         "the masks depend on the layout."
     )
+
+
+def _custom(cfg: Config) -> ModelSpec:
+    """Your own module (models/custom.py): the factory is imported and built on meta here, so
+    a path that does not import, a factory that returns no module, or a module whose
+    parameters cannot be drawn layout-invariantly stops before any process starts."""
+    import torch
+
+    from shardwise.models.custom import build_custom, check_initialisable
+
+    m = cfg.model
+    shaped = [k for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim") if getattr(m, k)]
+    if shaped or m.init_from or m.tie_embeddings != "preset" or m.dropout or m.attn_dropout:
+        given = shaped or ["init_from/tie_embeddings/dropout"]
+        raise ConfigError(
+            f"model.{given[0]} does not apply to model.name='{m.name}' (your own module sets "
+            "its own shape). Fix: remove it; a factory argument vocab_size or seq_len is "
+            "filled from model.vocab_size and data.seq_len."
+        )
+    spec = ModelSpec(
+        "custom", vocab_size=m.vocab_size or 4096, max_seq_len=cfg.data.seq_len, factory=m.name
+    )
+    with torch.device("meta"):
+        model = build_custom(spec)
+    check_initialisable(model, m.name)
+    return spec

@@ -36,11 +36,27 @@ def _checkpointed(forward):
     return run
 
 
+def _blocks(model: nn.Module, mode: str) -> list[str] | None:
+    """A user's module: `full` recomputes each block of its top-level containers
+    (ModuleList, ModuleDict, Sequential), the same blocks ZeRO makes units of."""
+    containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+    names = [f"{n}.*" for n, child in model.named_children() if isinstance(child, containers)]
+    if mode != "full":
+        return None
+    if not names:
+        raise ConfigError(
+            "memory.recompute='full' recomputes the blocks of a model's top-level "
+            "nn.ModuleList / nn.Sequential, and this model has none. Fix: hold the repeated "
+            "blocks in an nn.ModuleList, or --memory.recompute=none."
+        )
+    return names
+
+
 def apply_recompute(model: nn.Module, family: str, mode: str) -> int:
     """Wrap the modules that `mode` names for `family`; returns how many were wrapped."""
     if mode == "none":
         return 0
-    patterns = PLANS.get(family, {}).get(mode)
+    patterns = _blocks(model, mode) if family == "custom" else PLANS.get(family, {}).get(mode)
     if patterns is None:
         modes = ", ".join(["none", *PLANS.get(family, {})])
         raise ConfigError(

@@ -75,7 +75,7 @@ def print_explain(r: dict) -> None:
         ("zero stage", r["zero"]),
         ("model", f"{r['model']} ({r['arch']})"),
         ("parameters", f"{r['params']:,}"),
-        ("layers / hidden size", f"{r['n_layers']} / {r['dim']}"),
+        ("layers / hidden size", f"{r['n_layers']} / {r['dim']}" if r["dim"] else "(its own)"),
         ("global batch", r["global_batch"]),
         ("micro batch", r["micro_batch"]),
         ("micro-batches per step (accumulation)", r["micro_batches_per_step"]),

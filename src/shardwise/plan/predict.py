@@ -20,6 +20,7 @@ from shardwise.models import build_model, count_params
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.zero_units import unit_roots
 from shardwise.plan import memory as mem
+from shardwise.plan import time as tm
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import FineTune, Job, Layout
 from shardwise.plan.search import evaluate
@@ -78,7 +79,7 @@ def _fake_activations(model, cfg: Config, derived) -> int:
     cast_for_compute(model, dev.dtype_of(cfg.precision.compute))
     meter = ActivationMeter(model)
     b = derived.micro_batch
-    if derived.family == "resnet":
+    if cfg.data.dataset == "digits":  # images: a ResNet, or your module on images
         size = cfg.data.image_size
         shape = (b, derived.spec.in_channels, size, size)
         inputs = torch.zeros(shape, dtype=dev.dtype_of(cfg.precision.compute))
@@ -111,7 +112,14 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         states["buffers"] = mem.zero_transient(us, job, layout.dp, layout.zero) + module_buffers
         states["activations"] = activations
         states["total"] = sum(v for k, v in states.items() if not k.startswith("host_"))
-        return n, {**layout.record(), "mem_bytes": {k: int(v) for k, v in states.items()}}
+        # data-parallel traffic and calls from the real units (tp = pp = 1 for these models)
+        real = dataclasses.replace(job, frozen=tuple(us))
+        return n, {
+            **layout.record(),
+            "mem_bytes": {k: int(v) for k, v in states.items()},
+            "comm_bytes": tm.traffic(real, layout),
+            "comm_calls": tm.collective_calls(real, layout),
+        }
     if layout.pp == 1 and layout.tp == 1:  # the real model's units: frozen parameters exact
         job = dataclasses.replace(job, frozen=tuple(us))
     return n, evaluate(job, layout)

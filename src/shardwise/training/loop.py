@@ -132,6 +132,7 @@ def evaluate(run: Run) -> dict[str, float]:
     batch = min(cfg.train.global_batch, n_val - n_val % d.dp)
     sampler = GlobalSampler(n_val, batch, cfg.train.seed)
     sums = torch.zeros(2, dtype=torch.float64, device=run.info.device)  # loss, correct
+    classifies = d.tokens_per_sample == 1 and run.user_loss is None  # class labels
     count = 0
     run.model.eval()  # BatchNorm uses its running statistics
     for step in range(cfg.train.eval_batches):
@@ -143,12 +144,12 @@ def evaluate(run: Run) -> dict[str, float]:
                 inputs, targets = (t.to(run.info.device) for t in run.val_data.get_batch(idx))
                 loss, logits = run.loss_sum(inputs, targets, return_logits=True)
                 sums[0] += loss.double()
-                if d.family == "resnet":  # (a split vocabulary has no local argmax)
+                if classifies:  # labels (a split vocabulary has no local argmax)
                     sums[1] += (logits.argmax(-1) == targets).sum().double()
         count += batch * d.tokens_per_sample
     run.model.train()
     run.comm.all_reduce(sums, "dp", control=True)
     out = {"eval_loss": float(sums[0]) / count}
-    if d.family == "resnet":
+    if classifies:
         out["eval_accuracy"] = float(sums[1]) / count
     return out

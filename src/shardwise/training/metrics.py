@@ -19,8 +19,8 @@ def flops_per_token(model: nn.Module, derived) -> float:
     N the non-embedding parameters (the head matmul counts; a lookup is not a matmul).
     Zero for image models, whose FLOPs are not proportional to a token count."""
     spec = derived.spec
-    if spec.arch.startswith("resnet"):
-        return 0.0
+    if spec.arch.startswith("resnet") or spec.arch == "custom":
+        return 0.0  # (a user's module: no formula knows what its parameters do per token)
     n = count_params(model, exclude_embedding=True)  # a tied head stays counted
     return 6.0 * n + 12.0 * spec.n_layers * spec.dim * derived.tokens_per_sample
 

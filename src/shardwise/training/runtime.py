@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import fnmatch
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from shardwise.distributed.topology import Topology, build_topology
 from shardwise.distributed.watchdog import Watchdog, start_watchdog
 from shardwise.errors import ConfigError
 from shardwise.models import build_model, init_weights, to_empty
+from shardwise.models.custom import resolve
 from shardwise.models.hf_weights import HFWeights, load_weights
 from shardwise.models.tp_plans import plan_for
 from shardwise.optim import MixedPrecisionAdamW, replicated_targets
@@ -81,6 +83,7 @@ class Run:
     sampler: GlobalSampler
     pipeline: Pipeline | None = None  # pp > 1: runs the micro-batches through the stages
     watchdog: Watchdog | None = None
+    user_loss: Callable | None = None  # train.loss=module:fn
 
     def close(self, error: BaseException | None = None) -> None:
         """Leave training (finished, or failed with `error`): stop the hang watchdog (this
@@ -98,6 +101,9 @@ class Run:
         if inputs.is_floating_point():  # images enter in the compute dtype
             inputs = inputs.to(dev.dtype_of(self.cfg.precision.compute))
         logits = self.model(inputs)
+        if self.user_loss is not None:  # yours: the micro-batch's sum (validate: tp = pp = 1)
+            loss = self.user_loss(logits, targets)
+            return (loss, logits) if return_logits else loss
         logits = getattr(logits, "logits", logits)  # a Hugging Face model's output object
         loss = self.tp.loss_sum(logits, targets)  # vocabulary-parallel when the head is split
         return (loss, logits) if return_logits else loss
@@ -241,7 +247,7 @@ def _build(
 ) -> Run:
     spec = derived.spec
     train_data = load_data(data_spec(cfg, spec.vocab_size), "train")
-    has_val = cfg.data.val_fraction > 0 or cfg.data.dataset == "digits"
+    has_val = cfg.data.val_fraction > 0 or cfg.data.dataset == "digits" or train_data.kind == "user"
     val_data = load_data(data_spec(cfg, spec.vocab_size), "val") if has_val else None
     with torch.device("meta"):
         model = build_model(spec)
@@ -281,4 +287,7 @@ def _build(
         sampler,
         pipeline=pipeline,
         watchdog=watchdog,
+        user_loss=resolve(cfg.train.loss, "train.loss")
+        if cfg.train.loss != "cross_entropy"
+        else None,
     )

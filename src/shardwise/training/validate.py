@@ -43,7 +43,7 @@ def model_spec(cfg: Config) -> ModelSpec:
     """The model the config names (models.spec.spec_from_config), checked against the
     sequence length and tensor parallelism it will run with."""
     spec = spec_from_config(cfg)
-    if not spec.arch.startswith("resnet"):
+    if not spec.arch.startswith("resnet") and spec.arch != "custom":
         _check_transformer(spec, cfg)
     return spec
 
@@ -194,12 +194,17 @@ def derive(cfg: Config, world: int) -> Derived:
     spec = model_spec(cfg)
     pp, dp, tp = degrees(world, p.tp, p.pp)
     is_image = spec.arch.startswith("resnet")
+    user_data = ":" in cfg.data.dataset  # your dataset (data/user.py): one sample per item
+    _check_loss(cfg, tp, pp)
+    if spec.arch == "custom":
+        _check_custom(cfg, tp)
     if is_image and tp > 1:
         raise ConfigError(
             f"parallel.tp={tp}: tensor parallelism splits transformer layers, and "
             f"model.name='{cfg.model.name}' is a ResNet. Fix: --parallel.tp=1."
         )
-    if is_image != (cfg.data.dataset == "digits"):
+    yours = spec.arch == "custom" or user_data  # your module or data: the pairing is yours
+    if not yours and is_image != (cfg.data.dataset == "digits"):
         kind = "an image model" if is_image else "a text model"
         fix = "--data.dataset=digits" if is_image else "--model.name=resnet18"
         raise ConfigError(
@@ -223,8 +228,36 @@ def derive(cfg: Config, world: int) -> Derived:
     _checkpoint(cfg)
     m = t.global_batch // (micro * dp)
     _check_pipeline(cfg, spec, pp, dp, micro, m)
-    tokens = 1 if is_image else cfg.data.seq_len
+    tokens = 1 if cfg.data.dataset == "digits" or user_data else cfg.data.seq_len
     return Derived(world, pp, dp, tp, micro, m, tokens, spec)
+
+
+def _check_loss(cfg: Config, tp: int, pp: int) -> None:
+    if cfg.train.loss == "cross_entropy":
+        return
+    if ":" not in cfg.train.loss:
+        raise ConfigError(
+            f"train.loss='{cfg.train.loss}' is neither cross_entropy nor module:fn. Fix: "
+            "--train.loss=cross_entropy, or your function as mylosses:mse or losses.py:mse."
+        )
+    from shardwise.models.custom import resolve
+
+    resolve(cfg.train.loss, "train.loss")  # imports, or one message naming what failed
+    if tp > 1 or pp > 1:
+        raise ConfigError(
+            f"train.loss='{cfg.train.loss}' with parallel.tp={tp}, parallel.pp={pp}: your loss "
+            "sees whole outputs, which tensor and pipeline parallelism split. Fix: "
+            "--parallel.tp=1 --parallel.pp=1 (data parallelism and ZeRO keep them whole)."
+        )
+
+
+def _check_custom(cfg: Config, tp: int) -> None:
+    if tp > 1:
+        raise ConfigError(
+            f"parallel.tp={tp}: tensor parallelism needs a plan of which layers to split, and "
+            f"your module (model.name='{cfg.model.name}') has none. Fix: --parallel.tp=1 (data "
+            "parallelism and ZeRO-1/2/3 shard any module)."
+        )
 
 
 def _check_pipeline(cfg: Config, spec: ModelSpec, pp: int, dp: int, micro: int, m: int) -> None:
@@ -243,8 +276,9 @@ def _check_pipeline(cfg: Config, spec: ModelSpec, pp: int, dp: int, micro: int, 
                     f"(or more), or leave {key} at its default."
                 )
         return
-    if spec.arch.startswith("resnet") or spec.arch in HF_ARCHS:
-        kind = "a ResNet" if spec.arch.startswith("resnet") else "a Hugging Face model"
+    if spec.arch.startswith("resnet") or spec.arch in (*HF_ARCHS, "custom"):
+        kind = {"custom": "your own module"}.get(spec.arch, "a Hugging Face model")
+        kind = "a ResNet" if spec.arch.startswith("resnet") else kind
         raise ConfigError(
             f"parallel.pp={pp}: pipeline parallelism cuts the blocks of shardwise's own "
             f"decoders and model.name='{cfg.model.name}' is {kind}. Fix: --parallel.pp=1."
