@@ -27,6 +27,7 @@ from shardwise.errors import ConfigError
 # goes into the dataclass tree (with a help string), then here (STYLE.md rule 7).
 GOLDEN_KEYS = [
     "model.name",
+    "model.task",
     "model.n_layers",
     "model.dim",
     "model.n_heads",
@@ -40,6 +41,7 @@ GOLDEN_KEYS = [
     "data.dataset",
     "data.seq_len",
     "data.text_field",
+    "data.label_field",
     "data.tokenizer",
     "data.val_fraction",
     "data.image_size",

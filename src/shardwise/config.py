@@ -34,7 +34,13 @@ class ModelConfig:
         "Named model: tiny, 125m, 1b, 7b, 13b, 70b, 175b (decoder), "
         "gpt2-tiny, gpt2-125m (GPT-2 style), hf-llama-tiny, hf-gpt2-tiny (Hugging Face "
         "LlamaForCausalLM / GPT2LMHeadModel), resnet18, resnet50 (images), or your own "
-        "nn.Module: module:factory or file.py:factory.",
+        "nn.Module: module:factory or file.py:factory, or hf: transformers' own class for "
+        "the checkpoint in model.init_from (any architecture it builds).",
+    )
+    task: Literal["causal_lm", "classification"] = opt(
+        "causal_lm",
+        "What model.name=hf trains: causal_lm (next token) or classification (a sequence "
+        "classifier over data.label_field, a new head).",
     )
     n_layers: int = opt(0, "Override the preset's number of transformer blocks (0 = preset).")
     dim: int = opt(0, "Override the hidden size (0 = preset).")
@@ -75,6 +81,7 @@ class DataConfig:
     )
     seq_len: int = opt(128, "Tokens per sample (text).")
     text_field: str = opt("text", "Field holding the text in .jsonl/.json/.parquet files.")
+    label_field: str = opt("label", "Field holding the label (model.task=classification).")
     tokenizer: str = opt(
         "auto",
         "Tokenizer of text data: auto (the checkpoint's own when model.init_from is set, else "

@@ -151,6 +151,17 @@ def _spec(cfg) -> ModelSpec:
     return spec_from_config(cfg)
 
 
+def _copy_tokenizer(source: Path, out: Path) -> None:
+    """The checkpoint's tokenizer files beside the exported weights (from_pretrained(OUT))."""
+    import shutil
+
+    from shardwise.data.pretrained import FILES
+
+    for name in FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+
+
 def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 30) -> Path:
     """Write `out/` (safetensors shards + index + config.json) from the run's newest
     checkpoint; returns the checkpoint directory exported."""
@@ -183,7 +194,13 @@ def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 
     if len(shards) > 1:
         index_out = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX).write_text(json.dumps(index_out, indent=2))
-    (out / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2))
+    if spec.arch == "hf":  # transformers' own class: its config, the labels, the tokenizer
+        from shardwise.models.auto import export_config
+
+        (out / "config.json").write_text(json.dumps(export_config(spec, dtype), indent=2))
+        _copy_tokenizer(Path(spec.source), out)
+    else:
+        (out / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2))
     if spec.arch == "decoder" and spec.dropout > 0:
         print(
             f"note: model.dropout={spec.dropout} (embedding and residual dropout) is not in the "

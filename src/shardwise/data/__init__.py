@@ -7,8 +7,11 @@
 
 from __future__ import annotations
 
+from shardwise.config import Config
+from shardwise.data.classify import ClassifyDataset, load_classify, prepare_classify
 from shardwise.data.corpus import DataSpec
 from shardwise.data.images import ImageDataset, load_digits
+from shardwise.data.pretrained import tokenizer_dir
 from shardwise.data.sampler import GlobalSampler, split_for_rank
 from shardwise.data.tokens import TokenDataset, load_tokens, prepare_text
 from shardwise.data.user import UserDataset, load_user
@@ -18,6 +21,7 @@ __all__ = [
     "GlobalSampler",
     "ImageDataset",
     "TokenDataset",
+    "data_spec",
     "load_data",
     "prepare_data",
     "split_for_rank",
@@ -37,10 +41,15 @@ def prepare_data(spec: DataSpec) -> None:
     if spec.is_user:  # your dataset: imported and its first item read, nothing to cache
         load_user(spec.dataset, "train")
         return
+    if spec.label_field:
+        prepare_classify(spec)
+        return
     prepare_text(spec)
 
 
-def load_data(spec: DataSpec, split: str) -> TokenDataset | ImageDataset | UserDataset | None:
+def load_data(
+    spec: DataSpec, split: str
+) -> TokenDataset | ImageDataset | UserDataset | ClassifyDataset | None:
     """The "train" or "val" split of `spec.dataset` (prepares the cache first if needed)."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {SPLITS}")
@@ -48,4 +57,23 @@ def load_data(spec: DataSpec, split: str) -> TokenDataset | ImageDataset | UserD
         return load_digits(spec, split)
     if spec.is_user:
         return load_user(spec.dataset, split)  # None when your factory has no such split
+    if spec.label_field:
+        return load_classify(spec, split)
     return load_tokens(spec, split)
+
+
+def data_spec(cfg: Config, vocab_size: int) -> DataSpec:
+    """What the `data.*` section (and the model: its tokenizer, its task) ask for; `vocab_size`
+    is the model's embedding rows (a trained BPE's size, or the bound a tokenizer must fit)."""
+    d = cfg.data
+    return DataSpec(
+        tokenizer=tokenizer_dir(d.tokenizer, cfg.model.init_from, d.dataset),
+        label_field=d.label_field if cfg.model.task == "classification" else "",
+        dataset=d.dataset,
+        seq_len=d.seq_len,
+        vocab_size=vocab_size,
+        text_field=d.text_field,
+        val_fraction=d.val_fraction,
+        image_size=d.image_size,
+        cache_dir=d.cache_dir,
+    )

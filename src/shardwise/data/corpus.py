@@ -20,7 +20,7 @@ from pathlib import Path
 
 from shardwise.errors import DataError
 
-SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".csv")
 _FIX_DATASET = (
     "Fix: pass an existing .txt/.jsonl/.json/.parquet file, a directory or glob of them, "
     "'stdlib' or 'digits'."
@@ -39,6 +39,7 @@ class DataSpec:
     image_size: int = 32  # digits are resized (bilinear) from 8x8 to this
     cache_dir: str = ""  # "" -> $SHARDWISE_CACHE or ~/.cache/shardwise
     tokenizer: str = ""  # a folder with a Hugging Face tokenizer; "" -> train a BPE (text)
+    label_field: str = ""  # set: labelled rows for sequence classification (data/classify.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset.strip():
@@ -47,7 +48,7 @@ class DataSpec:
             raise DataError(f"data.seq_len={self.seq_len} must be >= 1. Fix: use e.g. 128.")
         # A byte-level BPE needs its 256 byte tokens plus the end-of-text token.
         # Image models have no vocabulary (vocab_size 0), so only text data checks it.
-        text = self.dataset != "digits" and not self.is_user
+        text = self.dataset != "digits" and not self.is_user and not self.label_field
         if text and not self.tokenizer and self.vocab_size < 257:
             raise DataError(
                 f"data.vocab_size={self.vocab_size} is below the 257 tokens a byte-level BPE "
@@ -233,7 +234,7 @@ def _read_txt(path: Path) -> str:
 
 
 def _read_rows(path: Path, rel: str, suffix: str, text_field: str) -> Iterator[tuple[str, str]]:
-    values = _load_column(path, "parquet" if suffix == ".parquet" else "json", text_field)
+    values = load_column(path, builder_of(suffix), text_field)
     for i, value in enumerate(values):
         if value is None or value == "":
             continue
@@ -246,7 +247,12 @@ def _read_rows(path: Path, rel: str, suffix: str, text_field: str) -> Iterator[t
         yield f"{rel}#{i}", value
 
 
-def _load_column(path: Path, builder: str, text_field: str) -> list:
+def builder_of(suffix: str) -> str:
+    """The `datasets` builder reading a file of this extension."""
+    return {".parquet": "parquet", ".csv": "csv"}.get(suffix, "json")
+
+
+def load_column(path: Path, builder: str, text_field: str, key: str = "data.text_field") -> list:
     """Load one json/parquet file with `datasets`, quietly, and return its text column."""
     import tempfile
 
@@ -264,15 +270,14 @@ def _load_column(path: Path, builder: str, text_field: str) -> list:
             )
             if text_field not in ds.column_names:
                 raise DataError(
-                    f"data.text_field={text_field!r} is not a column of {str(path)!r}; its "
-                    f"columns are {ds.column_names}. Fix: set data.text_field to the column "
-                    "holding the text."
+                    f"{key}={text_field!r} is not a column of {str(path)!r}; its "
+                    f"columns are {ds.column_names}. Fix: set {key} to the column holding it."
                 )
             return ds.data.column(text_field).to_pylist()
     except DataError:
         raise
     except Exception as exc:
-        kind = "JSON / JSON lines" if builder == "json" else "Parquet"
+        kind = {"json": "JSON / JSON lines", "csv": "CSV"}.get(builder, "Parquet")
         raise DataError(
             f"data file {str(path)!r} cannot be read as {kind}: {_root_cause(exc)}. "
             f"Fix: check that it is valid {kind}."

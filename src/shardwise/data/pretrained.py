@@ -12,6 +12,7 @@ share one.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from shardwise.errors import DataError
@@ -59,8 +60,16 @@ def tokenizer_dir(choice: str, init_from: str, dataset: str) -> str:
 
 
 def content_key(path: str | Path) -> str:
-    """A hash of the tokenizer files' bytes: equal only for the same tokenizer."""
+    """A hash of the tokenizer files' bytes, and of the folder's model type (transformers picks
+    the tokenizer class by it, which may add special tokens): equal only for the same
+    tokenizer."""
     h = hashlib.blake2b(digest_size=8)
+    config = Path(path) / "config.json"
+    if config.is_file():
+        try:
+            h.update(str(json.loads(config.read_text()).get("model_type")).encode())
+        except ValueError:
+            pass
     for name in FILES:
         f = Path(path) / name
         if f.is_file():

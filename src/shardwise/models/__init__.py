@@ -40,6 +40,10 @@ def build_model(spec: ModelSpec) -> nn.Module:
     """
     if spec.is_transformer:
         return Decoder(spec)
+    if spec.arch == "hf":
+        from shardwise.models.auto import build_auto  # imports transformers on first use
+
+        return build_auto(spec)
     if spec.arch == "custom":
         from shardwise.models.custom import build_custom
 

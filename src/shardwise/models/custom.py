@@ -107,30 +107,35 @@ def import_path(obj: Callable, key: str) -> str:
 
 
 def build_custom(spec) -> nn.Module:
-    """The factory's module. Under `torch.device("meta")` its parameters and buffers end on
-    meta, the buffers' computed values kept in `shardwise_buffers` (init.restore_buffers)."""
+    """The factory's module (see `on_meta`)."""
     factory = resolve(spec.factory)
     wanted = _accepted(factory)
     kwargs = {k: getattr(spec, "max_seq_len" if k == "seq_len" else k) for k in wanted}
-    on_meta = torch.get_default_device().type == "meta"
-    meta = (_parameters_on_meta(), torch.device("cpu")) if on_meta else ()
-    with contextlib.ExitStack() as stack:
-        for context in meta:
-            stack.enter_context(context)
-        model = factory(**kwargs)
+    model = on_meta(lambda: factory(**kwargs))
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"model.name='{spec.factory}' returned {type(model).__name__}, not a "
             "torch.nn.Module. Fix: return the model (an nn.Module) from the factory."
         )
-    if on_meta:
+    model.shardwise_spec = spec
+    return model
+
+
+def on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """`build()`; under `torch.device("meta")` its parameters are created on meta as they
+    are registered while its buffers are computed on the CPU, their values kept in
+    `shardwise_buffers` (init.restore_buffers) and the buffers themselves moved to meta."""
+    if torch.get_default_device().type != "meta":
+        return build()
+    with _parameters_on_meta(), torch.device("cpu"):
+        model = build()
+    if isinstance(model, nn.Module):
         values = {n: b.detach().clone() for n, b in model.named_buffers() if not b.is_meta}
         for module in model.modules():
             for key, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[key] = buf.to("meta")
         model.shardwise_buffers = values
-    model.shardwise_spec = spec
     return model
 
 
@@ -148,15 +153,15 @@ def _parameters_on_meta() -> Iterator[None]:
     stay where they are made): the technique of accelerate's `init_empty_weights`."""
     register = nn.Module.register_parameter
 
-    def on_meta(self, name, param):
+    def to_meta(self, name, param):
         register(self, name, param)
-        if param is not None:
-            kept = self._parameters[name]
+        kept = self._parameters[name]
+        if kept is not None and not kept.is_meta:  # (a meta one: a tie, kept the same object)
             self._parameters[name] = nn.Parameter(
                 kept.detach().to("meta"), requires_grad=kept.requires_grad
             )
 
-    nn.Module.register_parameter = on_meta
+    nn.Module.register_parameter = to_meta
     try:
         yield
     finally:

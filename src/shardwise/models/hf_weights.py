@@ -89,7 +89,10 @@ _IGNORED = re.compile(r"(^|\.)attn\.(bias|masked_bias)$|rotary_emb\.inv_freq$")
 
 
 def rule_for(arch: str, name: str) -> tuple[Rule, str]:
-    """The rule mapping our parameter `name` and the Hugging Face tensor name it reads."""
+    """The rule mapping our parameter `name` and the Hugging Face tensor name it reads
+    (`hf`: transformers' own model, its names are the checkpoint's)."""
+    if arch == "hf":
+        return Rule(re.escape(name), name), name
     for rule in RULES[arch]:
         m = re.fullmatch(rule.ours, name)
         if m:
@@ -206,6 +209,10 @@ class HFWeights:
             return self.span(name, tuple(param.shape), start, stop)
         return self.local(name, param).flatten()[start:stop]
 
+    def has(self, name: str) -> bool:
+        """Every parameter of our decoders is in the checkpoint (check_weights, at launch)."""
+        return True
+
     def close(self) -> None:
         self._open.clear()
 
@@ -302,11 +309,11 @@ def adapt_spec(spec, model_cfg, path: str | Path):
 def check_weights(spec, path: str | Path) -> None:
     """Every parameter of our model has a tensor of the right shape in the checkpoint and
     every checkpoint tensor has a place in our model (checked on headers, before launch)."""
-    from shardwise.models import build_model
+    from shardwise.models.decoder import Decoder
     from shardwise.models.init import canonical_name
 
     with torch.device("meta"):
-        model = build_model(spec)
+        model = Decoder(spec)  # (init_from maps into our decoders: decoder or gpt2)
     reader = HFWeights(path, spec.arch)
     used, problems = set(), []
     for name, p in model.named_parameters():
@@ -332,12 +339,19 @@ def check_weights(spec, path: str | Path) -> None:
 
 
 @torch.no_grad()
-def load_weights(model: torch.nn.Module, source: HFWeights) -> None:
+def load_weights(model: torch.nn.Module, source: HFWeights, seed: int = 0) -> None:
     """Copy every parameter of a materialised model (whole, or tensor-parallel shards) from
     `source`."""
-    from shardwise.models.init import canonical_name, find_spec
+    from shardwise.models.init import canonical_name, find_spec, initial_local, restore_buffers
 
     spec = find_spec(model)
+    modules = dict(model.named_modules())
     for name, p in model.named_parameters():  # a tied weight once
-        p.copy_(source.local(canonical_name(name, spec), p))
+        cname = canonical_name(name, spec)
+        if source.has(cname):
+            p.copy_(source.local(cname, p))
+        else:  # not in the checkpoint (a new head): from (seed, name), as without one
+            owner, _, leaf = name.rpartition(".")
+            p.copy_(initial_local(modules[owner], leaf, cname, p, seed, spec))
     source.close()
+    restore_buffers(model)  # computed buffers (position ids, RoPE tables) lost on meta

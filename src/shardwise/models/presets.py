@@ -8,7 +8,7 @@ from typing import Literal, get_args
 
 from shardwise.errors import ConfigError
 
-Arch = Literal["decoder", "gpt2", "resnet18", "resnet50", "hf-llama", "hf-gpt2", "custom"]
+Arch = Literal["decoder", "gpt2", "resnet18", "resnet50", "hf-llama", "hf-gpt2", "custom", "hf"]
 ARCHS: tuple[str, ...] = get_args(Arch)
 TRANSFORMER_ARCHS = ("decoder", "gpt2")
 HF_ARCHS = ("hf-llama", "hf-gpt2")  # Hugging Face transformers models (models/hf.py)
@@ -46,12 +46,17 @@ class ModelSpec:
     cifar_stem: bool = True  # resnet only: 3x3/1 stem and no max-pool, for 32x32 images
     in_channels: int = 1  # resnet only
     factory: str = ""  # custom only: `module:factory` or `file.py:factory` (models/custom.py)
+    source: str = ""  # hf only: the checkpoint folder transformers builds it from (auto.py)
+    task: str = "causal_lm"  # hf only: causal_lm | classification
+    labels: tuple[str, ...] = ()  # hf classification: the label names, in id order
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ConfigError(f"model arch {self.arch!r} is unknown. Fix: one of {list(ARCHS)}.")
         if self.arch in RESNET_ARCHS:
             _require_positive(self, ("num_classes", "in_channels"))
+            return
+        if self.arch == "hf":  # transformers' own class for the checkpoint (models/auto.py)
             return
         if self.arch == "custom":  # the user's module: its shapes are its own
             _require_positive(self, ("vocab_size", "max_seq_len"))

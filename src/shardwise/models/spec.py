@@ -16,6 +16,13 @@ def spec_from_config(cfg: Config) -> ModelSpec:
     """The preset named by model.name with the non-zero overrides applied (and, with
     model.init_from, the checkpoint's own sizes)."""
     m = cfg.model
+    if m.task != "causal_lm" and m.name != "hf":
+        raise ConfigError(
+            f"model.task={m.task} builds transformers' class for a checkpoint, and "
+            f"model.name='{m.name}' is not one. Fix: --model.name=hf --model.init_from=DIR."
+        )
+    if m.name == "hf":
+        return _auto(cfg)
     if is_import_path(m.name):
         return _custom(cfg)
     if m.name not in PRESETS:
@@ -116,4 +123,54 @@ def _custom(cfg: Config) -> ModelSpec:
     with torch.device("meta"):
         model = build_custom(spec)
     check_initialisable(model, m.name)
+    return spec
+
+
+def _auto(cfg: Config) -> ModelSpec:
+    """transformers' own class for the checkpoint in model.init_from (models/auto.py): its
+    config must build, its tensors fit the model, and for classification the labels are the
+    data's."""
+    from shardwise.models.auto import check_checkpoint, read_hf_config
+
+    m = cfg.model
+    shaped = [k for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")]
+    given = [k for k in shaped if getattr(m, k)]
+    if given or m.tie_embeddings != "preset" or m.dropout or m.attn_dropout:
+        key = given[0] if given else "tie_embeddings/dropout"
+        raise ConfigError(
+            f"model.{key} does not apply to model.name=hf: the checkpoint's config.json sets "
+            "the shape (and dropout is off: its masks would depend on the layout). Fix: remove it."
+        )
+    config = read_hf_config(m.init_from)
+    text = getattr(config, "text_config", None) or config
+    labels: tuple[str, ...] = ()
+    if m.task == "classification":
+        from shardwise.data import data_spec
+        from shardwise.data.classify import label_names
+
+        labels = label_names(data_spec(cfg, int(getattr(text, "vocab_size", 0) or 0)))
+        if len(labels) < 2:
+            raise ConfigError(
+                f"data.label_field='{cfg.data.label_field}' has {len(labels)} distinct label(s) "
+                f"in the training rows of '{cfg.data.dataset}'. Fix: data with 2 or more labels."
+            )
+    limit = getattr(text, "max_position_embeddings", None)
+    if limit and cfg.data.seq_len > limit:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} exceeds the checkpoint's max_position_embeddings="
+            f"{limit}. Fix: --data.seq_len={limit} or less."
+        )
+    spec = ModelSpec(
+        "hf",
+        n_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
+        dim=int(getattr(text, "hidden_size", 0) or 0),
+        n_heads=int(getattr(text, "num_attention_heads", 0) or 0),
+        vocab_size=int(getattr(text, "vocab_size", 0) or 0),
+        max_seq_len=int(limit or cfg.data.seq_len),
+        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        source=m.init_from,
+        task=m.task,
+        labels=labels,
+    )
+    check_checkpoint(spec)
     return spec

@@ -52,11 +52,24 @@ def _blocks(model: nn.Module, mode: str) -> list[str] | None:
     return names
 
 
+def _hf_blocks(model: nn.Module, mode: str) -> list[str] | None:
+    """A transformers model: `full` recomputes each instance of its repeated block class."""
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    if mode != "full":
+        return None
+    return [n for n, m in model.named_modules() if n and type(m).__name__ in blocks]
+
+
 def apply_recompute(model: nn.Module, family: str, mode: str) -> int:
     """Wrap the modules that `mode` names for `family`; returns how many were wrapped."""
     if mode == "none":
         return 0
-    patterns = _blocks(model, mode) if family == "custom" else PLANS.get(family, {}).get(mode)
+    if family == "hf":
+        patterns = _hf_blocks(model, mode)
+    elif family == "custom":
+        patterns = _blocks(model, mode)
+    else:
+        patterns = PLANS.get(family, {}).get(mode)
     if patterns is None:
         modes = ", ".join(["none", *PLANS.get(family, {})])
         raise ConfigError(

@@ -100,7 +100,7 @@ class ZeroEngine:
         for unit in self.units:
             for (name, module, leaf, p), off in zip(unit.entries, unit.offsets, strict=False):
                 cname = canonical_name(name, spec)
-                if source is None:
+                if source is None or not source.has(cname):  # (a new head: from seed)
                     unit.load(off, initial_local(module, leaf, cname, p, seed, spec).flatten())
                     continue
                 start, stop = unit.kept(off, p.numel())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardwise.models.init import find_spec
 from shardwise.optim import Target
 from shardwise.parallel.tensor import keep_tp_marks
 
@@ -18,12 +19,7 @@ def _alias(storage: torch.UntypedStorage, offset: int, shape, dtype, device) -> 
 Entry = tuple[str, nn.Module, str, nn.Parameter]  # (qualified name, owner, attribute, param)
 
 
-def unit_roots(model: nn.Module) -> list[tuple[str, list[Entry], list[nn.Module]]]:
-    """Units in forward order: each block of a repeated container (`blocks`, also as a
-    pipeline stage's `ModuleDict`, a ResNet `layerN`) and each other top-level child owning
-    parameters. A tied parameter belongs to the first unit that reaches it; every root module
-    using a unit's parameters is listed with it (a tied head needs the embedding's unit
-    gathered)."""
+def _top_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
     roots: list[tuple[str, nn.Module]] = []
     for name, child in model.named_children():
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or (
@@ -32,6 +28,43 @@ def unit_roots(model: nn.Module) -> list[tuple[str, list[Entry], list[nn.Module]
             roots += [(f"{name}.{i}", block) for i, block in child.named_children()]
         elif any(True for _ in child.parameters()):
             roots.append((name, child))
+    return roots
+
+
+def _block_roots(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """A transformers model (model.name=hf): a root at each instance of its repeated block
+    class (`_no_split_modules`, e.g. BertLayer) wherever it sits, and at every other maximal
+    subtree owning parameters (embeddings, final norm, pooler, head)."""
+    spec = find_spec(model)
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    if spec is None or spec.arch != "hf" or not blocks:
+        return None
+
+    def holds_block(module: nn.Module) -> bool:
+        return any(type(m).__name__ in blocks for m in module.modules())
+
+    def walk(prefix: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+        out = []
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if type(child).__name__ in blocks:
+                out.append((path, child))
+            elif holds_block(child):
+                out += walk(f"{path}.", child)
+            elif any(True for _ in child.parameters()):
+                out.append((path, child))
+        return out
+
+    return walk("", model)
+
+
+def unit_roots(model: nn.Module) -> list[tuple[str, list[Entry], list[nn.Module]]]:
+    """Units in forward order: each block of a repeated container (`blocks`, also as a
+    pipeline stage's `ModuleDict`, a ResNet `layerN`) and each other top-level child owning
+    parameters. A tied parameter belongs to the first unit that reaches it; every root module
+    using a unit's parameters is listed with it (a tied head needs the embedding's unit
+    gathered)."""
+    roots = _block_roots(model) or _top_roots(model)
     owner: dict[int, int] = {}
     units: list[tuple[str, list[Entry], list[nn.Module]]] = []
     for root_name, root in roots:

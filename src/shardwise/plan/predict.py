@@ -84,6 +84,9 @@ def _fake_activations(model, cfg: Config, derived) -> int:
         shape = (b, derived.spec.in_channels, size, size)
         inputs = torch.zeros(shape, dtype=dev.dtype_of(cfg.precision.compute))
         targets = torch.zeros(b, dtype=torch.long)
+    elif cfg.model.task == "classification":  # ids and attention mask packed, one label each
+        inputs = torch.ones(b, 2, cfg.data.seq_len, dtype=torch.long)
+        targets = torch.zeros(b, dtype=torch.long)
     else:  # token ids and targets: views of one (b, s+1) window, as the loader makes them
         window = torch.zeros(b, cfg.data.seq_len + 1, dtype=torch.long)
         inputs, targets = window[:, :-1], window[:, 1:]

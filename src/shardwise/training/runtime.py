@@ -14,14 +14,14 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config import Config
-from shardwise.data import DataSpec, GlobalSampler, load_data
-from shardwise.data.pretrained import tokenizer_dir
+from shardwise.data import GlobalSampler, data_spec, load_data
 from shardwise.distributed import device as dev
 from shardwise.distributed.comm import Comm
 from shardwise.distributed.topology import Topology, build_topology
 from shardwise.distributed.watchdog import Watchdog, start_watchdog
 from shardwise.errors import ConfigError
 from shardwise.models import build_model, init_weights, to_empty
+from shardwise.models.auto import weight_source
 from shardwise.models.custom import resolve
 from shardwise.models.hf_weights import HFWeights, load_weights
 from shardwise.models.tp_plans import plan_for
@@ -33,20 +33,6 @@ from shardwise.parallel.tensor import TensorParallel, apply_tensor_parallel, kee
 from shardwise.parallel.zero import ZeroEngine, apply_zero
 from shardwise.training.memory import ActivationMeter
 from shardwise.training.validate import Derived, derive
-
-
-def data_spec(cfg: Config, vocab_size: int) -> DataSpec:
-    d = cfg.data
-    return DataSpec(
-        tokenizer=tokenizer_dir(d.tokenizer, cfg.model.init_from, d.dataset),
-        dataset=d.dataset,
-        seq_len=d.seq_len,
-        vocab_size=vocab_size,
-        text_field=d.text_field,
-        val_fraction=d.val_fraction,
-        image_size=d.image_size,
-        cache_dir=d.cache_dir,
-    )
 
 
 def init_distributed(cfg: Config) -> dev.DeviceInfo:
@@ -151,9 +137,11 @@ def parallelize(
     apply_recompute(model, derived.family, run_cfg.memory.recompute)
     stage = run_cfg.parallel.zero
     # Values come from (seed, name), or from Hugging Face weights read slice by slice.
-    source = (
-        HFWeights(run_cfg.model.init_from, derived.spec.arch) if run_cfg.model.init_from else None
-    )
+    source = None
+    if derived.spec.arch == "hf":  # transformers' own names, a new head from (seed, name)
+        source = weight_source(derived.spec, model)
+    elif run_cfg.model.init_from:
+        source = HFWeights(run_cfg.model.init_from, derived.spec.arch)
     if stage:
         # 4. ZeRO flattens the still-meta parameters into units and materialises only what
         #    this rank keeps (its slices under ZeRO-3), straight from the (seed, name) init.
@@ -174,7 +162,7 @@ def parallelize(
     #    (seed, parameter name), so every rank builds identical weights without a broadcast.
     to_empty(model, info.device)
     if source is not None:
-        load_weights(model, source)
+        load_weights(model, source, run_cfg.train.seed)
     else:
         init_weights(model, run_cfg.train.seed)
     cast_for_compute(model, compute)

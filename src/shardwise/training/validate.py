@@ -43,7 +43,7 @@ def model_spec(cfg: Config) -> ModelSpec:
     """The model the config names (models.spec.spec_from_config), checked against the
     sequence length and tensor parallelism it will run with."""
     spec = spec_from_config(cfg)
-    if not spec.arch.startswith("resnet") and spec.arch != "custom":
+    if not spec.arch.startswith("resnet") and spec.arch not in ("custom", "hf"):
         _check_transformer(spec, cfg)
     return spec
 
@@ -196,14 +196,14 @@ def derive(cfg: Config, world: int) -> Derived:
     is_image = spec.arch.startswith("resnet")
     user_data = ":" in cfg.data.dataset  # your dataset (data/user.py): one sample per item
     _check_loss(cfg, tp, pp)
-    if spec.arch == "custom":
+    if spec.arch in ("custom", "hf"):
         _check_custom(cfg, tp)
     if is_image and tp > 1:
         raise ConfigError(
             f"parallel.tp={tp}: tensor parallelism splits transformer layers, and "
             f"model.name='{cfg.model.name}' is a ResNet. Fix: --parallel.tp=1."
         )
-    yours = spec.arch == "custom" or user_data  # your module or data: the pairing is yours
+    yours = spec.arch in ("custom", "hf") or user_data  # the pairing is yours / the checkpoint's
     if not yours and is_image != (cfg.data.dataset == "digits"):
         kind = "an image model" if is_image else "a text model"
         fix = "--data.dataset=digits" if is_image else "--model.name=resnet18"
@@ -228,7 +228,8 @@ def derive(cfg: Config, world: int) -> Derived:
     _checkpoint(cfg)
     m = t.global_batch // (micro * dp)
     _check_pipeline(cfg, spec, pp, dp, micro, m)
-    tokens = 1 if cfg.data.dataset == "digits" or user_data else cfg.data.seq_len
+    per_row = cfg.data.dataset == "digits" or user_data or cfg.model.task == "classification"
+    tokens = 1 if per_row else cfg.data.seq_len
     return Derived(world, pp, dp, tp, micro, m, tokens, spec)
 
 
@@ -255,7 +256,7 @@ def _check_custom(cfg: Config, tp: int) -> None:
     if tp > 1:
         raise ConfigError(
             f"parallel.tp={tp}: tensor parallelism needs a plan of which layers to split, and "
-            f"your module (model.name='{cfg.model.name}') has none. Fix: --parallel.tp=1 (data "
+            f"model.name='{cfg.model.name}' has none here. Fix: --parallel.tp=1 (data "
             "parallelism and ZeRO-1/2/3 shard any module)."
         )
 
@@ -276,7 +277,7 @@ def _check_pipeline(cfg: Config, spec: ModelSpec, pp: int, dp: int, micro: int, 
                     f"(or more), or leave {key} at its default."
                 )
         return
-    if spec.arch.startswith("resnet") or spec.arch in (*HF_ARCHS, "custom"):
+    if spec.arch.startswith("resnet") or spec.arch in (*HF_ARCHS, "custom", "hf"):
         kind = {"custom": "your own module"}.get(spec.arch, "a Hugging Face model")
         kind = "a ResNet" if spec.arch.startswith("resnet") else kind
         raise ConfigError(

