@@ -11,6 +11,7 @@ share one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -66,10 +67,8 @@ def content_key(path: str | Path) -> str:
     h = hashlib.blake2b(digest_size=8)
     config = Path(path) / "config.json"
     if config.is_file():
-        try:
+        with contextlib.suppress(ValueError):  # not JSON: no model type to key by
             h.update(str(json.loads(config.read_text()).get("model_type")).encode())
-        except ValueError:
-            pass
     for name in FILES:
         f = Path(path) / name
         if f.is_file():

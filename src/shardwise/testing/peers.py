@@ -27,7 +27,13 @@ def ddp_peer(cfg: Config) -> dict:
     data = load_data(data_spec(cfg, d.spec.vocab_size), "train")
     with torch.device(info.device):
         model = build_model(d.spec)
-    init_weights(model, cfg.train.seed)
+    if d.spec.arch == "hf":  # a checkpoint: its weights, a new head from (seed, name)
+        from shardwise.models.auto import weight_source
+        from shardwise.models.hf_weights import load_weights
+
+        load_weights(model, weight_source(d.spec, model), cfg.train.seed)
+    else:
+        init_weights(model, cfg.train.seed)
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.parallel.bucket_mb)
     o = cfg.optim
     decay = [p for p in model.parameters() if p.ndim >= 2]
