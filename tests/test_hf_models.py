@@ -129,7 +129,24 @@ def lm_runs(world):
         1: {n: {"overrides": _lm(world, n, *STEPS)} for n in FAMILIES},
         2: {n: {"overrides": _lm(world, n, *STEPS, "--parallel.zero=3")} for n in FAMILIES},
     }
+    worlds[2]["qwen2_offload_full"] = {"overrides": _lm(world, "qwen2", *STEPS, *OFFLOAD_FULL)}
     return run_named_worlds(worlds)
+
+
+OFFLOAD_FULL = [
+    "--parallel.zero=3",
+    "--memory.offload=optimizer+params",
+    "--memory.recompute=full",
+]
+
+
+@pytest.mark.slow
+def test_offload_and_full_recomputation_run_a_checkpoint_alike(lm_runs):
+    one, got = lm_runs[1]["qwen2"][0], lm_runs[2]["qwen2_offload_full"][0]
+    assert max_rel(got["losses"], one["losses"]) <= 1e-5
+    assert max_param_diff(got["params"], one["params"]) <= 1e-5
+    last = got["records"][-1]["mem_bytes"]
+    assert last["host_params"] > 0 and last["host_optimizer"] > 0  # offloaded
 
 
 @pytest.mark.slow
