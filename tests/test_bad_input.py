@@ -37,7 +37,7 @@ def bad(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "types.toml").write_text('[train]\nsteps = "ten"\n')
     (d / "tiny.txt").write_text("hello world\n")
     (d / "empty.txt").write_text("")
-    (d / "data.csv").write_text("text\nabc\n")
+    (d / "data.xml").write_text("<text>abc</text>\n")
     (d / "latin1.txt").write_bytes("café au lait\n".encode("latin-1"))
     (d / "nodir").mkdir()
     (d / "nodir" / "notes.md").write_text("# not a corpus\n")
@@ -368,7 +368,7 @@ DATA_CASES = [
     pytest.param(["{d}/nothere.txt"], ["'{d}/nothere.txt' does not exist"], id="missing-file"),
     pytest.param(["{d}/nodir"], ["'{d}/nodir' is a directory", "'.md'"], id="dir-no-corpus"),
     pytest.param(["{d}/nodir/*.md"], ["'{d}/nodir/*.md' matches"], id="glob-no-corpus"),
-    pytest.param(["{d}/data.csv"], ["'{d}/data.csv'", "'.csv'"], id="unsupported-extension"),
+    pytest.param(["{d}/data.xml"], ["'{d}/data.xml'", "'.xml'"], id="unsupported-extension"),
     pytest.param([""], ["data.dataset='' is empty"], id="empty-name"),
     pytest.param(["{d}/empty.txt"], ["'{d}/empty.txt' holds no text"], id="empty-corpus"),
     pytest.param(

@@ -188,10 +188,10 @@ def test_path_errors(tmp_path: Path) -> None:
     (tmp_path / "empty_dir").mkdir()
     (tmp_path / "empty_dir" / "notes.md").write_text("x")
     _raises(_spec(tmp_path, tmp_path / "empty_dir"), "directory with only ['.md'] files")
-    _raises(_spec(tmp_path, str(tmp_path / "*.csv")), "matches no files")
-    (tmp_path / "t.csv").write_text("a,b\n")
-    _raises(_spec(tmp_path, tmp_path / "t.csv"), "unsupported extension '.csv'")
-    _raises(_spec(tmp_path, str(tmp_path / "*.csv")), "matches 1 files, none of them")
+    _raises(_spec(tmp_path, str(tmp_path / "*.xml")), "matches no files")
+    (tmp_path / "t.xml").write_text("a,b\n")
+    _raises(_spec(tmp_path, tmp_path / "t.xml"), "unsupported extension '.xml'")
+    _raises(_spec(tmp_path, str(tmp_path / "*.xml")), "matches 1 files, none of them")
 
 
 def test_content_errors(tmp_path: Path) -> None:
@@ -298,3 +298,16 @@ def test_stdlib_corpus() -> None:
     _check_batches(train, 128)
     decoded = train.tokenizer().decode(train.get_batch(torch.tensor([10]))[0][0].tolist())
     assert len(decoded) > 128  # BPE merges: well over one character per token
+
+
+def test_a_csv_file_is_a_text_corpus(tmp_path: Path) -> None:
+    """CSV rows (data.text_field's column) read like JSON lines rows: one document each."""
+    rows = [f"row {i}: " + " ".join(random.Random(i).choice("ab cd ef") for _ in range(40))
+            for i in range(30)]  # fmt: skip
+    path = tmp_path / "rows.csv"
+    path.write_text("id,text\n" + "".join(f'{i},"{r}"\n' for i, r in enumerate(rows)))
+    spec = DataSpec(str(path), seq_len=8, vocab_size=300, cache_dir=str(tmp_path / "c"))
+    data = load_data(spec, "train")
+    text = data.tokenizer().decode([int(t) for t in data.tokens])
+    kept = [r for r in rows if r in text]
+    assert len(kept) >= 20 and all(r.startswith("row ") for r in kept)

@@ -22,7 +22,7 @@ from shardwise.errors import DataError
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".csv")
 _FIX_DATASET = (
-    "Fix: pass an existing .txt/.jsonl/.json/.parquet file, a directory or glob of them, "
+    "Fix: pass an existing .txt/.jsonl/.json/.csv/.parquet file, a directory or glob of them, "
     "'stdlib' or 'digits'."
 )
 
@@ -31,7 +31,9 @@ _FIX_DATASET = (
 class DataSpec:
     """What to train on; mirrors the `data.*` config section."""
 
-    dataset: str = "stdlib"  # "stdlib" | "digits" | a .txt/.jsonl/.json/.parquet file, dir or glob
+    dataset: str = (
+        "stdlib"  # "stdlib" | "digits" | a .txt/.jsonl/.json/.csv/.parquet file, dir or glob
+    )
     seq_len: int = 128  # tokens per sample (text)
     vocab_size: int = 4096  # BPE vocabulary size to train (text)
     text_field: str = "text"  # field holding the text in jsonl/json/parquet rows
@@ -115,7 +117,7 @@ def resolve_source(spec: DataSpec) -> Source:
         if path.suffix.lower() not in SUPPORTED_SUFFIXES:
             raise DataError(
                 f"data.dataset={raw!r} has the unsupported extension {path.suffix!r}. "
-                f"Fix: use a .txt, .jsonl, .json or .parquet file (or 'stdlib' or 'digits')."
+                f"Fix: use a .txt, .jsonl, .json, .csv or .parquet file (or 'stdlib' or 'digits')."
             )
         path = path.resolve()
         return Source(_label(path.stem), (path,), (path.name,), False)
@@ -126,7 +128,7 @@ def resolve_source(spec: DataSpec) -> Source:
             others = sorted({p.suffix or p.name for p in _walk(root, None, skip=set())})[:8]
             found = f"only {others} files" if others else "no files"
             raise DataError(
-                f"data.dataset={raw!r} is a directory with {found}, no .txt/.jsonl/.json/"
+                f"data.dataset={raw!r} is a directory with {found}, no .txt/.jsonl/.json/.csv/"
                 ".parquet files. Fix: point it at a directory holding such files."
             )
         return Source(_label(root.name), tuple(files), tuple(_rel(p, root) for p in files), False)
@@ -139,7 +141,7 @@ def resolve_source(spec: DataSpec) -> Source:
         if not files:
             what = f"{len(matches)} files, none of them" if matches else "no files, so no"
             raise DataError(
-                f"data.dataset={raw!r} matches {what} .txt/.jsonl/.json/.parquet files. "
+                f"data.dataset={raw!r} matches {what} .txt/.jsonl/.json/.csv/.parquet files. "
                 "Fix: change the pattern so it matches such files."
             )
         root = Path(os.path.commonpath([str(f.parent) for f in files]))
