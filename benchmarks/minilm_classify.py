@@ -43,7 +43,8 @@ NPROC = 2
 DDP = "shardwise.testing.peers:ddp_peer"
 
 
-def overrides(model: Path, data: Path, cache: Path, steps: int) -> list[str]:
+def overrides(model: Path, data: Path, cache: Path, steps: int, smoke: bool) -> list[str]:
+    small = ["--data.seq_len=16", "--train.global_batch=8", "--train.eval_batches=1"]
     return [
         "--model.name=hf",
         f"--model.init_from={model}",
@@ -58,6 +59,7 @@ def overrides(model: Path, data: Path, cache: Path, steps: int) -> list[str]:
         "--optim.warmup_steps=3",
         f"--train.eval_every={steps}",
         "--train.eval_batches=5",  # 160 of the 168 held-out rows
+        *(small if smoke else []),
     ]
 
 
@@ -80,7 +82,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="minilm-bench-"))
     data = build(root / "stdlib-labels.jsonl")
     rows = [json.loads(line) for line in data.read_text().splitlines()]
-    base = overrides(Path(pkg.MODEL_DIR), data, root / "cache", args.steps)
+    base = overrides(Path(pkg.MODEL_DIR), data, root / "cache", args.steps, args.smoke)
     print(f"case: {' '.join(base)}")
     engines = [("ours z0", []), ("ours z2", ["--parallel.zero=2"]), ("DDP", None)]
     cases, keys = [], []

@@ -162,7 +162,7 @@ def main() -> int:
     print(f"run.cpu_affinity={args.affinity}")
     print(f"load average at the start: {load()} (2 cores, shared)")
     jiffies = cpu_jiffies()
-    names = list(SCHEDULES)
+    names = ["interleaved"] if args.smoke else list(SCHEDULES)  # smoke: the most involved
     cases = [
         {"overrides": overrides(n, args.steps, args.affinity), "peer": "pp_vs_torch:paired"}
         for n in names

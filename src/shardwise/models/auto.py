@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.models.hf_weights import CONFIG, HFWeights
+from shardwise.models.hf_weights import CONFIG, HFWeights, checkpoint_dir
 
 TASKS = {
     "causal_lm": "AutoModelForCausalLM",
@@ -40,17 +40,12 @@ def _transformers():
 
 def read_hf_config(path: str):
     """The checkpoint's config as transformers reads it, or one message naming the fix."""
-    p = Path(path)
-    if not path or not p.is_dir():
+    if not path:
         raise ConfigError(
-            f"model.name=hf needs model.init_from=DIR, a folder that save_pretrained wrote; "
-            f"got '{path}'. Fix: --model.init_from=path/to/checkpoint."
+            "model.name=hf needs model.init_from=DIR, a folder that save_pretrained wrote. "
+            "Fix: --model.init_from=path/to/checkpoint."
         )
-    if not (p / CONFIG).is_file():
-        raise ConfigError(
-            f"model.init_from='{path}' has no {CONFIG}. Fix: the folder save_pretrained "
-            "wrote (config.json beside the safetensors)."
-        )
+    p = checkpoint_dir(path)
     tf = _transformers()
     try:
         return tf.AutoConfig.from_pretrained(str(p), local_files_only=True)

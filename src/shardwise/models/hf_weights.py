@@ -106,8 +106,8 @@ def hf_shape(rule: Rule, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (out[1], out[0]) if rule.transposed else out
 
 
-def read_config(path: str | Path) -> dict:
-    """The Hugging Face `config.json` in directory `path`, or a message saying what is wrong."""
+def checkpoint_dir(path: str | Path) -> Path:
+    """`path` as a Hugging Face checkpoint folder (config.json inside), or one message."""
     p = Path(path)
     if not p.is_dir():
         raise ConfigError(
@@ -119,7 +119,12 @@ def read_config(path: str | Path) -> dict:
             f"model.init_from='{path}' has no {CONFIG}. Fix: save the model with "
             "`save_pretrained(dir)` or copy its config.json next to the weights."
         )
-    cfg = json.loads((p / CONFIG).read_text())
+    return p
+
+
+def read_config(path: str | Path) -> dict:
+    """The Hugging Face `config.json` in directory `path`, or a message saying what is wrong."""
+    cfg = json.loads((checkpoint_dir(path) / CONFIG).read_text())
     if cfg.get("model_type") not in MODEL_TYPES:
         raise ConfigError(
             f"model.init_from='{path}' holds a '{cfg.get('model_type')}' model; shardwise reads "
