@@ -130,7 +130,31 @@ def lm_runs(world):
         2: {n: {"overrides": _lm(world, n, *STEPS, "--parallel.zero=3")} for n in FAMILIES},
     }
     worlds[2]["qwen2_offload_full"] = {"overrides": _lm(world, "qwen2", *STEPS, *OFFLOAD_FULL)}
+    for n in TP_PLANNED:
+        worlds[2][f"tp2_{n}"] = {"overrides": _lm(world, n, *STEPS, "--parallel.tp=2")}
     return run_named_worlds(worlds)
+
+
+# families whose class publishes a tensor-parallel plan the engine applies (GPT-2: ours)
+TP_PLANNED = ["llama", "mistral", "qwen2", "gpt_neox", "gpt2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TP_PLANNED)
+def test_tp2_from_the_published_plan_reproduces_one_process(lm_runs, name):
+    one, two = lm_runs[1][name][0], lm_runs[2][f"tp2_{name}"][0]
+    assert max_rel(two["losses"], one["losses"]) <= 1e-5, (two["losses"], one["losses"])
+    assert max_param_diff(two["params"], one["params"]) <= 1e-5
+    assert two["records"][-1]["comm_bytes"]["tp"] > 0  # it did split
+
+
+def test_tp_without_an_applicable_plan_is_refused(world):
+    with pytest.raises(ConfigError, match=r"OPTForCausalLM publishes no tensor-parallel plan"):
+        derive(load_config(None, _lm(world, "opt", "--parallel.tp=2")), 2)
+    with pytest.raises(ConfigError, match=r"Phi3ForCausalLM publishes a plan with entries"):
+        derive(load_config(None, _lm(world, "phi3", "--parallel.tp=2")), 2)
+    with pytest.raises(ConfigError, match=r"GemmaForCausalLM splits 'model.embed_tokens', a Gemma"):
+        derive(load_config(None, _lm(world, "gemma", "--parallel.tp=2")), 2)
 
 
 OFFLOAD_FULL = [
@@ -182,8 +206,6 @@ def test_bad_checkpoints_and_layouts_are_refused(world, tmp_path):
     (odd / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
     with pytest.raises(ConfigError, match=r"cannot build its 'no-such-architecture' config"):
         derive(load_config(None, ["--model.name=hf", f"--model.init_from={odd}"]), 1)
-    with pytest.raises(ConfigError, match=r"tensor parallelism needs a plan"):
-        derive(load_config(None, _lm(world, "llama", "--parallel.tp=2")), 2)
     with pytest.raises(ConfigError, match=r"model.dim does not apply to model.name=hf"):
         derive(load_config(None, _lm(world, "llama", "--model.dim=64")), 1)
     with pytest.raises(ConfigError, match=r"model.task=classification .* --model.name=hf"):

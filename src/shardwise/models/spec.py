@@ -165,6 +165,10 @@ def _auto(cfg: Config) -> ModelSpec:
         n_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
         dim=int(getattr(text, "hidden_size", 0) or 0),
         n_heads=int(getattr(text, "num_attention_heads", 0) or 0),
+        n_kv_heads=int(
+            getattr(text, "num_key_value_heads", 0) or getattr(text, "num_attention_heads", 0) or 0
+        ),
+        ffn_dim=int(getattr(text, "intermediate_size", 0) or 0),
         vocab_size=int(getattr(text, "vocab_size", 0) or 0),
         max_seq_len=int(limit or cfg.data.seq_len),
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),

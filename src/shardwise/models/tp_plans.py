@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from shardwise.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class TPPlan:
@@ -89,8 +91,53 @@ def hf_plan(model: nn.Module) -> TPPlan:
     return TPPlan(rules, sequence_parallel=False)
 
 
+def checkpoint_plan(model: nn.Module) -> TPPlan:
+    """model.name=hf: the plan the model's class publishes (GPT-2's is ours), or one message.
+    A gathered-output column split is the output head's kind only: on a fused projection
+    inside a block (Phi-3's qkv_proj) it would need a gather the engine does not do."""
+    published = getattr(model, "_tp_plan", None) or {}
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    if not published and model_type == "gpt2":
+        return HF_GPT2
+    inner = [p for p, kind in published.items() if kind == "colwise_gather_output" and "." in p]
+    unknown = sorted({kind for kind in published.values() if kind not in _HF_KINDS})
+    why = ""
+    if not published:
+        why = "publishes no tensor-parallel plan (base_model_tp_plan)"
+    elif inner or unknown:
+        why = f"publishes a plan with entries the engine cannot apply ({inner or unknown})"
+    elif getattr(model.config, "tie_word_embeddings", False) and "embedding_rowwise" not in set(
+        published.values()
+    ):  # a split head tied to a whole embedding: one tensor, two layouts
+        why = "ties its output head to the input embedding, which its plan does not split"
+    why = why or _foreign_layers(model, published)
+    if why:
+        raise ConfigError(f"{type(model).__name__} {why}. Fix: --parallel.tp=1 (DP and ZeRO).")
+    return hf_plan(model)
+
+
+def _foreign_layers(model: nn.Module, published: dict[str, str]) -> str:
+    """The split layers must be torch's own Linear / Embedding: a subclass may do more in its
+    forward (Gemma's embedding scales its output) than the split forward that replaces it."""
+    import fnmatch
+
+    for name, module in model.named_modules():
+        for pattern, kind in published.items():
+            if name.count(".") != pattern.count(".") or not fnmatch.fnmatchcase(name, pattern):
+                continue
+            want = nn.Embedding if kind == "embedding_rowwise" else nn.Linear
+            if type(module) is not want:
+                return (
+                    f"splits '{name}', a {type(module).__name__} (not torch's {want.__name__}, "
+                    "whose forward the split replaces)"
+                )
+    return ""
+
+
 def plan_for(model: nn.Module, arch: str) -> TPPlan:
     """The plan of a built model of `arch`."""
+    if arch == "hf":
+        return checkpoint_plan(model)
     if arch in ("decoder", "gpt2"):
         return DECODER
     if arch.startswith("hf-"):

@@ -98,7 +98,7 @@ def _check_tensor_parallel(spec: ModelSpec, cfg: Config) -> None:
             f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={tp}: sequence "
             f"parallelism splits the sequence over the tp ranks. Fix: a multiple of {tp}."
         )
-    if sp and spec.arch in HF_ARCHS:
+    if sp and spec.arch in (*HF_ARCHS, "hf"):
         raise ConfigError(
             f"parallel.sp=true is not available for {cfg.model.name}: Hugging Face models build "
             "positions and masks from the local sequence length. Fix: --parallel.sp=false."
@@ -196,8 +196,10 @@ def derive(cfg: Config, world: int) -> Derived:
     is_image = spec.arch.startswith("resnet")
     user_data = ":" in cfg.data.dataset  # your dataset (data/user.py): one sample per item
     _check_loss(cfg, tp, pp)
-    if spec.arch in ("custom", "hf"):
+    if spec.arch == "custom":
         _check_custom(cfg, tp)
+    if spec.arch == "hf" and tp > 1:
+        _check_checkpoint_tp(spec, cfg)
     if is_image and tp > 1:
         raise ConfigError(
             f"parallel.tp={tp}: tensor parallelism splits transformer layers, and "
@@ -250,6 +252,16 @@ def _check_loss(cfg: Config, tp: int, pp: int) -> None:
             "sees whole outputs, which tensor and pipeline parallelism split. Fix: "
             "--parallel.tp=1 --parallel.pp=1 (data parallelism and ZeRO keep them whole)."
         )
+
+
+def _check_checkpoint_tp(spec: ModelSpec, cfg: Config) -> None:
+    """model.name=hf with tp > 1: the model's published plan, and the sizes it splits."""
+    from shardwise.models import build_model
+    from shardwise.models.tp_plans import checkpoint_plan
+
+    with torch.device("meta"):
+        checkpoint_plan(build_model(spec))
+    _check_tensor_parallel(spec, cfg)
 
 
 def _check_custom(cfg: Config, tp: int) -> None:
