@@ -340,3 +340,27 @@ def test_labels_are_checked_before_launch(tmp_path):
     assert "only-once" not in spec.labels
     with pytest.raises(DataError, match=r"label\(s\) \['only-once'\] that no training row has"):
         prepare_data(data_spec(cfg, spec.vocab_size))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt_neox"])
+def test_the_ids_fed_to_each_family_decode_to_the_source(world, name):
+    """Each family's folder tokenizer (transformers picks its class by the model type)
+    encodes the data the model is fed: a batch decodes back to the source documents."""
+    from shardwise.data import data_spec, load_data
+
+    cfg = load_config(None, _lm(world, name))
+    data = load_data(data_spec(cfg, derive(cfg, 1).spec.vocab_size), "train")
+    tok = transformers.AutoTokenizer.from_pretrained(world["dirs"][name])
+    source = " ".join(" ".join(d.split()) for d in _documents())
+    x, _ = data.get_batch(torch.arange(12))
+    checked = 0
+    for row in x:
+        text = tok.decode(row.tolist())
+        for special in {tok.bos_token, tok.eos_token} - {None}:
+            text = text.replace(special, "\n")
+        for piece in text.split("\n"):  # one document's stretch between special tokens
+            words = piece.split()[1:-1]  # (a window may cut the first and last word)
+            if len(words) > 3:
+                assert " ".join(words) in source, piece
+                checked += 1
+    assert checked >= 6, checked
