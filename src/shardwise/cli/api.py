@@ -70,7 +70,7 @@ def train(
 
 
 def _callables(model, dataset, loss) -> list[str]:
-    from shardwise.models.custom import import_path
+    from shardwise.callables import import_path
 
     out = []
     for value, key in ((model, "model.name"), (dataset, "data.dataset"), (loss, "train.loss")):

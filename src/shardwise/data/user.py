@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import default_collate
 
+from shardwise.callables import resolve
 from shardwise.errors import DataError
-from shardwise.models.custom import resolve
 
 
 class UserDataset:

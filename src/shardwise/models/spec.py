@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardwise.callables import is_import_path
 from shardwise.config import Config
 from shardwise.errors import ConfigError
-from shardwise.models.custom import is_import_path
 from shardwise.models.presets import PRESETS, RESNET_ARCHS, ModelSpec, preset
 
 

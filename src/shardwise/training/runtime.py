@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.callables import resolve
 from shardwise.config import Config
 from shardwise.data import GlobalSampler, data_spec, load_data
 from shardwise.distributed import device as dev
@@ -22,7 +23,6 @@ from shardwise.distributed.watchdog import Watchdog, start_watchdog
 from shardwise.errors import ConfigError
 from shardwise.models import build_model, init_weights, to_empty
 from shardwise.models.auto import weight_source
-from shardwise.models.custom import resolve
 from shardwise.models.hf_weights import HFWeights, load_weights
 from shardwise.models.tp_plans import plan_for
 from shardwise.optim import MixedPrecisionAdamW, replicated_targets
