@@ -407,3 +407,38 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_bitwise_equal(
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), f"{key} differs (killed after step {at})"
+
+
+@pytest.mark.slow
+def test_only_our_own_leftovers_are_deleted_and_a_hostile_index_is_refused(
+    runs: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 26 items 1 and 6: a directory that looks like an unfinished checkpoint but holds
+    a file a save does not write, or a final name that lost its index, is reported and kept
+    (with the user's files); our own half-written save is removed; an index naming a file
+    outside its checkpoint makes that checkpoint invalid (the previous one is resumed)."""
+    root = tmp_path / "ckpts"
+    shutil.copytree(runs["root"] / "dp", root)
+    lost = root / "step-00000003"  # a final name without an index: someone's files
+    lost.mkdir()
+    (lost / "mine.txt").write_text("my notes\n")
+    foreign = root / "step-00000010.tmp"  # our temporary's name, but a file we never write
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me\n")
+    ours = root / "step-00000011.tmp"  # a save of ours killed halfway: only a shard
+    ours.mkdir()
+    shutil.copy(root / "step-00000004" / io.shard_name(0), ours / io.shard_name(0))
+    index_path = root / "step-00000008" / io.INDEX
+    index = json.loads(index_path.read_text())
+    index["files"] = {"../" + k: v for k, v in index["files"].items()}
+    index_path.write_text(json.dumps(index))
+    hostile = shutil.copytree(index_path.parent, tmp_path / "hostile")  # (step 8 is saved again)
+    got = run_here(case(*RUN, f"--checkpoint.dir={root}"), str(tmp_path / "run"))
+    err = capsys.readouterr().err
+    assert (lost / "mine.txt").read_text() == "my notes\n" and f"keeping {lost}" in err
+    assert (foreign / "notes.txt").read_text() == "keep me\n" and f"keeping {foreign}" in err
+    assert not ours.exists() and f"removing {ours}" in err
+    assert "names files outside the checkpoint directory" in err
+    assert [r["step"] for r in got["records"]] == [5, 6, 7, 8]  # from step 4
+    with pytest.raises(ValueError, match="outside the checkpoint directory"):
+        io.read_index(hostile)

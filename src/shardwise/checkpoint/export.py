@@ -168,7 +168,13 @@ def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 
     from safetensors.torch import save_file
 
     ckpt = find_checkpoint(Path(run_dir))
-    index = cio.read_index(ckpt)
+    try:
+        index = cio.read_index(ckpt)
+    except (OSError, ValueError) as exc:
+        raise ShardwiseError(
+            f"the checkpoint {ckpt} cannot be read: {exc}. Fix: export another checkpoint "
+            "(checkpoint.dir keeps the newest checkpoint.keep)."
+        ) from None
     spec = _spec(config_from_dict(index["config"]))
     plan = _plan(spec)
     # the fp32 masters when the run kept them apart from low-precision parameters

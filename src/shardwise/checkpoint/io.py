@@ -60,6 +60,9 @@ from safetensors.torch import save as safetensors_bytes
 FORMAT, VERSION = "shardwise-checkpoint", 1
 INDEX, LATEST = "index.json", "latest"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_LEFTOVER = re.compile(r"^step-\d{8}\.(tmp|deleting)$")  # what a save or a removal of ours names
+_OURS = re.compile(r"^(rank-\d{5}\.safetensors|index\.json)$")  # what a save writes inside
+_PLAIN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # a file name without any path
 
 Box = tuple[tuple[int, int], ...]
 Span = tuple[int, int]
@@ -142,7 +145,8 @@ def commit(root: Path, tmp: Path, step: int, index: dict, keep: int) -> Path:
     os.replace(pointer, root / LATEST)
     _fsync_dir(root)
     for _, old in list_complete(root)[keep:]:
-        remove(old)
+        if check_index(old)[0] is not None:  # only checkpoints whose index this job can read
+            remove(old)
     return final
 
 
@@ -168,18 +172,33 @@ def list_complete(root: Path) -> list[tuple[int, Path]]:
     return sorted(out, reverse=True)
 
 
-def list_unfinished(root: Path) -> list[Path]:
-    """Directories a killed save or deletion left behind (`.tmp`, `.deleting`, or a final
-    name without an index)."""
+def list_unfinished(root: Path) -> tuple[list[Path], list[Path]]:
+    """(ours, kept): directories a killed save or deletion of ours left behind — the name
+    (`step-NNNNNNNN.tmp` / `.deleting`) and every entry in them (rank shards, the index) are
+    what a save writes, so removing them deletes nothing else — and the others that look
+    unfinished (a final name without its index, or foreign files inside), which are only
+    reported: the user's files are never deleted."""
     if not root.is_dir():
-        return []
-    return sorted(
-        c
-        for c in root.iterdir()
-        if c.is_dir()
-        and c.name.startswith("step-")
-        and (not _STEP_DIR.match(c.name) or not (c / INDEX).is_file())
-    )
+        return [], []
+    ours, kept = [], []
+    for c in sorted(root.iterdir()):
+        if not c.is_dir() or not c.name.startswith("step-"):
+            continue
+        if _LEFTOVER.match(c.name) and all(_OURS.match(f.name) for f in c.iterdir()):
+            ours.append(c)
+        elif not _STEP_DIR.match(c.name) or not (c / INDEX).is_file():
+            kept.append(c)
+    return ours, kept
+
+
+def plain_file_names(index: dict) -> list[str]:
+    """Problems with the file names an index gives (each must be a plain name inside the
+    checkpoint directory: no separator, no `..`, not absolute)."""
+    names = set(index.get("files", {}))
+    for entry in index.get("tensors", {}).values():
+        names |= {s.get("file", "") for s in entry.get("slices", [])}
+    bad = sorted(n for n in names if not _PLAIN.match(str(n)) or n in (".", ".."))
+    return [f"index.json names files outside the checkpoint directory: {bad[:5]}"] if bad else []
 
 
 def read_index(path: Path | str) -> dict:
@@ -187,6 +206,9 @@ def read_index(path: Path | str) -> dict:
     index = json.loads((path / INDEX).read_text())
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise ValueError(f"{path / INDEX} is not a {FORMAT} v{VERSION} index")
+    bad = plain_file_names(index)
+    if bad:  # a hostile or broken index must not make us open files elsewhere
+        raise ValueError(f"{path / INDEX}: {bad[0]}")
     return index
 
 

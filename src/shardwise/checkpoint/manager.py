@@ -101,9 +101,16 @@ class Checkpointer:
         if not self.root.is_dir():
             return None
         if self.rank == 0:  # leftovers of a killed save (or deletion) are never loaded
-            for left in io.list_unfinished(self.root):
-                _warn(f"removing {left}: an unfinished checkpoint directory")
+            ours, kept = io.list_unfinished(self.root)
+            for left in ours:
+                _warn(f"removing {left}: an unfinished save of this run (its shards only)")
                 io.remove(left)
+            for left in kept:
+                _warn(
+                    f"keeping {left}: it looks like an unfinished checkpoint but holds files a "
+                    "save does not write, or lost its index.json; it is not loaded and not "
+                    "deleted (remove it yourself if it is not needed)"
+                )
         self.channel.all_gather(None)  # everyone lists the directory after the clean-up
         for _, path in io.list_complete(self.root):
             problems = self._problems(path)
