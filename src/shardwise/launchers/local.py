@@ -16,6 +16,7 @@ from shardwise.config import Config, config_from_dict
 from shardwise.distributed.comm import free_port
 from shardwise.distributed.watchdog import EXIT_HANG, LOCAL_LAUNCH_ENV, REPORT
 from shardwise.errors import ShardwiseError
+from shardwise.training.lock import HELD_ENV, acquire, release
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -114,7 +115,15 @@ def launch_local(cfg: Config, nproc: int, hook: str | None = None, max_restarts:
         max_restarts=max_restarts,
         monitor_interval=0.2,
     )
-    run_elastic(config, cfg, hook, local=True)
+    # one live job per run.dir: refused here, before any rank starts; the ranks (restarted
+    # ones too) know the launcher holds the lock
+    held = acquire(cfg)
+    os.environ[HELD_ENV] = "1"
+    try:
+        run_elastic(config, cfg, hook, local=True)
+    finally:
+        os.environ.pop(HELD_ENV, None)
+        release(held)
 
 
 def _first_line(message: object) -> str:

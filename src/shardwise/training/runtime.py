@@ -3,6 +3,7 @@ model (built on meta, transformed, then materialised), data and optimizer."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import fnmatch
 import os
@@ -31,6 +32,7 @@ from shardwise.parallel.pipeline import Pipeline, apply_pipeline
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.tensor import TensorParallel, apply_tensor_parallel, keep_tp_marks
 from shardwise.parallel.zero import ZeroEngine, apply_zero
+from shardwise.training.lock import HELD_ENV, acquire, release
 from shardwise.training.memory import ActivationMeter
 from shardwise.training.validate import Derived, derive
 
@@ -70,12 +72,14 @@ class Run:
     pipeline: Pipeline | None = None  # pp > 1: runs the micro-batches through the stages
     watchdog: Watchdog | None = None
     user_loss: Callable | None = None  # train.loss=module:fn
+    locks: list = dataclasses.field(default_factory=list)  # run.dir / checkpoint.dir (lock.py)
 
     def close(self, error: BaseException | None = None) -> None:
         """Leave training (finished, or failed with `error`): stop the hang watchdog (this
         rank's silence is no longer a hang; a failure explains its peers' stuck collectives)."""
         if self.watchdog is not None:
             self.watchdog.stop(error)
+        release(self.locks)
 
     @property
     def dp_rank(self) -> int:
@@ -217,12 +221,18 @@ def build_run(cfg: Config) -> Run:
     topo = build_topology(cfg.parallel.tp, cfg.parallel.pp, info.type, cfg.parallel.timeout_s)
     comm = Comm(topo)
     watchdog = start_watchdog(comm, cfg.parallel.timeout_s, cfg.run.dir)
+    locks = []
     try:
-        return _build(cfg, derived, info, topo, comm, watchdog)
+        if dist.get_rank() == 0 and os.environ.get(HELD_ENV) != "1":
+            locks = acquire(cfg)  # one live job per run.dir / checkpoint.dir
+        run = _build(cfg, derived, info, topo, comm, watchdog)
     except BaseException as exc:
+        release(locks)
         if watchdog is not None:
             watchdog.stop(exc)
         raise
+    run.locks = locks
+    return run
 
 
 def _build(
