@@ -87,3 +87,19 @@ def test_the_readmes_example_runs_as_written(tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("final loss"), proc.stdout[-2000:]
     assert (tmp_path / "runs" / "mine" / "metrics.jsonl").exists()
+
+
+def test_a_held_out_split_smaller_than_dp_is_refused_before_launch(tmp_path):
+    """Issue 26, item 7: not a crash at the first evaluation (global_batch=0) hours in."""
+    from user.models import one_held_out
+
+    with pytest.raises(ConfigError, match=r"has 1 samples, fewer than the 2 data-parallel"):
+        shardwise.train(
+            CONFIG,
+            model=regressor,
+            dataset=one_held_out,
+            loss=summed_mse,
+            nproc=2,
+            overrides=[f"--run.dir={tmp_path / 'r'}"],
+        )
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()

@@ -83,3 +83,9 @@ def summed_mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def bad_items(split: str):
     return [torch.zeros(8)] * 4 if split == "train" else None
+
+
+def one_held_out(split: str):
+    """64 training samples and a single held-out one: two ranks cannot each evaluate one."""
+    data = waves(split)
+    return data if split == "train" else torch.utils.data.Subset(data, [0])

@@ -43,7 +43,7 @@ def train(
     `overrides`: `--section.key=value` strings applied last. `model`, `dataset` and `loss`
     set model.name, data.dataset and train.loss. `nproc`: local ranks (default: one per
     device)."""
-    from shardwise.data import prepare_data
+    from shardwise.data import load_held_out, prepare_data
     from shardwise.launchers.local import (
         adopt_slurm_env,
         launch_local,
@@ -51,7 +51,7 @@ def train(
         under_external_launcher,
     )
     from shardwise.training.runtime import data_spec
-    from shardwise.training.validate import derive
+    from shardwise.training.validate import check_held_out, derive
 
     cfg = _config(config, [*_callables(model, dataset, loss), *overrides])
     if under_external_launcher():
@@ -65,6 +65,7 @@ def train(
         raise ConfigError(f"nproc={nproc} must be >= 1. Fix: nproc=2")
     derived = derive(cfg, n)  # every config error before any process starts
     prepare_data(data_spec(cfg, derived.spec.vocab_size))
+    check_held_out(cfg, derived, load_held_out(cfg, derived.spec.vocab_size))
     launch_local(cfg, n)
     return _records(cfg)
 

@@ -158,9 +158,11 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
 
         cfg = auto_config(cfg, nproc)
     derived = derive(cfg, nproc)  # every config error before any process starts
-    from shardwise.data import prepare_data
+    from shardwise.data import load_held_out, prepare_data
+    from shardwise.training.validate import check_held_out
 
     prepare_data(data_spec(cfg, derived.spec.vocab_size))  # data errors too, and one cache build
+    check_held_out(cfg, derived, load_held_out(cfg, derived.spec.vocab_size))
     print_plan(explain_record(cfg, nproc))
     launch_local(cfg, nproc, max_restarts=max_restarts)
 

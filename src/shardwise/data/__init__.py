@@ -23,6 +23,7 @@ __all__ = [
     "TokenDataset",
     "data_spec",
     "load_data",
+    "load_held_out",
     "prepare_data",
     "split_for_rank",
 ]
@@ -77,3 +78,11 @@ def data_spec(cfg: Config, vocab_size: int) -> DataSpec:
         image_size=d.image_size,
         cache_dir=d.cache_dir,
     )
+
+
+def load_held_out(cfg: Config, vocab_size: int):
+    """The held-out split the config asks for (None: it holds nothing out)."""
+    spec = data_spec(cfg, vocab_size)
+    if cfg.data.val_fraction > 0 or cfg.data.dataset == "digits" or spec.is_user:
+        return load_data(spec, "val")
+    return None

@@ -16,7 +16,7 @@ from torch import nn
 
 from shardwise.callables import resolve
 from shardwise.config import Config
-from shardwise.data import GlobalSampler, data_spec, load_data
+from shardwise.data import GlobalSampler, data_spec, load_data, load_held_out
 from shardwise.distributed import device as dev
 from shardwise.distributed.comm import Comm
 from shardwise.distributed.topology import Topology, build_topology
@@ -34,7 +34,7 @@ from shardwise.parallel.tensor import TensorParallel, apply_tensor_parallel, kee
 from shardwise.parallel.zero import ZeroEngine, apply_zero
 from shardwise.training.lock import HELD_ENV, acquire, release
 from shardwise.training.memory import ActivationMeter
-from shardwise.training.validate import Derived, derive
+from shardwise.training.validate import Derived, check_held_out, derive
 
 
 def init_distributed(cfg: Config) -> dev.DeviceInfo:
@@ -245,8 +245,8 @@ def _build(
 ) -> Run:
     spec = derived.spec
     train_data = load_data(data_spec(cfg, spec.vocab_size), "train")
-    has_val = cfg.data.val_fraction > 0 or cfg.data.dataset == "digits" or train_data.kind == "user"
-    val_data = load_data(data_spec(cfg, spec.vocab_size), "val") if has_val else None
+    val_data = load_held_out(cfg, spec.vocab_size)
+    check_held_out(cfg, derived, val_data)
     with torch.device("meta"):
         model = build_model(spec)
     freeze(model, cfg.train.freeze)

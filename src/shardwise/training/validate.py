@@ -320,3 +320,15 @@ def _check_pipeline(cfg: Config, spec: ModelSpec, pp: int, dp: int, micro: int, 
             f"multiple of pp. Fix: {fix}."
         )
     plan_chunks(spec, pp, p.pp_virtual, p.pp_split, cfg.data.seq_len)
+
+
+def check_held_out(cfg: Config, derived: Derived, held_out) -> None:
+    """Evaluation reads at least one held-out sample per data-parallel rank: checked once the
+    data is prepared (before launch), not at the first evaluation hours in."""
+    if held_out is None or not cfg.train.eval_batches or len(held_out) >= derived.dp:
+        return
+    raise ConfigError(
+        f"the held-out split of data.dataset='{cfg.data.dataset}' has {len(held_out)} samples, "
+        f"fewer than the {derived.dp} data-parallel ranks that evaluate it. Fix: a larger "
+        "data.val_fraction, more data, or --train.eval_batches=0 (no evaluation)."
+    )
