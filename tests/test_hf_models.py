@@ -239,7 +239,11 @@ def _classify(data: Path, cache: Path, *extra: str) -> list[str]:
 def minilm(tmp_path_factory):
     root = tmp_path_factory.mktemp("minilm")
     data = build_labels(root / "stdlib-labels.jsonl")
-    ckpt = ["--checkpoint.every=12", f"--checkpoint.dir={root / 'ckpt'}"]
+    ckpt = [
+        "--checkpoint.every=12",
+        f"--checkpoint.dir={root / 'ckpt'}",
+        f"--run.dir={root / 'run'}",
+    ]
     one = _classify(data, root / "cache", "--train.steps=12", "--train.eval_every=12", *ckpt)
     worlds = {
         1: {"one": {"overrides": one}},
@@ -293,7 +297,14 @@ def test_the_exported_classifier_reloads_with_its_labels_and_logits(minilm, tmp_
     from shardwise.checkpoint.export import export_hf
 
     out = tmp_path / "exported"
-    export_hf(minilm["root"] / "ckpt", out)
+    recorded = json.loads((minilm["root"] / "run" / "labels.json").read_text())
+    assert recorded["labels"] == sorted(recorded["labels"]) and len(recorded["labels"]) == 7
+    hidden = minilm["data"].with_suffix(".hidden")  # the labels come from the run, not the data
+    minilm["data"].rename(hidden)
+    try:
+        export_hf(minilm["root"] / "run", out)
+    finally:
+        hidden.rename(minilm["data"])
     theirs = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
     assert (
         set(theirs.config.id2label.values())

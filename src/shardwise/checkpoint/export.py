@@ -141,14 +141,23 @@ def _shards(spec: ModelSpec, plan: dict, elem: int, max_bytes: int) -> list[list
     return shards
 
 
-def _spec(cfg) -> ModelSpec:
+def _recorded_labels(run_dir: Path, cfg) -> tuple[str, ...] | None:
+    """The label names a classification run recorded in its run.dir (training/metrics.py)."""
+    for root in (run_dir, Path(cfg.run.dir)):
+        path = root / "labels.json"
+        if path.is_file():
+            return tuple(json.loads(path.read_text())["labels"])
+    return None
+
+
+def _spec(cfg, labels: tuple[str, ...] | None = None) -> ModelSpec:
     if cfg.model.init_from and not Path(cfg.model.init_from).is_dir():
         raise ShardwiseError(
             f"the run started from Hugging Face weights at model.init_from="
             f"'{cfg.model.init_from}', which is gone; its config.json gives the model's sizes."
             " Fix: restore that directory (its weights are not read, only config.json)."
         )
-    return spec_from_config(cfg)
+    return spec_from_config(cfg, labels)
 
 
 def _copy_tokenizer(source: Path, out: Path) -> None:
@@ -175,7 +184,8 @@ def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 
             f"the checkpoint {ckpt} cannot be read: {exc}. Fix: export another checkpoint "
             "(checkpoint.dir keeps the newest checkpoint.keep)."
         ) from None
-    spec = _spec(config_from_dict(index["config"]))
+    cfg = config_from_dict(index["config"])
+    spec = _spec(cfg, _recorded_labels(Path(run_dir), cfg))
     plan = _plan(spec)
     # the fp32 masters when the run kept them apart from low-precision parameters
     kind = "master" if any(k.startswith("master/") for k in index["tensors"]) else "param"

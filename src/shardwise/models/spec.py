@@ -12,7 +12,7 @@ from shardwise.errors import ConfigError
 from shardwise.models.presets import PRESETS, RESNET_ARCHS, ModelSpec, preset
 
 
-def spec_from_config(cfg: Config) -> ModelSpec:
+def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> ModelSpec:
     """The preset named by model.name with the non-zero overrides applied (and, with
     model.init_from, the checkpoint's own sizes)."""
     m = cfg.model
@@ -22,7 +22,7 @@ def spec_from_config(cfg: Config) -> ModelSpec:
             f"model.name='{m.name}' is not one. Fix: --model.name=hf --model.init_from=DIR."
         )
     if m.name == "hf":
-        return _auto(cfg)
+        return _auto(cfg, labels)
     if is_import_path(m.name):
         return _custom(cfg)
     if m.name not in PRESETS:
@@ -126,7 +126,7 @@ def _custom(cfg: Config) -> ModelSpec:
     return spec
 
 
-def _auto(cfg: Config) -> ModelSpec:
+def _auto(cfg: Config, recorded: tuple[str, ...] | None = None) -> ModelSpec:
     """transformers' own class for the checkpoint in model.init_from (models/auto.py): its
     config must build, its tensors fit the model, and for classification the labels are the
     data's."""
@@ -144,7 +144,9 @@ def _auto(cfg: Config) -> ModelSpec:
     config = read_hf_config(m.init_from)
     text = getattr(config, "text_config", None) or config
     labels: tuple[str, ...] = ()
-    if m.task == "classification":
+    if m.task == "classification" and recorded:  # the names a run recorded (export)
+        labels = tuple(recorded)
+    elif m.task == "classification":
         from shardwise.data import data_spec
         from shardwise.data.classify import label_names
 

@@ -13,6 +13,8 @@ from torch import nn
 from shardwise.models import count_params
 from shardwise.training.nonfinite import describe
 
+LABELS = "labels.json"
+
 
 def flops_per_token(model: nn.Module, derived) -> float:
     """Training FLOPs per token, 6N + 12·L·h·s (PaLM, Chowdhery et al. 2022, appendix B), with
@@ -79,6 +81,12 @@ class MetricsLogger:
         out = Path(run.cfg.run.dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(run.cfg.to_dict(), indent=2))
+        if run.derived.spec.labels:  # a classifier's label names, in id order (export reads them)
+            names = {
+                "label_field": run.cfg.data.label_field,
+                "labels": list(run.derived.spec.labels),
+            }
+            (out / LABELS).write_text(json.dumps(names, indent=1))
         path = out / "metrics.jsonl"
         if start_step and path.is_file():  # replaced atomically: a kill here loses nothing
             kept = [line for line in path.read_text().splitlines(True) if _before(line, start_step)]
