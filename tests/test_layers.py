@@ -20,7 +20,7 @@ LAYERS = [
     ("parallel",),
     ("distributed",),
     ("models", "data", "finetune"),
-    ("config", "errors", "optim", "callables"),
+    ("config", "errors", "optim"),
 ]
 FLOOR = {name: len(LAYERS) - i for i, names in enumerate(LAYERS) for name in names}
 

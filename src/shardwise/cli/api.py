@@ -71,7 +71,7 @@ def train(
 
 
 def _callables(model, dataset, loss) -> list[str]:
-    from shardwise.callables import import_path
+    from shardwise.data.callables import import_path
 
     out = []
     for value, key in ((model, "model.name"), (dataset, "data.dataset"), (loss, "train.loss")):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import default_collate
 
-from shardwise.callables import resolve
+from shardwise.data.callables import resolve
 from shardwise.errors import DataError
 
 

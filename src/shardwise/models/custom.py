@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from shardwise.callables import resolve
+from shardwise.data.callables import resolve
 from shardwise.errors import ConfigError
 
 # what a factory may ask for, and where it comes from

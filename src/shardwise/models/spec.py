@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardwise.callables import is_import_path
 from shardwise.config import Config
+from shardwise.data.callables import is_import_path
 from shardwise.errors import ConfigError
 from shardwise.models.presets import PRESETS, RESNET_ARCHS, ModelSpec, preset
 

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.callables import resolve
 from shardwise.config import Config
 from shardwise.data import GlobalSampler, data_spec, load_data, load_held_out
+from shardwise.data.callables import resolve
 from shardwise.distributed import device as dev
 from shardwise.distributed.comm import Comm
 from shardwise.distributed.topology import Topology, build_topology

@@ -243,7 +243,7 @@ def _check_loss(cfg: Config, tp: int, pp: int) -> None:
             f"train.loss='{cfg.train.loss}' is neither cross_entropy nor module:fn. Fix: "
             "--train.loss=cross_entropy, or your function as mylosses:mse or losses.py:mse."
         )
-    from shardwise.callables import resolve
+    from shardwise.data.callables import resolve
 
     resolve(cfg.train.loss, "train.loss")  # imports, or one message naming what failed
     if tp > 1 or pp > 1:

@@ -1,6 +1,8 @@
 """Your callables named in the config: `model.name`, `data.dataset` and `train.loss` take
 `package.module:name` (importable) or `path/to/file.py:name`; the Python entry point turns a
-function back into that form, so every rank finds the same object by name."""
+function back into that form, so every rank finds the same object by name. It sits in data/,
+the lowest floor that needs it: models/ and data/ both resolve such values, and models/
+already reads data/."""
 
 from __future__ import annotations
 
