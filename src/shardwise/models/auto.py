@@ -85,8 +85,7 @@ def build_auto(spec) -> nn.Module:
     model = on_meta(lambda: cls.from_config(config))
     if spec.task == "classification":
         _take_packed_inputs(model)
-    model.shardwise_spec = spec
-    model.shardwise_buffers = {**getattr(model, "shardwise_buffers", {}), **_rope(model)}
+    model.shardwise_spec = spec  # (on_meta kept the buffers its constructor computed: RoPE tables)
     return model
 
 
@@ -100,20 +99,6 @@ def _take_packed_inputs(model: nn.Module) -> None:
         return inner(input_ids=packed[:, 0], attention_mask=packed[:, 1]).logits
 
     model.forward = forward
-
-
-def _rope(model: nn.Module) -> dict[str, torch.Tensor]:
-    """RoPE tables computed in the constructor from the config (kept by `on_meta` too; this
-    covers models whose tables are made lazily)."""
-    out = {}
-    for name, module in model.named_modules():
-        buf = getattr(module, "inv_freq", None)
-        if isinstance(buf, torch.Tensor) and buf.is_meta and hasattr(module, "config"):
-            with torch.device("cpu"):
-                fresh = type(module)(module.config)
-            for leaf, value in fresh.named_buffers(recurse=False):
-                out[f"{name}.{leaf}"] = value.detach().clone()
-    return out
 
 
 class AutoWeights(HFWeights):
