@@ -24,11 +24,11 @@ CONFIG = {
 }
 
 
-def _train(tmp_path: Path, name: str, nproc: int, *extra: str) -> list[dict]:
+def _train(tmp_path: Path, name: str, nproc: int, *extra: str, dataset=waves) -> list[dict]:
     return shardwise.train(
         CONFIG,
         model=regressor,
-        dataset=waves,
+        dataset=dataset,
         loss=summed_mse,
         nproc=nproc,
         overrides=[f"--run.dir={tmp_path / name}", *extra],
@@ -59,14 +59,7 @@ def test_what_cannot_reach_the_other_ranks_is_refused(tmp_path):
 
 def test_bad_items_are_one_clear_error(tmp_path):
     with pytest.raises(DataError, match=r"not an \(input, target\) pair"):
-        shardwise.train(
-            CONFIG,
-            model=regressor,
-            dataset=bad_items,
-            loss=summed_mse,
-            nproc=1,
-            overrides=[f"--run.dir={tmp_path / 'bad'}"],
-        )
+        _train(tmp_path, "bad", 1, dataset=bad_items)
 
 
 def _readme_example() -> str:
@@ -94,12 +87,5 @@ def test_a_held_out_split_smaller_than_dp_is_refused_before_launch(tmp_path):
     from user.models import one_held_out
 
     with pytest.raises(ConfigError, match=r"has 1 samples, fewer than the 2 data-parallel"):
-        shardwise.train(
-            CONFIG,
-            model=regressor,
-            dataset=one_held_out,
-            loss=summed_mse,
-            nproc=2,
-            overrides=[f"--run.dir={tmp_path / 'r'}"],
-        )
+        _train(tmp_path, "r", 2, dataset=one_held_out)
     assert not (tmp_path / "r" / "metrics.jsonl").exists()

@@ -133,7 +133,7 @@ def _auto(cfg: Config, recorded: tuple[str, ...] | None = None) -> ModelSpec:
     from shardwise.models.auto import check_checkpoint, read_hf_config
 
     m = cfg.model
-    shaped = [k for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")]
+    shaped = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
     given = [k for k in shaped if getattr(m, k)]
     if given or m.tie_embeddings != "preset" or m.dropout or m.attn_dropout:
         key = given[0] if given else "tie_embeddings/dropout"
