@@ -139,6 +139,23 @@ class OptimConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    lora_rank: int = opt(
+        0, "LoRA rank r (Hu et al. 2021, through peft); 0 = off, every parameter trains."
+    )
+    lora_alpha: float = opt(16.0, "LoRA alpha: the adapter's output is scaled by alpha / r.")
+    lora_dropout: float = opt(
+        0.0, "Dropout on the adapter's input (layout-free masks, as model.dropout)."
+    )
+    lora_targets: str = opt(
+        "all-linear",
+        "Comma-separated module-name patterns that get adapters: a plain name matches the last "
+        "part of a path ('wq', 'q_proj'), a pattern with '.' or '*' the whole path "
+        "('blocks.*.attn.wq'); all-linear = every linear layer but the output head.",
+    )
+
+
+@dataclass
 class ParallelConfig:
     tp: int = opt(1, "Tensor-parallel degree: layers split over this many ranks (Megatron-LM).")
     pp: int = opt(1, "Pipeline-parallel degree.")
@@ -231,6 +248,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)

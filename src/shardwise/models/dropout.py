@@ -82,11 +82,11 @@ class _ApplyMask(torch.autograd.Function):
 
 class LayoutFreeDropout(nn.Module):
     """Dropout on a tensor whose dim 0 is the batch. `split` names what a parallel layout
-    may cut in the per-sample tensor (its dim 0 after the batch): "heads" (attention
-    probabilities [B, H, S, S], cut by tensor parallelism) or "sequence" (hidden states
-    [B, S, h], cut by sequence parallelism). `site` (the module's name in the model) and
-    `shard` ((rank, count) of the cut this rank holds, None when whole) are set by
-    the model and by parallel/tensor.py."""
+    may cut in the per-sample tensor: "heads" (attention probabilities [B, H, S, S], cut
+    by tensor parallelism), "sequence" (hidden states [B, S, h], cut by sequence
+    parallelism) or "features" (a row-parallel layer's input [B, S, h/t], cut along h:
+    LoRA's dropout). `site` (the module's name in the model) and `shard` ((rank, count) of
+    the cut this rank holds, None when whole) are set by the model and by parallel/."""
 
     def __init__(self, p: float, split: str) -> None:
         super().__init__()
@@ -126,6 +126,11 @@ class LayoutFreeDropout(nn.Module):
                 for head in range(rank * part, (rank + 1) * part):
                     gen.manual_seed(_seed(keys.seed, keys.step, n, self.site, head))
                     draws.append(torch.rand(x.shape[2:], generator=gen, device=x.device))
+            elif self.split == "features":  # one draw per sample, cut to this rank's columns
+                gen.manual_seed(_seed(keys.seed, keys.step, n, self.site))
+                width = x.shape[-1]
+                whole = torch.rand((*x.shape[1:-1], width * count), generator=gen, device=x.device)
+                draws.append(whole[..., rank * width : (rank + 1) * width])
             else:  # one draw per sample, cut to this rank's sequence shard
                 gen.manual_seed(_seed(keys.seed, keys.step, n, self.site))
                 whole = torch.rand((part * count, *x.shape[2:]), generator=gen, device=x.device)

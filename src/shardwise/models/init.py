@@ -27,9 +27,17 @@ Rule = Callable[[torch.Tensor, torch.Generator], object]
 
 BASE_STD = 0.02  # GPT-2 / BERT / Llama reference init for Linear and Embedding weights
 FC_STD = 0.01  # ResNet classifier (as torchvision initialises its final Linear)
-# Path segments inserted by wrappers (activation checkpointing, torch.compile, FSDP);
-# removed so that wrapping a module never changes the names its init is keyed by.
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+# Path segments inserted by wrappers (activation checkpointing, torch.compile, FSDP, a peft
+# LoRA layer around its base); removed so that wrapping a module never changes the names its
+# init (or its checkpoint tensor) is keyed by.
+_WRAPPER_SEGMENTS = (
+    "_checkpoint_wrapped_module.",
+    "_orig_mod.",
+    "_fsdp_wrapped_module.",
+    "base_layer.",
+)
+_LORA_A = re.compile(r"\.lora_A\.[^.]+\.weight$")
+_LORA_B = re.compile(r"\.lora_B\.[^.]+\.weight$")
 _OUT_PROJ = re.compile(r"(^|\.)(attn\.wo|mlp\.w2)\.weight$")
 _NORMS = (RMSNorm, LayerNorm, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
@@ -67,8 +75,17 @@ def _kaiming(t: torch.Tensor, g: torch.Generator) -> object:
     return nn.init.kaiming_normal_(t, mode="fan_out", nonlinearity="relu", generator=g)
 
 
+def _lora_a(t: torch.Tensor, g: torch.Generator) -> object:
+    # peft's default for A (and nn.Linear's): Kaiming-uniform with a = sqrt(5)
+    return nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=g)
+
+
 def init_rule(module: nn.Module, leaf: str, name: str, spec: ModelSpec | None) -> Rule:
     """The one dispatch table: module type + (canonical) parameter name -> in-place init."""
+    if _LORA_B.search(name):
+        return _zeros  # LoRA starts as the base model: B·A = 0 (Hu et al. 2021, §4.1)
+    if _LORA_A.search(name):
+        return _lora_a
     if leaf == "bias":
         return _zeros  # every bias: Linear, LayerNorm, BatchNorm
     if isinstance(module, _BatchNorm):
@@ -113,7 +130,8 @@ def initial_value(
 
     Sharding code slices this to get a local shard equal to the same slice of the full init.
     """
-    if spec is not None and spec.arch == "custom":  # the module's own reset_parameters()
+    adapter = _LORA_A.search(name) or _LORA_B.search(name)
+    if spec is not None and spec.arch == "custom" and not adapter:  # its own reset_parameters()
         from shardwise.models.custom import reset_value
 
         return reset_value(module, leaf, param_seed(seed, name.rpartition(".")[0]))

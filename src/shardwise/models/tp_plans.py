@@ -126,6 +126,8 @@ def _foreign_layers(model: nn.Module, published: dict[str, str]) -> str:
             if name.count(".") != pattern.count(".") or not fnmatch.fnmatchcase(name, pattern):
                 continue
             want = nn.Embedding if kind == "embedding_rowwise" else nn.Linear
+            if hasattr(module, "lora_A"):  # a peft LoRA layer: its base is what is split
+                module = module.base_layer
             if type(module) is not want:
                 return (
                     f"splits '{name}', a {type(module).__name__} (not torch's {want.__name__}, "

@@ -26,10 +26,12 @@ from torch import nn
 
 from shardwise.distributed.comm import Comm
 from shardwise.errors import ConfigError
+from shardwise.finetune.lora import is_lora_layer
 from shardwise.models.dropout import LayoutFreeDropout
 from shardwise.models.init import LocalSlice
 from shardwise.models.tp_plans import TPPlan
 from shardwise.parallel.tensor_comm import enter_tp, exit_tp, vocab_cross_entropy
+from shardwise.parallel.tensor_lora import split_lora
 
 COLUMNS = ("column", "column:kv", "column:qkv")
 
@@ -297,7 +299,9 @@ def apply_tensor_parallel(
     for path, kind in kinds.items():
         m, parent = modules[path], path.rpartition(".")[0]
         own = parent not in shared
-        if kind == "column":
+        if is_lora_layer(m):  # an adapter splits with the layer it adapts
+            split_lora(s, path, m, kind, own)
+        elif kind == "column":
             s.column(path, m, own)
         elif kind == "column:kv":
             s.column_kv(path, m, own, modules[parent].head_dim)
@@ -314,7 +318,10 @@ def apply_tensor_parallel(
     for parent in sorted(shared):
         s.enter_at(modules[parent])
     for m in modules.values():  # dropout draws whole per-sample masks and keeps its slice
-        if isinstance(m, LayoutFreeDropout) and (m.split == "heads" or sp):
+        # (a LoRA adapter's "features" dropout is cut by its row-parallel layer only)
+        if isinstance(m, LayoutFreeDropout) and (
+            m.split == "heads" or (sp and m.split != "features")
+        ):
             m.shard = (s.r, t)
     s.finish()
     _fix_counts(model, plan, t, modules)

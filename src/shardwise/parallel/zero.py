@@ -61,10 +61,17 @@ class ZeroEngine:
         self.comm, self.stage = comm, stage
         self.sync = True
         n, rank = comm.topo.size("dp"), comm.topo.coord("dp")
-        self.units = [
-            Unit(name, entries, modules, n, rank, stage, compute, reduce, device, offload_params)
-            for name, entries, modules in unit_roots(model)
-        ]
+        # Trainable and frozen parameters of a root never share a unit: a frozen unit has no
+        # gradient buffers and nothing to reduce (LoRA keeps its few trainable parameters in
+        # small units of their own, so the saving is not lost to a shared flat buffer).
+        self.units = []
+        for root, (name, entries, modules) in enumerate(unit_roots(model)):
+            for part, group in _by_trainability(name, entries):
+                unit = Unit(
+                    part, group, modules, n, rank, stage, compute, reduce, device, offload_params
+                )
+                unit.root = root  # its root's place in forward order
+                self.units.append(unit)
         replaced = {k: v for u in self.units for k, v in u.replaced.items()}
         for module in model.modules():  # every use of an old parameter, tied ones included
             for leaf, p in list(module._parameters.items()):
@@ -170,6 +177,10 @@ class ZeroEngine:
     def _gather_for(self, unit: Unit, direction: int) -> None:
         if direction > 0 and not _in_backward():
             unit.forward_calls += 1
+        if direction < 0:  # backward has left the roots after this one: their frozen units go
+            for done in self.units:  # (a trainable unit is freed once its gradients are reduced)
+                if done.n_trainable == 0 and done.root > unit.root:
+                    self._free(done)
         self._ensure(unit)
         i = self.units.index(unit) + direction
         if 0 <= i < len(self.units) and not (direction < 0 and self.units[i].done):
@@ -323,6 +334,15 @@ class ZeroEngine:
         if self.stage < 3:  # publish the updated slices to every replica
             for unit in self.units:
                 self.comm.all_gather(unit.full, unit.full[unit.lo : unit.hi], "dp")
+
+
+def _by_trainability(name: str, entries: list) -> list[tuple[str, list]]:
+    """A root's parameters as up to two units: the trainable ones, then the frozen ones."""
+    trainable = [e for e in entries if e[3].requires_grad]
+    frozen = [e for e in entries if not e[3].requires_grad]
+    if not trainable or not frozen:
+        return [(name, entries)]
+    return [(name, trainable), (f"{name}[frozen]", frozen)]
 
 
 def apply_zero(

@@ -140,7 +140,11 @@ class Unit:
         self.forward_calls = 0  # forward gathers this micro-batch (ZeRO-3 consistency check)
         self.gathered = True
         self.handle = None
-        if stage == 1:  # full gradients, reduce-scattered in place once per step
+        self.root = 0  # the root's place in forward order (set by the engine)
+        if self.n_trainable == 0:  # frozen: no gradient buffers at all
+            self.grad_full = None
+            self.grad_shard = torch.zeros(0, dtype=reduce, device=device)
+        elif stage == 1:  # full gradients, reduce-scattered in place once per step
             self.grad_full = torch.zeros(self.padded, dtype=reduce, device=device)
             for p, off in zip(self.params, self.offsets, strict=True):
                 p.main_grad = self.grad_full[off : off + p.numel()].view_as(p)
@@ -183,12 +187,12 @@ class Unit:
 
     @property
     def grad_bytes(self) -> int:
-        t = self.grad_full if self.stage == 1 else self.grad_shard
+        t = self.grad_shard if self.grad_full is None else self.grad_full
         return t.numel() * t.element_size()
 
     # -- gradients ------------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        (self.grad_full if self.stage == 1 else self.grad_shard).zero_()
+        (self.grad_shard if self.grad_full is None else self.grad_full).zero_()
 
     def add_grad(self, p: nn.Parameter) -> None:
         if self.stage == 1:

@@ -16,6 +16,7 @@ from torch import nn
 from shardwise.config import Config
 from shardwise.data import GlobalSampler, load_data, split_for_rank
 from shardwise.distributed import device as dev
+from shardwise.finetune.lora import apply_lora
 from shardwise.models import build_model, init_weights
 from shardwise.optim import adamw, lr_at
 from shardwise.testing.collectives import CollectiveCounter
@@ -50,6 +51,7 @@ def setup(cfg: Config) -> Setup:
     data = load_data(data_spec(cfg, d.spec.vocab_size), "train")
     with torch.device(info.device):
         model = build_model(d.spec)
+        apply_lora(model, cfg.finetune)  # peft's adapters, as the engine adds them
     init_weights(model, cfg.train.seed)  # (seed, name): every rank holds the same full model
     freeze(model, cfg.train.freeze)
     sampler = GlobalSampler(len(data), cfg.train.global_batch, cfg.train.seed)

@@ -14,9 +14,10 @@ from torch.nn.parallel import DistributedDataParallel
 from shardwise.config import Config
 from shardwise.data import GlobalSampler, load_data, split_for_rank
 from shardwise.distributed import device as dev
+from shardwise.finetune.lora import apply_lora
 from shardwise.models import build_model, init_weights
 from shardwise.optim import adamw, lr_at
-from shardwise.training.runtime import data_spec, init_distributed
+from shardwise.training.runtime import data_spec, freeze, init_distributed
 from shardwise.training.validate import derive
 
 
@@ -27,6 +28,8 @@ def ddp_peer(cfg: Config) -> dict:
     data = load_data(data_spec(cfg, d.spec.vocab_size), "train")
     with torch.device(info.device):
         model = build_model(d.spec)
+        apply_lora(model, cfg.finetune)  # peft's adapters, as the engine adds them
+    freeze(model, cfg.train.freeze)
     if d.spec.arch == "hf":  # a checkpoint: its weights, a new head from (seed, name)
         from shardwise.models.auto import weight_source
         from shardwise.models.hf_weights import load_weights
@@ -36,8 +39,9 @@ def ddp_peer(cfg: Config) -> dict:
         init_weights(model, cfg.train.seed)
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.parallel.bucket_mb)
     o = cfg.optim
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     opt = adamw(decay, no_decay, cfg)
     sampler = GlobalSampler(len(data), cfg.train.global_batch, cfg.train.seed)
     rank_count = cfg.train.global_batch // d.dp * d.tokens_per_sample

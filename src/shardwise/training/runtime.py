@@ -22,6 +22,7 @@ from shardwise.distributed.comm import Comm
 from shardwise.distributed.topology import Topology, build_topology
 from shardwise.distributed.watchdog import Watchdog, start_watchdog
 from shardwise.errors import ConfigError
+from shardwise.finetune.lora import apply_lora
 from shardwise.models import build_model, init_weights, to_empty
 from shardwise.models.auto import weight_source
 from shardwise.models.hf_weights import HFWeights, load_weights
@@ -249,6 +250,7 @@ def _build(
     check_held_out(cfg, derived, val_data)
     with torch.device("meta"):
         model = build_model(spec)
+    apply_lora(model, cfg.finetune)  # adapters on meta, the base frozen (finetune/lora.py)
     freeze(model, cfg.train.freeze)
     model, reducer, tp, pipeline = parallelize(model, cfg, derived, comm, info)
     if isinstance(reducer, ZeroEngine):

@@ -198,6 +198,7 @@ def derive(cfg: Config, world: int) -> Derived:
     _check_loss(cfg, tp, pp)
     if spec.arch == "custom":
         _check_custom(cfg, tp)
+    _check_lora(spec, cfg)
     if spec.arch == "hf" and tp > 1:
         _check_checkpoint_tp(spec, cfg)
     if is_image and tp > 1:
@@ -262,6 +263,19 @@ def _check_checkpoint_tp(spec: ModelSpec, cfg: Config) -> None:
     with torch.device("meta"):
         checkpoint_plan(build_model(spec))
     _check_tensor_parallel(spec, cfg)
+
+
+def _check_lora(spec: ModelSpec, cfg: Config) -> None:
+    """LoRA's keys, and its targets must name linear layers of this model (applied on meta
+    before launch)."""
+    from shardwise.finetune.lora import apply_lora, check
+    from shardwise.models import build_model
+
+    check(cfg.finetune)
+    if cfg.finetune.lora_rank == 0:
+        return
+    with torch.device("meta"):
+        apply_lora(build_model(spec), cfg.finetune)
 
 
 def _check_custom(cfg: Config, tp: int) -> None:

@@ -1,0 +1,85 @@
+"""Tensor parallelism for a layer peft wrapped with a LoRA adapter (finetune/lora.py).
+
+The adapter is split with the layer it adapts, so the sum base(x) + B(A(x))·s stays one
+layer's output (Hu et al. 2021 on a Megatron split):
+
+* column-parallel base (output features split): B's rows are split like the base's; A is
+  whole on every tp rank and sees the same (entered) input, but each rank's gradient of A
+  comes from its own rows of B only, so A is `partial` (summed over tp once per step);
+* row-parallel base (input features split): A's columns are split like the base's input,
+  B is whole; base and adapter outputs are both partial sums, added before the one exit
+  reduction (the bias after it), so B's gradient is `partial` too. The adapter's dropout
+  then sees a feature-cut input and keeps its columns of the whole mask.
+
+An adapter on a vocabulary-parallel layer, or on a k/v projection whose heads are fewer than
+the tp ranks (replicated, narrowed per rank), is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.errors import ConfigError
+from shardwise.finetune.lora import ADAPTER
+
+
+def _out_dim(module: nn.Module) -> int:
+    return 1 if type(module).__name__ == "Conv1D" else 0  # transformers' Conv1D: [in, out]
+
+
+def _partial(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The row-parallel base's local product, without the bias (added after the sum)."""
+    return torch.matmul(x, base.weight) if _out_dim(base) else F.linear(x, base.weight)
+
+
+def split_lora(s, path: str, w: nn.Module, kind: str, own_entry: bool) -> None:
+    """Split the LoRA layer `w` at `path` whose base the plan marks `kind`; `s` is
+    parallel/tensor.py's sharder for this rank."""
+    base, a, b = w.base_layer, w.lora_A[ADAPTER], w.lora_B[ADAPTER]
+    peft_forward = type(w).forward
+    if kind == "column:kv":
+        heads = (
+            base.weight.shape[_out_dim(base)]
+            // s.model.get_submodule(path.rpartition(".")[0]).head_dim
+        )
+        if heads % s.t:
+            raise ConfigError(
+                f"{path}: a LoRA adapter on a k/v projection with {heads} kv heads and "
+                f"parallel.tp={s.t} (each rank keeps a replicated head). Fix: leave it out of "
+                "finetune.lora_targets, or a tp dividing the kv heads."
+            )
+        kind = "column"
+    if kind in ("column", "column:qkv"):
+        split = s.column if kind == "column" else s.column_qkv
+        split(f"{path}.base_layer", base, False)  # the entry is the wrapper's (below)
+        cut = s.new[id(base._parameters["weight"])].tp_slice
+        s.shard(f"{path}.lora_B.{ADAPTER}", b, "weight", 0, cut.ranges)
+        a.weight.tp_kind = "partial"
+        w.tp_out = base.tp_out
+        if own_entry:
+            w.forward = lambda x: peft_forward(w, s.enter(x))
+        else:
+            w.forward = lambda x: peft_forward(w, x)
+        return
+    if kind != "row":
+        raise ConfigError(
+            f"{path}: a LoRA adapter on a {kind} layer cannot be split over parallel.tp={s.t}. "
+            "Fix: leave it out of finetune.lora_targets, or --parallel.tp=1."
+        )
+    d = 1 - _out_dim(base)
+    lo, hi = s.even(path, base, "input width", base.weight.shape[d])
+    s.shard(f"{path}.base_layer", base, "weight", d, [(lo, hi)])
+    s.shard(f"{path}.lora_A.{ADAPTER}", a, "weight", 1, [(lo, hi)])
+    b.weight.tp_kind = "partial"
+    dropout = w.lora_dropout[ADAPTER]
+    if hasattr(dropout, "shard"):  # LayoutFreeDropout: the input's columns are this rank's
+        dropout.shard = (s.r, s.t)
+    base.forward = lambda x: _partial(base, x)
+
+    def forward(x):
+        y = s.exit(peft_forward(w, x))
+        return y if base.bias is None else y + base.bias
+
+    w.forward = forward
