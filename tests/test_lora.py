@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from test_instruct import instruction_records  # noqa: E402
 from test_pretrained_tokenizer import _documents, _tokenizer  # noqa: E402
 
 LORA = ["--finetune.lora_rank=4", "--finetune.lora_alpha=8", "--train.steps=8"]
@@ -34,6 +35,7 @@ LAYOUTS = {
     "z3": ["--parallel.zero=3"],
     "tp2": ["--parallel.tp=2"],
 }
+INSTRUCTION = ["--data.format=instruction", "--data.seq_len=128", "--finetune.lora_dropout=0.1"]
 HF_STEPS = ["--train.steps=4", "--train.lr=1e-3", "--optim.warmup_steps=1", "--optim.eps=1e-6"]
 
 
@@ -53,10 +55,12 @@ def llama(tmp_path_factory):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=256,
     )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(root / "ckpt")
+    records = [{**r, "input": ""} for r in instruction_records(docs)]
+    (root / "inst.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return [
         "--model.name=hf",
         f"--model.init_from={root / 'ckpt'}",
@@ -75,15 +79,31 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worlds(llama):
-    one = {"ref": case(*LORA), "ref_drop": case(*LORA, *DROP), "hf": {"overrides": llama}}
+    inst = [*llama, f"--data.dataset={_folder(llama) / 'inst.jsonl'}", *INSTRUCTION]
+    one = {
+        "ref": case(*LORA),
+        "ref_drop": case(*LORA, *DROP),
+        "hf": {"overrides": llama},
+        "hf_inst": {"overrides": inst},
+    }
     two = {"ddp": case(*LORA, peer=DDP), "z0": case(*LORA)}
     for name, extra in LAYOUTS.items():
         two[name] = case(*LORA, *extra)
         two[f"{name}_drop"] = case(*LORA, *DROP, *extra)
         two[f"hf_{name}"] = {"overrides": [*llama, *extra]}
+    two["hf_inst_z3"] = {"overrides": [*inst, "--parallel.zero=3"]}
+    two["hf_inst_tp2"] = {"overrides": [*inst, "--parallel.tp=2"]}
     two["tp2_sp"] = case(*LORA, *DROP, "--parallel.tp=2", "--parallel.sp=true")
     two["z3_full"] = case("--train.steps=8", "--parallel.zero=3")  # the same model, all trained
     return run_named_worlds({1: one, 2: two})
+
+
+def _folder(overrides: list[str]):
+    from pathlib import Path
+
+    return Path(
+        next(o for o in overrides if o.startswith("--model.init_from=")).split("=")[1]
+    ).parent
 
 
 def _initial(overrides: list[str]) -> dict[str, torch.Tensor]:
@@ -134,6 +154,35 @@ def test_hf_llama_lora_reproduces_one_process(worlds, layout):
     assert max_param_diff(got["params"], ref["params"]) <= 1e-5
     trained = [n for n in got["params"] if ".lora_" in n]
     assert trained and any("q_proj" in n for n in trained)
+
+
+@pytest.mark.parametrize("layout", ["z3", "tp2"])
+def test_instruction_tuning_reproduces_one_process(worlds, layout):
+    """Loss on response tokens only, divided by the step's global count of them: the same in
+    every layout (tp2: the vocabulary-parallel loss ignores masked targets like torch's)."""
+    ref, got = worlds[1]["hf_inst"][0], worlds[2][f"hf_inst_{layout}"][0]
+    assert max_rel(got["losses"], ref["losses"]) <= 1e-5
+    assert max_param_diff(got["params"], ref["params"]) <= 1e-5
+
+
+def test_the_first_loss_is_the_base_models_mean_over_response_tokens(worlds, llama):
+    """Step 1 runs the base model (B = 0): its loss is transformers' own cross-entropy averaged
+    over the response tokens of the step's global batch (prompts and padding excluded)."""
+    import torch.nn.functional as F
+
+    from shardwise.data import GlobalSampler, data_spec, load_data
+
+    inst = [*llama, f"--data.dataset={_folder(llama) / 'inst.jsonl'}", *INSTRUCTION]
+    cfg = load_config(None, inst)
+    data = load_data(data_spec(cfg, 320), "train")
+    batch = GlobalSampler(len(data), cfg.train.global_batch, cfg.train.seed).global_indices(0)
+    x, y = data.get_batch(batch)
+    model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model.init_from)
+    with torch.no_grad():
+        logits = model(x).logits
+    mean = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+    assert (y == -100).any() and (y != -100).any()
+    assert abs(worlds[1]["hf_inst"][0]["losses"][0] - mean.item()) <= 1e-5 * mean.item()
 
 
 def _bytes(res, key: str) -> int:

@@ -82,6 +82,23 @@ class DataConfig:
     seq_len: int = opt(128, "Tokens per sample (text).")
     text_field: str = opt("text", "Field holding the text in .jsonl/.json/.parquet files.")
     label_field: str = opt("label", "Field holding the label (model.task=classification).")
+    format: Literal["text", "instruction", "chat"] = opt(
+        "text",
+        "text: documents packed into windows, every token a target; instruction: "
+        "Alpaca-style records (prompt/input/response fields); chat: lists of messages "
+        "rendered with the tokenizer's chat template. instruction/chat: one record per "
+        "sample, loss on the response tokens only.",
+    )
+    prompt_field: str = opt(
+        "instruction", "Field holding the instruction (data.format=instruction)."
+    )
+    input_field: str = opt(
+        "input", "Field holding the optional input (data.format=instruction; '' = none)."
+    )
+    response_field: str = opt("output", "Field holding the response (data.format=instruction).")
+    messages_field: str = opt(
+        "messages", "Field holding the [{role, content}, ...] list (data.format=chat)."
+    )
     tokenizer: str = opt(
         "auto",
         "Tokenizer of text data: auto (the checkpoint's own when model.init_from is set, else "

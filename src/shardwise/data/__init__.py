@@ -11,6 +11,7 @@ from shardwise.config import Config
 from shardwise.data.classify import ClassifyDataset, load_classify, prepare_classify
 from shardwise.data.corpus import DataSpec
 from shardwise.data.images import ImageDataset, load_digits
+from shardwise.data.instruct import InstructDataset, load_instruct
 from shardwise.data.pretrained import tokenizer_dir
 from shardwise.data.sampler import GlobalSampler, split_for_rank
 from shardwise.data.tokens import TokenDataset, load_tokens, prepare_text
@@ -45,12 +46,15 @@ def prepare_data(spec: DataSpec) -> None:
     if spec.label_field:
         prepare_classify(spec)
         return
+    if spec.format != "text":
+        load_instruct(spec, "train")
+        return
     prepare_text(spec)
 
 
 def load_data(
     spec: DataSpec, split: str
-) -> TokenDataset | ImageDataset | UserDataset | ClassifyDataset | None:
+) -> TokenDataset | ImageDataset | UserDataset | ClassifyDataset | InstructDataset | None:
     """The "train" or "val" split of `spec.dataset` (prepares the cache first if needed)."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {SPLITS}")
@@ -60,6 +64,8 @@ def load_data(
         return load_user(spec.dataset, split)  # None when your factory has no such split
     if spec.label_field:
         return load_classify(spec, split)
+    if spec.format != "text":
+        return load_instruct(spec, split)
     return load_tokens(spec, split)
 
 
@@ -70,6 +76,12 @@ def data_spec(cfg: Config, vocab_size: int) -> DataSpec:
     return DataSpec(
         tokenizer=tokenizer_dir(d.tokenizer, cfg.model.init_from, d.dataset),
         label_field=d.label_field if cfg.model.task == "classification" else "",
+        format=d.format,
+        fields=(d.prompt_field, d.input_field, d.response_field)
+        if d.format == "instruction"
+        else (d.messages_field,)
+        if d.format == "chat"
+        else (),
         dataset=d.dataset,
         seq_len=d.seq_len,
         vocab_size=vocab_size,

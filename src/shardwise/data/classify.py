@@ -12,7 +12,6 @@ number of rows.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shardwise.data.cache import build_once, read_meta, save_array
 from shardwise.data.corpus import (
     DataSpec,
     builder_of,
@@ -118,21 +118,13 @@ def _root(spec: DataSpec) -> Path:
 
 
 def _cached(spec: DataSpec) -> dict | None:
-    try:
-        return json.loads((_root(spec) / "meta.json").read_text())
-    except (OSError, ValueError):
-        return None
+    return read_meta(_root(spec))
 
 
 def prepare_classify(spec: DataSpec) -> tuple[Path, dict]:
-    """Build the encoded rows once (file lock; meta.json written last)."""
+    """Build the encoded rows once (data/cache.py)."""
     root = _root(spec)
-    meta = _cached(spec)
-    if meta is None:
-        root.mkdir(parents=True, exist_ok=True)
-        with open(root / ".lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            meta = _cached(spec) or _build(spec, root)
+    meta = build_once(root, lambda r: _build(spec, r))
     if meta["vocab_size"] > spec.vocab_size:
         raise DataError(
             f"the tokenizer of '{spec.tokenizer}' has {meta['vocab_size']} tokens but the "
@@ -163,10 +155,11 @@ def _build(spec: DataSpec, root: Path) -> dict:
             return_attention_mask=True,
         )
         dtype = np.int32 if len(tok) >= 2**15 else np.int16
-        _save(root / f"{split}.ids.npy", np.asarray(enc["input_ids"], dtype=dtype))
-        _save(root / f"{split}.mask.npy", np.asarray(enc["attention_mask"], dtype=np.int8))
-        _save(root / f"{split}.labels.npy", np.asarray([index[str(y)] for _, y in rows], np.int64))
-    meta = {
+        save_array(root / f"{split}.ids.npy", np.asarray(enc["input_ids"], dtype=dtype))
+        save_array(root / f"{split}.mask.npy", np.asarray(enc["attention_mask"], dtype=np.int8))
+        labels = np.asarray([index[str(y)] for _, y in rows], np.int64)
+        save_array(root / f"{split}.labels.npy", labels)
+    return {
         "format": FORMAT,
         "labels": names,
         "vocab_size": len(tok),
@@ -174,16 +167,6 @@ def _build(spec: DataSpec, root: Path) -> dict:
         "val_rows": len(val),
         "tokenizer": spec.tokenizer,
     }
-    tmp = root / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    tmp.replace(root / "meta.json")
-    return meta
-
-
-def _save(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, array)
-    tmp.replace(path)
 
 
 def load_classify(spec: DataSpec, split: str) -> ClassifyDataset | None:

@@ -42,6 +42,8 @@ class DataSpec:
     cache_dir: str = ""  # "" -> $SHARDWISE_CACHE or ~/.cache/shardwise
     tokenizer: str = ""  # a folder with a Hugging Face tokenizer; "" -> train a BPE (text)
     label_field: str = ""  # set: labelled rows for sequence classification (data/classify.py)
+    format: str = "text"  # instruction | chat: one record per sample (data/instruct.py)
+    fields: tuple[str, ...] = ()  # instruction: (prompt, input, response); chat: (messages,)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset.strip():
@@ -50,7 +52,12 @@ class DataSpec:
             raise DataError(f"data.seq_len={self.seq_len} must be >= 1. Fix: use e.g. 128.")
         # A byte-level BPE needs its 256 byte tokens plus the end-of-text token.
         # Image models have no vocabulary (vocab_size 0), so only text data checks it.
-        text = self.dataset != "digits" and not self.is_user and not self.label_field
+        text = (
+            self.dataset != "digits"
+            and not self.is_user
+            and not self.label_field
+            and self.format == "text"
+        )
         if text and not self.tokenizer and self.vocab_size < 257:
             raise DataError(
                 f"data.vocab_size={self.vocab_size} is below the 257 tokens a byte-level BPE "

@@ -28,6 +28,8 @@ FILES = (
     "vocab.txt",
     "merges.txt",
     "tokenizer.model",
+    "chat_template.jinja",  # the chat template renders data.format=chat records
+    "chat_template.json",
 )
 
 

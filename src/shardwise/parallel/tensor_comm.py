@@ -119,6 +119,9 @@ def exit_tp(x: torch.Tensor, comm: Comm, sp: bool) -> torch.Tensor:
     return _ExitSeq.apply(x, comm) if sp else _Exit.apply(x, comm)
 
 
+IGNORE_INDEX = -100  # a target that carries no loss (a prompt or padding token)
+
+
 class _VocabCrossEntropy(Function):
     """Per-token cross-entropy from vocabulary-sharded logits [N, V/t] (fp32)."""
 
@@ -140,16 +143,17 @@ class _VocabCrossEntropy(Function):
         comm.all_reduce(sums, "tp")
         sum_exp, target_logit = sums[0], sums[1]
         exp.div_(sum_exp[:, None])  # the local slice of the softmax, kept for backward
-        ctx.save_for_backward(exp, local_t, mine)
-        return sum_exp.log() - target_logit
+        kept = targets != IGNORE_INDEX  # as F.cross_entropy: no loss, no gradient
+        ctx.save_for_backward(exp, local_t, mine, kept)
+        return (sum_exp.log() - target_logit) * kept
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local_t, mine = ctx.saved_tensors
+        softmax, local_t, mine, kept = ctx.saved_tensors
         rows = torch.arange(softmax.shape[0], device=softmax.device)
         grad_logits = softmax.clone()
         grad_logits[rows, local_t] -= mine.to(softmax.dtype)
-        return grad_logits * grad[:, None], None, None, None, None
+        return grad_logits * (grad * kept)[:, None], None, None, None, None
 
 
 def vocab_cross_entropy(

@@ -25,7 +25,8 @@ def fit(run: Run) -> list[dict]:
     `checkpoint.resume`); returns the per-step metric records of the steps run here."""
     cfg, d, model = run.cfg, run.derived, run.model
     device = run.info.device
-    global_count = cfg.train.global_batch * d.tokens_per_sample  # the loss normaliser
+    per_step = cfg.train.global_batch * d.tokens_per_sample  # the loss normaliser, unless
+    counted = getattr(run.train_data, "targets_in", None)  # only some tokens are targets
     peak = run.info.peak_flops(cfg.precision.compute)
     with torch.device("meta"):  # the whole model's FLOPs, not this rank's tensor-parallel slice
         step_flops = flops_per_token(build_model(d.spec), d) * d.tokens_per_step
@@ -41,7 +42,11 @@ def fit(run: Run) -> list[dict]:
         run.comm.start_step()
         t0 = time.perf_counter()
         # fetch: this rank's slice of the step's global batch, cut into micro-batches
-        micro = split_for_rank(run.sampler.global_indices(step), run.dp_rank, d.dp, d.micro_batch)
+        batch = run.sampler.global_indices(step)
+        micro = split_for_rank(batch, run.dp_rank, d.dp, d.micro_batch)
+        # the global count of target tokens (prompts masked: every rank counts the whole
+        # batch, so the normaliser is the same in every layout without a collective)
+        global_count = counted(batch) if counted else per_step
         run.reducer.zero_grad()
         loss_sum = torch.zeros((), device=device)
         act_peak = 0
@@ -146,7 +151,8 @@ def evaluate(run: Run) -> dict[str, float]:
                 sums[0] += loss.double()
                 if classifies:  # labels (a split vocabulary has no local argmax)
                     sums[1] += (logits.argmax(-1) == targets).sum().double()
-        count += batch * d.tokens_per_sample
+        counted = getattr(run.val_data, "targets_in", None)
+        count += counted(sampler.global_indices(step)) if counted else batch * d.tokens_per_sample
     run.model.train()
     run.comm.all_reduce(sums, "dp", control=True)
     out = {"eval_loss": float(sums[0]) / count}

@@ -206,6 +206,13 @@ def derive(cfg: Config, world: int) -> Derived:
             f"parallel.tp={tp}: tensor parallelism splits transformer layers, and "
             f"model.name='{cfg.model.name}' is a ResNet. Fix: --parallel.tp=1."
         )
+    if cfg.data.format != "text" and (is_image or user_data or cfg.model.task != "causal_lm"):
+        what = "a classifier" if cfg.model.task != "causal_lm" else f"'{cfg.data.dataset}'"
+        raise ConfigError(
+            f"data.format={cfg.data.format} builds next-token samples of records for a causal "
+            f"language model, and {what} is not one's data. Fix: --data.format=text, or a "
+            "causal LM with a .jsonl/.json/.parquet file of records."
+        )
     yours = spec.arch in ("custom", "hf") or user_data  # the pairing is yours / the checkpoint's
     if not yours and is_image != (cfg.data.dataset == "digits"):
         kind = "an image model" if is_image else "a text model"

@@ -1,0 +1,42 @@
+"""Encoded-record caches (classification rows, instruction and chat records): built once per
+content key under a file lock, every file written to a temporary name and renamed, meta.json
+last as the "complete" marker, so concurrent ranks build once and never read halves."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+
+def read_meta(root: Path) -> dict | None:
+    try:
+        return json.loads((root / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def build_once(root: Path, build: Callable[[Path], dict]) -> dict:
+    """The cache's meta.json, running `build(root)` (which returns it) if it is missing."""
+    meta = read_meta(root)
+    if meta is not None:
+        return meta
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        meta = read_meta(root)
+        if meta is None:
+            meta = build(root)
+            tmp = root / "meta.json.tmp"
+            tmp.write_text(json.dumps(meta, indent=1))
+            tmp.replace(root / "meta.json")
+    return meta
+
+
+def save_array(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, array)
+    tmp.replace(path)
