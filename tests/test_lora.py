@@ -78,12 +78,19 @@ def llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def worlds(llama):
+def runs(tmp_path_factory):
+    """Run directories of the checkpointed LoRA runs the export tests read."""
+    root = tmp_path_factory.mktemp("lora-runs")
+    return {"one": root / "one", "z3": root / "z3"}
+
+
+@pytest.fixture(scope="module")
+def worlds(llama, runs):
     inst = [*llama, f"--data.dataset={_folder(llama) / 'inst.jsonl'}", *INSTRUCTION]
     one = {
         "ref": case(*LORA),
         "ref_drop": case(*LORA, *DROP),
-        "hf": {"overrides": llama},
+        "hf": {"overrides": [*llama, "--checkpoint.every=4", f"--run.dir={runs['one']}"]},
         "hf_inst": {"overrides": inst},
     }
     two = {"ddp": case(*LORA, peer=DDP), "z0": case(*LORA)}
@@ -91,6 +98,7 @@ def worlds(llama):
         two[name] = case(*LORA, *extra)
         two[f"{name}_drop"] = case(*LORA, *DROP, *extra)
         two[f"hf_{name}"] = {"overrides": [*llama, *extra]}
+    two["hf_z3"]["overrides"] += ["--checkpoint.every=4", f"--run.dir={runs['z3']}"]
     two["hf_inst_z3"] = {"overrides": [*inst, "--parallel.zero=3"]}
     two["hf_inst_tp2"] = {"overrides": [*inst, "--parallel.tp=2"]}
     two["tp2_sp"] = case(*LORA, *DROP, "--parallel.tp=2", "--parallel.sp=true")
@@ -219,3 +227,42 @@ def test_bad_lora_keys_are_refused_before_launch(overrides, message):
     cfg = load_config(None, [*case(*LORA)["overrides"], *overrides])
     with pytest.raises(ConfigError, match=message):
         derive(cfg, 1)
+
+
+def test_adapter_and_merged_exports_load_in_peft_and_transformers(worlds, llama, runs, tmp_path):
+    """The dp2 ZeRO-3 run's adapter export is non-empty and equals the 1-process run's;
+    PeftModel loads it onto the checkpoint it started from, and the merged export's logits
+    equal base + adapter's."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from shardwise.cli.main import main
+
+    for name in ("one", "z3"):
+        assert main(["export", str(runs[name]), "--format", "peft", str(tmp_path / name)]) == 0
+    assert main(["export", str(runs["z3"]), "--format", "hf", str(tmp_path / "merged")]) == 0
+    one = load_file(tmp_path / "one" / "adapter_model.safetensors")
+    z3 = load_file(tmp_path / "z3" / "adapter_model.safetensors")
+    assert one.keys() == z3.keys() and len(one) == 2 * 7 * 2  # A, B x 7 linears x 2 layers
+    assert all(k.startswith("base_model.model.model.layers.") for k in one)
+    assert max((one[k] - z3[k]).abs().max().item() for k in one) <= 1e-5
+    assert any(v.abs().max() > 0 for k, v in z3.items() if "lora_B" in k)  # it trained
+    ckpt = _folder(llama) / "ckpt"
+    ids = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = transformers.AutoModelForCausalLM.from_pretrained(ckpt).eval()
+        plain = base(ids).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "z3").eval()(ids).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        merged_logits = merged(ids).logits
+    assert (adapted - plain).abs().max() > 1e-4  # the adapter changes the model ...
+    assert (merged_logits - adapted).abs().max() <= 1e-4  # ... exactly as merged
+
+
+def test_export_without_an_adapter_is_refused(tmp_path):
+    from shardwise.cli.main import main
+
+    run = tmp_path / "run"
+    overrides = [*case("--train.steps=2", "--checkpoint.every=2")["overrides"], f"--run.dir={run}"]
+    assert main(["train", "--nproc", "1", *overrides, "--log.tensorboard=false"]) == 0
+    assert main(["export", str(run), "--format", "peft", str(tmp_path / "out")]) == 2

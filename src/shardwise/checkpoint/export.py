@@ -22,6 +22,7 @@ import torch
 from shardwise.checkpoint import io as cio
 from shardwise.config import config_from_dict
 from shardwise.errors import ShardwiseError
+from shardwise.finetune.lora import ADAPTER, apply_lora, is_adapter_name
 from shardwise.models import build_model
 from shardwise.models.hf_weights import INDEX, SINGLE, hf_shape, rule_for
 from shardwise.models.init import canonical_name
@@ -107,21 +108,26 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict:
     }
 
 
-def _plan(spec: ModelSpec) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
-    """Hugging Face tensor -> our parameters (name, shape) that make it up, in part order."""
+def _plan(spec: ModelSpec, finetune=None) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Hugging Face tensor -> our parameters (name, shape) that make it up, in part order (a
+    LoRA run's adapted layers under their base names: the adapters are merged in on read)."""
     with torch.device("meta"):
         model = build_model(spec)
+        if finetune is not None:
+            apply_lora(model, finetune)
     out: dict[str, list] = {}
     for name, p in model.named_parameters():  # a tied head is the embedding, once
+        if is_adapter_name(name):
+            continue
         rule, key = rule_for(spec.arch, canonical_name(name, spec))
         out.setdefault(key, [None] * rule.parts)[rule.part] = (name, tuple(p.shape))
     return out
 
 
-def _assemble(arch: str, parts: list, read) -> torch.Tensor:
+def _assemble(spec: ModelSpec, parts: list, read) -> torch.Tensor:
     """The Hugging Face tensor from our parameters (`read(name)` gives one at full shape)."""
     pieces = [read(name) for name, _ in parts]
-    rule, _ = rule_for(arch, parts[0][0])
+    rule, _ = rule_for(spec.arch, canonical_name(parts[0][0], spec))
     full = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]
     return full.t().contiguous() if rule.transposed else full
 
@@ -131,7 +137,7 @@ def _shards(spec: ModelSpec, plan: dict, elem: int, max_bytes: int) -> list[list
     shards: list[list[str]] = [[]]
     size = 0
     for key, parts in plan.items():
-        rule, _ = rule_for(spec.arch, parts[0][0])
+        rule, _ = rule_for(spec.arch, canonical_name(parts[0][0], spec))
         nbytes = elem * math.prod(hf_shape(rule, parts[0][1]))
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
@@ -171,11 +177,10 @@ def _copy_tokenizer(source: Path, out: Path) -> None:
             shutil.copyfile(source / name, out / name)
 
 
-def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 30) -> Path:
-    """Write `out/` (safetensors shards + index + config.json) from the run's newest
-    checkpoint; returns the checkpoint directory exported."""
-    from safetensors.torch import save_file
-
+def open_checkpoint(run_dir: str | Path):
+    """(checkpoint directory, its index, its config, the model spec) of a run's newest
+    checkpoint, and `read(name)`: a parameter at full shape, its fp32 master when the run kept
+    one apart from low-precision parameters (frozen ones have none)."""
     ckpt = find_checkpoint(Path(run_dir))
     try:
         index = cio.read_index(ckpt)
@@ -186,23 +191,54 @@ def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 
         ) from None
     cfg = config_from_dict(index["config"])
     spec = _spec(cfg, _recorded_labels(Path(run_dir), cfg))
-    plan = _plan(spec)
-    # the fp32 masters when the run kept them apart from low-precision parameters
-    kind = "master" if any(k.startswith("master/") for k in index["tensors"]) else "param"
-    dtype = index["tensors"][f"{kind}/{next(iter(plan.values()))[0][0]}"]["dtype"]
+
+    def read(name: str) -> torch.Tensor:  # checkpoints key parameters by canonical name
+        name = canonical_name(name, spec)
+        key = f"master/{name}" if f"master/{name}" in index["tensors"] else f"param/{name}"
+        return cio.read_tensor(ckpt, key, index)
+
+    return ckpt, index, cfg, spec, read
+
+
+def _merging(read, cfg):
+    """`read`, with a LoRA layer's base weight read as W + (alpha / r)·B·A (peft's merge)."""
+    scale = cfg.finetune.lora_alpha / max(cfg.finetune.lora_rank, 1)
+    suffix = ".base_layer.weight"
+
+    def merged(name: str) -> torch.Tensor:
+        w = read(name)
+        if not name.endswith(suffix) or not cfg.finetune.lora_rank:
+            return w
+        layer = name[: -len(suffix)]
+        a = read(f"{layer}.lora_A.{ADAPTER}.weight").float()
+        b = read(f"{layer}.lora_B.{ADAPTER}.weight").float()
+        delta = b @ a * scale  # [out, in]; a Conv1D base stores [in, out]
+        delta = delta if delta.shape == w.shape else delta.t()
+        return (w.float() + delta).to(w.dtype)
+
+    return merged
+
+
+def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 30) -> Path:
+    """Write `out/` (safetensors shards + index + config.json) from the run's newest
+    checkpoint (LoRA adapters merged into their layers); returns the checkpoint exported."""
+    from safetensors.torch import save_file
+
+    ckpt, index, cfg, spec, read = open_checkpoint(run_dir)
+    plan = _plan(spec, cfg.finetune)
+    first = canonical_name(next(iter(plan.values()))[0][0], spec)
+    kind = "master" if f"master/{first}" in index["tensors"] else "param"
+    dtype = index["tensors"][f"{kind}/{first}"]["dtype"]
     shards = _shards(spec, plan, getattr(torch, dtype).itemsize, max_shard_bytes)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-
-    def read(name: str) -> torch.Tensor:
-        return cio.read_tensor(ckpt, f"{kind}/{name}", index)
-
+    read = _merging(read, cfg)
     weight_map, total = {}, 0
     for i, keys in enumerate(shards):  # one output file in memory at a time
         fname = (
             SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         )
-        tensors = {key: _assemble(spec.arch, plan[key], read) for key in keys}
+        tensors = {key: _assemble(spec, plan[key], read).to(getattr(torch, dtype)) for key in keys}
         save_file(tensors, out / fname, metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(keys, fname))

@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shardwise export",
         add_help=False,
-        usage="%(prog)s RUN_DIR --format hf OUT [--max-shard-size 2GB]",
+        usage="%(prog)s RUN_DIR --format {hf,peft} OUT [--max-shard-size 2GB]",
         description="A run's newest checkpoint in another format.",
     )
     p.add_argument(
@@ -34,9 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--format",
-        choices=["hf"],
-        help="hf: Hugging Face safetensors shards + index + config.json (Llama / GPT-2), "
-        "loadable with transformers' AutoModelForCausalLM.from_pretrained(OUT)",
+        choices=["hf", "peft"],
+        help="hf: Hugging Face safetensors shards + index + config.json (a LoRA run's adapters "
+        "merged in), loadable with transformers' from_pretrained(OUT); peft: a LoRA run's "
+        "adapter alone, loadable with peft.PeftModel.from_pretrained(base, OUT)",
     )
     p.add_argument("--max-shard-size", default="2GB", help="largest file written (default 2GB)")
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
@@ -55,12 +56,19 @@ def export_main(argv: list[str]) -> int:
                 f"expected RUN_DIR --format hf OUT, got {' '.join(argv) or 'nothing'}. "
                 "Fix: shardwise export runs/default --format hf exported/"
             )
-        from shardwise.checkpoint.export import export_hf
-
         run_dir, out = args.paths
-        ckpt = export_hf(run_dir, out, parse_size(args.max_shard_size))
+        if args.format == "peft":
+            from shardwise.checkpoint.export_peft import export_peft
+
+            ckpt = export_peft(run_dir, out)
+            what = "peft LoRA adapter"
+        else:
+            from shardwise.checkpoint.export import export_hf
+
+            ckpt = export_hf(run_dir, out, parse_size(args.max_shard_size))
+            what = "Hugging Face safetensors + config.json"
     except ShardwiseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"exported {ckpt} to {out} (Hugging Face safetensors + config.json)")
+    print(f"exported {ckpt} to {out} ({what})")
     return 0

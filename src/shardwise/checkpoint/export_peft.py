@@ -1,0 +1,80 @@
+"""`shardwise export RUN_DIR --format peft OUT`: a LoRA run's adapter as peft saves one.
+
+`OUT/adapter_config.json` (peft's own LoraConfig, saved by peft) and
+`OUT/adapter_model.safetensors` with peft's key names (`base_model.model.<layer>.lora_A.weight`,
+the adapter name dropped; a new classification head as `modules_to_save`), so
+`peft.PeftModel.from_pretrained(base, OUT)` loads it onto the base model: the checkpoint the
+run started from (`model.name=hf`), or for a built-in Llama-style decoder the Hugging Face
+model `--format hf` writes of its base. Each adapter tensor is read whole from the checkpoint
+slices of whatever layout trained it; nothing of the frozen base is read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shardwise.checkpoint.export import open_checkpoint
+from shardwise.errors import ShardwiseError
+from shardwise.finetune.lora import ADAPTER, apply_lora
+from shardwise.models import build_model
+from shardwise.models.hf_weights import rule_for
+from shardwise.models.init import canonical_name
+
+
+def _their_path(spec, layer: str) -> str:
+    """The Hugging Face module path of our layer `layer`."""
+    if spec.arch == "hf":
+        return layer
+    rule, key = rule_for(spec.arch, canonical_name(f"{layer}.weight", spec))
+    if rule.parts > 1 or rule.transposed:
+        raise ShardwiseError(
+            f"'{layer}' is part of a fused or transposed Hugging Face layer ({key}) in a "
+            f"{spec.arch} model, which a peft adapter cannot address. Fix: --format hf (the "
+            "adapters merged into the weights)."
+        )
+    return key.removesuffix(".weight")
+
+
+def export_peft(run_dir: str | Path, out: str | Path) -> Path:
+    """Write the adapter of the run's newest checkpoint to `out/`; returns the checkpoint."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    ckpt, _, cfg, spec, read = open_checkpoint(run_dir)
+    ft = cfg.finetune
+    if ft.lora_rank == 0:
+        raise ShardwiseError(
+            f"the run in '{run_dir}' trained no LoRA adapter (finetune.lora_rank=0). Fix: "
+            "--format hf exports its whole model."
+        )
+    with torch.device("meta"):
+        model = build_model(spec)
+        layers = apply_lora(model, ft)
+    tensors, paths = {}, []
+    for layer in layers:
+        theirs = _their_path(spec, layer)
+        paths.append(theirs)
+        for part in ("lora_A", "lora_B"):
+            value = read(f"{layer}.{part}.{ADAPTER}.weight").float().contiguous()
+            tensors[f"base_model.model.{theirs}.{part}.weight"] = value
+    heads = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if p.requires_grad})
+    heads = [h for h in heads if not any(f".{part}." in f"{h}." for part in ("lora_A", "lora_B"))]
+    for name, p in model.named_parameters():  # a new head, trained whole
+        if p.requires_grad and name.rpartition(".")[0] in heads:
+            tensors[f"base_model.model.{name}"] = read(name).float().contiguous()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    task = "SEQ_CLS" if spec.task == "classification" else "CAUSAL_LM"
+    LoraConfig(
+        r=ft.lora_rank,
+        lora_alpha=ft.lora_alpha,
+        lora_dropout=ft.lora_dropout,
+        target_modules=paths,
+        modules_to_save=heads or None,
+        task_type=task,
+        base_model_name_or_path=cfg.model.init_from or None,
+    ).save_pretrained(out)
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    return ckpt
