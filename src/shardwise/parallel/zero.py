@@ -331,9 +331,10 @@ class ZeroEngine:
 
     @torch.no_grad()
     def after_step(self) -> None:
-        if self.stage < 3:  # publish the updated slices to every replica
+        if self.stage < 3:  # publish the updated slices to every replica (frozen: unchanged)
             for unit in self.units:
-                self.comm.all_gather(unit.full, unit.full[unit.lo : unit.hi], "dp")
+                if unit.n_trainable:
+                    self.comm.all_gather(unit.full, unit.full[unit.lo : unit.hi], "dp")
 
 
 def _by_trainability(name: str, entries: list) -> list[tuple[str, list]]:

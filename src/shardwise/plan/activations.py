@@ -125,6 +125,57 @@ def block_terms(spec: ModelSpec, s: int, b: int, c: int) -> tuple[Term, ...]:
     return tuple(out)
 
 
+# the saved inputs that only a linear's weight gradient reads, and which linears read them
+_WEIGHT_INPUTS = {
+    "attn_norm output": ("wq", "wk", "wv"),
+    "mlp_norm output": ("w1", "w3"),
+    "w2 input": ("w2",),
+    "final norm output": ("head",),
+}
+
+
+def lora_terms(
+    terms, spec: ModelSpec, s: int, b: int, c: int, targets, rank: int, dropout: bool
+) -> tuple[Term, ...]:
+    """`terms` of a LoRA run (finetune/lora.py): every base weight frozen, so what only their
+    gradients read is not saved (a norm's normalised input; a linear's input unless its
+    adapter reads it); each adapter saves A's output (B's input, rank wide) and, with dropout,
+    its own 1-byte mask and dropped input (A's input) instead of the shared one."""
+    out = []
+    for term in terms:
+        if term.name.endswith("normalised (fp32)"):
+            continue
+        readers = _WEIGHT_INPUTS.get(term.name)
+        if readers is not None and (dropout or not set(readers) & set(targets)):
+            continue
+        out.append(term)
+    if not targets:  # the edges: the head is frozen and has no adapter
+        return tuple(out)
+    q = spec.n_heads * spec.head_dim
+    width = {"wq": spec.dim, "wk": spec.dim, "wv": spec.dim, "wo": q, "w1": spec.dim}
+    width.update(w3=spec.dim, w2=spec.ffn_dim)
+    for x in targets:
+        out.append(Term(f"{x} adapter A output", c * s * b * rank, False, False))
+        if dropout:  # row-parallel layers (wo, w2) read a tp-split input
+            row = x in ("wo", "w2")
+            out.append(Term(f"{x} adapter input, mask", (c + 1) * s * b * width[x], row, False))
+    return tuple(out)
+
+
+def lora_first_block(spec: ModelSpec, s: int, b: int, targets, dropout: bool) -> tuple[Term, ...]:
+    """What the first block does not save in a LoRA run (negative terms): its input comes from
+    the frozen embedding and needs no gradient, so its first norm keeps no fp32 input or
+    statistics for one, and its q/k/v adapters' dropout records no mask."""
+    sb = s * b
+    out = [Term("first norm input, rstd (no gradient)", -4 * sb * (spec.dim + 1), False, True)]
+    if dropout:
+        n = len({"wq", "wk", "wv"} & set(targets))
+        out.append(
+            Term("first q/k/v adapter masks (no gradient)", -n * sb * spec.dim, False, False)
+        )
+    return tuple(out)
+
+
 def layer_bytes(terms, t: int = 1, sp: bool = False, selective: bool = False) -> float:
     return sum(term.per_rank(t, sp, selective) for term in terms)
 
@@ -142,7 +193,8 @@ def edge_terms(
     with the targets), learned positions, the final norm, fp32 log-softmax of the logits
     (split by a vocabulary-parallel loss), the flattened targets and the loss's weight sum.
     With tp the embedding and the loss are vocabulary-parallel (parallel/tensor.py): each saves
-    its shifted ids (int64) and a mask of the ids it owns (bool) instead."""
+    its shifted ids (int64) and a mask of the ids it owns (bool) instead (the loss also a mask
+    of the targets that count)."""
     out = []
     if first:
         if tp == 1:
@@ -167,7 +219,8 @@ def edge_terms(
                 Term("loss weight sum", 4, False, False),
             ]
         else:
-            out.append(Term("local targets and mask", 9 * s * b, False, False))
+            # shifted targets (int64), the ids this rank owns and the kept (not -100) ones (bool)
+            out.append(Term("local targets and masks", 10 * s * b, False, False))
     return tuple(out)
 
 

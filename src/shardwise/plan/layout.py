@@ -22,6 +22,7 @@ class FineTune:
     lora_targets: tuple[str, ...] = ("wq", "wk", "wv", "wo")
     base_4bit: bool = False
     optim_8bit: bool = False
+    lora_dropout: float = 0.0  # its masks and dropped inputs are saved for backward
 
     @property
     def lora(self) -> bool:

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from shardwise.plan import activations as act
 from shardwise.plan.layout import Job, Layout
-from shardwise.plan.shapes import Unit, linear_shapes, units
+from shardwise.plan.shapes import Unit, linear_shapes, split_trainable, units
 
 ADAM8_BYTES = 2 * (1 + 4 / 2048)  # two 1-byte moments + an fp32 absmax per 2048-element block
 NF4_BYTES = 0.5 + (8 / 64 + 32 / (64 * 256)) / 8  # 4 bits + double-quantised constants (QLoRA)
@@ -48,6 +48,8 @@ def _unit_states(unit: Unit, dp: int, stage: int, bc: int, br: int) -> tuple:
     pad_bytes = (padded - numel) * bc
     params = pbytes + pad_bytes if stage < 3 else (pbytes + pad_bytes) / dp
     grads = padded * br if stage == 1 else shard * br
+    if not any(trainable):  # a frozen unit has no gradient buffer
+        grads = 0
     return params, grads, tuple(own), tuple(pieces)
 
 
@@ -89,23 +91,41 @@ def zero_transient(us: list[Unit], job: Job, dp: int, stage: int) -> float:
     return _zero_transient(tuple(us), dp, stage, job.bc, job.br)
 
 
+def _roots(us: tuple) -> list[list[Unit]]:
+    """The units of each root module in forward order (a root's trainable unit and its
+    `[frozen]` sibling together; repeated blocks expanded)."""
+    out, i = [], 0
+    while i < len(us):
+        group = [us[i]]
+        if i + 1 < len(us) and us[i + 1].name == f"{us[i].name}[frozen]":
+            group.append(us[i + 1])
+            i += 1
+        out += [group] * us[i].count
+        i += 1
+    return out
+
+
 @lru_cache(maxsize=8192)
 def _zero_transient(us: tuple, dp: int, stage: int, bc: int, br: int) -> float:
     """Peak bytes of ZeRO's temporary buffers, replaying the engine's schedule (zero.py): ZeRO-3
-    holds the unit it runs plus the prefetched next one; ZeRO-2/3 reduce-scatter each unit's
-    gradients from a fresh flat buffer, at most three in flight (two pending, one launching).
-    Backward visits units in reverse; at unit k's launch: F_k + F_k-1 + G_k + G_k+1 + G_k+2."""
+    holds the root it runs plus the prefetched next unit (backward: the previous root's last
+    unit); ZeRO-2/3 reduce-scatter each trainable unit's gradients from a fresh flat buffer, at
+    most three in flight (two pending, one launching). Backward visits roots in reverse; at root
+    k: F_k + F_last(k-1) + G_k + G_k+1 + G_k+2 (a frozen unit has no G)."""
     if stage < 2:
         return 0.0
-    flat = [u for u in us for _ in range(u.count)]
-    padded = [-(-u.numel // dp) * dp for u in flat]
-    full = [n * bc if stage == 3 else 0 for n in padded]
-    grad = [n * br for n in padded]
-    n, peak = len(flat), 0.0
-    for i in range(n - 1):  # forward: running unit + prefetched next
-        peak = max(peak, full[i] + full[i + 1])
+    roots = _roots(us)
+
+    def size(u: Unit, nbytes: int) -> int:
+        return -(-u.numel // dp) * dp * nbytes
+
+    full = [[size(u, bc) if stage == 3 else 0 for u in r] for r in roots]
+    grad = [sum(size(u, br) for u in r if any(e[1] for e in u.entries)) for r in roots]
+    n, peak = len(roots), 0.0
+    for k in range(n):  # forward: the running root + the next root's first unit, prefetched
+        peak = max(peak, sum(full[k]) + (full[k + 1][0] if k + 1 < n else 0))
     for k in range(n - 1, -1, -1):
-        gathered = full[k] + (full[k - 1] if k > 0 else 0)
+        gathered = sum(full[k]) + (full[k - 1][-1] if k > 0 else 0)
         peak = max(peak, gathered + sum(grad[k : k + 3]))
     return peak
 
@@ -180,24 +200,29 @@ def finetune_units(us: list[Unit], job: Job, tp: int) -> list[Unit]:
                     (fan_out * ft.lora_rank, True, "lora_B"),
                 ]
         out.append(Unit(u.name, tuple(entries), u.count))
-    return out
+    return split_trainable(out)
 
 
 def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     """Peak bytes saved for backward on one rank of pipeline stage `stage`."""
     spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
-    p = layout.pp
+    p, ft = layout.pp, job.finetune
+    lora = (ft.lora_targets, ft.lora_rank, bool(ft.lora_dropout))
     layers, first, last = job_split(job, layout)[stage]
     if layout.recompute == "full":
         per_layer = act.full_recompute_bytes(spec, s, b, c, t, layout.sp)
     else:
         terms = act.block_terms(spec, s, b, c)
+        if ft.lora:  # the base frozen, the adapters' own saved tensors
+            terms = act.lora_terms(terms, spec, s, b, c, *lora)
         per_layer = act.layer_bytes(terms, t, layout.sp, layout.recompute == "selective")
-    if job.finetune.lora and layout.recompute != "full":  # x·A saved for B's backward
-        per_layer += len(job.finetune.lora_targets) * c * s * b * job.finetune.lora_rank
     m = layout.micro_batches(job)
     held = act.in_flight(layout.pp_schedule, p, m, layout.pp_virtual, stage)
     edges = act.edge_terms(spec, s, b, c, first, last, t)
+    if ft.lora:  # the frozen head and final norm; the first block's input needs no gradient
+        edges = act.lora_terms(edges, spec, s, b, c, (), ft.lora_rank, False)
+        if first and spec.arch == "decoder" and layout.recompute != "full":
+            edges += act.lora_first_block(spec, s, b, ft.lora_targets, bool(ft.lora_dropout))
     edge = act.layer_bytes(edges, t, layout.sp)
     # the loss and logits of the last stage: 1F1B and interleaved run each micro-batch's
     # backward right after its forward there (one held); GPipe runs all m forwards first and

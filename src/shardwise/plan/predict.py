@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardwise.config import Config
 from shardwise.distributed import device as dev
+from shardwise.finetune.lora import apply_lora
 from shardwise.models import build_model, count_params
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.zero_units import unit_roots
@@ -24,7 +25,7 @@ from shardwise.plan import time as tm
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import FineTune, Job, Layout
 from shardwise.plan.search import evaluate
-from shardwise.plan.shapes import Unit
+from shardwise.plan.shapes import Unit, linear_shapes, split_trainable
 from shardwise.training.memory import ActivationMeter, tensor_bytes
 from shardwise.training.runtime import cast_for_compute, freeze
 
@@ -42,10 +43,23 @@ def job_from_config(
         global_batch=cfg.train.global_batch,
         precision=cfg.precision.compute,
         reduce=cfg.precision.reduce,
-        finetune=finetune or FineTune(),
+        finetune=finetune or finetune_of(cfg, spec or model_spec(cfg)),
         pp_split=cfg.parallel.pp_split,
         bucket_mb=cfg.parallel.bucket_mb,
     )
+
+
+def finetune_of(cfg: Config, spec) -> FineTune:
+    """The planner's fine-tuning inputs from the train config's `finetune.*` keys (one source
+    of truth): LoRA's targets as the planner's names of the block linears they match."""
+    ft = cfg.finetune
+    if not ft.lora_rank:
+        return FineTune()
+    tags = tuple(linear_shapes(spec)) if spec.is_transformer else ()
+    pats = [p.strip() for p in ft.lora_targets.split(",") if p.strip()]
+    if pats != ["all-linear"]:
+        tags = tuple(t for t in tags if any(p.rpartition(".")[2] == t for p in pats))
+    return FineTune(ft.lora_rank, tags, lora_dropout=ft.lora_dropout)
 
 
 def layout_from_config(cfg: Config, derived) -> Layout:
@@ -65,11 +79,31 @@ def layout_from_config(cfg: Config, derived) -> Layout:
 
 
 def model_units(model: torch.nn.Module) -> list[Unit]:
-    """The engine's ZeRO units of a real (meta or fake) model as planner units."""
-    return [
-        Unit(name, tuple((p.numel(), p.requires_grad) for *_, p in entries))
-        for name, entries, _ in unit_roots(model)
-    ]
+    """The engine's ZeRO units of a real (meta or fake) model as planner units (trainable and
+    frozen parameters apart, as the engine keeps them)."""
+    return split_trainable(
+        [
+            Unit(name, tuple((p.numel(), p.requires_grad) for *_, p in entries))
+            for name, entries, _ in unit_roots(model)
+        ]
+    )
+
+
+def _to_fake(model: torch.nn.Module) -> None:
+    """Meta parameters and buffers -> fake tensors of the active FakeTensorMode, assigned in
+    place (Module.to_empty would swap them, which fake tensors refuse); a tied weight once."""
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for key, t in list(store.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in done:
+                    new = torch.empty(t.shape, dtype=t.dtype)
+                    if isinstance(t, torch.nn.Parameter):
+                        new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                    done[id(t)] = new
+                store[key] = done[id(t)]
 
 
 def _fake_activations(model, cfg: Config, derived) -> int:
@@ -102,11 +136,14 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
     job = job_from_config(cfg, hardware, derived.world, derived.spec)
     layout = layout_from_config(cfg, derived)
     formula = derived.spec.arch in ("decoder", "gpt2")  # our blocks: activations by formula
-    with FakeTensorMode():
+    with torch.device("meta"):  # as training builds it: adapters added, the base frozen
         model = build_model(derived.spec)
-        freeze(model, cfg.train.freeze)
-        n = count_params(model)
-        us = model_units(model)
+        apply_lora(model, cfg.finetune)
+    freeze(model, cfg.train.freeze)
+    n = count_params(model)
+    us = model_units(model)
+    with FakeTensorMode():
+        _to_fake(model)
         module_buffers = tensor_bytes(model.buffers())
         if not formula:
             activations = _fake_activations(model, cfg, derived)

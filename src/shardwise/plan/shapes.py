@@ -32,6 +32,20 @@ class Unit:
         return sum(e[0] for e in self.entries)
 
 
+def split_trainable(us: list[Unit]) -> list[Unit]:
+    """Each unit's trainable and frozen entries as two units, as the engine builds them
+    (parallel/zero.py: frozen parameters never share a unit with trainable ones)."""
+    out = []
+    for u in us:
+        trainable = tuple(e for e in u.entries if e[1])
+        frozen = tuple(e for e in u.entries if not e[1])
+        if trainable and frozen:
+            out += [Unit(u.name, trainable, u.count), Unit(f"{u.name}[frozen]", frozen, u.count)]
+        else:
+            out.append(u)
+    return out
+
+
 def _linear(fan_in: int, fan_out: int, bias: bool, name: str = "") -> list[Entry]:
     return [(fan_in * fan_out, True, name)] + ([(fan_out, True)] if bias else [])
 

@@ -64,6 +64,8 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     m, dp, t, p, v = layout.micro_batches(job), layout.dp, layout.tp, layout.pp, layout.pp_virtual
     us = mem.stage_units(job, layout, 0)
     padded = sum(-(-u.numel // dp) * dp * u.count for u in us)
+    # frozen units (their own, parallel/zero.py) are neither reduced nor re-published
+    reduced = sum(-(-u.numel // dp) * dp * u.count for u in us if any(e[1] for e in u.entries))
     trainable = sum(e[0] * u.count for u in us for e in u.entries if e[1])
     bc, br, ring = job.bc, job.br, _ring(dp)
     # ZeRO-0: one all-reduce of every gradient per step; ZeRO-1: a reduce-scatter once and an
@@ -73,8 +75,8 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     gathers = {0: 0, 1: 1, 2: 1, 3: 2 * m}[layout.zero]
     dp_kinds = {
         "all_reduce": 2 * ring * trainable * br if layout.zero == 0 else 0.0,
-        "reduce_scatter": ring * padded * br * scatters,
-        "all_gather": ring * padded * bc * gathers,
+        "reduce_scatter": ring * reduced * br * scatters,
+        "all_gather": ring * (padded if layout.zero == 3 else reduced) * bc * gathers,
     }
     if layout.zero == 3 and spec.tie_embeddings and p == 1:
         # the tied head is a second root of the embedding's unit: it is gathered again for
@@ -110,15 +112,16 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
     latency whatever its size. They follow `traffic`'s reasoning call by call."""
     spec = job.spec
     m, dp, t, p, v = layout.micro_batches(job), layout.dp, layout.tp, layout.pp, layout.pp_virtual
-    units = [u for u in mem.stage_units(job, layout, 0) if any(e[1] for e in u.entries)]
-    n_units = sum(u.count for u in units)
+    every = mem.stage_units(job, layout, 0)
+    units = [u for u in every if any(e[1] for e in u.entries)]
+    n_units, n_all = sum(u.count for u in units), sum(u.count for u in every)
     dp_calls = 0
     if dp > 1:  # ZeRO-0: one all-reduce per bucket; ZeRO-1/2/3: per unit, as in `traffic`
         dp_calls = {
             0: _buckets(units, job.br, job.bucket_mb),
             1: 2 * n_units,
             2: (m + 1) * n_units,
-            3: 3 * m * n_units,
+            3: m * n_units + 2 * m * n_all,
         }[layout.zero]
         if layout.zero == 3 and spec.tie_embeddings and p == 1:
             dp_calls += m  # the tied head's second gather
