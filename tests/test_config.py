@@ -61,6 +61,7 @@ GOLDEN_KEYS = [
     "train.freeze",
     "train.loss",
     "train.max_skipped_steps",
+    "optim.name",
     "optim.beta1",
     "optim.beta2",
     "optim.eps",

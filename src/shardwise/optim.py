@@ -8,6 +8,7 @@ clipped and applied in fp32, then the updated masters are copied back into the c
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from shardwise.config import Config
+from shardwise.errors import ConfigError
 
 
 @dataclass
@@ -64,23 +66,50 @@ class Target:
     in_norm: bool = True  # False for a second copy of a weight counted elsewhere (tied, pp)
 
 
+# bitsandbytes' block-wise 8-bit optimizers quantise each state tensor in blocks of this many
+# elements (one fp32 absmax each): a shard that starts on a block boundary of its parameter
+# holds exactly the single-process blocks, so ZeRO aligns shards to it (parallel/zero.py)
+QUANT_BLOCK = 256
+
+
 def adamw(
     decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: Config
-) -> torch.optim.AdamW:
-    """torch's AdamW with the config's hyper-parameters; weight decay only on `decay`. The
-    fused implementation: one pass over parameter, gradient and both moments per element (on
-    one CPU thread 5x faster than the foreach one, which makes ~12 passes). The PyTorch peers
-    build theirs here too, so they train the same recipe."""
+) -> torch.optim.Optimizer:
+    """AdamW with the config's hyper-parameters; weight decay only on `decay`. torch's fused
+    implementation: one pass over parameter, gradient and both moments per element (on one CPU
+    thread 5x faster than the foreach one, which makes ~12 passes); or bitsandbytes' 8-bit one
+    (optim.name=adamw8bit). The PyTorch peers build theirs here too, so they train the same
+    recipe."""
     o = cfg.optim
+    groups = [
+        {"params": decay, "weight_decay": o.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if o.name == "adamw8bit":
+        return adamw8bit(groups, cfg)
     return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": o.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=cfg.train.lr,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        fused=True,
+        groups, lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True
+    )
+
+
+def adamw8bit(groups: list[dict], cfg: Config) -> torch.optim.Optimizer:
+    """bitsandbytes' AdamW8bit, block-wise, every tensor in 8 bits (min_8bit_size=0: the
+    32-bit fallback for small tensors would decide by the size of a rank's shard, so by the
+    layout)."""
+    # bitsandbytes logs at import, on CPUs with AVX-512 BF16, that it cannot download an
+    # optional 4-bit matmul kernel (a hub fetch; nothing the 8-bit optimizer uses)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ConfigError(
+            "optim.name=adamw8bit is bitsandbytes' 8-bit AdamW, and bitsandbytes is not "
+            "installed. Fix: pip install 'shardwise[finetune]' (or bitsandbytes), or "
+            "--optim.name=adamw."
+        ) from None
+    o = cfg.optim
+    return bnb.optim.AdamW8bit(
+        groups, lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps, min_8bit_size=0
     )
 
 
@@ -146,12 +175,12 @@ class MixedPrecisionAdamW:
 
     @property
     def state_bytes(self) -> int:
-        total = 0
+        seen: dict[int, int] = {}  # by storage: 8-bit AdamW shares its quantisation maps
         for state in self.inner.state.values():
             for v in state.values():
                 if torch.is_tensor(v):
-                    total += v.numel() * v.element_size()
-        return total
+                    seen[v.untyped_storage().data_ptr()] = v.numel() * v.element_size()
+        return sum(seen.values())
 
     def set_lr(self, lr: float) -> None:
         for group in self.inner.param_groups:

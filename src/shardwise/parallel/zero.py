@@ -57,6 +57,7 @@ class ZeroEngine:
         seed: int,
         offload_params: bool = False,
         source=None,
+        align: int = 1,
     ) -> None:
         self.comm, self.stage = comm, stage
         self.sync = True
@@ -68,7 +69,17 @@ class ZeroEngine:
         for root, (name, entries, modules) in enumerate(unit_roots(model)):
             for part, group in _by_trainability(name, entries):
                 unit = Unit(
-                    part, group, modules, n, rank, stage, compute, reduce, device, offload_params
+                    part,
+                    group,
+                    modules,
+                    n,
+                    rank,
+                    stage,
+                    compute,
+                    reduce,
+                    device,
+                    offload_params,
+                    align,
                 )
                 unit.root = root  # its root's place in forward order
                 self.units.append(unit)
@@ -356,8 +367,12 @@ def apply_zero(
     seed: int,
     offload_params: bool = False,
     source=None,
+    align: int = 1,
 ) -> ZeroEngine:
     """Shard a model that is still on the meta device; returns the engine driving it.
     `offload_params` (ZeRO-3) keeps each rank's parameter slices in host memory; `source`
-    (shardwise.models.hf_weights.HFWeights) supplies the values instead of the (seed, name) init."""
-    return ZeroEngine(model, comm, stage, compute, reduce, device, seed, offload_params, source)
+    (shardwise.models.hf_weights.HFWeights) supplies the values instead of the (seed, name) init;
+    `align` puts parameters and shard boundaries on multiples of it (zero_units.Unit)."""
+    return ZeroEngine(
+        model, comm, stage, compute, reduce, device, seed, offload_params, source, align
+    )

@@ -16,6 +16,10 @@ def _alias(storage: torch.UntypedStorage, offset: int, shape, dtype, device) -> 
     return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape)
 
 
+def _round_up(x: int, k: int) -> int:
+    return -(-x // k) * k
+
+
 Entry = tuple[str, nn.Module, str, nn.Parameter]  # (qualified name, owner, attribute, param)
 
 
@@ -98,14 +102,19 @@ class Unit:
         reduce: torch.dtype,
         device: torch.device,
         host_shard: bool = False,
+        align: int = 1,
     ) -> None:
         self.name, self.stage = name, stage
         self.host_shard = host_shard
         self.modules = modules  # root modules whose forward/backward need this unit
-        sizes = [p.numel() for *_, p in entries]
-        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        numel = sum(sizes)
-        self.shard_size = -(-numel // n)
+        # `align` > 1 (a block-wise 8-bit optimizer, optim.QUANT_BLOCK): every parameter starts
+        # and every shard boundary falls on a multiple of it, so each rank's piece of a
+        # parameter is made of whole quantisation blocks of the parameter (gaps are zeros)
+        self.offsets, numel = [], 0
+        for *_, p in entries:
+            self.offsets.append(numel)
+            numel = _round_up(numel + p.numel(), align)
+        self.shard_size = _round_up(-(-numel // n), align)
         self.padded = self.shard_size * n
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
         self.full = torch.zeros(self.padded, dtype=compute, device=device)
@@ -141,6 +150,7 @@ class Unit:
         self.gathered = True
         self.handle = None
         self.root = 0  # the root's place in forward order (set by the engine)
+        self.aligned = align > 1
         if self.n_trainable == 0:  # frozen: no gradient buffers at all
             self.grad_full = None
             self.grad_shard = torch.zeros(0, dtype=reduce, device=device)
@@ -208,8 +218,10 @@ class Unit:
         if self.stage == 1:
             return self.grad_full
         # empty, not zeros: every element is written below (a copy, or 0 for the padding and
-        # for parameters without a gradient), which saves a full pass over the buffer
-        flat = torch.empty(self.padded, dtype=self.reduce_dtype, device=self.grad_shard.device)
+        # for parameters without a gradient), which saves a full pass over the buffer; with
+        # aligned parameters the gaps between them are zeroed as a whole instead
+        make = torch.zeros if self.aligned else torch.empty
+        flat = make(self.padded, dtype=self.reduce_dtype, device=self.grad_shard.device)
         staged = getattr(self, "_staged", {})
         for p, off in zip(self.params, self.offsets, strict=True):
             g = staged.get(id(p))

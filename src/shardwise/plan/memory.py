@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from shardwise.optim import QUANT_BLOCK
 from shardwise.plan import activations as act
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.shapes import Unit, linear_shapes, split_trainable, units
 
-ADAM8_BYTES = 2 * (1 + 4 / 2048)  # two 1-byte moments + an fp32 absmax per 2048-element block
+ADAM8_MAPS = 2 * 256 * 4  # bitsandbytes' signed and unsigned dynamic maps, fp32
 NF4_BYTES = 0.5 + (8 / 64 + 32 / (64 * 256)) / 8  # 4 bits + double-quantised constants (QLoRA)
 
 
@@ -25,58 +26,90 @@ def _entry_bytes(e: tuple, bc: int) -> float:
     return e[3] if len(e) > 3 else bc
 
 
+def _up(x: int, k: int) -> int:
+    return -(-x // k) * k
+
+
+def align_of(job: Job) -> int:
+    """Elements ZeRO aligns parameters and shards to (optim.QUANT_BLOCK for 8-bit Adam)."""
+    return QUANT_BLOCK if job.finetune.optim_8bit else 1
+
+
+def padded_numel(u: Unit, dp: int, align: int = 1) -> int:
+    """A unit's flat buffer over dp ranks: parameters on multiples of `align`, padded to dp
+    equal shards of a multiple of it (zero_units.Unit)."""
+    end = 0
+    for e in u.entries:
+        end = _up(end + e[0], align)
+    return _up(-(-end // dp), align) * dp
+
+
 @lru_cache(maxsize=4096)
-def _unit_states(unit: Unit, dp: int, stage: int, bc: int, br: int) -> tuple:
-    """(params, grads, per-rank master elements, per-rank pieces) of one unit (x count)."""
+def _unit_states(unit: Unit, dp: int, stage: int, bc: int, br: int, align: int = 1) -> tuple:
+    """(params, grads, and per rank: master elements, pieces, 8-bit quantisation blocks) of one
+    unit (x count). `align`: parameters and shards on multiples of it (zero_units.Unit, for a
+    block-wise 8-bit optimizer)."""
     numel = unit.numel
     pbytes = sum(e[0] * _entry_bytes(e, bc) for e in unit.entries)
     trainable = [e[1] for e in unit.entries]
     if stage == 0:
         n_train = sum(e[0] for e in unit.entries if e[1])
-        return pbytes, n_train * br, (n_train,), (sum(trainable),)
-    shard = -(-numel // dp)
-    own, pieces = [0] * dp, [0] * dp
-    off = 0
+        blocks = sum(-(-e[0] // QUANT_BLOCK) for e in unit.entries if e[1])
+        return pbytes, n_train * br, (n_train,), (sum(trainable),), (blocks,)
+    offsets, end = [], 0
     for e in unit.entries:
-        lo_r, hi_r = off // shard, min(dp - 1, (off + e[0] - 1) // shard)
-        if e[1]:
-            for r in range(lo_r, hi_r + 1):
-                own[r] += min(off + e[0], (r + 1) * shard) - max(off, r * shard)
-                pieces[r] += 1
-        off += e[0]
+        offsets.append(end)
+        end = _up(end + e[0], align)
+    shard = _up(-(-end // dp), align)
+    own, pieces, blocks = [0] * dp, [0] * dp, [0] * dp
+    for e, off in zip(unit.entries, offsets, strict=True):
+        if not e[1]:
+            continue
+        for r in range(off // shard, min(dp - 1, (off + e[0] - 1) // shard) + 1):
+            n = min(off + e[0], (r + 1) * shard) - max(off, r * shard)
+            own[r], pieces[r], blocks[r] = (
+                own[r] + n,
+                pieces[r] + 1,
+                blocks[r] - (-n // QUANT_BLOCK),
+            )
     padded = shard * dp
     pad_bytes = (padded - numel) * bc
     params = pbytes + pad_bytes if stage < 3 else (pbytes + pad_bytes) / dp
     grads = padded * br if stage == 1 else shard * br
     if not any(trainable):  # a frozen unit has no gradient buffer
         grads = 0
-    return params, grads, tuple(own), tuple(pieces)
+    return params, grads, tuple(own), tuple(pieces), tuple(blocks)
 
 
 def model_states(us: list[Unit], job: Job, dp: int, stage: int, offload: str) -> dict[str, float]:
     """Device (and host, with offload) model-state bytes per rank (max over dp ranks)."""
     master = 4 if (job.precision != "fp32" or offload != "none") else 0
-    moments = ADAM8_BYTES if job.finetune.optim_8bit else 8
-    key = (tuple(us), dp, stage, offload, job.bc, job.br, master, moments)
+    key = (tuple(us), dp, stage, offload, job.bc, job.br, master, job.finetune.optim_8bit)
     return dict(_model_states(*key))
 
 
 @lru_cache(maxsize=8192)
-def _model_states(us, dp, stage, offload, bc, br, master, moments) -> tuple:
+def _model_states(us, dp, stage, offload, bc, br, master, eight) -> tuple:
     ranks = 1 if stage == 0 else dp
     params = grads = 0.0
-    own, pieces = [0] * ranks, [0] * ranks
+    own, pieces, blocks = [0] * ranks, [0] * ranks, [0] * ranks
     for u in us:
-        p, g, o, c = _unit_states(u, dp, stage, bc, br)
+        p, g, o, c, k = _unit_states(u, dp, stage, bc, br, QUANT_BLOCK if eight else 1)
         params, grads = params + p * u.count, grads + g * u.count
         for r in range(ranks):
             own[r] += o[r] * u.count
             pieces[r] += c[r] * u.count
+            blocks[r] += k[r] * u.count
+    if eight:  # bitsandbytes: 1 byte per moment and element, an fp32 absmax per moment and
+        # block, the two 256-entry quantisation maps once; its step count is a Python int
+        optimizer = max(2 * o + 8 * k for o, k in zip(own, blocks, strict=True)) + ADAM8_MAPS
+    else:  # torch: two fp32 moments per element, a 4-byte step tensor per piece
+        optimizer = max(8 * o + 4 * c for o, c in zip(own, pieces, strict=True))
     states = {
         "params": params,
         "grads": grads,
         "master": max(master * o for o in own),
-        "optimizer": max(moments * o + 4 * c for o, c in zip(own, pieces, strict=True)),
+        "optimizer": optimizer,
         "buffers": 0.0,
     }
     if offload != "none":  # ZeRO-Offload (Ren et al. 2021): masters and Adam state on the host
@@ -88,7 +121,7 @@ def _model_states(us, dp, stage, offload, bc, br, master, moments) -> tuple:
 
 
 def zero_transient(us: list[Unit], job: Job, dp: int, stage: int) -> float:
-    return _zero_transient(tuple(us), dp, stage, job.bc, job.br)
+    return _zero_transient(tuple(us), dp, stage, job.bc, job.br, align_of(job))
 
 
 def _roots(us: tuple) -> list[list[Unit]]:
@@ -106,7 +139,7 @@ def _roots(us: tuple) -> list[list[Unit]]:
 
 
 @lru_cache(maxsize=8192)
-def _zero_transient(us: tuple, dp: int, stage: int, bc: int, br: int) -> float:
+def _zero_transient(us: tuple, dp: int, stage: int, bc: int, br: int, align: int = 1) -> float:
     """Peak bytes of ZeRO's temporary buffers, replaying the engine's schedule (zero.py): ZeRO-3
     holds the root it runs plus the prefetched next unit (backward: the previous root's last
     unit); ZeRO-2/3 reduce-scatter each trainable unit's gradients from a fresh flat buffer, at
@@ -117,7 +150,7 @@ def _zero_transient(us: tuple, dp: int, stage: int, bc: int, br: int) -> float:
     roots = _roots(us)
 
     def size(u: Unit, nbytes: int) -> int:
-        return -(-u.numel // dp) * dp * nbytes
+        return padded_numel(u, dp, align) * nbytes
 
     full = [[size(u, bc) if stage == 3 else 0 for u in r] for r in roots]
     grad = [sum(size(u, br) for u in r if any(e[1] for e in u.entries)) for r in roots]

@@ -52,14 +52,14 @@ def job_from_config(
 def finetune_of(cfg: Config, spec) -> FineTune:
     """The planner's fine-tuning inputs from the train config's `finetune.*` keys (one source
     of truth): LoRA's targets as the planner's names of the block linears they match."""
-    ft = cfg.finetune
+    ft, eight = cfg.finetune, cfg.optim.name == "adamw8bit"
     if not ft.lora_rank:
-        return FineTune()
+        return FineTune(optim_8bit=eight)
     tags = tuple(linear_shapes(spec)) if spec.is_transformer else ()
     pats = [p.strip() for p in ft.lora_targets.split(",") if p.strip()]
     if pats != ["all-linear"]:
         tags = tuple(t for t in tags if any(p.rpartition(".")[2] == t for p in pats))
-    return FineTune(ft.lora_rank, tags, lora_dropout=ft.lora_dropout)
+    return FineTune(ft.lora_rank, tags, optim_8bit=eight, lora_dropout=ft.lora_dropout)
 
 
 def layout_from_config(cfg: Config, derived) -> Layout:

@@ -62,10 +62,12 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     mesh dimension: the kinds cost differently per byte on some transports (gloo)."""
     spec, s, b = job.spec, job.seq_len, layout.micro_batch
     m, dp, t, p, v = layout.micro_batches(job), layout.dp, layout.tp, layout.pp, layout.pp_virtual
-    us = mem.stage_units(job, layout, 0)
-    padded = sum(-(-u.numel // dp) * dp * u.count for u in us)
+    us, align = mem.stage_units(job, layout, 0), mem.align_of(job)
+    padded = sum(mem.padded_numel(u, dp, align) * u.count for u in us)
     # frozen units (their own, parallel/zero.py) are neither reduced nor re-published
-    reduced = sum(-(-u.numel // dp) * dp * u.count for u in us if any(e[1] for e in u.entries))
+    reduced = sum(
+        mem.padded_numel(u, dp, align) * u.count for u in us if any(e[1] for e in u.entries)
+    )
     trainable = sum(e[0] * u.count for u in us for e in u.entries if e[1])
     bc, br, ring = job.bc, job.br, _ring(dp)
     # ZeRO-0: one all-reduce of every gradient per step; ZeRO-1: a reduce-scatter once and an

@@ -27,7 +27,7 @@ from shardwise.models import build_model, init_weights, to_empty
 from shardwise.models.auto import weight_source
 from shardwise.models.hf_weights import HFWeights, load_weights
 from shardwise.models.tp_plans import plan_for
-from shardwise.optim import MixedPrecisionAdamW, replicated_targets
+from shardwise.optim import QUANT_BLOCK, MixedPrecisionAdamW, replicated_targets
 from shardwise.parallel.data import GradReducer, apply_data_parallel
 from shardwise.parallel.pipeline import Pipeline, apply_pipeline
 from shardwise.parallel.recompute import apply_recompute
@@ -161,6 +161,7 @@ def parallelize(
             run_cfg.train.seed,
             offload_params,
             source,
+            QUANT_BLOCK if run_cfg.optim.name == "adamw8bit" else 1,
         )
         return model, engine, tp, pipeline
     # 4. Materialise: without ZeRO the local shard is the whole model. Values depend only on
