@@ -74,6 +74,7 @@ GOLDEN_KEYS = [
     "finetune.lora_alpha",
     "finetune.lora_dropout",
     "finetune.lora_targets",
+    "finetune.base_quant",
     "parallel.tp",
     "parallel.pp",
     "parallel.zero",

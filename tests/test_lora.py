@@ -221,6 +221,7 @@ def test_frozen_weights_have_no_gradients_or_optimizer_state(worlds):
         (["--finetune.lora_rank=-1"], "finetune.lora_rank=-1 must be >= 0"),
         (["--finetune.lora_alpha=0"], "finetune.lora_alpha=0.0 must be > 0"),
         (["--finetune.lora_dropout=1.5"], "finetune.lora_dropout=1.5 is not a probability"),
+        (["--finetune.base_quant=nf4"], "train does not quantise the base yet"),
     ],
 )
 def test_bad_lora_keys_are_refused_before_launch(overrides, message):

@@ -156,7 +156,7 @@ def test_lora_qlora_and_8bit_adam_formulas():
     double quantisation = 4 + 8/64 + 32/(64*256) bits per weight; 8-bit Adam: 2 bytes + absmax
     per block (Dettmers et al. 2022)."""
     spec = preset("7b")
-    ft = FineTune(lora_rank=16, lora_targets=("wq", "wv"), base_4bit=True, optim_8bit=True)
+    ft = FineTune(lora_rank=16, lora_targets=("wq", "wv"), base_quant="nf4", optim_8bit=True)
     job = Job(spec, get_hardware("rtx4090"), 1, seq_len=512, global_batch=1, finetune=ft)
     mem = predict_memory(job, Layout(micro_batch=1, recompute="full"))
     lora = spec.n_layers * 2 * 16 * (spec.dim + spec.dim)
@@ -176,7 +176,10 @@ def test_lora_qlora_and_8bit_adam_formulas():
         (["--hardware", "h100", "--model", "9b"], ["unknown model '9b'", "7b"]),
         (["--params", "-3"], ["--params=-3", "positive"]),
         (["--hardware", "h100", "--devices", "0"], ["--devices=0"]),
-        (["--hardware", "h100", "--lora-targets", "wz"], ["--lora-targets=wz", "wq"]),
+        (
+            ["--hardware", "h100", "--finetune.lora_rank=8", "--finetune.lora_targets=wz"],
+            ["finetune.lora_targets pattern 'wz'", "wq"],
+        ),
     ],
 )
 def test_bad_input(capsys, args, needles):

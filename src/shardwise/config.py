@@ -176,6 +176,11 @@ class FinetuneConfig:
         "part of a path ('wq', 'q_proj'), a pattern with '.' or '*' the whole path "
         "('blocks.*.attn.wq'); all-linear = every linear layer but the output head.",
     )
+    base_quant: Literal["none", "nf4", "int8"] = opt(
+        "none",
+        "Frozen base weights stored in nf4 (QLoRA, Dettmers et al. 2023) or int8: planned by "
+        "`plan`/`explain`; `train` refuses them until the engine quantises the base.",
+    )
 
 
 @dataclass

@@ -2,10 +2,10 @@
 
     shardwise plan [CONFIG.toml] [--section.key=value ...] [--hardware NAME] [--devices N |
                    --nodes K] [--model NAME|config.json] [--params N] [--top K] [--json]
-                   [--explain N] [--verify] [--lora-rank R] [--lora-targets wq,wv]
-                   [--base-4bit] [--optim-8bit]
+                   [--explain N] [--verify]
 
-The model, sequence length, global batch and precision come from the config (as for `train`);
+The model, sequence length, global batch, precision and fine-tuning (finetune.*, optim.name)
+come from the config (as for `train`: one source of truth, so `explain` and `train` agree);
 `--params N` without an architecture plans model states only (the ZeRO paper's accounting)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from shardwise.config import load_config
 from shardwise.errors import ConfigError
 from shardwise.plan import report
 from shardwise.plan.hardware import Hardware, detect_hardware, get_hardware
-from shardwise.plan.layout import FineTune, Job
+from shardwise.plan.layout import Job
 from shardwise.plan.memory import states_only
 from shardwise.plan.search import nothing_fits, search
 
@@ -50,10 +50,6 @@ def parser() -> argparse.ArgumentParser:
         "--verify", action="store_true", help="run the best candidates here: predicted vs measured"
     )
     p.add_argument("--misses", type=int, default=0, help="also show the K closest misses")
-    p.add_argument("--lora-rank", type=int, default=0, help="plan a LoRA fine-tune of rank R")
-    p.add_argument("--lora-targets", default="wq,wk,wv,wo", help="layers that get adapters")
-    p.add_argument("--base-4bit", action="store_true", help="frozen base stored in 4 bits")
-    p.add_argument("--optim-8bit", action="store_true", help="8-bit optimizer moments")
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     return p
 
@@ -72,19 +68,6 @@ def _devices(args, hw: Hardware) -> int:
     return local_device_count()
 
 
-def _finetune(args) -> FineTune:
-    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-    known = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
-    if set(targets) - known:
-        raise ConfigError(
-            f"--lora-targets={args.lora_targets}: unknown {sorted(set(targets) - known)}. "
-            f"Fix: a comma list of {', '.join(sorted(known))}."
-        )
-    if args.lora_rank < 0:
-        raise ConfigError(f"--lora-rank={args.lora_rank} must be >= 0. Fix: --lora-rank 16")
-    return FineTune(args.lora_rank, targets, args.base_4bit, args.optim_8bit)
-
-
 def build_job(args, overrides: list[str]) -> Job:
     from shardwise.plan.predict import job_from_config
     from shardwise.plan.shapes import resolve_model
@@ -98,7 +81,7 @@ def build_job(args, overrides: list[str]) -> Job:
         # mixed-precision Adam as in the ZeRO paper: 16-bit parameters and gradients
         return Job(None, hw, devices, precision="bf16", reduce="bf16", params=int(args.params))
     spec = resolve_model(args.model) if args.model else None
-    return job_from_config(cfg, hw, devices, spec, _finetune(args))
+    return job_from_config(cfg, hw, devices, spec)
 
 
 def states_records(job: Job) -> list[dict]:

@@ -15,18 +15,22 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 class FineTune:
     """Planner-only fine-tuning options (scenario 3). LoRA (Hu et al. 2021) trains rank-r
     adapters A (r x in) and B (out x r) beside frozen `targets`; QLoRA (Dettmers et al. 2023)
-    stores the frozen linear weights in 4-bit NF4; 8-bit optimizers (Dettmers et al. 2022)
+    stores the frozen linear weights in 4-bit NF4 (or int8); 8-bit optimizers (Dettmers et al. 2022)
     keep Adam's two moments in one byte each."""
 
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ("wq", "wk", "wv", "wo")
-    base_4bit: bool = False
+    base_quant: str = "none"  # finetune.base_quant: none | nf4 | int8
     optim_8bit: bool = False
     lora_dropout: float = 0.0  # its masks and dropped inputs are saved for backward
 
     @property
     def lora(self) -> bool:
         return self.lora_rank > 0
+
+    @property
+    def quantised(self) -> bool:
+        return self.base_quant != "none"
 
 
 @dataclass(frozen=True)

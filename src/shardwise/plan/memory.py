@@ -20,6 +20,9 @@ from shardwise.plan.shapes import Unit, linear_shapes, split_trainable, units
 
 ADAM8_MAPS = 2 * 256 * 4  # bitsandbytes' signed and unsigned dynamic maps, fp32
 NF4_BYTES = 0.5 + (8 / 64 + 32 / (64 * 256)) / 8  # 4 bits + double-quantised constants (QLoRA)
+# int8 (LLM.int8(), Dettmers et al. 2022): a byte per weight + an fp32 scale per row of 4096
+INT8_BYTES = 1 + 4 / 4096
+QUANT_BYTES = {"nf4": NF4_BYTES, "int8": INT8_BYTES}
 
 
 def _entry_bytes(e: tuple, bc: int) -> float:
@@ -212,7 +215,8 @@ def stage_units(job: Job, layout: Layout, stage: int) -> list[Unit]:
         return list(job.frozen)
     layers, first, last = job_split(job, layout)[stage]
     us = units(job.spec, layout.tp, layers, first=first, last=last)
-    return finetune_units(us, job, layout.tp) if job.finetune.lora or job.finetune.base_4bit else us
+    ft = job.finetune
+    return finetune_units(us, job, layout.tp) if ft.lora or ft.quantised else us
 
 
 def finetune_units(us: list[Unit], job: Job, tp: int) -> list[Unit]:
@@ -224,7 +228,7 @@ def finetune_units(us: list[Unit], job: Job, tp: int) -> list[Unit]:
         entries = []
         for e in u.entries:
             tag = e[2] if len(e) > 2 else ""
-            nbytes = NF4_BYTES if (ft.base_4bit and tag in shapes) else job.bc
+            nbytes = QUANT_BYTES[ft.base_quant] if (ft.quantised and tag in shapes) else job.bc
             entries.append((e[0], not ft.lora, tag, nbytes))
             if ft.lora and tag in ft.lora_targets:
                 fan_in, fan_out = shapes[tag]
@@ -284,7 +288,7 @@ def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
         us = stage_units(job, layout, st)
         mem = model_states(us, job, layout.dp, layout.zero, layout.offload)
         mem["buffers"] = zero_transient(us, job, layout.dp, layout.zero)
-        if job.finetune.base_4bit:  # one linear dequantised to compute dtype at a time
+        if job.finetune.quantised:  # one linear dequantised to compute dtype at a time
             mem["buffers"] += (
                 max(a * b for a, b in linear_shapes(job.spec, layout.tp).values()) * job.bc
             )

@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardwise.config import Config
 from shardwise.distributed import device as dev
+from shardwise.errors import ConfigError
 from shardwise.finetune.lora import apply_lora
 from shardwise.models import build_model, count_params
 from shardwise.parallel.recompute import apply_recompute
@@ -54,12 +55,18 @@ def finetune_of(cfg: Config, spec) -> FineTune:
     of truth): LoRA's targets as the planner's names of the block linears they match."""
     ft, eight = cfg.finetune, cfg.optim.name == "adamw8bit"
     if not ft.lora_rank:
-        return FineTune(optim_8bit=eight)
+        return FineTune(base_quant=ft.base_quant, optim_8bit=eight)
     tags = tuple(linear_shapes(spec)) if spec.is_transformer else ()
     pats = [p.strip() for p in ft.lora_targets.split(",") if p.strip()]
-    if pats != ["all-linear"]:
+    if pats != ["all-linear"] and tags:
+        for pat in pats:
+            if pat.rpartition(".")[2] not in tags:
+                raise ConfigError(
+                    f"finetune.lora_targets pattern '{pat}' matches no linear layer of the "
+                    f"planned model. Fix: some of {', '.join(tags)}, or all-linear."
+                )
         tags = tuple(t for t in tags if any(p.rpartition(".")[2] == t for p in pats))
-    return FineTune(ft.lora_rank, tags, optim_8bit=eight, lora_dropout=ft.lora_dropout)
+    return FineTune(ft.lora_rank, tags, ft.base_quant, eight, ft.lora_dropout)
 
 
 def layout_from_config(cfg: Config, derived) -> Layout:

@@ -172,7 +172,8 @@ def nothing_fits(job: Job, result: Result) -> ConfigError:
         f"no layout of {job.spec.n_layers}-layer, {job.spec.dim}-wide model fits on "
         f"{job.devices} x {job.hardware.name} (seq_len {job.seq_len}, global batch "
         f"{job.global_batch}).{need}{more} Fix: more devices, a device with more memory, "
-        "a smaller micro-batch or sequence, or fine-tuning options (--lora-rank, --base-4bit)."
+        "a smaller micro-batch or sequence, or fine-tuning options (--finetune.lora_rank=16, "
+        "--finetune.base_quant=nf4)."
     )
 
 

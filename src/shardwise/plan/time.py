@@ -217,10 +217,11 @@ def step_time(
     ranks_here = min(job.devices, hw.per_node)
     slowdown = max(1.0, ranks_here / hw.cores) if hw.cores else 1.0
     t_mb = slowdown * _micro_batch_seconds(job, layout)
-    if job.finetune.base_4bit:  # NF4 -> bf16 dequantisation before every use of a weight
+    if job.finetune.quantised:  # NF4/int8 -> bf16 dequantisation before every use of a weight
         uses = 3 if layout.recompute == "full" else 2
         n = non_embedding_params(job.spec) / (t * p)
-        t_mb += slowdown * uses * n * (mem.NF4_BYTES + job.bc) / (hw.hbm_bw * hw.mem_eff)
+        stored = mem.QUANT_BYTES[job.finetune.base_quant]
+        t_mb += slowdown * uses * n * (stored + job.bc) / (hw.hbm_bw * hw.mem_eff)
     compute = m * t_mb
     bubble = _bubble_units(layout) * t_mb
     kinds = traffic_by_kind(job, layout) if kinds is None else kinds

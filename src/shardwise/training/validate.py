@@ -287,6 +287,12 @@ def _check_lora(spec: ModelSpec, cfg: Config) -> None:
     from shardwise.models import build_model
 
     check(cfg.finetune)
+    if cfg.finetune.base_quant != "none":
+        raise ConfigError(
+            f"finetune.base_quant={cfg.finetune.base_quant}: a quantised frozen base is planned "
+            "(shardwise plan / explain predict it) but train does not quantise the base yet. "
+            "Fix: --finetune.base_quant=none (LoRA on the base in precision.compute)."
+        )
     if cfg.finetune.lora_rank == 0:
         return
     with torch.device("meta"):
