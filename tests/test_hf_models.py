@@ -245,9 +245,21 @@ def minilm(tmp_path_factory):
         f"--run.dir={root / 'run'}",
     ]
     one = _classify(data, root / "cache", "--train.steps=12", "--train.eval_every=12", *ckpt)
+    lora = [
+        "--finetune.lora_rank=8",
+        "--finetune.lora_alpha=16",
+        "--train.lr=1e-3",
+        "--train.eval_every=0",
+        "--checkpoint.every=4",
+    ]
+    lora_one = _classify(data, root / "cache", "--train.steps=4", *lora)
+    lora_one += [f"--run.dir={root / 'lora1'}"]
+    lora_z2 = _classify(data, root / "cache", "--train.steps=4", *lora, "--parallel.zero=2")
+    lora_z2 += [f"--run.dir={root / 'lora2'}"]
     worlds = {
-        1: {"one": {"overrides": one}},
+        1: {"one": {"overrides": one}, "lora": {"overrides": lora_one}},
         2: {
+            "lora_z2": {"overrides": lora_z2},
             "z2": {
                 "overrides": _classify(
                     data,
@@ -256,11 +268,49 @@ def minilm(tmp_path_factory):
                     "--train.eval_every=0",
                     "--parallel.zero=2",
                 )
-            }
+            },
         },
     }
     out = run_named_worlds(worlds)
-    return {"root": root, "data": data, "one": out[1]["one"][0], "z2": out[2]["z2"][0]}
+    return {
+        "root": root,
+        "data": data,
+        "one": out[1]["one"][0],
+        "z2": out[2]["z2"][0],
+        "lora": out[1]["lora"][0],
+        "lora_z2": out[2]["lora_z2"][0],
+    }
+
+
+@needs_minilm
+@pytest.mark.slow
+def test_lora_classifier_trains_its_new_head_whole_and_exports_it(minilm, tmp_path):
+    """LoRA on MiniLM's linears, the new classification head trained whole: dp2 ZeRO-2
+    reproduces one process; the peft export carries the head as modules_to_save, and PeftModel
+    over the checkpoint gives the merged export's logits."""
+    from peft import PeftModel
+
+    from shardwise.cli.main import main
+
+    one, z2 = minilm["lora"], minilm["lora_z2"]
+    assert max_rel(z2["losses"], one["losses"]) <= 1e-5
+    assert max_param_diff(z2["params"], one["params"]) <= 1e-5
+    trained = {n for n in one["params"] if ".lora_" in n or n.startswith("classifier.")}
+    assert any(n.startswith("classifier.") for n in trained)
+    root = minilm["root"]
+    assert main(["export", str(root / "lora2"), "--format", "peft", str(tmp_path / "a")]) == 0
+    assert main(["export", str(root / "lora2"), "--format", "hf", str(tmp_path / "m")]) == 0
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["classifier"]
+    merged = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "m")
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(
+        MINILM, num_labels=merged.config.num_labels
+    )
+    adapted = PeftModel.from_pretrained(base, tmp_path / "a").eval()
+    ids = torch.randint(1000, 2000, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (adapted(ids).logits - merged.eval()(ids).logits).abs().max().item()
+    assert diff <= 1e-4, diff
 
 
 @needs_minilm

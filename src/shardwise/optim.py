@@ -92,13 +92,18 @@ def adamw(
     )
 
 
+def quiet_bitsandbytes() -> None:
+    """bitsandbytes logs at import (peft imports it too), on CPUs with AVX-512 BF16, that it
+    cannot download an optional 4-bit matmul kernel: a hub fetch, and a warning about nothing
+    shardwise uses."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
 def adamw8bit(groups: list[dict], cfg: Config) -> torch.optim.Optimizer:
     """bitsandbytes' AdamW8bit, block-wise, every tensor in 8 bits (min_8bit_size=0: the
     32-bit fallback for small tensors would decide by the size of a rank's shard, so by the
     layout)."""
-    # bitsandbytes logs at import, on CPUs with AVX-512 BF16, that it cannot download an
-    # optional 4-bit matmul kernel (a hub fetch; nothing the 8-bit optimizer uses)
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    quiet_bitsandbytes()
     try:
         import bitsandbytes as bnb
     except ImportError:
@@ -182,6 +187,61 @@ class MixedPrecisionAdamW:
                     seen[v.untyped_storage().data_ptr()] = v.numel() * v.element_size()
         return sum(seen.values())
 
+    # -- checkpoints: the moments as fp32 tensors, whatever the optimizer keeps -------------------
+    def moments(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
+        """AdamW's two moments of `master` at fp32 (checkpoints store these for any optimizer,
+        so they are layout-free and an 8-bit run resumes in any layout): torch's own state
+        tensors, or bitsandbytes' 8-bit blocks dequantised (copies; `store_moments` writes
+        edited copies back)."""
+        state = self.inner.state.get(master, {})
+        if "state1" not in state:
+            return {k: v for k, v in state.items() if k != "step"}
+        from bitsandbytes.functional import dequantize_blockwise
+
+        return {
+            name: dequantize_blockwise(
+                state[f"state{i}"],
+                absmax=state[f"absmax{i}"],
+                code=state[f"qmap{i}"],
+                blocksize=QUANT_BLOCK,
+            )
+            for i, name in ((1, "exp_avg"), (2, "exp_avg_sq"))
+        }
+
+    def store_moments(self, master: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        """Quantise fp32 moments back into an 8-bit state (torch's: `moments` gave the state
+        itself, nothing to do); exactly the state they were dequantised from when the blocks
+        are cut alike (`requantise`)."""
+        state = self.inner.state.get(master, {})
+        if "state1" not in state:
+            return
+        for i, name in ((1, "exp_avg"), (2, "exp_avg_sq")):
+            codes, absmax = requantise(values[name].flatten(), state[f"qmap{i}"])
+            state[f"state{i}"].copy_(codes.view_as(state[f"state{i}"]))
+            state[f"absmax{i}"].copy_(absmax)
+
+    def fresh_state(self, step: int) -> None:
+        """Give every master zero moments and the step count `step` (before a checkpoint's
+        moments are loaded into them)."""
+        if not hasattr(self.inner, "init_state"):  # torch: through its own load_state_dict
+            sd = self.inner.state_dict()
+            params = [p for g in self.inner.param_groups for p in g["params"]]
+            sd["state"] = {
+                i: {
+                    "step": torch.tensor(float(step)),  # a CPU scalar, as torch.optim makes it
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+                for i, p in enumerate(params)
+            }
+            self.inner.load_state_dict(sd)
+            return
+        for g, group in enumerate(self.inner.param_groups):  # bitsandbytes
+            for i, p in enumerate(group["params"]):
+                if p not in self.inner.state:
+                    self.inner.init_state(group, p, g, i)
+                self.inner.state[p]["step"] = step
+
     def set_lr(self, lr: float) -> None:
         for group in self.inner.param_groups:
             group["lr"] = lr
@@ -238,6 +298,30 @@ class MixedPrecisionAdamW:
             flags = (~torch.isfinite(norms)).tolist()
             bad = tuple(t.name for t, f in zip(self.targets, flags, strict=True) if f)
         return StepResult(norm_value, not finite or skip, bad)
+
+
+def requantise(v: torch.Tensor, code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, absmax per QUANT_BLOCK block) of values `v` that were dequantised from a
+    block-wise 8-bit state with the map `code`, recovering that state exactly. Quantising
+    afresh would not: a block's largest magnitude, if negative, was stored as the map's most
+    negative code (-0.993 for bitsandbytes' signed map, not -1), so its dequantised value is
+    below the absmax it came from; each value divided by the extreme code of its sign gives
+    back that absmax (the largest such quotient), then each value its nearest code."""
+    n, bs = v.numel(), QUANT_BLOCK
+    blocks = torch.zeros(-(-n // bs) * bs, dtype=torch.float32, device=v.device)
+    blocks[:n] = v
+    blocks = blocks.view(-1, bs)
+    hi, lo = code.max(), code.min()
+    implied = torch.where(blocks > 0, blocks / hi, torch.zeros_like(blocks))
+    if lo < 0:
+        implied = torch.where(blocks < 0, blocks / lo, implied)
+    absmax = implied.max(dim=1).values
+    norm = (blocks / absmax[:, None].clamp_min(torch.finfo(torch.float32).tiny)).flatten()
+    order = torch.argsort(code)
+    ordered = code[order]
+    i = torch.searchsorted(ordered, norm).clamp(1, len(code) - 1)
+    nearer_left = (norm - ordered[i - 1]).abs() <= (ordered[i] - norm).abs()
+    return order[torch.where(nearer_left, i - 1, i)][:n].to(torch.uint8), absmax
 
 
 def _host_copy(p: torch.Tensor) -> torch.Tensor:

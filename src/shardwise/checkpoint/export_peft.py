@@ -21,6 +21,7 @@ from shardwise.finetune.lora import ADAPTER, apply_lora
 from shardwise.models import build_model
 from shardwise.models.hf_weights import rule_for
 from shardwise.models.init import canonical_name
+from shardwise.optim import quiet_bitsandbytes
 
 
 def _their_path(spec, layer: str) -> str:
@@ -39,8 +40,10 @@ def _their_path(spec, layer: str) -> str:
 
 def export_peft(run_dir: str | Path, out: str | Path) -> Path:
     """Write the adapter of the run's newest checkpoint to `out/`; returns the checkpoint."""
-    from peft import LoraConfig
     from safetensors.torch import save_file
+
+    quiet_bitsandbytes()  # peft imports it when installed
+    from peft import LoraConfig
 
     ckpt, _, cfg, spec, read = open_checkpoint(run_dir)
     ft = cfg.finetune

@@ -15,6 +15,7 @@ layout (the format is in checkpoint_io; when to save and resume is in checkpoint
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ class Local:
     piece: io.Piece
     tensor: torch.Tensor  # flat view of the memory holding the values
     where: torch.Tensor | None = None  # their positions in `tensor` (None: all, in order)
+    after_load: Callable[[], None] | None = None  # run once this slice is loaded
 
     def values(self) -> torch.Tensor:
         return self.tensor if self.where is None else self.tensor[self.where]
@@ -114,9 +116,11 @@ def local_state(run) -> list[Local]:
         span, p = t.span or (0, m.numel()), params[t.name]
         if opt.separate_master:
             out += slices_of(f"master/{key(t.name)}", p, span, _flat(m))
-        for kind, v in opt.inner.state.get(m, {}).items():
-            if kind != "step":
-                out += slices_of(f"{kind}/{key(t.name)}", p, span, _flat(v))
+        moments = opt.moments(m)  # fp32 for any optimizer (8-bit: dequantised copies)
+        for kind, v in moments.items():
+            out += slices_of(f"{kind}/{key(t.name)}", p, span, _flat(v))
+        if moments and any("state1" in s for s in opt.inner.state.values()):
+            out[-1].after_load = lambda m=m, v=moments: opt.store_moments(m, v)
     for prefix, module in run.model.named_modules():
         for leaf, b in module._buffers.items():
             if b is not None and leaf not in module._non_persistent_buffers_set:
@@ -218,22 +222,6 @@ def _source(index: dict, piece: io.Piece) -> str | None:
     return next((f"{k}/{name}" for k in order if f"{k}/{name}" in index["tensors"]), None)
 
 
-def _fresh_adam_state(opt: MixedPrecisionAdamW, step: int) -> None:
-    """Give every master AdamW state (zero moments, the saved step count) through the
-    optimizer's own load_state_dict, so the loader can fill the moments in place."""
-    sd = opt.inner.state_dict()
-    params = [p for g in opt.inner.param_groups for p in g["params"]]
-    sd["state"] = {
-        i: {
-            "step": torch.tensor(float(step)),  # a CPU scalar, as torch.optim makes it
-            "exp_avg": torch.zeros_like(p),
-            "exp_avg_sq": torch.zeros_like(p),
-        }
-        for i, p in enumerate(params)
-    }
-    opt.inner.load_state_dict(sd)
-
-
 def _fit_problems(index: dict, locals_: list[Local]) -> list[tuple[str, str]]:
     """(kind, text) for every slice this rank needs that the checkpoint lacks or shapes
     differently."""
@@ -276,7 +264,7 @@ def load_state(run, path: Path, index: dict, channel: ControlChannel) -> None:
     rank raises the same one message if tensors are missing, extra or of another shape."""
     adam = index["loop"]["optimizer"]["adam_step"]
     if adam:
-        _fresh_adam_state(run.optimizer, adam)
+        run.optimizer.fresh_state(adam)
     locals_ = local_state(run)
     names = {lo.piece.key for lo in locals_ if lo.piece.key.startswith("param/")}
     gathered = channel.all_gather((_fit_problems(index, locals_), names))
@@ -295,6 +283,8 @@ def load_state(run, path: Path, index: dict, channel: ControlChannel) -> None:
             local.load(
                 lambda dst, n=need, e=index["tensors"][src]: io.load_piece(dst, n, e, reader)
             )
+            if local.after_load is not None:  # 8-bit moments: quantised from the loaded fp32
+                local.after_load()
     finally:
         reader.close()
     if isinstance(run.reducer, ZeroEngine):

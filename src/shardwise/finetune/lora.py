@@ -25,6 +25,7 @@ from shardwise.config import FinetuneConfig
 from shardwise.errors import ConfigError
 from shardwise.models.dropout import LayoutFreeDropout, name_sites
 from shardwise.models.init import find_spec
+from shardwise.optim import quiet_bitsandbytes
 
 ALL_LINEAR = "all-linear"
 ADAPTER = "default"  # peft's adapter name: it appears in the parameter names
@@ -108,6 +109,7 @@ def apply_lora(model: nn.Module, ft: FinetuneConfig) -> list[str]:
     check(ft)
     if ft.lora_rank == 0:
         return []
+    quiet_bitsandbytes()  # peft imports it when installed
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError:

@@ -155,14 +155,6 @@ def _positive(cfg: Config) -> None:
 
 
 def _checkpoint(cfg: Config) -> None:
-    explicit = cfg.checkpoint.resume not in ("auto", "none")
-    if cfg.optim.name == "adamw8bit" and (cfg.checkpoint.every or explicit):
-        raise ConfigError(
-            f"optim.name=adamw8bit with checkpoint.every={cfg.checkpoint.every}, "
-            f"checkpoint.resume={cfg.checkpoint.resume}: checkpoints do not hold 8-bit optimizer "
-            "state yet. Fix: --optim.name=adamw for a run that saves or resumes, or "
-            "--checkpoint.every=0."
-        )
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).is_dir():
         raise ConfigError(
