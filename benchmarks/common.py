@@ -96,6 +96,25 @@ def abba_cases(rounds: int, sizes: list[str], pair, make) -> tuple[list[dict], l
     return cases, keys
 
 
+def engine_rounds(engines: list[tuple[str, list[str], str | None]], base: list[str], rounds: int):
+    """The cases of every (name, extra overrides, peer or None) engine on `base`, in `rounds`
+    rounds whose order alternates (drift hits every engine alike), with (name, round) keys."""
+    cases, keys = [], []
+    for r in range(rounds):
+        for name, extra, peer in engines if r % 2 == 0 else engines[::-1]:
+            cases.append({"overrides": [*base, *extra], **({"peer": peer} if peer else {})})
+            keys.append((name, r))
+    return cases, keys
+
+
+def engine_times(by_key: dict, names: list[str], rounds: int) -> dict[str, float]:
+    """Per engine the median over rounds of its median steady step (slowest rank per step)."""
+    return {
+        name: median([median(steady(slowest_rank_steps(by_key[name, r]))) for r in range(rounds)])
+        for name in names
+    }
+
+
 def round_medians(by_key: dict, size: str, sides: tuple[str, str], rounds: int, label: str):
     """Per side the median steady step of each round and the fastest step, the per-round
     ratios sides[0] / sides[1], and the rows of the per-round table."""

@@ -23,11 +23,10 @@ from common import (
     check,
     command_line,
     commit,
+    engine_rounds,
+    engine_times,
     load,
     mb,
-    median,
-    slowest_rank_steps,
-    steady,
     table,
 )
 from shardwise.testing import run_world
@@ -89,22 +88,13 @@ def main() -> int:
     print(f"date: {datetime.date.today()}; load average at the start: {load()} (2 cores)")
     base = overrides(args.steps, args.smoke)
     print(f"case: {' '.join(base)} {' '.join(LORA)}")
-    cases, keys = [], []
-    for r in range(args.rounds):
-        for name, extra, peer in ENGINES if r % 2 == 0 else ENGINES[::-1]:
-            cases.append({"overrides": [*base, *extra], **({"peer": peer} if peer else {})})
-            keys.append((name, r))
+    cases, keys = engine_rounds(ENGINES, base, args.rounds)
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
         one = run_here({"overrides": [*base, *LORA]}, tmp)
     results = run_world(NPROC, cases)
     check(results)
     by_key = dict(zip(keys, results, strict=True))
-    times = {
-        name: median(
-            [median(steady(slowest_rank_steps(by_key[name, r]))) for r in range(args.rounds)]
-        )
-        for name, _, _ in ENGINES
-    }
+    times = engine_times(by_key, [name for name, _, _ in ENGINES], args.rounds)
     rows = []
     for name, _, _ in ENGINES:
         first = by_key[name, 0][0]

@@ -28,11 +28,10 @@ from common import (
     check,
     command_line,
     commit,
+    engine_rounds,
+    engine_times,
     load,
     mb,
-    median,
-    slowest_rank_steps,
-    steady,
     table,
 )
 from shardwise.testing import run_world
@@ -84,26 +83,16 @@ def main() -> int:
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     base = overrides(Path(pkg.MODEL_DIR), data, root / "cache", args.steps, args.smoke)
     print(f"case: {' '.join(base)}")
-    engines = [("ours z0", []), ("ours z2", ["--parallel.zero=2"]), ("DDP", None)]
-    cases, keys = [], []
-    for r in range(args.rounds):
-        for name, extra in engines if r % 2 == 0 else engines[::-1]:
-            peer = {"peer": DDP} if extra is None else {}
-            cases.append({"overrides": [*base, *(extra or [])], **peer})
-            keys.append((name, r))
+    engines = [("ours z0", [], None), ("ours z2", ["--parallel.zero=2"], None), ("DDP", [], DDP)]
+    cases, keys = engine_rounds(engines, base, args.rounds)
     one = run_here({"overrides": base}, str(root / "one"))
     results = run_world(NPROC, cases)
     check(results)
     by_key = dict(zip(keys, results, strict=True))
     ref = one["losses"]
-    times = {
-        name: median(
-            [median(steady(slowest_rank_steps(by_key[name, r]))) for r in range(args.rounds)]
-        )
-        for name, _ in engines
-    }
+    times = engine_times(by_key, [name for name, _, _ in engines], args.rounds)
     rows_out = []
-    for name, _ in engines:
+    for name, _, _ in engines:
         first = by_key[name, 0][0]
         dloss = max(abs(a - b) / abs(b) for a, b in zip(first["losses"], ref, strict=True))
         last = first.get("records", [{}])[-1]
