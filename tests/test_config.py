@@ -94,6 +94,7 @@ GOLDEN_KEYS = [
     "checkpoint.keep",
     "checkpoint.dir",
     "checkpoint.resume",
+    "checkpoint.on_signal",
     "checkpoint.async",
     "log.every",
     "log.tensorboard",

@@ -245,6 +245,12 @@ class CheckpointConfig:
         "when there is none); none: start fresh; or the path of one checkpoint directory.",
     )
     # `async` is a Python keyword: the field carries a trailing underscore, the key does not.
+    on_signal: bool = opt(
+        True,
+        "On SIGTERM, SIGINT or SIGUSR1 (preemption, a time limit, Ctrl-C) every rank finishes "
+        "its step, the job saves a checkpoint (also with every=0) and exits 128 + the signal "
+        "(143, 130, 138); a second signal later than 2 s aborts at once.",
+    )
     async_: bool = opt(
         False,
         "Snapshot shards to host memory and write them in a background thread while "

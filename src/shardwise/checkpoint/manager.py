@@ -49,7 +49,7 @@ class Checkpointer:
         self.run, self.cfg = run, run.cfg.checkpoint
         self.root = Path(self.cfg.dir or Path(run.cfg.run.dir) / "checkpoints")
         self.rank = run.topo.rank
-        self.enabled = self.cfg.every > 0 or self.cfg.resume != "none"
+        self.enabled = self.cfg.every > 0 or self.cfg.resume != "none" or self.cfg.on_signal
         # group creation is collective: every rank makes it here, at the same point
         world = run.topo.world
         self.channel = ControlChannel(world, run.cfg.parallel.timeout_s) if self.enabled else None
@@ -161,10 +161,12 @@ class Checkpointer:
         return index["step"]
 
     # -- save -----------------------------------------------------------------------------------
-    def maybe_save(self, step: int, record: dict) -> None:
-        """Save after `step` steps when it is due; records the training stall it caused."""
+    def maybe_save(self, step: int, record: dict, force: bool = False) -> None:
+        """Save after `step` steps when it is due (or `force`: the job was told to stop);
+        records the training stall it caused."""
         every = self.cfg.every
-        if not every or (step % every and step != self.run.cfg.train.steps):
+        due = every and not (step % every and step != self.run.cfg.train.steps)
+        if not (due or force) or (force and self.saving_step == step):
             return
         t0 = time.perf_counter()
         self.wait()  # one save in flight at a time

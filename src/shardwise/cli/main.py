@@ -8,6 +8,7 @@ import sys
 
 from shardwise.config import Config, load_config, reference_markdown, split_overrides
 from shardwise.errors import ShardwiseError
+from shardwise.training.preempt import Preempted
 
 
 def parser(command: str = "train") -> argparse.ArgumentParser:
@@ -214,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = load_config(args.config, overrides)
         commands[command](cfg, args)
+    except Preempted as exc:  # told to stop, and saved: 128 + the signal
+        print(f"shardwise: {exc}", file=sys.stderr)
+        return exc.code
     except ShardwiseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

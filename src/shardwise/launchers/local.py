@@ -17,6 +17,9 @@ from shardwise.distributed.comm import free_port
 from shardwise.distributed.watchdog import EXIT_HANG, LOCAL_LAUNCH_ENV, REPORT
 from shardwise.errors import ShardwiseError
 from shardwise.training.lock import HELD_ENV, acquire, release
+from shardwise.training.preempt import Preempted, preempt_code
+
+SHUTDOWN_GRACE_S = 120  # seconds torch elastic waits for signalled ranks to save and exit
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -78,6 +81,10 @@ def rank_main(cfg_dict: dict, hook: str | None = None, local: bool = False) -> N
         os.environ[LOCAL_LAUNCH_ENV] = "1"
     try:
         train_here(config_from_dict(cfg_dict), hook)
+    except Preempted as exc:  # saved: the documented status, no traceback; rank 0 says why
+        if os.environ.get("RANK", "0") == "0" and not local:  # (else launch_local does)
+            print(f"shardwise: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(exc.code) from None
     except ShardwiseError as exc:
         rank = os.environ.get("RANK", "0")
         print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
@@ -114,6 +121,9 @@ def launch_local(cfg: Config, nproc: int, hook: str | None = None, max_restarts:
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=max_restarts,
         monitor_interval=0.2,
+        # a signal to this agent is forwarded to the ranks, which finish their step and save
+        # (training/preempt.py) before torch elastic would kill them
+        shutdown_timeout=SHUTDOWN_GRACE_S,
     )
     # one live job per run.dir: refused here, before any rank starts; the ranks (restarted
     # ones too) know the launcher holds the lock
@@ -124,6 +134,23 @@ def launch_local(cfg: Config, nproc: int, hook: str | None = None, max_restarts:
     finally:
         os.environ.pop(HELD_ENV, None)
         release(held)
+
+
+def _stopped(cfg: Config, signum: int) -> Preempted:
+    """The ranks stopped on `signum` after saving: the step is that of the newest checkpoint."""
+    from shardwise.checkpoint import io as cio
+
+    root = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
+    newest = cio.latest(root)
+    step = int(newest.name.rpartition("-")[2]) if newest is not None else None
+    return Preempted(signum, step, str(root))
+
+
+class _DeathSignalNote(logging.Filter):
+    """torch elastic's warning that it forwards a signal: here that is the expected path."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "death signal" not in record.getMessage()
 
 
 def _first_line(message: object) -> str:
@@ -140,6 +167,7 @@ def run_elastic(
     """Run this node's torch elastic agent with `rank_main` as every rank's entry point; a
     failure becomes one ShardwiseError (the ranks print their own messages). `local`: every
     rank is on this machine, so a hang report in run.dir is printed here, not by a rank."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -147,12 +175,22 @@ def run_elastic(
     quiet = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     drop = _DropAll()  # a filter, not a level: two launches in one process must not race
     quiet.addFilter(drop)
+    agent, note = (
+        logging.getLogger("torch.distributed.elastic.agent.server.api"),
+        _DeathSignalNote(),
+    )
+    agent.addFilter(note)
     started = time.time()
     try:
         elastic_launch(config, rank_main)(cfg.to_dict(), hook, local)
+    except SignalException as exc:  # the agent was signalled; its ranks saved and stopped
+        raise _stopped(cfg, int(exc.sigval)) from None
     except ChildFailedError as exc:
         codes = sorted({f.exitcode for f in exc.failures.values()})
         ranks = sorted(exc.failures)
+        stopped = {preempt_code(c) for c in codes}
+        if None not in stopped:  # every failed rank stopped on a signal after saving
+            raise _stopped(cfg, max(stopped)) from None
         report = Path(cfg.run.dir) / REPORT
         if EXIT_HANG in codes and report.is_file() and report.stat().st_mtime >= started:
             raise ShardwiseError(
@@ -170,3 +208,4 @@ def run_elastic(
         raise ShardwiseError(f"rank(s) {ranks} failed with exit code(s) {codes};{shown}") from None
     finally:
         quiet.removeFilter(drop)
+        agent.removeFilter(note)

@@ -17,16 +17,14 @@ from shardwise.parallel.data import sync_buffers
 from shardwise.training.memory import model_state_bytes, step_memory
 from shardwise.training.metrics import MetricsLogger, flops_per_token
 from shardwise.training.nonfinite import NonFiniteGuard
+from shardwise.training.preempt import Preempted, StopRequest
 from shardwise.training.runtime import Run
 
 
 def fit(run: Run) -> list[dict]:
     """Train up to `train.steps` optimizer steps (continuing a checkpoint per
     `checkpoint.resume`); returns the per-step metric records of the steps run here."""
-    cfg, d, model = run.cfg, run.derived, run.model
-    device = run.info.device
-    per_step = cfg.train.global_batch * d.tokens_per_sample  # the loss normaliser, unless
-    counted = getattr(run.train_data, "targets_in", None)  # only some tokens are targets
+    cfg, d = run.cfg, run.derived
     peak = run.info.peak_flops(cfg.precision.compute)
     with torch.device("meta"):  # the whole model's FLOPs, not this rank's tensor-parallel slice
         step_flops = flops_per_token(build_model(d.spec), d) * d.tokens_per_step
@@ -34,6 +32,24 @@ def fit(run: Run) -> list[dict]:
     start = ckpt.resume()  # the step to continue from (0: a fresh run)
     logger = MetricsLogger(run, start, ckpt.record)
     guard = NonFiniteGuard(run)
+    stop = StopRequest().install() if cfg.checkpoint.on_signal else StopRequest()
+    try:
+        records = _steps(run, start, ckpt, logger, guard, stop, step_flops, peak)
+    except Preempted:  # saved and logged: close the files like a finished run
+        ckpt.close()
+        logger.close()
+        raise
+    finally:
+        stop.close()
+    ckpt.close()
+    logger.close()
+    return records
+
+
+def _steps(run, start, ckpt, logger, guard, stop, step_flops, peak) -> list[dict]:
+    cfg, d, model, device = run.cfg, run.derived, run.model, run.info.device
+    per_step = cfg.train.global_batch * d.tokens_per_sample  # the loss normaliser, unless
+    counted = getattr(run.train_data, "targets_in", None)  # only some tokens are targets
     records = []
     for step in range(start, cfg.train.steps):
         lr = lr_at(step, cfg)
@@ -85,7 +101,9 @@ def fit(run: Run) -> list[dict]:
         device_peak = dev.peak_memory(run.info)
         if device_peak is not None:
             mem["device_peak"] = device_peak
+        mem["stop_signal"] = stop.signum  # a signal on any rank stops all of them here
         mem = _max_over_ranks(run, mem)
+        signum = mem.pop("stop_signal")
         tokens_per_s = d.tokens_per_step / step_time
         record = {
             "step": step + 1,
@@ -112,12 +130,14 @@ def fit(run: Run) -> list[dict]:
             and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == cfg.train.steps)
         ):
             record.update(evaluate(run))
-        ckpt.maybe_save(step + 1, record)  # maybe checkpoint (async: a host snapshot only)
+        # maybe checkpoint (async: a host snapshot only); always when told to stop
+        ckpt.maybe_save(step + 1, record, force=bool(signum))
         logger.log(record)
         records.append(record)
+        if signum:
+            ckpt.wait()  # the save is complete before the job exits
+            raise Preempted(signum, step + 1, str(ckpt.root))
         guard.check(step + 1, record, scale)  # stops after train.max_skipped_steps in a row
-    ckpt.close()
-    logger.close()
     return records
 
 
