@@ -29,6 +29,7 @@ from test_pretrained_tokenizer import _documents, _tokenizer  # noqa: E402
 
 LORA = ["--finetune.lora_rank=4", "--finetune.lora_alpha=8", "--train.steps=8"]
 DROP = ["--finetune.lora_dropout=0.1"]
+NF4 = ["--finetune.base_quant=nf4"]
 DDP = "shardwise.testing.peers:ddp_peer"
 LAYOUTS = {
     "z2": ["--parallel.zero=2"],
@@ -81,7 +82,7 @@ def llama(tmp_path_factory):
 def runs(tmp_path_factory):
     """Run directories of the checkpointed LoRA runs the export tests read."""
     root = tmp_path_factory.mktemp("lora-runs")
-    return {"one": root / "one", "z3": root / "z3"}
+    return {"one": root / "one", "z3": root / "z3", "q": root / "q"}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,8 @@ def worlds(llama, runs):
         "ref_drop": case(*LORA, *DROP),
         "hf": {"overrides": [*llama, "--checkpoint.every=4", f"--run.dir={runs['one']}"]},
         "hf_inst": {"overrides": inst},
+        "q": case(*LORA, *NF4),
+        "q_hf": {"overrides": [*llama, *NF4, "--checkpoint.every=4", f"--run.dir={runs['q']}"]},
     }
     two = {"ddp": case(*LORA, peer=DDP), "z0": case(*LORA)}
     for name, extra in LAYOUTS.items():
@@ -99,6 +102,9 @@ def worlds(llama, runs):
         two[f"{name}_drop"] = case(*LORA, *DROP, *extra)
         two[f"hf_{name}"] = {"overrides": [*llama, *extra]}
     two["hf_z3"]["overrides"] += ["--checkpoint.every=4", f"--run.dir={runs['z3']}"]
+    for name in ("z0", "z2"):  # QLoRA: the same NF4 base on every rank
+        two[f"q_{name}"] = case(*LORA, *NF4, f"--parallel.zero={name[1]}")
+    two["q_hf_z2"] = {"overrides": [*llama, *NF4, "--parallel.zero=2"]}
     two["hf_inst_z3"] = {"overrides": [*inst, "--parallel.zero=3"]}
     two["hf_inst_tp2"] = {"overrides": [*inst, "--parallel.tp=2"]}
     two["tp2_sp"] = case(*LORA, *DROP, "--parallel.tp=2", "--parallel.sp=true")
@@ -221,7 +227,8 @@ def test_frozen_weights_have_no_gradients_or_optimizer_state(worlds):
         (["--finetune.lora_rank=-1"], "finetune.lora_rank=-1 must be >= 0"),
         (["--finetune.lora_alpha=0"], "finetune.lora_alpha=0.0 must be > 0"),
         (["--finetune.lora_dropout=1.5"], "finetune.lora_dropout=1.5 is not a probability"),
-        (["--finetune.base_quant=nf4"], "train does not quantise the base yet"),
+        (["--finetune.base_quant=int8"], "train quantises the base to nf4 only so far"),
+        (["--finetune.base_quant=nf4", "--parallel.zero=3"], "kept whole on every rank so far"),
     ],
 )
 def test_bad_lora_keys_are_refused_before_launch(overrides, message):
@@ -285,3 +292,62 @@ def test_explain_predicts_the_lora_job(worlds, name):
         assert pred[key] == got[key], (key, pred, got)
     for key in ("activations", "total"):
         assert abs(pred[key] - got[key]) <= 0.05 * got[key], (key, pred[key], got[key])
+
+
+@pytest.mark.parametrize("name", ["q_z0", "q_z2", "q_hf_z2"])
+def test_qlora_reproduces_one_process(worlds, name):
+    """QLoRA: every rank quantises the same base values identically, so dp2 (ZeRO-0/2) trains
+    against bit-identical NF4 weights and reproduces one process to the LoRA bound."""
+    ref = worlds[1]["q_hf" if "hf" in name else "q"][0]
+    got = worlds[2][name][0]
+    assert max_rel(got["losses"], ref["losses"]) <= 1e-5
+    assert max_param_diff(got["params"], ref["params"]) <= 1e-5
+    assert all(".lora_" in n or "norm" in n or "embed" in n or "head" in n for n in got["params"])
+
+
+def test_qlora_stores_half_a_byte_per_base_weight_and_explain_predicts_it(worlds):
+    """The quantised linears are no longer parameters; their bytes (4 bits per weight, an 8-bit
+    absmax per 64, fp32 absmax per 256 blocks, two small maps) replace them in `params`, as the
+    planner predicts exactly."""
+    from shardwise.finetune.quant import layer_bytes
+    from shardwise.plan.explain import explain_record
+    from shardwise.plan.hardware import get_hardware
+
+    lora, q = worlds[1]["ref"][0], worlds[1]["q"][0]
+    bases = [p for n, p in lora["params"].items() if ".base_layer." in n]
+    assert bases and not any(".base_layer." in n for n in q["params"])
+    stored = sum(layer_bytes(*p.shape) for p in bases)
+    saved = lora["records"][-1]["mem_bytes"]["params"] - q["records"][-1]["mem_bytes"]["params"]
+    assert saved == sum(4 * p.numel() for p in bases) - stored
+    n = sum(p.numel() for p in bases)
+    blockwise = (n / 2 + n / 64 + 4 * n / 64 / 256) / n  # without the per-layer maps
+    assert 0.5 < blockwise < 0.52
+    print(f"NF4 base: {blockwise:.4f} bytes per weight + {1088} bytes of maps per layer (fp32: 4)")
+    cfg = load_config(None, case(*LORA, *NF4)["overrides"])
+    pred = explain_record(cfg, 1, get_hardware("cpu", calibrate=False))["mem_bytes"]
+    got = q["records"][-1]["mem_bytes"]
+    for key in ("params", "grads", "master", "optimizer"):
+        assert pred[key] == got[key], (key, pred, got)
+    for key in ("activations", "total"):
+        assert abs(pred[key] - got[key]) <= 0.05 * got[key], (key, pred[key], got[key])
+
+
+def test_qlora_merged_export_is_the_nf4_base_plus_the_adapter(worlds, llama, runs, tmp_path):
+    """Merging a QLoRA run: each base weight is the NF4-quantised checkpoint tensor the run
+    trained against (dequantised), plus (alpha / r)·B·A."""
+    import bitsandbytes.functional as bf
+    from safetensors.torch import load_file
+
+    from shardwise.cli.main import main
+
+    assert main(["export", str(runs["q"]), "--format", "hf", str(tmp_path / "m")]) == 0
+    merged = load_file(tmp_path / "m" / "model.safetensors")
+    base = load_file(_folder(llama) / "ckpt" / "model.safetensors")
+    params = worlds[1]["q_hf"][0]["params"]
+    for layer in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        w = base[f"{layer}.weight"].float()
+        q, state = bf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+        a, b = params[f"{layer}.lora_A.default.weight"], params[f"{layer}.lora_B.default.weight"]
+        expected = bf.dequantize_4bit(q, state).float() + (8 / 4) * b @ a
+        assert (merged[f"{layer}.weight"] - expected).abs().max() <= 1e-6
+        assert (merged[f"{layer}.weight"] - w).abs().max() > 1e-4  # not the unquantised base

@@ -178,8 +178,9 @@ class FinetuneConfig:
     )
     base_quant: Literal["none", "nf4", "int8"] = opt(
         "none",
-        "Frozen base weights stored in nf4 (QLoRA, Dettmers et al. 2023) or int8: planned by "
-        "`plan`/`explain`; `train` refuses them until the engine quantises the base.",
+        "The frozen base linears under LoRA adapters stored in nf4 (QLoRA, Dettmers et al. "
+        "2023: 4-bit NormalFloat, double quantisation; data parallelism and ZeRO-1/2). int8 is "
+        "planned by plan/explain only so far.",
     )
 
 

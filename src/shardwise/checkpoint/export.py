@@ -200,13 +200,35 @@ def open_checkpoint(run_dir: str | Path):
     return ckpt, index, cfg, spec, read
 
 
-def _merging(read, cfg):
-    """`read`, with a LoRA layer's base weight read as W + (alpha / r)·B·A (peft's merge)."""
+def _quantised_base(cfg, spec) -> dict[str, torch.Tensor]:
+    """A QLoRA run's base linears as it computed with them: quantised to NF4 from the values it
+    started from (checkpoints do not store them; finetune/quant.py), dequantised; by name."""
+    from shardwise.finetune.quant import materialise_quantised, quant_layers, quantise_base
+    from shardwise.models.auto import weight_source
+    from shardwise.models.hf_weights import HFWeights
+
+    with torch.device("meta"):
+        model = build_model(spec)
+        apply_lora(model, cfg.finetune)
+        quantise_base(model, cfg.finetune.base_quant)
+    source = None
+    if spec.arch == "hf":
+        source = weight_source(spec, model)
+    elif cfg.model.init_from:
+        source = HFWeights(cfg.model.init_from, spec.arch)
+    materialise_quantised(model, source, cfg.train.seed, torch.device("cpu"))
+    return {f"{path}.weight": layer.dequantised() for path, layer in quant_layers(model)}
+
+
+def _merging(read, cfg, spec):
+    """`read`, with a LoRA layer's base weight read as W + (alpha / r)·B·A (peft's merge); a
+    quantised base (QLoRA) is the dequantised NF4 weight the run trained against."""
     scale = cfg.finetune.lora_alpha / max(cfg.finetune.lora_rank, 1)
     suffix = ".base_layer.weight"
+    quantised = _quantised_base(cfg, spec) if cfg.finetune.base_quant != "none" else {}
 
     def merged(name: str) -> torch.Tensor:
-        w = read(name)
+        w = quantised[name] if name in quantised else read(name)
         if not name.endswith(suffix) or not cfg.finetune.lora_rank:
             return w
         layer = name[: -len(suffix)]
@@ -226,13 +248,13 @@ def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 
 
     ckpt, index, cfg, spec, read = open_checkpoint(run_dir)
     plan = _plan(spec, cfg.finetune)
-    first = canonical_name(next(iter(plan.values()))[0][0], spec)
+    first = canonical_name(next(iter(plan.values()))[0][0], spec)  # the embedding
     kind = "master" if f"master/{first}" in index["tensors"] else "param"
     dtype = index["tensors"][f"{kind}/{first}"]["dtype"]
     shards = _shards(spec, plan, getattr(torch, dtype).itemsize, max_shard_bytes)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    read = _merging(read, cfg)
+    read = _merging(read, cfg, spec)
     weight_map, total = {}, 0
     for i, keys in enumerate(shards):  # one output file in memory at a time
         fname = (

@@ -47,6 +47,7 @@ class Job:
     frozen: tuple | None = None  # the real model's ZeRO units (explain with train.freeze)
     pp_split: str = ""  # parallel.pp_split: blocks per pipeline chunk ("" = balanced cut)
     bucket_mb: float = 25.0  # parallel.bucket_mb: the data-parallel gradient bucket cap
+    quantised_bytes: int = 0  # a quantised frozen base kept whole on every rank (finetune/quant)
 
     @property
     def bc(self) -> int:

@@ -88,7 +88,9 @@ def model_states(us: list[Unit], job: Job, dp: int, stage: int, offload: str) ->
     """Device (and host, with offload) model-state bytes per rank (max over dp ranks)."""
     master = 4 if (job.precision != "fp32" or offload != "none") else 0
     key = (tuple(us), dp, stage, offload, job.bc, job.br, master, job.finetune.optim_8bit)
-    return dict(_model_states(*key))
+    states = dict(_model_states(*key))
+    states["params"] += job.quantised_bytes  # outside the ZeRO units, on every rank
+    return states
 
 
 @lru_cache(maxsize=8192)

@@ -18,6 +18,8 @@ from shardwise.config import Config
 from shardwise.distributed import device as dev
 from shardwise.errors import ConfigError
 from shardwise.finetune.lora import apply_lora
+from shardwise.finetune.quant import layer_bytes as quant_layer_bytes
+from shardwise.finetune.quant import quant_layers, quantise_base
 from shardwise.models import build_model, count_params
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.zero_units import unit_roots
@@ -146,9 +148,16 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
     with torch.device("meta"):  # as training builds it: adapters added, the base frozen
         model = build_model(derived.spec)
         apply_lora(model, cfg.finetune)
+        quantise_base(model, cfg.finetune.base_quant)
     freeze(model, cfg.train.freeze)
     n = count_params(model)
     us = model_units(model)
+    quantised = [m.shape for _, m in quant_layers(model)]
+    if quantised:  # the NF4 base: bitsandbytes' bytes per layer, outside the ZeRO units
+        n += sum(a * b for a, b in quantised)
+        job = dataclasses.replace(
+            job, quantised_bytes=sum(quant_layer_bytes(a, b) for a, b in quantised)
+        )
     with FakeTensorMode():
         _to_fake(model)
         module_buffers = tensor_bytes(model.buffers())

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from shardwise.finetune.quant import quant_layers, quantised_bytes
+
 
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -58,9 +60,11 @@ class ActivationMeter:
 
 def model_state_bytes(model: nn.Module, reducer, optimizer) -> dict[str, int]:
     """Bytes of the persistent categories on this rank."""
-    buffers = [b for b in model.buffers()]
+    quantised = {id(t) for _, m in quant_layers(model) for t in m.buffers()}
+    buffers = [b for b in model.buffers() if id(b) not in quantised]  # those are parameters
     states = {
-        "params": reducer.param_bytes,  # local copies or shards; a tied weight counts once
+        # local copies or shards (a tied weight once), and a quantised frozen base
+        "params": reducer.param_bytes + quantised_bytes(model),
         "grads": reducer.grad_bytes,
         "master": optimizer.master_bytes,
         "optimizer": optimizer.state_bytes,

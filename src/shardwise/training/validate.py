@@ -276,19 +276,28 @@ def _check_lora(spec: ModelSpec, cfg: Config) -> None:
     """LoRA's keys, and its targets must name linear layers of this model (applied on meta
     before launch)."""
     from shardwise.finetune.lora import apply_lora, check
+    from shardwise.finetune.quant import quantise_base
     from shardwise.models import build_model
 
     check(cfg.finetune)
-    if cfg.finetune.base_quant != "none":
+    quant, p = cfg.finetune.base_quant, cfg.parallel
+    if quant != "none" and cfg.finetune.lora_rank == 0:
         raise ConfigError(
-            f"finetune.base_quant={cfg.finetune.base_quant}: a quantised frozen base is planned "
-            "(shardwise plan / explain predict it) but train does not quantise the base yet. "
-            "Fix: --finetune.base_quant=none (LoRA on the base in precision.compute)."
+            f"finetune.base_quant={quant} freezes a quantised base under LoRA adapters, and "
+            "finetune.lora_rank=0 trains none. Fix: --finetune.lora_rank=16 (QLoRA)."
+        )
+    if quant != "none" and (p.zero == 3 or p.tp > 1 or p.pp > 1):
+        raise ConfigError(
+            f"finetune.base_quant={quant} with parallel.zero={p.zero}, tp={p.tp}, pp={p.pp}: "
+            "the quantised base is kept whole on every rank so far (data parallelism, ZeRO-1/2). "
+            "Fix: --parallel.zero=2 --parallel.tp=1 --parallel.pp=1, or base_quant=none."
         )
     if cfg.finetune.lora_rank == 0:
         return
     with torch.device("meta"):
-        apply_lora(build_model(spec), cfg.finetune)
+        model = build_model(spec)
+        apply_lora(model, cfg.finetune)
+        quantise_base(model, quant)
 
 
 def _check_custom(cfg: Config, tp: int) -> None:
