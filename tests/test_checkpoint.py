@@ -287,6 +287,37 @@ def test_damaged_checkpoints_are_detected_and_the_previous_one_used(
         assert not named.exists()  # the leftover is removed
 
 
+def _files(*roots: Path) -> dict[Path, bytes]:
+    """Every file's bytes but the job's own lock (training/lock.py writes its holder there)."""
+    return {
+        p: p.read_bytes() for r in roots for p in r.rglob("*") if p.is_file() and p.name != ".lock"
+    }
+
+
+@pytest.mark.slow
+def test_all_checkpoints_damaged_is_refused_and_nothing_changes(runs: dict, tmp_path: Path) -> None:
+    """Issue 26, item 2: when every checkpoint is damaged, starting over would throw the run's
+    progress away in silence: refused, naming each checkpoint and what is wrong, with the
+    checkpoints and metrics.jsonl left byte for byte."""
+    from shardwise.errors import CheckpointError
+
+    root, run_dir = tmp_path / "ckpts", tmp_path / "run"
+    shutil.copytree(runs["root"] / "dp", root)
+    for step in ("step-00000004", "step-00000008"):
+        shard = root / step / io.shard_name(0)
+        shard.write_bytes(shard.read_bytes()[:100])
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 8, "loss": 1.0}\n')
+    before = _files(root, run_dir)
+    with pytest.raises(CheckpointError) as info:
+        run_here(case(*RUN, "--train.steps=12", f"--checkpoint.dir={root}"), str(run_dir))
+    msg = str(info.value)
+    assert "holds 2 checkpoint(s) and none is valid" in msg and "step-00000004:" in msg, msg
+    assert "step-00000008:" in msg and "Nothing was changed" in msg, msg
+    after = _files(root, run_dir)
+    assert after == before
+
+
 @pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused_with_one_message(
     runs: dict, tmp_path: Path

@@ -112,12 +112,21 @@ class Checkpointer:
                     "deleted (remove it yourself if it is not needed)"
                 )
         self.channel.all_gather(None)  # everyone lists the directory after the clean-up
+        bad = []
         for _, path in io.list_complete(self.root):
             problems = self._problems(path)
             if not problems:
                 return path
+            bad.append(f"\n  {path.name}: " + "; ".join(problems))
             if self.rank == 0:
                 _warn(f"skipping checkpoint {path}: " + "; ".join(problems))
+        if bad:  # starting over would silently throw the run's progress away
+            raise CheckpointError(
+                f"checkpoint.dir {self.root} holds {len(bad)} checkpoint(s) and none is valid:"
+                f"{''.join(bad)}\nNothing was changed. Fix: restore a checkpoint, name one with "
+                "--checkpoint.resume=PATH, or start over with --checkpoint.resume=none and "
+                "another --checkpoint.dir."
+            )
         return None
 
     def _explicit(self, path: Path) -> Path:

@@ -67,6 +67,21 @@ def _before(line: str, step: int) -> bool:
         return False
 
 
+def _rotate(path: Path) -> Path:
+    """Move `path` (metrics.jsonl, config.json) to the first free `name.N.suffix` and say so:
+    a new run in a used run.dir never truncates what an earlier one wrote."""
+    n = 1
+    while (kept := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    os.replace(path, kept)
+    print(
+        f"shardwise: {path} held an earlier run's records: kept as {kept.name}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return kept
+
+
 class MetricsLogger:
     def __init__(self, run, start_step: int = 0, saved: dict | None = None) -> None:
         """`start_step` > 0 continues a resumed run: records after it (written before a
@@ -80,7 +95,10 @@ class MetricsLogger:
             return
         out = Path(run.cfg.run.dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(run.cfg.to_dict(), indent=2))
+        config = json.dumps(run.cfg.to_dict(), indent=2)
+        if (out / "config.json").is_file() and (out / "config.json").read_text() != config:
+            _rotate(out / "config.json")  # another config's record is kept, not overwritten
+        (out / "config.json").write_text(config)
         if run.derived.spec.labels:  # a classifier's label names, in id order (export reads them)
             names = {
                 "label_field": run.cfg.data.label_field,
@@ -98,6 +116,8 @@ class MetricsLogger:
             os.replace(tmp, path)
             self.file = path.open("a")
         else:
+            if path.is_file() and path.stat().st_size:  # a previous run's history: kept
+                _rotate(path)
             self.file = path.open("w")
         self.tb = None
         if run.cfg.log.tensorboard:
