@@ -250,11 +250,13 @@ def minilm(tmp_path_factory):
         "--finetune.lora_alpha=16",
         "--train.lr=1e-3",
         "--train.eval_every=0",
-        "--checkpoint.every=4",
+        "--train.global_batch=8",
+        "--train.steps=3",
+        "--checkpoint.every=3",
     ]
-    lora_one = _classify(data, root / "cache", "--train.steps=4", *lora)
+    lora_one = _classify(data, root / "cache", *lora)
     lora_one += [f"--run.dir={root / 'lora1'}"]
-    lora_z2 = _classify(data, root / "cache", "--train.steps=4", *lora, "--parallel.zero=2")
+    lora_z2 = _classify(data, root / "cache", *lora, "--parallel.zero=2")
     lora_z2 += [f"--run.dir={root / 'lora2'}"]
     worlds = {
         1: {"one": {"overrides": one}, "lora": {"overrides": lora_one}},
