@@ -115,6 +115,7 @@ def test_slurm_script_for_gpu_nodes(tmp_path: Path, capsys) -> None:
         "#SBATCH --partition=gpu",
         "#SBATCH --time=02:00:00",
         "#SBATCH --account=proj1",
+        "#SBATCH --signal=TERM@120",  # a stop signal before the time limit: save, exit 143
         "#SBATCH --requeue",
         "#SBATCH --open-mode=append",
         "#SBATCH --output=%x-%j.out",

@@ -109,3 +109,16 @@ def test_on_signal_off_keeps_the_default_behaviour(tmp_path):
     )
     assert status == 130 and "stopped by" not in err  # KeyboardInterrupt: nothing saved
     assert not list((tmp_path / "off").glob("checkpoints/step-*"))
+
+
+def test_a_save_slower_than_half_the_grace_period_warns(tmp_path, monkeypatch, capsys):
+    """The launchers tell the job its grace period (Slurm --signal, the pod's
+    terminationGracePeriodSeconds); a save that would not fit in half of it says so."""
+    from shardwise.checkpoint.manager import GRACE_ENV
+    from shardwise.testing.compare import case
+    from shardwise.testing.harness import run_here
+
+    monkeypatch.setenv(GRACE_ENV, "0.000001")
+    run_here(case("--train.steps=2", "--checkpoint.every=2"), str(tmp_path / "run"))
+    err = capsys.readouterr().err
+    assert "saving step 2 took" in err and "--checkpoint.async=true" in err, err

@@ -29,8 +29,15 @@ from shardwise.distributed import device as dev
 from shardwise.distributed.comm import ControlChannel
 from shardwise.errors import CheckpointError
 
-
 # -- when to save, what to resume ---------------------------------------------------------------
+# What the launchers ask of the scheduler (Slurm `--signal=TERM@120`, a pod's
+# terminationGracePeriodSeconds, torch elastic's shutdown timeout): seconds between a stop
+# signal and the kill, which must cover one step and one save (training/preempt.py). GRACE_ENV
+# tells the job, which warns when a save takes more than half of it.
+SIGNAL_GRACE_S = 120
+GRACE_ENV = "SHARDWISE_SIGNAL_GRACE_S"
+
+
 def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
@@ -181,6 +188,15 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         self._save(step, record)
         record["checkpoint_stall_s"] = time.perf_counter() - t0
+        grace = float(os.environ.get(GRACE_ENV, "0") or 0)
+        if grace and record["checkpoint_stall_s"] > grace / 2 and self.rank == 0:
+            _warn(
+                f"saving step {step} took {record['checkpoint_stall_s']:.0f} s, more than half "
+                f"the {grace:.0f} s the scheduler allows between its stop signal and the kill: "
+                "a preempted job may lose that save. Fix: --checkpoint.async=true, a faster "
+                f"checkpoint.dir, or a longer grace ({GRACE_ENV}, Slurm --signal, the pod's "
+                "terminationGracePeriodSeconds)."
+            )
 
     def _save(self, step: int, record: dict) -> None:
         locals_ = local_state(self.run)

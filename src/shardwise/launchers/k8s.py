@@ -12,6 +12,7 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
+from shardwise.checkpoint.manager import GRACE_ENV, SIGNAL_GRACE_S
 from shardwise.config import Config
 from shardwise.errors import ConfigError
 from shardwise.launchers.job import JobShape, overrides_of
@@ -74,6 +75,7 @@ def _container(job: K8sJob, cfg: Config) -> dict[str, Any]:
         "env": [
             {"name": "OMP_NUM_THREADS", "value": str(threads)},
             {"name": "PYTHONUNBUFFERED", "value": "1"},
+            {"name": GRACE_ENV, "value": str(SIGNAL_GRACE_S)},
         ],
         # The operator's services are headless and it looks the job's port up by this name.
         "ports": [{"name": "pytorchjob-port", "containerPort": DEFAULT_PORT, "protocol": "TCP"}],
@@ -92,6 +94,9 @@ def pytorchjob(job: K8sJob, cfg: Config) -> dict[str, Any]:
     if job.namespace:
         metadata["namespace"] = job.namespace
     pod = {
+        # an evicted pod gets SIGTERM, then this long to save before SIGKILL (k8s' default
+        # 30 s is short for a large checkpoint); torchrun forwards it to the ranks
+        "terminationGracePeriodSeconds": SIGNAL_GRACE_S,
         "containers": [_container(job, cfg)],
         "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": job.claim}}],
     }

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shardwise.checkpoint.manager import SIGNAL_GRACE_S
 from shardwise.config import Config, config_from_dict
 from shardwise.distributed.comm import free_port
 from shardwise.distributed.watchdog import EXIT_HANG, LOCAL_LAUNCH_ENV, REPORT
@@ -19,7 +20,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.training.lock import HELD_ENV, acquire, release
 from shardwise.training.preempt import Preempted, preempt_code
 
-SHUTDOWN_GRACE_S = 120  # seconds torch elastic waits for signalled ranks to save and exit
+SHUTDOWN_GRACE_S = SIGNAL_GRACE_S  # torch elastic's wait for signalled ranks to save and exit
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from shardwise.checkpoint.manager import GRACE_ENV, SIGNAL_GRACE_S
 from shardwise.errors import ShardwiseError
 from shardwise.launchers.job import JobShape
 from shardwise.launchers.nodes import DEFAULT_PORT
@@ -57,6 +58,9 @@ def sbatch_script(job: SlurmJob) -> str:
         if v
     ]
     directives += [
+        # SIGTERM to the agents 120 s before the time limit: they forward it to the ranks,
+        # which save the step they are in and exit 143 (checkpoint.on_signal)
+        f"--signal=TERM@{SIGNAL_GRACE_S}",
         "--requeue",  # after a node failure or `scontrol requeue`: run again, resume
         "--open-mode=append",  # keep the earlier attempts' output in the same log
         "--output=%x-%j.out",
@@ -79,6 +83,7 @@ def sbatch_script(job: SlurmJob) -> str:
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         'head_addr=$(scontrol show node "$head_node" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)',
         f"export OMP_NUM_THREADS={threads}",
+        f"export {GRACE_ENV}={SIGNAL_GRACE_S}  # a save slower than this warns (checkpoint)",
         "export PYTHONUNBUFFERED=1",
         f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 {command}",
         "",
