@@ -5,6 +5,7 @@ last as the "complete" marker, so concurrent ranks build once and never read hal
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -40,3 +41,8 @@ def save_array(path: Path, array: np.ndarray) -> None:
     tmp = path.with_name(path.name + ".tmp.npy")
     np.save(tmp, array)
     tmp.replace(path)
+
+
+def key_of(ident: dict) -> str:
+    """A cache directory's name suffix: a stable hash of everything its contents depend on."""
+    return hashlib.blake2b(json.dumps(ident, sort_keys=True).encode(), digest_size=8).hexdigest()

@@ -12,14 +12,13 @@ number of rows.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from shardwise.data.cache import build_once, read_meta, save_array
+from shardwise.data.cache import build_once, key_of, read_meta, save_array
 from shardwise.data.corpus import (
     DataSpec,
     builder_of,
@@ -104,7 +103,7 @@ def _key(spec: DataSpec) -> str:
         "seq_len": spec.seq_len,
         "val_fraction": spec.val_fraction,
     }
-    return hashlib.blake2b(json.dumps(ident, sort_keys=True).encode(), digest_size=8).hexdigest()
+    return key_of(ident)
 
 
 def _root(spec: DataSpec) -> Path:

@@ -20,7 +20,6 @@ same in every layout). Records whose response is cut off entirely are dropped (c
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardwise.data.cache import build_once, save_array
+from shardwise.data.cache import build_once, key_of, save_array
 from shardwise.data.corpus import (
     DataSpec,
     builder_of,
@@ -201,7 +200,7 @@ def _key(spec: DataSpec) -> str:
         "seq_len": spec.seq_len,
         "val_fraction": spec.val_fraction,
     }
-    return hashlib.blake2b(json.dumps(ident, sort_keys=True).encode(), digest_size=8).hexdigest()
+    return key_of(ident)
 
 
 def _root(spec: DataSpec) -> Path:
