@@ -7,6 +7,7 @@ One spawned world per size runs every case."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -355,3 +356,27 @@ def test_qlora_merged_export_is_the_nf4_base_plus_the_adapter(worlds, llama, run
         expected = bf.dequantize_4bit(q, state).float() + (8 / 4) * b @ a
         assert (merged[f"{layer}.weight"] - expected).abs().max() <= 1e-6
         assert (merged[f"{layer}.weight"] - w).abs().max() > 1e-4  # not the unquantised base
+
+
+@pytest.mark.parametrize(
+    ("module", "overrides", "message"),
+    [
+        ("bitsandbytes", [*NF4], "finetune.base_quant=nf4 stores the frozen base with"),
+        ("bitsandbytes", ["--optim.name=adamw8bit"], "optim.name=adamw8bit is bitsandbytes'"),
+        ("peft", [], "adds LoRA adapters through peft, which is not installed"),
+    ],
+)
+def test_a_missing_library_is_named_with_the_fix(monkeypatch, module, overrides, message):
+    """Without the library a key needs (bitsandbytes, peft), one message naming it and the
+    install: before launch for the model's conversion, at the optimizer for adamw8bit."""
+    import sys
+
+    from shardwise.optim import adamw
+
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
+    cfg = load_config(None, case(*LORA, *overrides)["overrides"])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        if cfg.optim.name == "adamw8bit":
+            adamw([], [], cfg)
+        else:
+            derive(cfg, 1)
