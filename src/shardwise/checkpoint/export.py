@@ -204,18 +204,13 @@ def _quantised_base(cfg, spec) -> dict[str, torch.Tensor]:
     """A QLoRA run's base linears as it computed with them: quantised to NF4 from the values it
     started from (checkpoints do not store them; finetune/quant.py), dequantised; by name."""
     from shardwise.finetune.quant import materialise_quantised, quant_layers, quantise_base
-    from shardwise.models.auto import weight_source
-    from shardwise.models.hf_weights import HFWeights
+    from shardwise.models.auto import weights_for
 
     with torch.device("meta"):
         model = build_model(spec)
         apply_lora(model, cfg.finetune)
         quantise_base(model, cfg.finetune.base_quant)
-    source = None
-    if spec.arch == "hf":
-        source = weight_source(spec, model)
-    elif cfg.model.init_from:
-        source = HFWeights(cfg.model.init_from, spec.arch)
+    source = weights_for(spec, cfg.model.init_from, model)
     materialise_quantised(model, source, cfg.train.seed, torch.device("cpu"))
     return {f"{path}.weight": layer.dequantised() for path, layer in quant_layers(model)}
 

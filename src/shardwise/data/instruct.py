@@ -35,7 +35,7 @@ from shardwise.data.corpus import (
     resolve_source,
     split_documents,
 )
-from shardwise.data.pretrained import content_key, load_tokenizer
+from shardwise.data.pretrained import check_vocab, content_key, load_tokenizer
 from shardwise.errors import DataError
 
 FORMAT = 1
@@ -256,12 +256,7 @@ def _build(spec: DataSpec, root: Path) -> dict:
 def load_instruct(spec: DataSpec, split: str) -> InstructDataset | None:
     root = _root(spec)
     meta = build_once(root, lambda r: _build(spec, r))
-    if meta["vocab_size"] > spec.vocab_size:
-        raise DataError(
-            f"the tokenizer of '{spec.tokenizer}' has {meta['vocab_size']} tokens but the "
-            f"model's embedding has {spec.vocab_size} rows. Fix: the tokenizer saved with "
-            "that model."
-        )
+    check_vocab(spec, meta)
     if split == "val" and meta["val_records"] == 0:
         return None
     return InstructDataset(root, split, meta)

@@ -114,3 +114,17 @@ def encode_documents(tok, texts: list[str]) -> list[list[int]]:
             ids.append(eos)
         out.append(ids)
     return out
+
+
+def check_vocab(spec, meta: dict) -> None:
+    """Every id the tokenizer can produce must have a row in the model's embedding (`spec`:
+    the data's DataSpec, `meta`: its cache's, with the tokenizer's size)."""
+    if meta["vocab_size"] > spec.vocab_size:
+        name = meta.get("tokenizer") or spec.tokenizer or "bpe"
+        raise DataError(
+            f"the tokenizer of {name!r} has {meta['vocab_size']} tokens "
+            f"but the model's embedding has {spec.vocab_size} rows: ids from "
+            f"{spec.vocab_size} on would index past it. Fix: a model whose vocabulary holds the "
+            f"tokenizer's (--model.vocab_size={meta['vocab_size']} for a preset), or the "
+            "tokenizer saved with that model."
+        )

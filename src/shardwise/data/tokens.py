@@ -22,7 +22,12 @@ import numpy as np
 import torch
 
 from shardwise.data.corpus import DataSpec, Source, read_documents, resolve_source, split_documents
-from shardwise.data.pretrained import content_key, encode_documents, load_tokenizer
+from shardwise.data.pretrained import (
+    check_vocab,
+    content_key,
+    encode_documents,
+    load_tokenizer,
+)
 from shardwise.errors import DataError
 
 FORMAT_VERSION = 1
@@ -95,7 +100,7 @@ def prepare_text(spec: DataSpec) -> tuple[Path, dict]:
             meta = _read_meta(out)  # another process may have built it while we waited
             if meta is None:
                 meta = _build(spec, source, out)
-    _check_vocab(spec, meta)
+    check_vocab(spec, meta)
     _check_size(spec, meta, "train")
     if spec.val_fraction > 0:
         _check_size(spec, meta, "val")
@@ -267,18 +272,6 @@ def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_bytes(data)
     os.replace(tmp, path)
-
-
-def _check_vocab(spec: DataSpec, meta: dict) -> None:
-    """Every id the tokenizer can produce must have a row in the model's embedding."""
-    if meta["vocab_size"] > spec.vocab_size:
-        raise DataError(
-            f"the tokenizer of {meta.get('tokenizer', 'bpe')!r} has {meta['vocab_size']} tokens "
-            f"but the model's embedding has {spec.vocab_size} rows: ids from "
-            f"{spec.vocab_size} on would index past it. Fix: a model whose vocabulary holds the "
-            f"tokenizer's (--model.vocab_size={meta['vocab_size']} for a preset), or the "
-            "tokenizer saved with that model."
-        )
 
 
 def _check_size(spec: DataSpec, meta: dict, split: str) -> None:

@@ -25,6 +25,7 @@ from shardwise.config import FinetuneConfig
 from shardwise.errors import ConfigError
 from shardwise.models.dropout import LayoutFreeDropout, name_sites
 from shardwise.models.init import find_spec
+from shardwise.models.tp_plans import is_conv1d
 from shardwise.optim import quiet_bitsandbytes
 
 ALL_LINEAR = "all-linear"
@@ -41,7 +42,7 @@ def is_adapter_name(name: str) -> bool:
 
 
 def _is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def _heads(model: nn.Module, new: set[str]) -> set[str]:

@@ -161,6 +161,17 @@ def weight_source(spec, model: nn.Module) -> AutoWeights:
     return AutoWeights(spec.source, model)
 
 
+def weights_for(spec, init_from: str, model: nn.Module) -> HFWeights | None:
+    """Where a run's parameter values come from: Hugging Face weights read slice by slice
+    (transformers' own names for model.name=hf, a new head from (seed, name)), or None: the
+    (seed, name) init."""
+    if spec.arch == "hf":
+        return weight_source(spec, model)
+    if init_from:
+        return HFWeights(init_from, spec.arch)
+    return None
+
+
 def check_checkpoint(spec) -> list[str]:
     """Before launch: the parameters the checkpoint does not hold (they start from (seed,
     name)); refused when it holds none of them or a tensor of the wrong shape."""

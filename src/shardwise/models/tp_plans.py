@@ -25,6 +25,16 @@ from torch import nn
 from shardwise.errors import ConfigError
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's Conv1D (GPT-2): a Linear whose weight is stored [in, out]."""
+    return type(module).__name__ == "Conv1D"
+
+
+def out_dim(module: nn.Module) -> int:
+    """The weight dimension of a linear layer's outputs (0 for torch's Linear)."""
+    return 1 if is_conv1d(module) else 0
+
+
 @dataclass(frozen=True)
 class TPPlan:
     rules: dict[str, str]

@@ -29,7 +29,7 @@ from shardwise.errors import ConfigError
 from shardwise.finetune.lora import is_lora_layer
 from shardwise.models.dropout import LayoutFreeDropout
 from shardwise.models.init import LocalSlice
-from shardwise.models.tp_plans import TPPlan
+from shardwise.models.tp_plans import TPPlan, is_conv1d, out_dim
 from shardwise.parallel.tensor_comm import enter_tp, exit_tp, vocab_cross_entropy
 from shardwise.parallel.tensor_lora import split_lora
 
@@ -99,17 +99,8 @@ def _matches(path: str, pattern: str) -> bool:
     return path.count(".") == pattern.count(".") and fnmatch.fnmatchcase(path, pattern)
 
 
-def _is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's Conv1D: a Linear whose weight is stored [in, out]."""
-    return type(module).__name__ == "Conv1D"
-
-
-def _out_dim(module: nn.Module) -> int:
-    return 1 if _is_conv1d(module) else 0
-
-
 def _matmul(module: nn.Module, x: torch.Tensor, weight, bias) -> torch.Tensor:
-    if _is_conv1d(module):
+    if is_conv1d(module):
         y = torch.matmul(x, weight)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
@@ -157,7 +148,7 @@ class _Sharder:
 
     # -- the kinds -----------------------------------------------------------------------------
     def column(self, path: str, m: nn.Module, own_entry: bool) -> None:
-        d = _out_dim(m)
+        d = out_dim(m)
         lo, hi = self.even(path, m, "output width", m.weight.shape[d])
         self.shard(path, m, "weight", d, [(lo, hi)])
         self.shard(path, m, "bias", 0, [(lo, hi)])
@@ -165,7 +156,7 @@ class _Sharder:
         self._set_forward(m, own_entry, lambda x: _matmul(m, x, m.weight, m.bias))
 
     def column_qkv(self, path: str, m: nn.Module, own_entry: bool) -> None:
-        d = _out_dim(m)
+        d = out_dim(m)
         width = m.weight.shape[d] // 3
         lo, hi = self.even(path, m, "q/k/v width", width)
         ranges = [(k * width + lo, k * width + hi) for k in range(3)]
@@ -175,7 +166,7 @@ class _Sharder:
         self._set_forward(m, own_entry, lambda x: _matmul(m, x, m.weight, m.bias))
 
     def column_kv(self, path: str, m: nn.Module, own_entry: bool, head_dim: int) -> None:
-        d = _out_dim(m)
+        d = out_dim(m)
         heads = m.weight.shape[d] // head_dim
         if heads % self.t == 0:
             return self.column(path, m, own_entry)
@@ -201,7 +192,7 @@ class _Sharder:
         self._set_forward(m, own_entry, select)
 
     def row(self, path: str, m: nn.Module) -> None:
-        d = 1 - _out_dim(m)
+        d = 1 - out_dim(m)
         lo, hi = self.even(path, m, "input width", m.weight.shape[d])
         self.shard(path, m, "weight", d, [(lo, hi)])
 

@@ -23,15 +23,12 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 from shardwise.finetune.lora import ADAPTER
-
-
-def _out_dim(module: nn.Module) -> int:
-    return 1 if type(module).__name__ == "Conv1D" else 0  # transformers' Conv1D: [in, out]
+from shardwise.models.tp_plans import out_dim
 
 
 def _partial(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The row-parallel base's local product, without the bias (added after the sum)."""
-    return torch.matmul(x, base.weight) if _out_dim(base) else F.linear(x, base.weight)
+    return torch.matmul(x, base.weight) if out_dim(base) else F.linear(x, base.weight)
 
 
 def split_lora(s, path: str, w: nn.Module, kind: str, own_entry: bool) -> None:
@@ -41,7 +38,7 @@ def split_lora(s, path: str, w: nn.Module, kind: str, own_entry: bool) -> None:
     peft_forward = type(w).forward
     if kind == "column:kv":
         heads = (
-            base.weight.shape[_out_dim(base)]
+            base.weight.shape[out_dim(base)]
             // s.model.get_submodule(path.rpartition(".")[0]).head_dim
         )
         if heads % s.t:
@@ -68,7 +65,7 @@ def split_lora(s, path: str, w: nn.Module, kind: str, own_entry: bool) -> None:
             f"{path}: a LoRA adapter on a {kind} layer cannot be split over parallel.tp={s.t}. "
             "Fix: leave it out of finetune.lora_targets, or --parallel.tp=1."
         )
-    d = 1 - _out_dim(base)
+    d = 1 - out_dim(base)
     lo, hi = s.even(path, base, "input width", base.weight.shape[d])
     s.shard(f"{path}.base_layer", base, "weight", d, [(lo, hi)])
     s.shard(f"{path}.lora_A.{ADAPTER}", a, "weight", 1, [(lo, hi)])

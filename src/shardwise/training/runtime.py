@@ -25,8 +25,8 @@ from shardwise.errors import ConfigError
 from shardwise.finetune.lora import apply_lora
 from shardwise.finetune.quant import materialise_quantised, quantise_base
 from shardwise.models import build_model, init_weights, to_empty
-from shardwise.models.auto import weight_source
-from shardwise.models.hf_weights import HFWeights, load_weights
+from shardwise.models.auto import weights_for
+from shardwise.models.hf_weights import load_weights
 from shardwise.models.tp_plans import plan_for
 from shardwise.optim import QUANT_BLOCK, MixedPrecisionAdamW, replicated_targets
 from shardwise.parallel.data import GradReducer, apply_data_parallel
@@ -142,7 +142,7 @@ def parallelize(
     # 3. Recomputation wraps module forwards; names stay, so init and checkpoints are unchanged.
     apply_recompute(model, derived.family, run_cfg.memory.recompute)
     stage = run_cfg.parallel.zero
-    source = _weights(run_cfg, derived, model)
+    source = weights_for(derived.spec, run_cfg.model.init_from, model)
     if stage:
         # 4. ZeRO flattens the still-meta parameters into units and materialises only what
         #    this rank keeps (its slices under ZeRO-3), straight from the (seed, name) init.
@@ -171,16 +171,6 @@ def parallelize(
     # 5. Data parallelism attaches gradient buckets to the materialised parameters.
     reducer = apply_data_parallel(model, comm, reduce, run_cfg.parallel.bucket_mb)
     return model, reducer, tp, pipeline
-
-
-def _weights(cfg: Config, derived: Derived, model: nn.Module):
-    """Where parameter values come from: Hugging Face weights read slice by slice (transformers'
-    own names for model.name=hf, a new head from (seed, name)), or None: the (seed, name) init."""
-    if derived.spec.arch == "hf":
-        return weight_source(derived.spec, model)
-    if cfg.model.init_from:
-        return HFWeights(cfg.model.init_from, derived.spec.arch)
-    return None
 
 
 def cast_for_compute(model: nn.Module, dtype: torch.dtype) -> None:
@@ -262,7 +252,8 @@ def _build(
     freeze(model, cfg.train.freeze)
     model, reducer, tp, pipeline = parallelize(model, cfg, derived, comm, info)
     if quantised:  # every rank quantises the values an unquantised run would start from
-        materialise_quantised(model, _weights(cfg, derived, model), cfg.train.seed, info.device)
+        source = weights_for(spec, cfg.model.init_from, model)
+        materialise_quantised(model, source, cfg.train.seed, info.device)
     if isinstance(reducer, ZeroEngine):
         targets, after = reducer.targets(), reducer.after_step
 
