@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.finetune.lora import is_lora_layer
 from shardwise.optim import quiet_bitsandbytes
 
 NF4_BLOCK = 64  # weights per absmax block (QLoRA's choice)
@@ -105,7 +106,7 @@ def quantise_base(model: nn.Module, base_quant: str) -> list[str]:
     done = []
     for path, module in list(model.named_modules()):
         base = getattr(module, "base_layer", None)
-        if hasattr(module, "lora_A") and isinstance(base, nn.Linear):
+        if is_lora_layer(module) and isinstance(base, nn.Linear):
             module.base_layer = QuantLinear(base)
             done.append(f"{path}.base_layer")
     if not done:
@@ -120,11 +121,11 @@ def quant_layers(model: nn.Module) -> list[tuple[str, QuantLinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
 
 
-def quantised_bytes(model: nn.Module) -> int:
+def quantised_bytes(layers: list[QuantLinear]) -> int:
     """Bytes of the quantised weights and their statistics (what replaces the weights)."""
     return sum(
         t.numel() * t.element_size()
-        for _, m in quant_layers(model)
+        for m in layers
         for key in STATE_KEYS
         if (t := getattr(m, key)) is not None
     )

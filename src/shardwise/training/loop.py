@@ -34,19 +34,19 @@ def fit(run: Run) -> list[dict]:
     guard = NonFiniteGuard(run)
     stop = StopRequest().install() if cfg.checkpoint.on_signal else StopRequest()
     try:
-        records = _steps(run, start, ckpt, logger, guard, stop, step_flops, peak)
-    except Preempted:  # saved and logged: close the files like a finished run
-        ckpt.close()
-        logger.close()
-        raise
+        records, signum = _steps(run, start, ckpt, logger, guard, stop, step_flops, peak)
     finally:
         stop.close()
-    ckpt.close()
+    ckpt.close()  # (waits for an async save: a stopped job exits with its checkpoint written)
     logger.close()
+    if signum:  # told to stop, and saved: the caller exits 128 + signum
+        raise Preempted(signum, records[-1]["step"], str(ckpt.root))
     return records
 
 
-def _steps(run, start, ckpt, logger, guard, stop, step_flops, peak) -> list[dict]:
+def _steps(run, start, ckpt, logger, guard, stop, step_flops, peak) -> tuple[list[dict], int]:
+    """The training steps from `start`; returns their records and the stop signal that ended
+    them early (0: none)."""
     cfg, d, model, device = run.cfg, run.derived, run.model, run.info.device
     per_step = cfg.train.global_batch * d.tokens_per_sample  # the loss normaliser, unless
     counted = getattr(run.train_data, "targets_in", None)  # only some tokens are targets
@@ -135,10 +135,9 @@ def _steps(run, start, ckpt, logger, guard, stop, step_flops, peak) -> list[dict
         logger.log(record)
         records.append(record)
         if signum:
-            ckpt.wait()  # the save is complete before the job exits
-            raise Preempted(signum, step + 1, str(ckpt.root))
+            return records, signum
         guard.check(step + 1, record, scale)  # stops after train.max_skipped_steps in a row
-    return records
+    return records, 0
 
 
 def _max_over_ranks(run: Run, mem: dict[str, int]) -> dict[str, int]:
@@ -159,6 +158,7 @@ def evaluate(run: Run) -> dict[str, float]:
     sums = torch.zeros(2, dtype=torch.float64, device=run.info.device)  # loss, correct
     classifies = d.tokens_per_sample == 1 and run.user_loss is None  # class labels
     count = 0
+    counted = getattr(run.val_data, "targets_in", None)  # only some tokens are targets
     run.model.eval()  # BatchNorm uses its running statistics
     for step in range(cfg.train.eval_batches):
         parts = split_for_rank(sampler.global_indices(step), run.dp_rank, d.dp, batch // d.dp)
@@ -171,7 +171,6 @@ def evaluate(run: Run) -> dict[str, float]:
                 sums[0] += loss.double()
                 if classifies:  # labels (a split vocabulary has no local argmax)
                     sums[1] += (logits.argmax(-1) == targets).sum().double()
-        counted = getattr(run.val_data, "targets_in", None)
         count += counted(sampler.global_indices(step)) if counted else batch * d.tokens_per_sample
     run.model.train()
     run.comm.all_reduce(sums, "dp", control=True)

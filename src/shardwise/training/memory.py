@@ -60,11 +60,12 @@ class ActivationMeter:
 
 def model_state_bytes(model: nn.Module, reducer, optimizer) -> dict[str, int]:
     """Bytes of the persistent categories on this rank."""
-    quantised = {id(t) for _, m in quant_layers(model) for t in m.buffers()}
+    layers = [m for _, m in quant_layers(model)]
+    quantised = {id(t) for m in layers for t in m.buffers()}
     buffers = [b for b in model.buffers() if id(b) not in quantised]  # those are parameters
     states = {
         # local copies or shards (a tied weight once), and a quantised frozen base
-        "params": reducer.param_bytes + quantised_bytes(model),
+        "params": reducer.param_bytes + quantised_bytes(layers),
         "grads": reducer.grad_bytes,
         "master": optimizer.master_bytes,
         "optimizer": optimizer.state_bytes,
