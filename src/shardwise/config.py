@@ -105,6 +105,11 @@ class DataConfig:
         "a BPE trained on the data), bpe (always train one), or a folder holding a Hugging "
         "Face tokenizer (as tokenizer.save_pretrained writes it).",
     )
+    prefetch: int = opt(
+        0,
+        "Micro-batches loaded ahead in background threads while the current one computes "
+        "(0: each when needed). For a slow source: disk, network, your own get_batch.",
+    )
     val_fraction: float = opt(0.02, "Fraction of documents held out for evaluation.")
     image_size: int = opt(32, "Digits are resized from 8x8 to this many pixels per side.")
     cache_dir: str = opt("", "Tokenizer/token cache ('' = $SHARDWISE_CACHE or ~/.cache/shardwise).")
@@ -264,6 +269,25 @@ class LogConfig:
     every: int = opt(10, "Print a log line every this many steps (metrics.jsonl gets every step).")
     tensorboard: bool = opt(True, "Write TensorBoard scalars to run.dir/tb.")
     progress: Literal["auto", "on", "off"] = opt("auto", "Progress bar (auto: on a terminal).")
+    ledger: bool = opt(
+        True,
+        "Time every step by category (compute, exposed communication, bubble, data, optimizer, "
+        "checkpoint) into metrics.jsonl's `ledger` (rank 0's; `shardwise profile` for all ranks).",
+    )
+
+
+@dataclass
+class ProfileConfig:
+    steps: int = opt(
+        0,
+        "Measured steps of `shardwise profile` (its --steps; 0: not profiling). The run writes "
+        "run.dir/profile/: ledgers of every rank, traces, report and findings.",
+    )
+    warmup: int = opt(2, "Steps run before the measured ones (allocator, caches, first calls).")
+    max_events: int = opt(
+        200_000,
+        "Bound on each rank's torch.profiler trace: the longest this many events are kept.",
+    )
 
 
 @dataclass
@@ -289,6 +313,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -460,6 +485,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for key, raw in parse_overrides(overrides or []):
         _set(cfg, key, raw)
     return cfg
+
+
+def with_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """A copy of `cfg` with `--section.key=value` overrides applied."""
+    out = config_from_dict(cfg.to_dict())
+    for key, raw in parse_overrides(overrides):
+        _set(out, key, raw)
+    return out
 
 
 def config_from_dict(values: dict[str, dict[str, Any]]) -> Config:

@@ -68,7 +68,7 @@ COMMANDS = {
     "explain": "Every derived value of a config and the planner's per-rank prediction of "
     "memory by category and step time.",
 }
-USAGE = """usage: shardwise {train,explain,plan,launch,export} [CONFIG.toml] [--nproc N]
+USAGE = """usage: shardwise {train,explain,profile,plan,launch,export} [CONFIG.toml] [--nproc N]
                  [--section.key=value ...]
 
   train     train a model (spawns --nproc local ranks unless under torchrun/srun);
@@ -78,6 +78,9 @@ USAGE = """usage: shardwise {train,explain,plan,launch,export} [CONFIG.toml] [--
             checkpoint (checkpoint.resume=auto)
   explain   print every derived value of a config and the planner's per-rank prediction of
             memory by category and step time (--json for machine-readable output)
+  profile   run a few steps on every rank and say where each step's time went (a ledger per
+            rank, traces, a merged timeline) and what to change, with the predicted gain:
+            --steps K, --verify-remedy N (`shardwise profile -h`)
   plan      predict memory and step time of every layout on some hardware and rank them
             (`shardwise plan -h` for its options)
   launch    write (and submit) a job for a cluster: `shardwise launch {slurm,k8s} --help`
@@ -194,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         from shardwise.cli.export import export_main
 
         return export_main(rest)
+    if command == "profile":
+        from shardwise.cli.profile import profile_main
+
+        return profile_main(rest)
     if command == "launch":
         from shardwise.cli.launch import launch_main
 

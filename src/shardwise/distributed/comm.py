@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardwise.distributed.clock import clock
 from shardwise.distributed.topology import Topology
 
 # torch 2.13 renamed the flat collectives; keep working on the older releases we support.
@@ -47,9 +48,15 @@ class _Watched:
 
     def __init__(self, work, entry: TraceEntry, comm: Comm) -> None:
         self.work, self.entry, self.comm = work, entry, comm
+        clock().issued(entry.dim)
 
     def wait(self) -> bool:
-        return self.comm._blocking(self.entry, self.work.wait)
+        clk = clock()
+        clk.waits(self.entry.dim)  # (in flight behind other work until here)
+        try:
+            return self.comm._blocking(self.entry, self.work.wait, waiting=True)
+        finally:
+            clk.waited(self.entry.dim)
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
@@ -106,21 +113,27 @@ class Comm:
             self.step_calls[dim] += int(factor > 0)  # a receive is its sender's call
         return entry
 
-    def _blocking(self, entry: TraceEntry, call):
+    def _blocking(self, entry: TraceEntry, call, waiting: bool = False):
         """Run `call` (a collective or a handle's wait) marked as blocking on `entry`. A
         failure (gloo's own timeout, a peer that went away) is handed to the watchdog first,
-        so every rank's trace is collected before the job stops."""
+        so every rank's trace is collected before the job stops. `waiting`: an async call's
+        wait (profiles match each call and each wait across ranks)."""
         t0 = time.monotonic()
         self.blocked = (entry, t0)
+        clk = clock()
         try:
-            return call()
+            with clk.comm(entry.dim):
+                return call()
         except RuntimeError as exc:
             if self.watchdog is not None:
                 self.watchdog.collective_failed(entry, exc)  # returns only if it cannot stop
             raise
         finally:
             self.blocked = None
-            self.step_wait[entry.dim] += time.monotonic() - t0
+            waited = time.monotonic() - t0
+            self.step_wait[entry.dim] += waited
+            if clk.calls is not None:
+                clk.calls.append((entry.dim, entry.n, waiting, waited))
 
     def _issue(self, entry: TraceEntry, fn, *args, async_op: bool = False, **kwargs):
         """Call the collective `fn`; an async one's handle is timed when waited on."""

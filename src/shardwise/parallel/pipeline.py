@@ -22,6 +22,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from shardwise.config import Config
 from shardwise.distributed import device as dev
+from shardwise.distributed.clock import clock
 from shardwise.distributed.comm import Comm
 from shardwise.models.decoder import Decoder
 from shardwise.models.dropout import samples
@@ -76,18 +77,21 @@ class Pipeline:
         reducer = run.reducer
         reducer.sync = False
         self._in_flight = self._act = self._act_peak = self._in_flight_peak = self._mb = 0
-        self.comm.all_reduce(torch.zeros(1, device=device), "pp", control=True)  # align starts
+        clk = clock()
+        with clk.phase("bubble"):  # align starts (a stage waiting here is idle too)
+            self.comm.all_reduce(torch.zeros(1, device=device), "pp", control=True)
         start, busy = time.perf_counter(), 0.0
         self.intervals: list[tuple[float, float]] = []
         for j, a in enumerate(plan):
             channel.flush(j)
-            received = channel.wait(j)
+            with clk.phase("bubble"):  # blocked on a neighbour stage: idle by the schedule
+                received = channel.wait(j)
             if a.kind in (Pass.B, Pass.W):
                 # gradient sync (DP/ZeRO) only with the last pass that makes weight gradients
                 reducer.sync = j == sync_at
                 reducer.start_micro_batch()
             t0 = time.perf_counter()
-            with samples(micro[a.mb]):  # dropout masks (recomputed ones too) of this batch
+            with samples(micro[a.mb]), clk.phase("forward" if a.kind is Pass.F else "backward"):
                 if a.kind is Pass.F:
                     loss_sum += self._forward(run, a, received, held, global_count)
                 else:
@@ -105,8 +109,10 @@ class Pipeline:
         reducer.finish()
         self._sync_tied(reducer)
         self.stats = {"busy": busy, "span": span}
-        # the loss lives on the last stage: every stage reports its replica's loss
-        self.comm.all_reduce(loss_sum, "pp", control=True)
+        # the loss lives on the last stage: every stage reports its replica's loss (the
+        # first stage still runs backward while the last one waits here: the cool-down)
+        with clk.phase("bubble"):
+            self.comm.all_reduce(loss_sum, "pp", control=True)
         return loss_sum, self._act_peak
 
     def _forward(self, run, a: Action, received, held: dict, global_count: int):
@@ -272,9 +278,9 @@ class _Batches:
 
     def _get(self, mb: int):
         if mb not in self.cache:
-            self.cache[mb] = tuple(
-                t.to(self.device, non_blocking=True) for t in self.data.get_batch(self.parts[mb])
-            )
+            with clock().phase("data"):
+                batch = self.data.get_batch(self.parts[mb])
+                self.cache[mb] = tuple(t.to(self.device, non_blocking=True) for t in batch)
         return self.cache[mb]
 
     def inputs(self, mb: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import fnmatch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardwise.distributed.clock import clock
 from shardwise.errors import ConfigError
 from shardwise.parallel.deferred_grads import recompute_context
 
@@ -29,11 +30,18 @@ def _checkpointed(forward):
     def run(*args, **kwargs):
         # the recomputation runs in the forward's context: zero bubble's deferring ops save
         # other tensors than the plain ones, and checkpoint checks they match
-        again = recompute_context()
+        # (timed apart from the backward it runs in: the ledger's recompute_s)
+        again = _timed(recompute_context())
         contexts = lambda: (contextlib.nullcontext(), again)  # noqa: E731
         return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     return run
+
+
+@contextlib.contextmanager
+def _timed(context):
+    with clock().phase("recompute"), context:
+        yield
 
 
 def _blocks(model: nn.Module, mode: str) -> list[str] | None:

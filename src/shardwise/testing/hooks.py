@@ -164,3 +164,20 @@ def thread_affinities(cfg) -> dict:
         return {"affinities": [list(cores) for cores in sorted(sets)]}
     finally:
         run.close()
+
+
+def slow_data(run) -> None:
+    """A slow data source: every micro-batch takes 40 ms more to load (profile tests)."""
+    get = run.train_data.get_batch
+
+    def slow(indices):
+        time.sleep(0.04)
+        return get(indices)
+
+    run.train_data.get_batch = slow
+
+
+def slow_rank1(run) -> None:
+    """Rank 1 computes 60 ms longer per forward (a straggler, for the profile tests)."""
+    if run.topo.rank == 1:
+        run.model.register_forward_pre_hook(lambda module, args: time.sleep(0.06))

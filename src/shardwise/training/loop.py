@@ -9,11 +9,15 @@ import torch
 
 from shardwise.checkpoint.manager import Checkpointer
 from shardwise.data import GlobalSampler, split_for_rank
+from shardwise.data.prefetch import Fetch
 from shardwise.distributed import device as dev
+from shardwise.distributed.clock import clock
 from shardwise.models import build_model
 from shardwise.models.dropout import random_stream, samples
 from shardwise.optim import lr_at
 from shardwise.parallel.data import sync_buffers
+from shardwise.profile import ledger
+from shardwise.profile.capture import capture_for
 from shardwise.training.memory import model_state_bytes, step_memory
 from shardwise.training.metrics import MetricsLogger, flops_per_token
 from shardwise.training.nonfinite import NonFiniteGuard
@@ -33,10 +37,18 @@ def fit(run: Run) -> list[dict]:
     logger = MetricsLogger(run, start, ckpt.record)
     guard = NonFiniteGuard(run)
     stop = StopRequest().install() if cfg.checkpoint.on_signal else StopRequest()
+    capture = capture_for(run, start)  # `shardwise profile`: traces of the last steps
+    clock().on = cfg.log.ledger or capture.active  # the ledger: where each step's time went
+    fetch = Fetch(run.train_data, cfg.data.prefetch)  # loads ahead in threads when asked
     try:
-        records, signum = _steps(run, start, ckpt, logger, guard, stop, step_flops, peak)
+        records, signum = _steps(
+            run, start, ckpt, logger, guard, stop, step_flops, peak, capture, fetch
+        )
+        capture.close()  # every rank writes its part, then waits for the others' files
     finally:
         stop.close()
+        capture.stop()  # (after an error too, without a collective: nothing can hang here)
+        fetch.close()
     ckpt.close()  # (waits for an async save: a stopped job exits with its checkpoint written)
     logger.close()
     if signum:  # told to stop, and saved: the caller exits 128 + signum
@@ -44,28 +56,65 @@ def fit(run: Run) -> list[dict]:
     return records
 
 
-def _steps(run, start, ckpt, logger, guard, stop, step_flops, peak) -> tuple[list[dict], int]:
+def _micro(run: Run, step: int, batch: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """This rank's micro-batches of `step` (its slice of the global batch); none past the end."""
+    if step >= run.cfg.train.steps:
+        return []
+    batch = run.sampler.global_indices(step) if batch is None else batch
+    return split_for_rank(batch, run.dp_rank, run.derived.dp, run.derived.micro_batch)
+
+
+def _micro_steps(run: Run, micro, ahead, global_count: int, scale: float, fetch):
+    """Forward and backward of each micro-batch (no pipeline); (summed loss, peak activation
+    bytes)."""
+    clk, device = clock(), run.info.device
+    loss_sum = torch.zeros((), device=device)
+    act_peak = 0
+    for i, idx in enumerate(micro):
+        run.reducer.sync = i == len(micro) - 1
+        run.reducer.start_micro_batch()
+        with clk.phase("data"):
+            fetched = fetch(idx, micro[i + 1 :] + ahead)
+            inputs, targets = (t.to(device, non_blocking=True) for t in fetched)
+        with samples(idx):
+            with run.meter.measure(), clk.phase("forward"):
+                loss = run.loss_sum(inputs, targets) / global_count
+            act_peak = max(act_peak, run.meter.take_peak())
+            with clk.phase("backward"):  # recomputation redraws the same masks
+                (loss * scale).backward()
+        with clk.phase("backward"):  # the last gradient buckets' reduction
+            run.reducer.finish()
+        loss_sum += loss.detach()
+    return loss_sum, act_peak
+
+
+def _steps(
+    run, start, ckpt, logger, guard, stop, step_flops, peak, capture, fetch
+) -> tuple[list[dict], int]:
     """The training steps from `start`; returns their records and the stop signal that ended
     them early (0: none)."""
     cfg, d, model, device = run.cfg, run.derived, run.model, run.info.device
+    clk = clock()
     per_step = cfg.train.global_batch * d.tokens_per_sample  # the loss normaliser, unless
     counted = getattr(run.train_data, "targets_in", None)  # only some tokens are targets
     records = []
+    t_start = clk.start()  # each step's ledger runs to the next one's: the log line included
     for step in range(start, cfg.train.steps):
+        if capture.step_begins(step):  # waited for the other ranks: the step starts now
+            t_start = clk.start()
         lr = lr_at(step, cfg)
         run.optimizer.set_lr(lr)
         dev.reset_peak_memory(run.info)
         run.comm.start_step()
         t0 = time.perf_counter()
         # fetch: this rank's slice of the step's global batch, cut into micro-batches
-        batch = run.sampler.global_indices(step)
-        micro = split_for_rank(batch, run.dp_rank, d.dp, d.micro_batch)
-        # the global count of target tokens (prompts masked: every rank counts the whole
-        # batch, so the normaliser is the same in every layout without a collective)
-        global_count = counted(batch) if counted else per_step
+        with clk.phase("data"):
+            batch = run.sampler.global_indices(step)
+            micro = _micro(run, step, batch)
+            # the global count of target tokens (prompts masked: every rank counts the whole
+            # batch, so the normaliser is the same in every layout without a collective)
+            global_count = counted(batch) if counted else per_step
         run.reducer.zero_grad()
-        loss_sum = torch.zeros((), device=device)
-        act_peak = 0
         scale = run.optimizer.scaler.scale
         # micro-steps: gradient sync only while the last micro-batch runs backward; dropout
         # masks are keyed by (seed, step, global sample), never by the layout
@@ -73,27 +122,17 @@ def _steps(run, start, ckpt, logger, guard, stop, step_flops, peak) -> tuple[lis
             if run.pipeline is not None:  # pp > 1: the schedule runs them through the stages
                 loss_sum, act_peak = run.pipeline.train_step(run, micro, global_count, scale)
             else:
-                for i, idx in enumerate(micro):
-                    run.reducer.sync = i == len(micro) - 1
-                    run.reducer.start_micro_batch()
-                    inputs, targets = (
-                        t.to(device, non_blocking=True) for t in run.train_data.get_batch(idx)
-                    )
-                    with samples(idx):
-                        with run.meter.measure():
-                            loss = run.loss_sum(inputs, targets) / global_count
-                        act_peak = max(act_peak, run.meter.take_peak())
-                        (loss * scale).backward()  # recomputation redraws the same masks
-                    run.reducer.finish()
-                    loss_sum += loss.detach()
+                ahead = _micro(run, step + 1) if fetch.depth else []  # the next step's too
+                loss_sum, act_peak = _micro_steps(run, micro, ahead, global_count, scale, fetch)
         # clip + step, skipped on every rank alike when the loss (reduced first, so every rank
         # decides on the same number) or the reduced gradient norm is not finite
         local_loss = loss_sum.clone()
-        # every tp rank holds the whole loss of its dp replica: sum over dp only
-        run.comm.all_reduce(loss_sum, "dp", control=True)
-        result = run.optimizer.step(skip=not math.isfinite(float(loss_sum)))
-        sync_buffers(model, run.comm)
-        dev.synchronize(run.info)
+        with clk.phase("optimizer"):
+            # every tp rank holds the whole loss of its dp replica: sum over dp only
+            run.comm.all_reduce(loss_sum, "dp", control=True)
+            result = run.optimizer.step(skip=not math.isfinite(float(loss_sum)))
+            sync_buffers(model, run.comm)
+            dev.synchronize(run.info)
         step_time = time.perf_counter() - t0
         # log: bookkeeping collectives are counted apart from the step's traffic
         comm = run.comm.take_step()
@@ -129,9 +168,16 @@ def _steps(run, start, ckpt, logger, guard, stop, step_flops, peak) -> tuple[lis
             and cfg.train.eval_batches
             and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == cfg.train.steps)
         ):
-            record.update(evaluate(run))
+            with clk.phase("eval"):
+                record.update(evaluate(run))
         # maybe checkpoint (async: a host snapshot only); always when told to stop
-        ckpt.maybe_save(step + 1, record, force=bool(signum))
+        with clk.phase("checkpoint"):
+            ckpt.maybe_save(step + 1, record, force=bool(signum))
+        if clk.on:  # from the end of the last step's ledger (its log line) to here
+            t_end, totals, overlapped = clk.take()
+            record["ledger"] = ledger.build(t_end - t_start, totals, overlapped)
+            t_start = t_end
+        capture.step_ends(step, record)
         logger.log(record)
         records.append(record)
         if signum:

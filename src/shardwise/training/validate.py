@@ -119,6 +119,7 @@ def _positive(cfg: Config) -> None:
         "precision.loss_scale": cfg.precision.loss_scale,
         "optim.eps": cfg.optim.eps,
         "checkpoint.keep": cfg.checkpoint.keep,
+        "profile.max_events": cfg.profile.max_events,
     }
     for key, value in checks.items():
         if value <= 0:
@@ -132,6 +133,9 @@ def _positive(cfg: Config) -> None:
         "optim.weight_decay": cfg.optim.weight_decay,
         "checkpoint.every": cfg.checkpoint.every,
         "train.max_skipped_steps": cfg.train.max_skipped_steps,
+        "data.prefetch": cfg.data.prefetch,
+        "profile.steps": cfg.profile.steps,
+        "profile.warmup": cfg.profile.warmup,
     }
     for key, value in nonneg.items():
         if value < 0:
@@ -325,6 +329,12 @@ def _check_pipeline(cfg: Config, spec: ModelSpec, pp: int, dp: int, micro: int, 
                     f"(or more), or leave {key} at its default."
                 )
         return
+    if cfg.data.prefetch:
+        raise ConfigError(
+            f"data.prefetch={cfg.data.prefetch} loads micro-batches ahead in the plain loop; "
+            f"the pipeline schedule (parallel.pp={pp}) loads its own when a stage needs them. "
+            "Fix: --data.prefetch=0 with parallel.pp > 1."
+        )
     if spec.arch.startswith("resnet") or spec.arch in (*HF_ARCHS, "custom", "hf"):
         kind = {"custom": "your own module"}.get(spec.arch, "a Hugging Face model")
         kind = "a ResNet" if spec.arch.startswith("resnet") else kind

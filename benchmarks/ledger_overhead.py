@@ -1,0 +1,97 @@
+"""The always-on step ledger (`log.ledger`, on by default): its cost in `train`, side by side.
+
+What it measures: in ONE spawned world of 2 gloo ranks, in alternating rounds, the same job
+with the ledger on and off: a decoder (2 blocks, 128 wide, seq_len 64, dp2) under ZeRO-0 and
+under ZeRO-3 (every block gathered and scattered each micro-batch: the most timed collectives
+per step, so the most clock calls). Printed: per case the median steady step time (slowest
+rank) of each round, on and off, and the ratio on / off per round and overall. The issue's
+bar: <= 1.02.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from statistics import median
+
+from common import (
+    add_smoke,
+    check,
+    command_line,
+    commit,
+    load,
+    round_medians,
+    table,
+)
+from shardwise.testing import run_world
+
+NPROC = 2
+SIDES = ("on", "off")
+
+
+def overrides(steps: int, smoke: bool) -> list[str]:
+    return [
+        "--model.n_layers=2",
+        f"--model.dim={64 if smoke else 128}",
+        "--model.n_heads=4",
+        "--model.n_kv_heads=4",
+        "--model.vocab_size=2048",
+        "--data.seq_len=64",
+        "--train.global_batch=8",
+        "--train.micro_batch=2",
+        f"--train.steps={steps}",
+        "--train.eval_every=0",
+        "--train.eval_batches=0",
+    ]
+
+
+CASES = {"zero0": [], "zero3": ["--parallel.zero=3"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of each side (ABBA)")
+    add_smoke(parser)
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.rounds = 2, 1
+    print(f"shardwise commit {commit()}")
+    print(f"$ {command_line()}")
+    print(f"date: {datetime.date.today()}; load average at the start: {load()} (2 cores)")
+    base = overrides(args.steps, args.smoke)
+    print(f"case: {' '.join(base)}")
+    cases, keys = [], []
+    for r in range(args.rounds):
+        for size, extra in CASES.items():
+            for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+                flag = f"--log.ledger={'true' if side == 'on' else 'false'}"
+                cases.append({"overrides": [*base, *extra, flag]})
+                keys.append((size, side, r))
+    results = run_world(NPROC, cases)
+    check(results)
+    by_key = dict(zip(keys, results, strict=True))
+    for key, res in by_key.items():  # the flag did what it says
+        has = "ledger" in res[0]["records"][-1]
+        assert has == (key[1] == "on"), key
+    rows, summary = [], []
+    for size in CASES:
+        med, _, paired, part = round_medians(by_key, size, SIDES, args.rounds, "on / off")
+        rows += part
+        summary.append(
+            [
+                size,
+                f"{median(med['on']) * 1e3:.1f}",
+                f"{median(med['off']) * 1e3:.1f}",
+                f"{median(paired):.3f}",
+            ]
+        )
+    print(table(["case", "side", *(f"round {r + 1} ms" for r in range(args.rounds))], rows))
+    print(table(["case", "ledger on ms", "ledger off ms", "median on / off"], summary))
+    print(f"load average at the end: {load()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

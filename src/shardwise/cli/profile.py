@@ -1,0 +1,227 @@
+"""`shardwise profile`: why is my job slow.
+
+Runs the job (the same code path as `train`) for `profile.warmup` steps, `--steps K` measured
+steps and one traced step, every rank, into `run.dir/profile/` (its own metrics.jsonl and
+checkpoints: the run's own are never touched or resumed from), then writes there:
+`summary.json` (the contract: per rank and step a ledger that adds up to the step's wall
+time, and findings ranked by predicted gain), `timeline.json` (every rank's intervals on one
+clock), `trace_rank<R>.json` (torch.profiler, Chrome/Perfetto format), `report.md`,
+`ledger.png` and `timeline.png`. `--verify-remedy N` then runs finding N's overrides the
+same way and prints predicted against measured gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from shardwise.config import Config, load_config, split_overrides, with_overrides
+from shardwise.errors import ShardwiseError
+
+FOLDER = "profile"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shardwise profile",
+        add_help=False,
+        usage="%(prog)s [CONFIG.toml] [--nproc N] [--steps K] [--verify-remedy N] "
+        "[--section.key=value ...]",
+        description="Run a few steps of the job on every rank and say where each step's time "
+        "went, per rank, with remedies whose gain is predicted (run.dir/profile/).",
+    )
+    p.add_argument("config", nargs="?", default=None, help="TOML config; keys as --help-config")
+    p.add_argument("--nproc", "--nproc-per-node", dest="nproc", default=None, metavar="N")
+    p.add_argument("--steps", default="5", metavar="K", help="measured steps (default 5)")
+    p.add_argument(
+        "--verify-remedy",
+        default=None,
+        metavar="N",
+        help="then run the N-th finding's remedy and compare predicted with measured gain",
+    )
+    p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    return p
+
+
+def profile_config(cfg: Config, steps: int, folder: Path) -> Config:
+    """The run a profile makes: warm-up + measured + one traced step, in its own folder."""
+    out = with_overrides(cfg, [])
+    out.profile.steps = steps
+    out.train.steps = cfg.profile.warmup + steps + 1
+    out.run.dir = str(folder)
+    out.checkpoint.dir = ""  # (folder/checkpoints: written only with checkpoint.every)
+    out.checkpoint.resume = "none"
+    return out
+
+
+def _writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".shardwise-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ShardwiseError(
+            f"cannot write the profile into {folder} ({exc.strerror or exc}). Fix: "
+            "--run.dir=<a directory you can write>."
+        ) from None
+
+
+def profile(cfg: Config, nproc: int, folder: Path, steps: int, hook: str | None = None) -> dict:
+    """Profile `cfg` on `nproc` local ranks into `folder`; returns the summary."""
+    from shardwise.data import load_held_out, prepare_data
+    from shardwise.launchers.local import launch_local
+    from shardwise.training.runtime import data_spec
+    from shardwise.training.validate import check_held_out, derive
+
+    _writable(folder)
+    pcfg = profile_config(cfg, steps, folder)
+    derived = derive(pcfg, nproc)  # every config error before any process starts
+    prepare_data(data_spec(pcfg, derived.spec.vocab_size))
+    check_held_out(pcfg, derived, load_held_out(pcfg, derived.spec.vocab_size))
+    for stale in folder.glob("rank*.json"):  # an earlier profile's: never mixed into this one
+        stale.unlink()
+    launch_local(pcfg, nproc, hook)
+    return summarise(pcfg, nproc)
+
+
+def summarise(pcfg: Config, world: int) -> dict:
+    """Every rank's capture in `pcfg.run.dir` into summary.json, timeline.json, the report
+    and the findings; prints the ledger table and the top findings."""
+    from shardwise.plan.hardware import detect_hardware
+    from shardwise.plan.remedy import findings
+    from shardwise.profile.analyze import (
+        load_parts,
+        mean_ledger,
+        split_stragglers,
+        summary_ranks,
+        timeline,
+    )
+    from shardwise.profile.report import findings_text, ledger_table, write_report
+
+    folder = Path(pcfg.run.dir)
+    parts, problems = load_parts(folder, world)
+    split_stragglers(parts)
+    ranks = summary_ranks(parts)
+    steps = [s for p in parts for s in p["steps"]]
+    comm = {
+        key: {d: sum(s[key][d] for s in steps) / len(steps) for d in ("dp", "tp", "pp")}
+        for key in ("comm_calls", "comm_bytes")
+    }
+    trace = timeline(parts)
+    summary = {
+        "world": world,
+        "warmup": pcfg.profile.warmup,
+        "measured_steps": pcfg.profile.steps,
+        "ranks": ranks,
+        "findings": findings(pcfg, world, mean_ledger(ranks), ranks, comm, detect_hardware()),
+        "traces": [p["trace"] for p in parts if p["trace"]],
+        "problems": problems,
+        "timeline": trace,
+    }
+    (folder / "timeline.json").write_text(json.dumps(trace))
+    write_report(folder, summary, problems)
+    del summary["timeline"]
+    (folder / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(ledger_table(summary))
+    print(findings_text(summary["findings"], top=3))
+    print(f"profile: {folder}/summary.json, report.md, timeline.json, trace_rank*.json")
+    return summary
+
+
+def step_s(summary: dict) -> float:
+    """The measured step time: the mean over steps of the slowest rank's step."""
+    per_step = zip(*([s["step_s"] for s in r["steps"]] for r in summary["ranks"]), strict=False)
+    times = [max(t) for t in per_step]
+    return sum(times) / len(times)
+
+
+def verify(
+    cfg: Config, nproc: int, folder: Path, steps: int, n: int, hook: str | None = None
+) -> dict:
+    """Profile `cfg`, then again with its N-th finding's remedy; both measured in this one
+    call (machines are noisy: times of different calls do not compare)."""
+    base = profile(cfg, nproc, folder, steps, hook)
+    found = base["findings"]
+    if not 1 <= n <= len(found):
+        raise ShardwiseError(
+            f"--verify-remedy {n}: the profile has {len(found)} finding(s). Fix: "
+            f"--verify-remedy 1..{len(found)}"
+            if found
+            else "the profile found no cause to remedy."
+        )
+    finding = found[n - 1]
+    if not finding["remedy"]:
+        raise ShardwiseError(
+            f"finding {n} ({finding['cause']}) has no config remedy to run: "
+            f"{finding['evidence']}. Fix: verify another finding."
+        )
+    other = with_overrides(cfg, finding["remedy"])
+    after = profile(other, nproc, folder / f"remedy-{n}", steps, hook)
+    before_s, after_s = step_s(base), step_s(after)
+    result = {
+        "finding": finding,
+        "step_s_before": before_s,
+        "step_s_after": after_s,
+        "predicted_gain": finding["predicted_gain"],
+        "measured_gain": 1.0 - after_s / before_s,
+    }
+    (folder / f"verify-{n}.json").write_text(json.dumps(result, indent=1))
+    print(
+        f"remedy {' '.join(finding['remedy'])}: step {before_s * 1e3:.1f} -> "
+        f"{after_s * 1e3:.1f} ms; gain predicted {100 * result['predicted_gain']:.1f}%, "
+        f"measured {100 * result['measured_gain']:.1f}%"
+    )
+    return result
+
+
+def _count(flag: str, raw: str, example: int) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ShardwiseError(f"{flag} {raw} must be a whole number >= 1. Fix: {flag} {example}")
+    return value
+
+
+def profile_main(argv: list[str]) -> int:
+    from shardwise.launchers.local import adopt_slurm_env, rank_main, under_external_launcher
+
+    own, overrides = split_overrides(argv)
+    args, rest = _parser().parse_known_args(own)
+    if args.help:
+        print(_parser().format_help())
+        return 0
+    try:
+        if rest:
+            raise ShardwiseError(f"unexpected argument(s) {' '.join(rest)}. Fix: see --help.")
+        cfg = load_config(args.config, overrides)
+        steps = _count("--steps", args.steps, 5)
+        folder = Path(cfg.run.dir) / FOLDER
+        if under_external_launcher():  # torchrun / srun started the ranks: one report, rank 0
+            if args.verify_remedy is not None:
+                raise ShardwiseError(
+                    "--verify-remedy starts two runs itself. Fix: run it without torchrun/srun."
+                )
+            adopt_slurm_env()
+            pcfg = profile_config(cfg, steps, folder)
+            _writable(folder)  # (every rank: none starts when one could not write)
+            rank_main(pcfg.to_dict())
+            if os.environ["RANK"] == "0":
+                summarise(pcfg, int(os.environ["WORLD_SIZE"]))
+            return 0
+        from shardwise.distributed.device import local_device_count
+
+        nproc = local_device_count() if args.nproc is None else _count("--nproc", args.nproc, 2)
+        if args.verify_remedy is not None:
+            verify(cfg, nproc, folder, steps, _count("--verify-remedy", args.verify_remedy, 1))
+        else:
+            profile(cfg, nproc, folder, steps)
+    except ShardwiseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

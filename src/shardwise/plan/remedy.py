@@ -1,0 +1,187 @@
+"""Findings of a profile: each cause the ledger shows, the config change that removes it, and
+the step time that change should give: the planner's time model replayed with the measured
+costs (the measured part of the step scaled by the model's ratio between the two configs,
+the rest of the step unchanged).
+
+Causes (`cause`, the documented vocabulary): `data_wait`, `exposed_dp_communication`,
+`exposed_tp_communication`, `exposed_pp_communication`, `pipeline_bubble`, `straggler`,
+`recompute`. A cause under `SHARE` of the step is not reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardwise.config import Config, with_overrides
+from shardwise.plan import time as tm
+from shardwise.plan.hardware import Hardware
+from shardwise.plan.predict import job_from_config, layout_from_config, predict_config
+from shardwise.plan.search import fits
+from shardwise.training.validate import derive
+
+SHARE = 0.05
+PREFETCH = 2  # micro-batches loaded ahead: one computing, one more queued
+
+
+def _finding(cause: str, evidence: str, remedy: list[str], step_s: float, new_s: float) -> dict:
+    new_s = min(step_s, max(new_s, 0.0))
+    return {
+        "cause": cause,
+        "evidence": evidence,
+        "remedy": remedy,
+        "predicted_step_s": round(new_s, 6),
+        "predicted_gain": round(1.0 - new_s / step_s, 4) if step_s else 0.0,
+    }
+
+
+def _pct(x: float, step_s: float) -> str:
+    return f"{x * 1000:.1f} ms/step ({100 * x / step_s:.0f}% of {step_s * 1000:.0f} ms)"
+
+
+def findings(
+    cfg: Config, world: int, mean: dict, ranks: list[dict], comm: dict, hw: Hardware
+) -> list[dict]:
+    """Ranked findings (by predicted gain) from the mean ledger over ranks and steps, the
+    per-rank ledgers and the mean measured `comm_calls`/`comm_bytes` per step."""
+    step = mean["step_s"]
+    out = []
+    late = _straggler(ranks, step)
+    if late is not None:
+        out.append(late)
+    if mean["data_s"] >= SHARE * step:
+        out.append(_data_wait(cfg, mean, step))
+    # with no straggler, ranks waiting for each other by turns at the data-parallel
+    # collectives is their cost too (jitter at every synchronisation point)
+    dp_wait = mean["comm_exposed_s"]["dp"]
+    if late is None:
+        dp_wait += mean.get("straggler_by_dim", {}).get("dp", 0.0)
+    if dp_wait >= SHARE * step:
+        out.append(_exposed_dp(cfg, world, dp_wait, comm, hw, step))
+    for dim in ("tp", "pp"):
+        if mean["comm_exposed_s"][dim] >= SHARE * step:
+            exposed = mean["comm_exposed_s"][dim]
+            out.append(
+                _finding(
+                    f"exposed_{dim}_communication",
+                    f"ranks wait {_pct(exposed, step)} for {dim} collectives; "
+                    f"{dim} traffic {comm['comm_bytes'][dim] / 1e6:.1f} MB in "
+                    f"{comm['comm_calls'][dim]:.0f} calls per step",
+                    [],
+                    step,
+                    step,
+                )
+            )
+    if mean["bubble_s"] >= SHARE * step:
+        out.append(_bubble(cfg, world, mean, step))
+    if mean["recompute_s"] >= SHARE * step:
+        out.append(_recompute(cfg, world, mean, hw, step))
+    return sorted(out, key=lambda f: -f["predicted_gain"])
+
+
+def _data_wait(cfg: Config, mean: dict, step: float) -> dict:
+    data = mean["data_s"]
+    # loaded in threads behind the rest of the step: the step takes the longer of the two
+    new = max(step - data, data)
+    remedy = [f"--data.prefetch={max(PREFETCH, cfg.data.prefetch + 1)}"]
+    if cfg.parallel.pp > 1:
+        remedy = []  # the pipeline loads its own micro-batches
+    return _finding(
+        "data_wait",
+        f"the step waits for its batches {_pct(data, step)}",
+        remedy,
+        step,
+        new if remedy else step,
+    )
+
+
+def _exposed_dp(cfg: Config, world: int, exposed: float, comm: dict, hw: Hardware, step: float):
+    calls, sent = comm["comm_calls"]["dp"], comm["comm_bytes"]["dp"]
+    evidence = (
+        f"ranks wait {_pct(exposed, step)} for data-parallel collectives: "
+        f"{sent / 1e6:.1f} MB in {calls:.0f} calls per step"
+    )
+    default = 25.0
+    if cfg.parallel.zero == 0 and cfg.parallel.bucket_mb < default:
+        remedy = [f"--parallel.bucket_mb={default:g}"]
+        predicted = _calls(cfg, world, hw), _calls(with_overrides(cfg, remedy), world, hw)
+        new_calls = max(1.0, calls - (predicted[0] - predicted[1]))
+        # alpha-beta (Hockney): each call pays the latency, each byte the bandwidth; the
+        # measured exposed time scaled by the model's ratio for the fewer calls
+        cost = lambda c: c * hw.latency + sent / hw.intra_bw  # noqa: E731
+        new = step - exposed + exposed * cost(new_calls) / cost(calls)
+        evidence += f" (bucket_mb={cfg.parallel.bucket_mb:g}: {predicted[0]} buckets)"
+        return _finding("exposed_dp_communication", evidence, remedy, step, new)
+    return _finding("exposed_dp_communication", evidence, [], step, step)
+
+
+def _bubble(cfg: Config, world: int, mean: dict, step: float) -> dict:
+    d = derive(cfg, world)
+    local = cfg.train.global_batch // d.dp
+    m, p = local // d.micro_batch, cfg.parallel.pp
+    # the most micro-batches that still divide the local batch, up to 4 per stage
+    target = next((k for k in range(min(local, 4 * p), m, -1) if local % k == 0 and k > m), None)
+    bubble = mean["bubble_s"]
+    evidence = f"pipeline stages idle {_pct(bubble, step)} with {m} micro-batch(es) over {p} stages"
+    if target is None:
+        return _finding("pipeline_bubble", evidence, [], step, step)
+    remedy = [f"--train.micro_batch={local // target}"]
+    # the planner's bubble (plan/time.py): idle slots per step (p-1 for 1F1B/GPipe, fewer
+    # interleaved) x one micro-batch's time; the same work in `target` micro-batches makes
+    # each m/target as long, and the measured bubble shrinks by that ratio
+    return _finding("pipeline_bubble", evidence, remedy, step, step - bubble * (1 - m / target))
+
+
+def _recompute(cfg: Config, world: int, mean: dict, hw: Hardware, step: float) -> dict:
+    spent = mean["recompute_s"]
+    evidence = f"recomputation (memory.recompute={cfg.memory.recompute}) takes {_pct(spent, step)}"
+    for mode in ("none", "selective"):
+        if mode == cfg.memory.recompute or (mode == "selective" and cfg.memory.recompute != "full"):
+            continue
+        remedy = [f"--memory.recompute={mode}"]
+        other = with_overrides(cfg, remedy)
+        d = derive(other, world)
+        job = job_from_config(other, hw, world, d.spec)
+        _, rec = predict_config(other, d, hw)
+        rec.setdefault("peak_bytes", rec["mem_bytes"]["total"] + hw.reserve)
+        rec.setdefault("host_bytes", 0)
+        if fits(job, rec) is None:
+            # none: the replayed forwards go; selective keeps the planner's share of them
+            lay = layout_from_config(other, d)
+            full = tm.hardware_flops_per_token(job, dataclasses.replace(lay, recompute="full"))
+            base = tm.hardware_flops_per_token(job, dataclasses.replace(lay, recompute="none"))
+            kept = (tm.hardware_flops_per_token(job, lay) - base) / max(full - base, 1e-9)
+            peak = rec["mem_bytes"]["total"] / 1e6
+            evidence += f"; with {mode} the planner predicts {peak:.0f} MB per rank, which fits"
+            return _finding("recompute", evidence, remedy, step, step - spent * (1 - kept))
+    return _finding("recompute", evidence + "; nothing less fits", [], step, step)
+
+
+def _straggler(ranks: list[dict], step: float) -> dict | None:
+    """The rank the others wait for most, when they wait for it >= SHARE of the step more
+    than it waits for them (ranks on a busy machine wait for each other by turns)."""
+    waited: dict[int, float] = {}  # mean per step the others waited for each rank
+    own: dict[int, float] = {}  # mean per step each rank waited for the others
+    for r in ranks:
+        n = len(r["steps"]) or 1
+        own[r["rank"]] = sum(s["straggler_wait_s"] for s in r["steps"]) / n
+        for s in r["steps"]:
+            for who, sec in s.get("waited_for", {}).items():
+                waited[int(who)] = waited.get(int(who), 0.0) + sec / n / (len(ranks) - 1)
+    if not waited:
+        return None
+    late = max(waited, key=waited.get)
+    net = waited[late] - own.get(late, 0.0)
+    if net < SHARE * step or waited[late] < 2 * own.get(late, 0.0):
+        return None  # (jitter: ranks that wait for each other by turns)
+    evidence = (
+        f"rank {late} arrives late: the others wait for it {_pct(waited[late], step)}, it "
+        f"waits for them {own.get(late, 0.0) * 1e3:.1f} ms; its host is slower (other load, "
+        "throttling, a slower device or link) or it does more work"
+    )
+    # if it kept pace, the others would not wait: no config change does that
+    return {**_finding("straggler", evidence, [], step, step - net), "rank": late}
+
+
+def _calls(cfg: Config, world: int, hw: Hardware) -> int:
+    d = derive(cfg, world)
+    return predict_config(cfg, d, hw)[1]["comm_calls"]["dp"]

@@ -1,0 +1,153 @@
+"""All ranks' captures into one picture: ledgers with straggler waits split off, and one
+clock-aligned timeline.
+
+A straggler: every member of a group must enter a collective before any can leave it, so the
+member that arrived last waits least; what another member waited beyond that least wait was
+spent waiting for the late one, not communicating. Matching the same collective across ranks
+(mesh dimension, its index on that dimension, call or async wait) gives, per rank and step,
+`straggler_wait_s` taken out of that dimension's exposed communication (or, for control
+collectives over all ranks, out of `other_s`), `waited_for`: the seconds per late rank, and
+`straggler_by_dim`: the seconds per dimension (`world` for the control collectives).
+Point-to-point pipeline waits are left out: a stage waiting for its neighbour is the bubble.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from shardwise.errors import ShardwiseError
+
+DIMS = ("dp", "tp", "pp")
+
+
+def load_parts(folder: Path, world: int) -> tuple[list[dict], list[str]]:
+    """Every rank's capture in rank order, and one line for each rank that left none or
+    failed to write its trace."""
+    parts, problems = [], []
+    for rank in range(world):
+        path = folder / f"rank{rank}.json"
+        try:
+            part = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            problems.append(f"rank {rank}: no capture ({exc})")
+            continue
+        if part.get("error"):
+            problems.append(f"rank {rank}: {part['error']}")
+        parts.append(part)
+    if not parts:
+        raise ShardwiseError(f"no rank wrote its profile into {folder}: " + "; ".join(problems))
+    return parts, problems
+
+
+def _groups(parts: list[dict], dim: str) -> list[list[int]]:
+    """Indices into `parts` of the ranks that share a collective over `dim` ('world': all)."""
+    if dim == "world":
+        return [list(range(len(parts)))]
+    others = [d for d in DIMS if d != dim]
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, part in enumerate(parts):
+        groups[tuple(part["coords"][d] for d in others)].append(i)
+    return list(groups.values())
+
+
+def split_stragglers(parts: list[dict]) -> None:
+    """Move waits for late ranks out of each measured step's ledger (in place)."""
+    n_steps = min(len(p["steps"]) for p in parts)
+    for k in range(n_steps):
+        steps = [p["steps"][k] for p in parts]
+        waits = [_index(s["waits"]) for s in steps]
+        for s in steps:
+            s["ledger"]["waited_for"] = {}
+            s["ledger"]["straggler_by_dim"] = {}
+        for dim in ("dp", "tp", "world"):
+            for group in _groups(parts, dim):
+                if len(group) > 1:
+                    _split_group(parts, steps, waits, group, dim)
+
+
+def _index(waits: list) -> dict[tuple, float]:
+    out: dict[tuple, float] = {}
+    for dim, n, waiting, seconds in waits:
+        out[(dim, n, waiting)] = seconds
+    return out
+
+
+def _split_group(parts, steps, waits, group: list[int], dim: str) -> None:
+    keys = set.intersection(*(set(k for k in waits[i] if k[0] == dim) for i in group))
+    for key in keys:
+        seconds = {i: waits[i][key] for i in group}
+        late = min(seconds, key=seconds.get)
+        floor = seconds[late]
+        for i in group:
+            excess = seconds[i] - floor
+            if i == late or excess <= 0:
+                continue
+            ledger = steps[i]["ledger"]
+            if dim == "world":
+                take = min(excess, ledger["other_s"])
+                ledger["other_s"] = round(ledger["other_s"] - take, 6)
+            else:
+                take = min(excess, ledger["comm_exposed_s"][dim])
+                ledger["comm_exposed_s"][dim] = round(ledger["comm_exposed_s"][dim] - take, 6)
+            ledger["straggler_wait_s"] = round(ledger["straggler_wait_s"] + take, 6)
+            by_dim = ledger["straggler_by_dim"]
+            by_dim[dim] = round(by_dim.get(dim, 0.0) + take, 6)
+            who = str(parts[late]["rank"])
+            ledger["waited_for"][who] = round(ledger["waited_for"].get(who, 0.0) + take, 6)
+
+
+def summary_ranks(parts: list[dict]) -> list[dict]:
+    """The contract's `ranks`: per rank, the ledger of every measured step."""
+    return [
+        {
+            "rank": p["rank"],
+            "coords": p["coords"],
+            "steps": [{"step": s["step"], **s["ledger"]} for s in p["steps"]],
+        }
+        for p in parts
+    ]
+
+
+def mean_ledger(ranks: list[dict]) -> dict:
+    """Each part's mean over ranks and steps (dicts per dimension averaged key by key)."""
+    rows = [s for r in ranks for s in r["steps"]]
+    out: dict = {}
+    for key, value in rows[0].items():
+        if key in ("step", "waited_for"):
+            continue
+        if key == "straggler_by_dim":
+            dims = {d for row in rows for d in row[key]}
+            out[key] = {d: sum(row[key].get(d, 0.0) for row in rows) / len(rows) for d in dims}
+            continue
+        if isinstance(value, dict):
+            out[key] = {d: sum(row[key][d] for row in rows) / len(rows) for d in value}
+        else:
+            out[key] = sum(row[key] for row in rows) / len(rows)
+    return out
+
+
+def timeline(parts: list[dict]) -> dict:
+    """One Chrome/Perfetto trace of every rank's clock intervals: a process per rank, times
+    from the barrier all ranks left together (on several machines their clocks differ; the
+    barrier aligns them to within its own latency)."""
+    events: list[dict] = []
+    for p in parts:
+        rank = p["rank"]
+        events.append(
+            {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}}
+        )
+        for category, start, end in p["events"]:
+            events.append(
+                {
+                    "ph": "X",
+                    "name": category,
+                    "cat": category.split(":")[0],
+                    "pid": rank,
+                    "tid": 0,
+                    "ts": round(start * 1e6, 3),
+                    "dur": round((end - start) * 1e6, 3),
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -1,0 +1,266 @@
+"""`shardwise profile`: the ledger adds up, injected causes are named first, files are readable.
+
+The five injected causes run as profile cases in one spawned world of 2 gloo ranks (the same
+capture a `shardwise profile` run makes); the analysis then runs here, as the command's does
+after its ranks end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardwise.config import load_config
+from shardwise.distributed.clock import Clock
+from shardwise.profile.analyze import split_stragglers
+from shardwise.profile.ledger import build, total
+from shardwise.testing import run_world
+
+SMALL = [
+    "--model.name=tiny",
+    "--train.global_batch=8",
+    "--train.eval_batches=0",
+    "--log.tensorboard=false",
+]
+WARMUP, MEASURED = 1, 3
+PROFILE = [
+    f"--profile.steps={MEASURED}",
+    f"--profile.warmup={WARMUP}",
+    f"--train.steps={WARMUP + MEASURED + 1}",
+]
+# cause -> (overrides, hook)
+CAUSES = {
+    "data_wait": ([], "shardwise.testing.hooks:slow_data"),
+    "exposed_dp_communication": (
+        [
+            "--model.n_layers=8",
+            "--model.dim=32",
+            "--model.n_heads=2",
+            "--model.n_kv_heads=2",
+            "--model.ffn_dim=64",
+            "--data.seq_len=16",
+            "--train.global_batch=4",
+            "--parallel.bucket_mb=0.0001",
+        ],
+        None,
+    ),
+    "pipeline_bubble": (["--parallel.pp=2", "--train.micro_batch=8"], None),
+    "straggler": ([], "shardwise.testing.hooks:slow_rank1"),
+    "recompute": (["--memory.recompute=full"], None),
+}
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """cause -> the summary `shardwise profile` writes for its injected case."""
+    from shardwise.cli.profile import summarise
+
+    root = tmp_path_factory.mktemp("profiles")
+    cases = []
+    for cause, (extra, hook) in CAUSES.items():
+        overrides = [*SMALL, *PROFILE, *extra, f"--run.dir={root / cause}"]
+        cases.append({"overrides": overrides, **({"hook": hook} if hook else {})})
+    results = run_world(2, cases)
+    out = {}
+    for (cause, _), case, per_rank in zip(CAUSES.items(), cases, results, strict=True):
+        assert all("error" not in r for r in per_rank), per_rank[0].get("error")
+        cfg = load_config(None, case["overrides"])
+        out[cause] = summarise(cfg, 2)
+    out["root"] = root
+    return out
+
+
+@pytest.mark.parametrize("cause", list(CAUSES))
+def test_the_injected_cause_is_the_top_finding(profiled, cause):
+    summary = profiled[cause]
+    top = summary["findings"][0]
+    assert top["cause"] == cause, summary["findings"]
+    assert 0 < top["predicted_gain"] < 1 and top["predicted_step_s"] > 0
+    expected = {
+        "data_wait": ["--data.prefetch=2"],
+        "exposed_dp_communication": ["--parallel.bucket_mb=25"],
+        "pipeline_bubble": ["--train.micro_batch=1"],  # 8 micro-batches for 2 stages
+        "straggler": [],  # no config change makes a slow host fast
+        "recompute": ["--memory.recompute=none"],
+    }[cause]
+    assert top["remedy"] == expected
+    if cause == "straggler":
+        assert top["rank"] == 1 and "rank 1" in top["evidence"]
+
+
+@pytest.mark.parametrize("cause", list(CAUSES))
+def test_every_ranks_ledger_sums_to_its_step_time(profiled, cause):
+    ranks = profiled[cause]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert len(r["steps"]) == MEASURED
+        for s in r["steps"]:
+            assert abs(total(s) - s["step_s"]) <= 0.02 * s["step_s"], s
+            # the named parts explain the step: what no region claims stays small
+            assert s["other_s"] <= 0.15 * s["step_s"], s
+
+
+def test_the_ledger_shows_each_injected_cause_where_it_belongs(profiled):
+    def mean(cause, f):
+        steps = [s for r in profiled[cause]["ranks"] for s in r["steps"]]
+        return sum(f(s) for s in steps) / len(steps)
+
+    # 40 ms of sleep per micro-batch fetch (one micro-batch per rank and step)
+    assert mean("data_wait", lambda s: s["data_s"]) >= 0.035
+    # rank 1 sleeps 60 ms per forward: rank 0 waits for it, rank 1 waits for no one long
+    rank0, rank1 = profiled["straggler"]["ranks"]
+    assert all(s["straggler_wait_s"] >= 0.04 for s in rank0["steps"])
+    assert all(s["waited_for"].get("1", 0) >= 0.04 for s in rank0["steps"])
+    assert all(s["straggler_wait_s"] < 0.02 for s in rank1["steps"])
+    # GPipe/1F1B with one micro-batch over two stages: each stage idles about half the step
+    assert mean("pipeline_bubble", lambda s: s["bubble_s"] / s["step_s"]) >= 0.2
+    assert mean("recompute", lambda s: s["recompute_s"]) > 0
+    assert mean("data_wait", lambda s: s["recompute_s"]) == 0
+
+
+def test_the_files_open_traces_timeline_report_and_pictures(profiled):
+    folder = profiled["root"] / "data_wait"
+    summary = json.loads((folder / "summary.json").read_text())
+    assert set(summary) >= {"ranks", "findings"}
+    for key in ("cause", "evidence", "remedy", "predicted_step_s", "predicted_gain"):
+        assert key in summary["findings"][0]
+    gains = [f["predicted_gain"] for f in summary["findings"]]
+    assert gains == sorted(gains, reverse=True)
+    # Chrome/Perfetto trace format: a traceEvents list of complete ("X") and metadata events
+    for rank in (0, 1):
+        trace = json.loads((folder / f"trace_rank{rank}.json").read_text())
+        timed = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+        assert timed and all({"name", "ts", "dur", "pid"} <= set(e) for e in timed)
+    merged = json.loads((folder / "timeline.json").read_text())
+    timed = [e for e in merged["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in timed} == {0, 1}
+    assert {"forward", "backward", "data", "optimizer"} <= {e["name"] for e in timed}
+    # both ranks' first interval starts within a few ms of the shared barrier
+    for rank in (0, 1):
+        assert min(e["ts"] for e in timed if e["pid"] == rank) < 5_000
+    import matplotlib.image
+
+    for name in ("ledger.png", "timeline.png"):
+        image = matplotlib.image.imread(folder / name)
+        assert image.shape[0] > 50 and image.shape[1] > 50 and image.std() > 0
+    report = (folder / "report.md").read_text()
+    assert "data_wait" in report and "ledger.png" in report
+
+
+def test_a_trace_the_profiler_cannot_write_leaves_a_note_not_a_failure(tmp_path, monkeypatch):
+    from shardwise.profile import capture
+
+    def fail(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(capture, "_export", fail)
+    from shardwise.testing.harness import run_here
+
+    run = tmp_path / "run"
+    run_here({"overrides": [*SMALL, *PROFILE]}, str(run))
+    part = json.loads((run / "rank0.json").read_text())
+    assert part["trace"] is None and "disk full" in part["error"]
+    assert len(part["steps"]) == MEASURED
+
+
+# -- the clock and the straggler split, without processes --------------------------------------
+
+
+def test_the_clock_charges_nested_time_to_the_innermost_region():
+    import time
+
+    clk = Clock()
+    t0 = clk.start()
+    with clk.phase("backward"):
+        time.sleep(0.01)
+        with clk.comm("dp"):
+            time.sleep(0.02)
+        with clk.phase("bubble"), clk.comm("pp"):  # a pipeline wait: bubble, not pp
+            time.sleep(0.01)
+    end, totals, _ = clk.take()
+    assert totals["comm:dp"] >= 0.02 and totals["backward"] < 0.02 and totals["bubble"] >= 0.01
+    assert "comm:pp" not in totals
+    assert abs(sum(totals.values()) - (end - t0)) < 1e-9
+    ledger = build(end - t0, totals, {})
+    assert abs(total(ledger) - ledger["step_s"]) < 1e-5
+    clk.on = False
+    with clk.phase("forward"):
+        pass
+    assert "forward" not in clk.take()[1]
+
+
+def test_waiting_for_a_late_rank_is_split_off_and_attributed_to_it():
+    def part(rank, dp_coord, waits, exposed):
+        ledger = build(1.0, {"comm:dp": exposed, "forward": 1.0 - exposed}, {})
+        steps = [{"step": 1, "ledger": ledger, "waits": waits}]
+        return {"rank": rank, "coords": {"dp": dp_coord, "tp": 0, "pp": 0}, "steps": steps}
+
+    # rank 0 waited 0.30 s on the 1st dp call, rank 1 (the late one) 0.05 s
+    parts = [
+        part(0, 0, [("dp", 1, False, 0.30), ("dp", 2, True, 0.01)], 0.31),
+        part(1, 1, [("dp", 1, False, 0.05), ("dp", 2, True, 0.01)], 0.06),
+    ]
+    split_stragglers(parts)
+    first, second = parts[0]["steps"][0]["ledger"], parts[1]["steps"][0]["ledger"]
+    assert first["straggler_wait_s"] == pytest.approx(0.25)
+    assert first["waited_for"] == {"1": pytest.approx(0.25)}
+    assert first["comm_exposed_s"]["dp"] == pytest.approx(0.06)
+    assert second["straggler_wait_s"] == 0 and second["comm_exposed_s"]["dp"] == 0.06
+    assert total(first) == pytest.approx(1.0)
+
+
+# -- the command: bad input, and under torchrun ------------------------------------------------
+
+
+def _profile(*args, env=None, timeout=240):
+    return subprocess.run(
+        [sys.executable, "-m", "shardwise.cli.main", "profile", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_bad_input_gets_one_clear_message(tmp_path):
+    proc = _profile("--steps", "0", f"--run.dir={tmp_path}")
+    assert proc.returncode == 2 and "--steps 0 must be a whole number >= 1" in proc.stderr
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = _profile("--model.name=tiny", f"--run.dir={blocker}")
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot write the profile into {blocker}/profile" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_under_torchrun_rank_0_writes_one_report(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--rdzv-endpoint=127.0.0.1:0",
+            "--rdzv-backend=c10d",
+            "-m",
+            "shardwise.cli.main",
+            "profile",
+            "--steps=2",
+            *SMALL,
+            "--profile.warmup=1",
+            f"--run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("mean ms per measured step") == 1, proc.stdout
+    summary = json.loads((tmp_path / "profile" / "summary.json").read_text())
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    assert not (tmp_path / "metrics.jsonl").exists()  # the run's own files: untouched
