@@ -83,7 +83,7 @@ def test_the_injected_cause_is_the_top_finding(profiled, cause):
     expected = {
         "data_wait": ["--data.prefetch=2"],
         "exposed_dp_communication": ["--parallel.bucket_mb=25"],
-        "pipeline_bubble": ["--train.micro_batch=1"],  # 8 micro-batches for 2 stages
+        "pipeline_bubble": ["--train.micro_batch=4"],  # twice the micro-batches
         "straggler": [],  # no config change makes a slow host fast
         "recompute": ["--memory.recompute=none"],
     }[cause]

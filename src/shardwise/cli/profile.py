@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -133,10 +134,9 @@ def summarise(pcfg: Config, world: int) -> dict:
 
 
 def step_s(summary: dict) -> float:
-    """The measured step time: the mean over steps of the slowest rank's step."""
+    """The measured step time: the median over steps of the slowest rank's step."""
     per_step = zip(*([s["step_s"] for s in r["steps"]] for r in summary["ranks"]), strict=False)
-    times = [max(t) for t in per_step]
-    return sum(times) / len(times)
+    return statistics.median(max(t) for t in per_step)
 
 
 def verify(

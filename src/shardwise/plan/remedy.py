@@ -118,16 +118,19 @@ def _bubble(cfg: Config, world: int, mean: dict, step: float) -> dict:
     d = derive(cfg, world)
     local = cfg.train.global_batch // d.dp
     m, p = local // d.micro_batch, cfg.parallel.pp
-    # the most micro-batches that still divide the local batch, up to 4 per stage
-    target = next((k for k in range(min(local, 4 * p), m, -1) if local % k == 0 and k > m), None)
     bubble = mean["bubble_s"]
     evidence = f"pipeline stages idle {_pct(bubble, step)} with {m} micro-batch(es) over {p} stages"
+    # twice the micro-batches (the next count that divides the local batch): one step at a
+    # time, because halving a micro-batch also makes it run less efficiently, which the
+    # prediction below does not count; a profile of the remedied job prices the next step
+    target = next((k for k in range(2 * m, local + 1) if local % k == 0), None)
     if target is None:
         return _finding("pipeline_bubble", evidence, [], step, step)
     remedy = [f"--train.micro_batch={local // target}"]
     # the planner's bubble (plan/time.py): idle slots per step (p-1 for 1F1B/GPipe, fewer
     # interleaved) x one micro-batch's time; the same work in `target` micro-batches makes
-    # each m/target as long, and the measured bubble shrinks by that ratio
+    # each m/target as long, and the measured bubble shrinks by that ratio (compute taken
+    # as unchanged)
     return _finding("pipeline_bubble", evidence, remedy, step, step - bubble * (1 - m / target))
 
 

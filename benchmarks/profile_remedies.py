@@ -1,0 +1,126 @@
+"""`shardwise profile --verify-remedy 1` on each injected cause: predicted against measured gain.
+
+What it measures: for each cause the tests inject (a 40 ms delay per micro-batch load; 75
+gradient buckets of 0.0001 MB with dp2; pipeline pp2 with one micro-batch per step; rank 1 60
+ms slower per forward; full recomputation where memory allows none), on 2 gloo ranks: the
+profile names its top finding and that finding's remedy is run and profiled the same way, in
+the same invocation (`cli.profile.verify`, what `--verify-remedy 1` runs). Printed per cause:
+the remedy, the step time before and after (median of the measured steps, slowest rank), the
+predicted and measured gain (1 - after / before) and their ratio, for each of `--rounds`
+verifications (this 2-core machine's step times drift by several percent between runs). A
+straggler has no config remedy (a slow host is not a config value): its row shows the
+prediction only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import tempfile
+from pathlib import Path
+
+from common import add_smoke, command_line, commit, load, table
+from shardwise.config import load_config
+
+NPROC = 2
+BASE = [
+    "--model.name=tiny",
+    "--train.global_batch=8",
+    "--train.eval_batches=0",
+    "--log.tensorboard=false",
+    "--log.progress=off",
+    "--profile.warmup=2",
+]
+CAUSES = {
+    "data_wait": ([], "shardwise.testing.hooks:slow_data"),
+    "exposed_dp_communication": (
+        [
+            "--model.n_layers=8",
+            "--model.dim=32",
+            "--model.n_heads=2",
+            "--model.n_kv_heads=2",
+            "--model.ffn_dim=64",
+            "--data.seq_len=16",
+            "--train.global_batch=4",
+            "--parallel.bucket_mb=0.0001",
+        ],
+        None,
+    ),
+    "pipeline_bubble": (["--parallel.pp=2", "--train.micro_batch=8"], None),
+    "recompute": (["--memory.recompute=full"], None),
+    "straggler": ([], "shardwise.testing.hooks:slow_rank1"),
+}
+
+
+def main() -> int:
+    from shardwise.cli.profile import profile, step_s, verify
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per profile")
+    parser.add_argument("--rounds", type=int, default=2, help="verifications per cause")
+    add_smoke(parser)
+    args = parser.parse_args()
+    causes = list(CAUSES)[:1] if args.smoke else list(CAUSES)
+    if args.smoke:
+        args.steps, args.rounds = 2, 1
+    print(f"shardwise commit {commit()}")
+    print(f"$ {command_line()}")
+    print(f"date: {datetime.date.today()}; load average at the start: {load()} (2 cores)")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="profile-bench-") as tmp:
+        for cause in causes:
+            extra, hook = CAUSES[cause]
+            cfg = load_config(None, [*BASE, *extra, f"--run.dir={tmp}/{cause}"])
+            folder = Path(tmp, cause, "profile")
+            if cause == "straggler":  # no remedy to run: the prediction alone
+                summary = profile(cfg, NPROC, folder, args.steps, hook)
+                top = summary["findings"][0]
+                before = step_s(summary)
+                rows.append(
+                    [
+                        cause,
+                        top["cause"],
+                        "-",
+                        f"{before * 1e3:.1f}",
+                        "-",
+                        f"{100 * top['predicted_gain']:.1f}",
+                        "-",
+                        "-",
+                    ]
+                )
+                continue
+            for r in range(args.rounds):  # before, after, before, after: drift hits both
+                res = verify(cfg, NPROC, folder, args.steps, 1, hook)
+                top = res["finding"]
+                measured = res["measured_gain"]
+                ratio = res["predicted_gain"] / measured if measured else 0
+                rows.append(
+                    [
+                        f"{cause} (round {r + 1})",
+                        top["cause"],
+                        " ".join(top["remedy"]),
+                        f"{res['step_s_before'] * 1e3:.1f}",
+                        f"{res['step_s_after'] * 1e3:.1f}",
+                        f"{100 * res['predicted_gain']:.1f}",
+                        f"{100 * measured:.1f}",
+                        f"{ratio:.2f}",
+                    ]
+                )
+    header = [
+        "injected",
+        "top finding",
+        "remedy",
+        "before ms",
+        "after ms",
+        "predicted gain %",
+        "measured gain %",
+        "predicted / measured",
+    ]
+    print(table(header, rows))
+    print(f"load average at the end: {load()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
