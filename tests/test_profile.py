@@ -264,3 +264,28 @@ def test_under_torchrun_rank_0_writes_one_report(tmp_path):
     summary = json.loads((tmp_path / "profile" / "summary.json").read_text())
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
     assert not (tmp_path / "metrics.jsonl").exists()  # the run's own files: untouched
+
+
+def test_train_keeps_the_ledger_in_every_metrics_line_unless_told_not_to(tmp_path):
+    from shardwise.testing.harness import run_here
+
+    on = run_here({"overrides": [*SMALL, "--train.steps=2"]}, str(tmp_path / "on"))
+    lines = (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()
+    for line, record in zip(lines, on["records"], strict=True):
+        ledger = json.loads(line)["ledger"]
+        assert ledger == record["ledger"]
+        assert abs(total(ledger) - ledger["step_s"]) <= 0.02 * ledger["step_s"]
+        assert ledger["forward_s"] > 0 and ledger["backward_s"] > 0 and ledger["optimizer_s"] > 0
+        # the ledger's span holds the step that step_time_s times, and the eval/log after it
+        assert ledger["step_s"] >= 0.9 * record["step_time_s"]
+    off = run_here(
+        {"overrides": [*SMALL, "--train.steps=2", "--log.ledger=false"]}, str(tmp_path / "off")
+    )
+    assert all("ledger" not in r for r in off["records"])
+
+
+def test_train_refuses_profile_steps_and_names_the_command(capsys):
+    from shardwise.cli.main import main
+
+    assert main(["train", "--profile.steps=3", "--model.name=tiny"]) == 2
+    assert "Fix: shardwise profile --steps 3" in capsys.readouterr().err

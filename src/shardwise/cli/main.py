@@ -135,6 +135,12 @@ def _max_restarts(args: argparse.Namespace, cfg: Config, external: bool) -> int:
 
 
 def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
+    if cfg.profile.steps:
+        raise ShardwiseError(
+            f"profile.steps={cfg.profile.steps} is set by `shardwise profile --steps K`, which "
+            "also sizes the run and writes the report. Fix: shardwise profile --steps "
+            f"{cfg.profile.steps} [the same options] (train keeps a ledger per step anyway)."
+        )
     from shardwise.launchers.local import (
         adopt_slurm_env,
         launch_local,
