@@ -140,12 +140,24 @@ def step_s(summary: dict) -> float:
 
 
 def verify(
-    cfg: Config, nproc: int, folder: Path, steps: int, n: int, hook: str | None = None
+    cfg: Config,
+    nproc: int,
+    folder: Path,
+    steps: int,
+    n: int,
+    hook: str | None = None,
+    cause: str | None = None,
 ) -> dict:
-    """Profile `cfg`, then again with its N-th finding's remedy; both measured in this one
-    call (machines are noisy: times of different calls do not compare)."""
+    """Profile `cfg`, then again with its N-th finding's remedy (or, given `cause`, the first
+    finding of that cause); both measured in this one call (machines are noisy: times of
+    different calls do not compare)."""
     base = profile(cfg, nproc, folder, steps, hook)
     found = base["findings"]
+    if cause is not None:
+        n = next((i for i, f in enumerate(found, 1) if f["cause"] == cause), 0)
+        if not n:
+            causes = ", ".join(f["cause"] for f in found) or "none"
+            raise ShardwiseError(f"the profile did not find {cause} (it found: {causes}).")
     if not 1 <= n <= len(found):
         raise ShardwiseError(
             f"--verify-remedy {n}: the profile has {len(found)} finding(s). Fix: "
@@ -164,6 +176,7 @@ def verify(
     before_s, after_s = step_s(base), step_s(after)
     result = {
         "finding": finding,
+        "top": found[0]["cause"],
         "step_s_before": before_s,
         "step_s_after": after_s,
         "predicted_gain": finding["predicted_gain"],

@@ -31,17 +31,30 @@ def _checkpointed(forward):
         # the recomputation runs in the forward's context: zero bubble's deferring ops save
         # other tensors than the plain ones, and checkpoint checks they match
         # (timed apart from the backward it runs in: the ledger's recompute_s)
-        again = _timed(recompute_context())
+        again = _Timed(recompute_context())
         contexts = lambda: (contextlib.nullcontext(), again)  # noqa: E731
         return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     return run
 
 
-@contextlib.contextmanager
-def _timed(context):
-    with clock().phase("recompute"), context:
-        yield
+class _Timed:
+    """`context`, its time charged to the ledger's recompute_s; entered anew by each
+    recomputation (a backward that keeps its graph recomputes a region twice)."""
+
+    def __init__(self, context) -> None:
+        self.context = context
+
+    def __enter__(self) -> None:
+        self._phase = clock().phase("recompute")
+        self._phase.__enter__()
+        self.context.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.context.__exit__(*exc)
+        finally:
+            self._phase.__exit__(*exc)
 
 
 def _blocks(model: nn.Module, mode: str) -> list[str] | None:
