@@ -261,3 +261,20 @@ def test_a_rank_that_stops_sending_heartbeats_is_reported(tmp_path: Path) -> Non
     report = (tmp_path / "hang_report.txt").read_text()
     assert "rank 1 sent no heartbeat for" in report.splitlines()[0]
     assert "rank 1: SILENT: sent no dump" in report
+
+
+def test_text_read_off_the_store_cannot_drive_the_terminal() -> None:
+    """Anyone who could write to the rendezvous store must not print escape sequences into
+    the user's terminal or hang_report.txt through the report."""
+    base = _steps(2)
+    hostile = [*base, _entry(5, "all_reduce", "dp", 3, "\x1b[2J\x1b]0;owned\x07data.py:87", (1,))]
+    text = compose(
+        2,
+        {"dp": 2},
+        5.0,
+        "timeout \x1b[31mred\x1b[0m\r\x00",
+        {0: _dump(0, hostile, True), 1: _dump(1, base, True)},
+        {},
+    )
+    assert not any(c in text for c in "\x1b\x07\r\x00")
+    assert "timeout ?[31mred?[0m??" in text and "data.py:87" in text and "\n" in text

@@ -279,6 +279,46 @@ class ControlChannel:
         return out
 
 
+# Set by shardwise's launchers for their ranks: a rank store of their own (when the agent's
+# is not shared with them) listens on MASTER_ADDR only (training/runtime.py)
+BIND_ENV = "SHARDWISE_STORE_ON_MASTER_ADDR"
+
+
+def rank_store(timeout_s: float) -> dist.TCPStore:
+    """The job's store from the env:// variables, rank 0 hosting it on MASTER_ADDR only."""
+    import datetime
+    import os
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ["RANK"] == "0":
+        return listening_store(host, port, timeout_s)
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def listening_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A TCPStore server listening on `host`'s address only: TCPStore itself listens on every
+    interface, so the socket is bound here and handed over (port 0: any free one)."""
+    import datetime
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(
+        host,
+        sock.getsockname()[1],
+        is_master=True,
+        multi_tenant=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        master_listen_fd=sock.detach(),
+    )
+
+
 def free_port() -> int:
     """A free TCP port on loopback for a rendezvous store that stays on this machine."""
     with socket.socket() as s:

@@ -24,6 +24,7 @@ count on that group stops before k is *missing* it.
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 
 DIMS = ("pp", "dp", "tp")
@@ -220,4 +221,12 @@ def compose(
         coords = ", ".join(f"{d} {info['coords'][d]}" for d in DIMS) if info else ""
         label = f"rank {rank} ({coords})" if coords else f"rank {rank}"
         lines.append(f"  {label}: {_where(info)}")
-    return "\n".join(lines)
+    return printable("\n".join(lines))
+
+
+def printable(text: str) -> str:
+    """`text` with every control character but newline and tab shown as '?': what ranks
+    published to the store reaches a terminal and a file, and must not drive either."""
+    return "".join(
+        c if c in "\n\t" or unicodedata.category(c) not in ("Cc", "Cf") else "?" for c in text
+    )

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 from shardwise.checkpoint.manager import SIGNAL_GRACE_S
 from shardwise.config import Config, config_from_dict
-from shardwise.distributed.comm import free_port
+from shardwise.distributed.comm import BIND_ENV, free_port
 from shardwise.distributed.watchdog import EXIT_HANG, LOCAL_LAUNCH_ENV, REPORT
 from shardwise.errors import ShardwiseError
+from shardwise.launchers import rendezvous
 from shardwise.training.lock import HELD_ENV, acquire, release
 from shardwise.training.preempt import Preempted, preempt_code
 
@@ -118,8 +119,10 @@ def launch_local(cfg: Config, nproc: int, hook: str | None = None, max_restarts:
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=uuid.uuid4().hex[:8],
-        rdzv_backend="c10d",
+        # torch's c10d rendezvous with its stores on loopback only (launchers/rendezvous.py)
+        rdzv_backend=rendezvous.register(),
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        local_addr="127.0.0.1",  # the ranks' MASTER_ADDR: their own store on loopback too
         max_restarts=max_restarts,
         monitor_interval=0.2,
         # a signal to this agent is forwarded to the ranks, which finish their step and save
@@ -130,10 +133,12 @@ def launch_local(cfg: Config, nproc: int, hook: str | None = None, max_restarts:
     # ones too) know the launcher holds the lock
     held = acquire(cfg)
     os.environ[HELD_ENV] = "1"
+    os.environ[BIND_ENV] = "1"
     try:
         run_elastic(config, cfg, hook, local=True)
     finally:
         os.environ.pop(HELD_ENV, None)
+        os.environ.pop(BIND_ENV, None)
         release(held)
 
 

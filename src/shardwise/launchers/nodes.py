@@ -147,6 +147,8 @@ def launch_nodes(cfg: Config, nodes: Nodes, max_restarts: int = 0) -> None:
     from torch.distributed.launcher.api import LaunchConfig
 
     from shardwise.distributed import device
+    from shardwise.distributed.comm import BIND_ENV
+    from shardwise.launchers import rendezvous
     from shardwise.launchers.local import run_elastic
 
     # With the rendezvous store shared with the ranks (torch's default), a node that joins
@@ -162,15 +164,21 @@ def launch_nodes(cfg: Config, nodes: Nodes, max_restarts: int = 0) -> None:
         nproc_per_node=nodes.nproc_per_node,
         # One id per job: the Slurm job survives requeues; elsewhere the endpoint is the job.
         run_id=os.environ.get("SLURM_JOB_ID", "shardwise"),
-        rdzv_backend="c10d",
+        # torch's c10d rendezvous, its stores listening on this node's address only
+        rdzv_backend=rendezvous.register(),
         rdzv_endpoint=nodes.endpoint,
         # Node 0 hosts the store: c10d's own guess compares hostnames, which fails on
         # multi-homed hosts and names every node a host when they share one.
-        rdzv_configs={"is_host": nodes.node_rank == 0, "join_timeout": cfg.parallel.timeout_s},
+        rdzv_configs={
+            "is_host": nodes.node_rank == 0,
+            "bind": addr,
+            "join_timeout": cfg.parallel.timeout_s,
+        },
         local_addr=addr,
         max_restarts=max_restarts,
         monitor_interval=0.2,
     )
+    os.environ[BIND_ENV] = "1"  # rank 0's store on MASTER_ADDR (this node's address) only
     try:
         run_elastic(config, cfg)
     except ShardwiseError as exc:

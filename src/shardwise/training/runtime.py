@@ -18,7 +18,7 @@ from shardwise.config import Config
 from shardwise.data import GlobalSampler, data_spec, load_data, load_held_out
 from shardwise.data.callables import resolve
 from shardwise.distributed import device as dev
-from shardwise.distributed.comm import Comm
+from shardwise.distributed.comm import BIND_ENV, Comm, rank_store
 from shardwise.distributed.topology import Topology, build_topology
 from shardwise.distributed.watchdog import Watchdog, start_watchdog
 from shardwise.errors import ConfigError
@@ -47,7 +47,15 @@ def init_distributed(cfg: Config) -> dev.DeviceInfo:
     if dist.is_initialized():
         return info
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if os.environ.get(BIND_ENV) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        # started by our launcher without the agent's store: rank 0 hosts one, not on every
+        # interface as env:// would
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = rank_store(cfg.parallel.timeout_s)
+        dist.init_process_group(
+            info.backend, store=store, rank=rank, world_size=world, timeout=timeout
+        )
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(info.backend, timeout=timeout)
     else:
         dist.init_process_group(

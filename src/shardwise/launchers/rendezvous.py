@@ -1,0 +1,56 @@
+"""torch elastic's c10d rendezvous with every store it hosts listening on one address.
+
+torch's c10d backend (and the bootstrap store its handler gives the ranks) listens on every
+interface: anyone who can reach the machine could read the job's keys and write its own (the
+watchdog's alarm, the text of a hang report). This backend is the same rendezvous, registered
+under `NAME`, whose stores listen only on the address the job uses: loopback for a run on one
+machine, the node's own address on the rendezvous network for several. Everything else is
+torch's (`C10dRendezvousBackend`, `DynamicRendezvousHandler`).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import registry
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from shardwise.distributed.comm import listening_store
+
+NAME = "shardwise-c10d"
+
+
+class _Backend(C10dRendezvousBackend):
+    @property
+    def name(self) -> str:  # torch checks the handler's backend against the name asked for
+        return NAME
+
+
+def _create(params: RendezvousParameters):
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    timeout = params.get_as_int("read_timeout", 60)
+    if params.get_as_bool("is_host", True):
+        store = listening_store(params.get("bind", host), port, timeout)
+    else:
+        import datetime
+
+        store = dist.TCPStore(
+            host,
+            port,
+            is_master=False,
+            multi_tenant=True,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+    handler = create_handler(store, _Backend(store, params.run_id), params)
+    # the bootstrap store rank 0's agent hosts for the ranks (torch's own listens on every
+    # interface): on this node's address (`local_addr`) only
+    handler._create_tcp_store_server = lambda addr, port: listening_store(addr, port, timeout)
+    return handler
+
+
+def register() -> str:
+    """Make `NAME` a rendezvous backend of this process's torch elastic (idempotent)."""
+    registry.handler_registry.register(NAME, _create)
+    return NAME
