@@ -48,6 +48,7 @@ GOLDEN_KEYS = [
     "data.response_field",
     "data.messages_field",
     "data.tokenizer",
+    "data.max_bad_rows",
     "data.prefetch",
     "data.val_fraction",
     "data.image_size",

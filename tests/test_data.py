@@ -311,3 +311,29 @@ def test_a_csv_file_is_a_text_corpus(tmp_path: Path) -> None:
     text = data.tokenizer().decode([int(t) for t in data.tokens])
     kept = [r for r in rows if r in text]
     assert len(kept) >= 20 and all(r.startswith("row ") for r in kept)
+
+
+def test_bad_rows_are_named_by_line(tmp_path: Path) -> None:
+    good = json.dumps({"text": "hello"})
+    (tmp_path / "broken.jsonl").write_text(f'{good}\n{good}\n{{"text": "a"\n{good}\n')
+    _raises(_spec(tmp_path, tmp_path / "broken.jsonl"), "line 3: Expecting ',' delimiter")
+    (tmp_path / "latin.jsonl").write_bytes(f"{good}\n".encode() + b'{"text": "caf\xe9"}\n')
+    _raises(_spec(tmp_path, tmp_path / "latin.jsonl"), "line 2 is not UTF-8")
+    (tmp_path / "doc.txt").write_bytes(b"fine\nfine\nbad \xff here\n")
+    _raises(_spec(tmp_path, tmp_path / "doc.txt"), "line 3 is not UTF-8", "re-encode")
+    (tmp_path / "whole.json").write_text('[\n {"text": "a"},\n {"text": "b"\n]\n')
+    _raises(_spec(tmp_path, tmp_path / "whole.json"), "line 4: Expecting ',' delimiter")
+
+
+def test_rows_without_text_are_counted_and_refused_above_the_limit(tmp_path: Path, capsys):
+    rows = [{"text": _text(i, 120)} for i in range(40)] + [{"other": 1}] * 3 + [{"text": None}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepare_data(_spec(tmp_path, path))
+    assert "skipped 4 rows without a 'text' value (rows.jsonl row 41, " in capsys.readouterr().out
+    # the same cached corpus under a lower limit: refused too, naming the count and the fix
+    _raises(
+        _spec(tmp_path, path, max_bad_rows=3),
+        "4 rows have no 'text' value",
+        "--data.max_bad_rows=4",
+    )

@@ -248,3 +248,28 @@ def test_export_bad_input_is_one_clear_error(tmp_path, capsys):
     assert main(["export", str(tmp_path)]) == 2
     assert "expected RUN_DIR --format hf OUT" in capsys.readouterr().err
     assert main(["export", "--help"]) == 0
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_tensor(hf_dirs, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = hf_dirs["llama"]
+    cut, junk, nan = (tmp_path / n for n in ("cut", "junk", "nan"))
+    for d in (cut, junk, nan):
+        shutil.copytree(src, d)
+    data = (src / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    (junk / "model.safetensors").write_bytes(b"\x00" * 1000)
+    tensors = load_file(src / "model.safetensors")
+    bad = "model.layers.1.mlp.up_proj.weight"
+    tensors[bad][3, 5] = float("nan")
+    save_file(tensors, nan / "model.safetensors", metadata={"format": "pt"})
+    for path in (cut, junk):
+        with pytest.raises(ConfigError, match="is not a readable safetensors file") as err:
+            _import("llama", path)
+        assert str(path / "model.safetensors") in str(err.value)
+    with pytest.raises(ConfigError, match=f"tensor '{bad}' .* holds a non-finite value") as err:
+        _import("llama", nan)
+    assert "[3, 5]" in str(err.value)

@@ -105,6 +105,11 @@ class DataConfig:
         "a BPE trained on the data), bpe (always train one), or a folder holding a Hugging "
         "Face tokenizer (as tokenizer.save_pretrained writes it).",
     )
+    max_bad_rows: int = opt(
+        100,
+        "Rows of .jsonl/.json/.csv/.parquet files whose text field is missing or null that are "
+        "skipped (and counted) before the data is refused.",
+    )
     prefetch: int = opt(
         0,
         "Micro-batches loaded ahead in background threads while the current one computes "

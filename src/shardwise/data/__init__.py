@@ -89,6 +89,7 @@ def data_spec(cfg: Config, vocab_size: int) -> DataSpec:
         val_fraction=d.val_fraction,
         image_size=d.image_size,
         cache_dir=d.cache_dir,
+        max_bad_rows=d.max_bad_rows,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import glob
 import hashlib
+import json
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ class DataSpec:
     label_field: str = ""  # set: labelled rows for sequence classification (data/classify.py)
     format: str = "text"  # instruction | chat: one record per sample (data/instruct.py)
     fields: tuple[str, ...] = ()  # instruction: (prompt, input, response); chat: (messages,)
+    max_bad_rows: int = 100  # rows without a text value skipped (counted) before refusing
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset.strip():
@@ -158,8 +160,11 @@ def resolve_source(spec: DataSpec) -> Source:
     raise DataError(f"data.dataset={raw!r} does not exist. {_FIX_DATASET}")
 
 
-def read_documents(source: Source, text_field: str) -> Iterator[tuple[str, str]]:
-    """Yield (document id, text) for every non-empty document, in file order."""
+def read_documents(
+    source: Source, text_field: str, skipped: list[str] | None = None
+) -> Iterator[tuple[str, str]]:
+    """Yield (document id, text) for every non-empty document, in file order; the ids of rows
+    whose text field is missing or null go into `skipped` (see `check_skipped`)."""
     if source.is_stdlib:
         for path, rel in zip(source.files, source.ids, strict=True):
             try:
@@ -176,7 +181,7 @@ def read_documents(source: Source, text_field: str) -> Iterator[tuple[str, str]]
             if text:
                 yield rel, text  # a .txt file is one document
         else:
-            yield from _read_rows(path, rel, suffix, text_field)
+            yield from _read_rows(path, rel, suffix, text_field, skipped)
 
 
 def split_documents(
@@ -235,16 +240,20 @@ def _read_txt(path: Path) -> str:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(
-            f"data file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}). "
+            f"data file {str(path)!r} is not UTF-8 text: {_first_bad_line(path)}. "
             "Fix: re-encode it as UTF-8."
         ) from exc
     except OSError as exc:
         raise DataError(f"data file {str(path)!r} cannot be read: {exc}. Fix: check it.") from exc
 
 
-def _read_rows(path: Path, rel: str, suffix: str, text_field: str) -> Iterator[tuple[str, str]]:
+def _read_rows(
+    path: Path, rel: str, suffix: str, text_field: str, skipped: list[str] | None
+) -> Iterator[tuple[str, str]]:
     values = load_column(path, builder_of(suffix), text_field)
     for i, value in enumerate(values):
+        if value is None and skipped is not None:  # the field missing (or null) in this row
+            skipped.append(f"{rel} row {i + 1}")
         if value is None or value == "":
             continue
         if not isinstance(value, str):
@@ -254,6 +263,24 @@ def _read_rows(path: Path, rel: str, suffix: str, text_field: str) -> Iterator[t
                 f"{str(path)!r}, not text. Fix: set data.text_field to a string column."
             )
         yield f"{rel}#{i}", value
+
+
+def check_skipped(
+    count: int, examples: list[str], field: str, limit: int, say: bool = False
+) -> None:
+    """Refuse the data when more than `limit` rows had no `field` value; else, with `say`,
+    tell how many were skipped."""
+    if not count:
+        return
+    shown = ", ".join(examples) + (", ..." if count > len(examples) else "")
+    if count > limit:
+        raise DataError(
+            f"{count} rows have no {field!r} value ({shown}): more than "
+            f"data.max_bad_rows={limit}. Fix: repair those rows, set data.text_field to the "
+            f"field that holds the text, or --data.max_bad_rows={count} to skip them."
+        )
+    if say:
+        print(f"shardwise: skipped {count} rows without a {field!r} value ({shown})")
 
 
 def builder_of(suffix: str) -> str:
@@ -287,14 +314,43 @@ def load_column(path: Path, builder: str, text_field: str, key: str = "data.text
         raise
     except Exception as exc:
         kind = {"json": "JSON / JSON lines", "csv": "CSV"}.get(builder, "Parquet")
+        where = _first_bad_line(path) if builder in ("json", "csv") else None
         raise DataError(
-            f"data file {str(path)!r} cannot be read as {kind}: {_root_cause(exc)}. "
-            f"Fix: check that it is valid {kind}."
+            f"data file {str(path)!r} cannot be read as {kind}: "
+            f"{where or _root_cause(exc)}. Fix: check that it is valid {kind}."
         ) from exc
     finally:
         ds_logging.set_verbosity(verbosity)
         if bars:
             ds_logging.enable_progress_bar()
+
+
+def _first_bad_line(path: Path) -> str | None:
+    """'line N: why: the line's start' for the first line that is not UTF-8 or (JSON lines)
+    not one JSON value; a whole-file JSON document's parser position as a line; else None."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        start = data.rfind(b"\n", 0, exc.start) + 1
+        return f"line {line} is not UTF-8 ({exc.reason} at byte {exc.start - start} of the line)"
+    if path.suffix.lower() != ".jsonl" and text.lstrip().startswith(("[", "{")):
+        try:
+            json.loads(text)
+        except ValueError as exc:
+            lineno = getattr(exc, "lineno", None)
+            return f"line {lineno}: {getattr(exc, 'msg', exc)}" if lineno else None
+        return None
+    if path.suffix.lower() != ".jsonl":
+        return None
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except ValueError as exc:
+                return f"line {n}: {getattr(exc, 'msg', exc)}: {line[:60]!r}"
+    return None
 
 
 def _root_cause(exc: BaseException) -> str:

@@ -21,7 +21,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardwise.data.corpus import DataSpec, Source, read_documents, resolve_source, split_documents
+from shardwise.data.corpus import (
+    DataSpec,
+    Source,
+    check_skipped,
+    read_documents,
+    resolve_source,
+    split_documents,
+)
 from shardwise.data.pretrained import (
     check_vocab,
     content_key,
@@ -101,6 +108,7 @@ def prepare_text(spec: DataSpec) -> tuple[Path, dict]:
             if meta is None:
                 meta = _build(spec, source, out)
     check_vocab(spec, meta)
+    check_skipped(*meta.get("skipped_rows", (0, [])), spec.text_field, spec.max_bad_rows)
     _check_size(spec, meta, "train")
     if spec.val_fraction > 0:
         _check_size(spec, meta, "val")
@@ -149,7 +157,9 @@ def _build(spec: DataSpec, source: Source, out: Path) -> dict:
     start = time.perf_counter()
     for stale in out.glob("*.tmp*"):  # left by a build that was killed half way
         stale.unlink(missing_ok=True)
-    docs = list(read_documents(source, spec.text_field))
+    skipped: list[str] = []
+    docs = list(read_documents(source, spec.text_field, skipped))
+    check_skipped(len(skipped), skipped[:3], spec.text_field, spec.max_bad_rows, say=True)
     train, val = split_documents(docs, spec.val_fraction, spec.dataset)
     del docs
     read = time.perf_counter()
@@ -196,6 +206,7 @@ def _build(spec: DataSpec, source: Source, out: Path) -> dict:
         "eos_id": eos_id,
         "bos_id": bos_id,
         "dtype": np.dtype(dtype).name,
+        "skipped_rows": [len(skipped), skipped[:3]],  # (checked again on every use)
         "train_docs": len(train),
         "val_docs": len(val),
         "train_chars": n_chars,

@@ -137,12 +137,13 @@ def weight_files(path: str | Path) -> dict[str, Path]:
     """Hugging Face tensor name -> the safetensors file holding it."""
     p = Path(path)
     if (p / INDEX).is_file():
-        index = json.loads((p / INDEX).read_text())
-        return {k: p / f for k, f in index["weight_map"].items()}
+        try:
+            index = json.loads((p / INDEX).read_text())
+            return {k: p / f for k, f in index["weight_map"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise _unreadable(p / INDEX, f"not a safetensors index ({exc})") from None
     if (p / SINGLE).is_file():
-        from safetensors import safe_open
-
-        with safe_open(p / SINGLE, framework="pt") as f:
+        with _open(p / SINGLE) as f:
             return {k: p / SINGLE for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
     raise ConfigError(
         f"model.init_from='{path}' has neither {SINGLE} nor {INDEX}. Fix: save with "
@@ -160,13 +161,11 @@ class HFWeights:
         self._open: dict[Path, object] = {}
 
     def _slice(self, key: str):
-        from safetensors import safe_open
-
         if key not in self.files:
             raise ConfigError(f"model.init_from='{self.path}' has no tensor '{key}'.")
         f = self.files[key]
         if f not in self._open:
-            self._open[f] = safe_open(f, framework="pt")
+            self._open[f] = _open(f)
         return self._open[f].get_slice(key)
 
     def rows(self, name: str, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:
@@ -175,8 +174,19 @@ class HFWeights:
         sl = self._slice(key)
         c0 = rule.part * shape[0]
         # Conv1D (GPT-2) stores (in, out): our rows are its columns
-        value = sl[:, c0 + r0 : c0 + r1].t() if rule.transposed else sl[c0 + r0 : c0 + r1]
-        return value.float().contiguous()
+        try:
+            value = sl[:, c0 + r0 : c0 + r1].t() if rule.transposed else sl[c0 + r0 : c0 + r1]
+        except Exception as exc:  # safetensors' own error type: a file cut short
+            raise _unreadable(self.files[key], f"tensor '{key}' cannot be read ({exc})") from None
+        value = value.float().contiguous()
+        if not torch.isfinite(value).all():  # training would stop at step 1 without a name
+            bad = (~torch.isfinite(value)).nonzero()[0].tolist()
+            raise ConfigError(
+                f"model.init_from='{self.path}': tensor '{key}' ({self.files[key].name}) holds "
+                f"a non-finite value ({value[tuple(bad)].item()} at local index {bad}). Fix: "
+                "load a checkpoint saved before the values diverged, or repair that tensor."
+            )
+        return value
 
     def full(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.rows(name, shape, 0, shape[0]).reshape(shape)
@@ -220,6 +230,23 @@ class HFWeights:
 
     def close(self) -> None:
         self._open.clear()
+
+
+def _open(path: Path):
+    """`safe_open(path)`, or one message naming the file."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as exc:  # safetensors' SafetensorError (a Rust error), or an OSError
+        raise _unreadable(path, f"not a readable safetensors file ({exc})") from None
+
+
+def _unreadable(path: Path, why: str) -> ConfigError:
+    return ConfigError(
+        f"model.init_from: {path} is {why}. Fix: save or download the checkpoint again "
+        "(`save_pretrained(dir, safe_serialization=True)`); a copy cut short is the usual cause."
+    )
 
 
 def _unsupported(path, what: str) -> ConfigError:

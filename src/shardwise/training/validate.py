@@ -134,6 +134,7 @@ def _positive(cfg: Config) -> None:
         "checkpoint.every": cfg.checkpoint.every,
         "train.max_skipped_steps": cfg.train.max_skipped_steps,
         "data.prefetch": cfg.data.prefetch,
+        "data.max_bad_rows": cfg.data.max_bad_rows,
         "profile.steps": cfg.profile.steps,
         "profile.warmup": cfg.profile.warmup,
     }
