@@ -478,3 +478,89 @@ def test_script_rank_side_error_has_no_traceback(bad: Path) -> None:
         timeout=300,
     )
     check(proc.returncode, proc.stderr, ["run.device='cuda'", "--run.device=cpu"])
+
+
+def _ram(monkeypatch: pytest.MonkeyPatch, gb: float) -> None:
+    """This machine as the planner sees it, with `gb` of RAM (no measurement)."""
+    from shardwise.plan import auto, explain
+    from shardwise.plan.hardware import cpu_hardware
+
+    hw = cpu_hardware(measure=False).with_overrides(memory=int(gb * 1e9))
+    monkeypatch.setattr(auto, "detect_hardware", lambda: hw)
+    monkeypatch.setattr(explain, "detect_hardware", lambda: hw)
+
+
+BIG = ["--model.n_layers=4", "--model.dim=4096", "--model.n_heads=32", "--model.n_kv_heads=32"]
+
+
+def test_a_job_bigger_than_the_machine_is_refused_with_a_layout_that_fits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """843M parameters, fp32 Adam, dp2: 2 x ~15 GB on a 20 GB machine; tp2 fits."""
+    _ram(monkeypatch, 20)
+    args = ["train", *BIG, "--model.ffn_dim=11008", "--nproc", "2", f"--run.dir={tmp_path}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "of this machine's 20.00 GB RAM: the job would run out of memory" in err, err
+    assert "Fix: --parallel.tp=2" in err and "fastest layout that fits" in err
+    assert "--force" in err and not (tmp_path / "metrics.jsonl").exists()
+    # far too big for any layout: refused all the same, with the generic fix
+    huge = ["train", "--model.n_layers=200", "--model.dim=16384", "--model.n_heads=128"]
+    assert main([*huge, "--model.n_kv_heads=128", "--nproc", "2", f"--run.dir={tmp_path}"]) == 2
+    assert "Fix: more devices, a smaller model or batch" in capsys.readouterr().err
+
+
+def test_force_starts_a_job_the_plan_says_is_too_big(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _ram(monkeypatch, 0.001)
+    small = ["train", "--model.name=tiny", "--model.n_layers=1", "--data.seq_len=32"]
+    run = [*small, "--train.steps=1", "--nproc", "1", f"--run.dir={tmp_path}"]
+    assert main(run) == 2 and "run out of memory" in capsys.readouterr().err
+    assert main([*run, "--force", "--log.progress=off"]) == 0
+    assert (tmp_path / "metrics.jsonl").is_file()
+
+
+def test_a_disk_without_room_for_one_checkpoint_is_refused_before_step_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import collections
+
+    from shardwise.checkpoint import io
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(io.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 5 * 10**6))
+    args = ["train", "--model.name=tiny", "--checkpoint.every=1", "--nproc", "1"]
+    assert main([*args, f"--run.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint.dir={tmp_path / 'checkpoints'} has 0.01 GB free" in err, err
+    assert "one checkpoint of this job takes about 0.02 GB" in err and "Fix:" in err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_disk_that_fills_later_stops_with_one_message_and_keeps_the_last_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from shardwise.checkpoint import io
+    from shardwise.errors import CheckpointError
+    from shardwise.testing.harness import run_here
+
+    write, calls = io.write_shard, {"n": 0}
+
+    def fills_up(path, tensors):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(path, tensors)
+
+    monkeypatch.setattr(io, "write_shard", fills_up)
+    case = {"overrides": ["--model.name=tiny", "--train.steps=3", "--checkpoint.every=1"]}
+    with pytest.raises(CheckpointError) as info:
+        run_here(case, str(tmp_path))
+    message = str(info.value)
+    assert "saving step 2 failed (rank 0 writing" in message and "No space left" in message
+    assert "step-00000001, is kept" in message and "Fix:" in message
+    ok, _ = io.check_index(tmp_path / "checkpoints" / "step-00000001")
+    assert ok is not None and io.latest(tmp_path / "checkpoints").name == "step-00000001"

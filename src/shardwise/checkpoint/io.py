@@ -57,6 +57,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
+from shardwise.errors import CheckpointError
+
 FORMAT, VERSION = "shardwise-checkpoint", 1
 INDEX, LATEST = "index.json", "latest"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -148,6 +150,20 @@ def commit(root: Path, tmp: Path, step: int, index: dict, keep: int) -> Path:
         if check_index(old)[0] is not None:  # only checkpoints whose index this job can read
             remove(old)
     return final
+
+
+def check_room(root: Path, need: int, key: str) -> None:
+    """Refuse a job whose checkpoint (`need` bytes, predicted) cannot fit under `root`."""
+    where = root
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise CheckpointError(
+            f"{key}={root} has {free / 1e9:.2f} GB free, and one checkpoint of this job takes "
+            f"about {need / 1e9:.2f} GB: the first save would fill the disk. Fix: free space "
+            f"there, or --{key}=<a directory with room>."
+        )
 
 
 def remove(path: Path) -> None:

@@ -237,13 +237,35 @@ class Checkpointer:
 
     def _write(self, step: int, tensors: dict[str, torch.Tensor], index: dict | None) -> None:
         tmp = io.step_dir(self.root, step).with_suffix(".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
-        info = io.write_shard(tmp / io.shard_name(self.rank), tensors) if tensors else None
+        info: dict | str | None = None
+        try:  # a full or failing disk on any rank: every rank stops with one message
+            tmp.mkdir(parents=True, exist_ok=True)
+            info = io.write_shard(tmp / io.shard_name(self.rank), tensors) if tensors else None
+        except OSError as exc:
+            info = f"rank {self.rank} writing {tmp}: {exc.strerror or exc}"
         infos = self.channel.all_gather(info)
+        self._raise_failed(step, infos)
+        failed = None
         if index is not None:
             index["files"] = {io.shard_name(r): i for r, i in enumerate(infos) if i is not None}
-            io.commit(self.root, tmp, step, index, self.cfg.keep)
-        self.channel.all_gather(None)  # no rank moves on before the checkpoint is in place
+            try:
+                io.commit(self.root, tmp, step, index, self.cfg.keep)
+            except OSError as exc:
+                failed = f"rank 0 committing {tmp}: {exc.strerror or exc}"
+        # no rank moves on before the checkpoint is in place
+        self._raise_failed(step, self.channel.all_gather(failed))
+
+    def _raise_failed(self, step: int, reports: list) -> None:
+        errors = [r for r in reports if isinstance(r, str)]
+        if not errors:
+            return
+        kept = io.latest(self.root)
+        raise CheckpointError(
+            f"saving step {step} failed ({'; '.join(errors)}); "
+            + (f"the last complete checkpoint, {kept}, is kept" if kept else "no checkpoint yet")
+            + ". Fix: free space in (or repair) checkpoint.dir, or point --checkpoint.dir "
+            "elsewhere, and run again with --checkpoint.resume=auto."
+        )
 
     def _write_guarded(self, *args) -> None:
         try:
@@ -258,6 +280,8 @@ class Checkpointer:
             self._thread = None
         if self._error is not None:
             exc, self._error = self._error, None
+            if isinstance(exc, CheckpointError):  # already says which step and what is kept
+                raise exc
             raise CheckpointError(
                 f"saving the checkpoint of step {self.saving_step} failed: {exc}"
             ) from exc

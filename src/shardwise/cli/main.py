@@ -47,6 +47,11 @@ def parser(command: str = "train") -> argparse.ArgumentParser:
         default=None,
         help="train: pick the best layout for this hardware and world size first",
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="train: start even if the plan predicts more memory than this machine has",
+    )
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     return p
 
@@ -173,7 +178,20 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
 
     prepare_data(data_spec(cfg, derived.spec.vocab_size))  # data errors too, and one cache build
     check_held_out(cfg, derived, load_held_out(cfg, derived.spec.vocab_size))
-    print_plan(explain_record(cfg, nproc))
+    record = explain_record(cfg, nproc)
+    print_plan(record)
+    if not args.force:  # refused here, not OOM-killed without a word an hour in
+        from shardwise.plan.auto import refuse_if_too_big
+
+        refuse_if_too_big(cfg, record, nproc)
+    if cfg.checkpoint.every:  # and not at the first save, by a full disk
+        from pathlib import Path
+
+        from shardwise.checkpoint.io import check_room
+        from shardwise.plan.explain import checkpoint_bytes
+
+        root = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
+        check_room(root, checkpoint_bytes(record), "checkpoint.dir")
     launch_local(cfg, nproc, max_restarts=max_restarts)
 
 

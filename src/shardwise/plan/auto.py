@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 
 from shardwise.config import Config
-from shardwise.errors import NotYetSupportedError
-from shardwise.plan.hardware import detect_hardware
+from shardwise.errors import ConfigError, NotYetSupportedError
+from shardwise.plan.hardware import GB, detect_hardware
 from shardwise.plan.predict import job_from_config
 from shardwise.plan.search import nothing_fits, search
 
@@ -52,4 +52,66 @@ def auto_config(cfg: Config, nproc: int) -> Config:
     raise NotYetSupportedError(
         "--plan auto: every layout that fits needs a feature this version does not support. "
         "Fix: pass the layout explicitly."
+    )
+
+
+def _overrides(cfg: Config, chosen: Config) -> list[str]:
+    """The `--key=value` overrides that turn `cfg`'s layout into `chosen`'s."""
+    keys = [
+        ("parallel", "tp"),
+        ("parallel", "pp"),
+        ("parallel", "zero"),
+        ("parallel", "sp"),
+        ("parallel", "pp_schedule"),
+        ("parallel", "pp_virtual"),
+        ("train", "micro_batch"),
+        ("memory", "recompute"),
+        ("memory", "offload"),
+    ]
+    out = []
+    for section, key in keys:
+        new = getattr(getattr(chosen, section), key)
+        if getattr(getattr(cfg, section), key) != new:
+            value = str(new).lower() if isinstance(new, bool) else new
+            out.append(f"--{section}.{key}={value}")
+    return out
+
+
+def refuse_if_too_big(cfg: Config, record: dict, nproc: int) -> None:
+    """Refuse a job whose plan needs more memory than this machine has (RAM shared by the
+    ranks on CPU, each device's memory on GPUs), naming the fastest layout that fits."""
+    from shardwise.training.validate import derive
+
+    hw = detect_hardware()
+    mem = record["mem_bytes"]
+    host = sum(v for k, v in mem.items() if k.startswith("host_"))
+    per_rank = mem["total"] + hw.reserve + (host if hw.memory_shared else 0)
+    ranks = nproc if hw.memory_shared else 1
+    if per_rank * ranks <= hw.memory:
+        return
+    where = (
+        f"{ranks} ranks x {per_rank / GB:.2f} GB = {per_rank * ranks / GB:.2f} GB of this "
+        f"machine's {hw.memory / GB:.2f} GB RAM"
+        if hw.memory_shared
+        else f"{per_rank / GB:.2f} GB per device of {hw.name}'s {hw.memory / GB:.2f} GB"
+    )
+    fix = "more devices, a smaller model or batch"
+    try:
+        result = search(job_from_config(cfg, hw, nproc))
+        for cand in result.candidates:
+            chosen = apply_layout(cfg, cand)
+            try:
+                derive(chosen, nproc)
+            except (ConfigError, NotYetSupportedError):
+                continue
+            fix = " ".join(_overrides(cfg, chosen)) + (
+                f" (the planner's fastest layout that fits: peak {cand['peak_bytes'] / GB:.2f} "
+                "GB/rank), or --plan auto"
+            )
+            break
+    except ConfigError:  # a model the search does not cover: the generic advice
+        pass
+    raise ConfigError(
+        f"the plan predicts {where}: the job would run out of memory. Fix: {fix}; or --force "
+        "to start anyway."
     )

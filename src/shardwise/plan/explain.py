@@ -56,6 +56,18 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
     return record
 
 
+def checkpoint_bytes(r: dict) -> int:
+    """A checkpoint's predicted size from an explain record: every rank's model states, each
+    stored once (replicated copies, over dp, are written by one rank)."""
+    mem, shards = r["mem_bytes"], r["tp"] * r["pp"]
+    zero = r["zero"]
+    total = 0
+    for key, sharded in (("params", zero >= 3), ("master", zero >= 1), ("optimizer", zero >= 1)):
+        for name in (key, f"host_{key}"):
+            total += mem.get(name, 0) * shards * (r["dp"] if sharded else 1)
+    return int(total)
+
+
 def print_plan(r: dict) -> None:
     """The short plan `train` prints before it starts."""
     print(
