@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -564,3 +565,46 @@ def test_a_disk_that_fills_later_stops_with_one_message_and_keeps_the_last_check
     assert "step-00000001, is kept" in message and "Fix:" in message
     ok, _ = io.check_index(tmp_path / "checkpoints" / "step-00000001")
     assert ok is not None and io.latest(tmp_path / "checkpoints").name == "step-00000001"
+
+
+def test_a_stale_launcher_environment_is_named_within_seconds(tmp_path: Path) -> None:
+    """RANK/WORLD_SIZE left in the shell, no torchrun: one line within the join bound
+    (min(60 s, parallel.timeout_s)), not a wait of parallel.timeout_s per collective."""
+    from shardwise.distributed.comm import free_port
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "SLURM"))}
+    stale = {**base, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    args = [SHARDWISE, "train", *SAFE_TRAIN, "--parallel.timeout_s=3", f"--run.dir={tmp_path}"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=60, env=stale)
+    assert proc.returncode == 2 and "not MASTER_ADDR and MASTER_PORT" in proc.stderr, proc.stderr
+    start = time.monotonic()
+    stale["MASTER_PORT"] = str(free_port())
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=60, env=stale)
+    assert proc.returncode == 2, proc.stderr
+    assert "no torchrun or srun started this process" in proc.stderr
+    assert "did not join within 3 s" in proc.stderr and "unset RANK WORLD_SIZE" in proc.stderr
+    assert "Traceback" not in proc.stderr and time.monotonic() - start < 30
+
+
+def test_the_steps_checkpoint_is_saved_before_evaluation_can_fail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardwise.checkpoint import io
+    from shardwise.testing.harness import run_here
+    from shardwise.training import loop
+
+    def broken(run):
+        raise RuntimeError("evaluation blew up")
+
+    monkeypatch.setattr(loop, "evaluate", broken)
+    case = {
+        "overrides": [
+            "--model.name=tiny",
+            "--train.steps=4",
+            "--checkpoint.every=2",
+            "--train.eval_every=2",
+        ]
+    }
+    with pytest.raises(RuntimeError, match="evaluation blew up"):
+        run_here(case, str(tmp_path))
+    assert io.latest(tmp_path / "checkpoints").name == "step-00000002"

@@ -295,9 +295,12 @@ def rank_store(timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def listening_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+def listening_store(
+    host: str, port: int, timeout_s: float, world: int | None = None
+) -> dist.TCPStore:
     """A TCPStore server listening on `host`'s address only: TCPStore itself listens on every
-    interface, so the socket is bound here and handed over (port 0: any free one)."""
+    interface, so the socket is bound here and handed over (port 0: any free one). With
+    `world`, it returns once `world - 1` clients have joined (or raises after `timeout_s`)."""
     import datetime
 
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -312,9 +315,11 @@ def listening_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(
         host,
         sock.getsockname()[1],
+        world_size=world,
         is_master=True,
         multi_tenant=True,
         timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=world is not None,
         master_listen_fd=sock.detach(),
     )
 

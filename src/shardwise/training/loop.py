@@ -162,17 +162,19 @@ def _steps(
             record["nonfinite"] = guard.diagnose(local_loss, result.nonfinite)
         if run.pipeline is not None:
             record["pipeline"] = run.pipeline.report(device)
+        # maybe checkpoint (async: a host snapshot only); always when told to stop. Before
+        # evaluating: a failure there must not cost the step's checkpoint
+        with clk.phase("checkpoint"):
+            ckpt.maybe_save(step + 1, record, force=bool(signum))
         eval_every = cfg.train.eval_every
         if (
             run.val_data is not None
             and cfg.train.eval_batches
+            and not signum  # told to stop: saved, and leaving
             and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == cfg.train.steps)
         ):
             with clk.phase("eval"):
                 record.update(evaluate(run))
-        # maybe checkpoint (async: a host snapshot only); always when told to stop
-        with clk.phase("checkpoint"):
-            ckpt.maybe_save(step + 1, record, force=bool(signum))
         if clk.on:  # from the end of the last step's ledger (its log line) to here
             t_end, totals, overlapped = clk.take()
             record["ledger"] = ledger.build(t_end - t_start, totals, overlapped)

@@ -18,7 +18,7 @@ from shardwise.config import Config
 from shardwise.data import GlobalSampler, data_spec, load_data, load_held_out
 from shardwise.data.callables import resolve
 from shardwise.distributed import device as dev
-from shardwise.distributed.comm import BIND_ENV, Comm, rank_store
+from shardwise.distributed.comm import BIND_ENV, Comm, listening_store, rank_store
 from shardwise.distributed.topology import Topology, build_topology
 from shardwise.distributed.watchdog import Watchdog, start_watchdog
 from shardwise.errors import ConfigError
@@ -56,12 +56,59 @@ def init_distributed(cfg: Config) -> dev.DeviceInfo:
             info.backend, store=store, rank=rank, world_size=world, timeout=timeout
         )
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(info.backend, timeout=timeout)
+        if not ("TORCHELASTIC_RUN_ID" in os.environ or "SLURM_PROCID" in os.environ):
+            # RANK/WORLD_SIZE by hand (or left over in the shell): join within a bound
+            store = _join_by_hand(cfg.parallel.timeout_s)
+            dist.init_process_group(
+                info.backend,
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timeout,
+            )
+        else:
+            dist.init_process_group(info.backend, timeout=timeout)
     else:
         dist.init_process_group(
             info.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
     return info
+
+
+JOIN_S = 60.0  # how long ranks started by hand wait for each other
+
+
+def _join_by_hand(timeout_s: float):
+    """The store of ranks started without torchrun or srun, from RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT: rank 0 hosts it on MASTER_ADDR and waits for the others up to
+    a minute, then says what is wrong instead of waiting parallel.timeout_s for each step."""
+    import datetime as dt
+
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    shown = " ".join(f"{k}={v}" for k, v in env.items() if v is not None)
+    fix = (
+        "Fix: unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT (shardwise train "
+        "--nproc N starts the ranks itself), or start every rank of the world."
+    )
+    if not env["MASTER_ADDR"] or not env["MASTER_PORT"]:
+        raise ConfigError(f"{shown} are set, but not MASTER_ADDR and MASTER_PORT. {fix}")
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    join = min(JOIN_S, timeout_s)
+    try:
+        if rank == 0:
+            return listening_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), join, world)
+        return dist.TCPStore(
+            env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]),
+            is_master=False,
+            timeout=dt.timedelta(seconds=join),
+        )
+    except (RuntimeError, OSError) as exc:  # torch's DistStoreError is a RuntimeError
+        raise ConfigError(
+            f"{shown} are set in the environment, but no torchrun or srun started this "
+            f"process and the world's other ranks did not join within {join:g} s ("
+            f"{str(exc).splitlines()[0][:120]}): a stale environment? {fix}"
+        ) from None
 
 
 @dataclass
