@@ -141,7 +141,8 @@ def test_external_torchrun_gives_the_same_losses(
     """Launcher invariance: torchrun's ranks join instead of the CLI spawning its own."""
     run_dir = tmp_path / "run"
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "shardwise.cli.main"]
-    _run([*cmd, "train", *TINY, f"--run.dir={run_dir}"])
+    proc = _run([*cmd, "train", *TINY, f"--run.dir={run_dir}"])
+    assert proc.stdout.count(" rank(s): pp=1 dp=2 tp=1") == 1, proc.stdout  # the plan, once
     ours, theirs = _records(local_run[0]), _records(run_dir)
     assert [r["step"] for r in theirs] == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm", "lr", "tokens"):
@@ -212,7 +213,10 @@ def test_explain_plain_shows_every_json_value(
     out = _plain_explain(capsys)
     words = set(out.replace("(", " ").replace(")", " ").replace("=", " ").split())
     for key, value in explain_json.items():
-        if not isinstance(value, dict):  # mem_bytes and comm_bytes are checked above
+        if isinstance(value, float):  # rounded for reading: 4 digits, whole tokens, a percent
+            forms = {f"{value:.4g}", f"{value:,.0f}", f"{100 * value:.1f}%"}
+            assert forms & words, (key, value)
+        elif not isinstance(value, dict):  # mem_bytes and comm_bytes are checked above
             shown = f"{value:,}" if isinstance(value, int) else str(value)
             assert str(value) in words or shown in words, (key, value)
 
@@ -271,3 +275,38 @@ def test_every_option_is_described_in_its_commands_help(command, capsys) -> None
         assert _flat(action.help % {"default": action.default}) in shown, (command, action.dest)
         for flag in action.option_strings:
             assert flag in shown, (command, flag)
+
+
+def test_plan_applies_model_overrides_to_a_named_model_in_either_order(capsys) -> None:
+    import dataclasses
+
+    from shardwise.cli.main import main
+    from shardwise.models.presets import preset
+    from shardwise.plan.shapes import param_count
+
+    three = param_count(dataclasses.replace(preset("gpt2-125m"), n_layers=3))
+    base = ["plan", "--devices", "2", "--hardware", "h100", "--top", "1"]
+    for args in (
+        [*base, "--model", "gpt2-125m", "--model.n_layers=3"],
+        [*base, "--model.n_layers=3", "--model", "gpt2-125m"],
+    ):
+        assert main(args) == 0
+        header = capsys.readouterr().out.splitlines()[0]
+        assert header.startswith(f"plan: {three / 1e6:,.1f}M params, 3 layers x 768"), header
+
+
+def test_a_wider_preset_keeps_its_mlp_ratio_and_explain_rounds(capsys) -> None:
+    from shardwise.cli.main import main
+    from shardwise.config import load_config
+    from shardwise.training.validate import model_spec
+
+    for name, ratio in (("gpt2-tiny", 4), ("tiny", 352 / 128)):
+        spec = model_spec(load_config(None, [f"--model.name={name}", "--model.dim=256"]))
+        assert spec.ffn_dim == ratio * 256, (name, spec.ffn_dim)
+    pinned = load_config(None, ["--model.name=gpt2-tiny", "--model.dim=256", "--model.ffn_dim=300"])
+    assert model_spec(pinned).ffn_dim == 300  # a given width is kept
+    assert main(["explain", "--model.name=tiny", "--nproc", "1"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("predicted step time"))
+    assert len(line.split()[-1]) <= 7, line  # 4 significant digits, not 16
+    assert next(x for x in out.splitlines() if x.startswith("predicted mfu")).endswith("%")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from shardwise.config import Config, load_config, reference_markdown, split_overrides
@@ -161,6 +162,13 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
     max_restarts = _max_restarts(args, cfg, under_external_launcher())
     if under_external_launcher():
         adopt_slurm_env()
+        if os.environ.get("RANK") == "0":  # the plan line, once, as a local run prints it
+            from shardwise.plan.explain import explain_record, print_plan
+
+            try:
+                print_plan(explain_record(cfg, int(os.environ["WORLD_SIZE"])))
+            except ShardwiseError:
+                pass  # every rank reports it below, not rank 0 alone before the others
         rank_main(cfg.to_dict())
         return
     from shardwise.plan.explain import explain_record, print_plan

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
@@ -74,13 +75,25 @@ def build_job(args, overrides: list[str]) -> Job:
 
     hw = get_hardware(args.hardware) if args.hardware else detect_hardware()
     devices = _devices(args, hw)
+    named = args.model and not (args.model.endswith(".json") or Path(args.model).is_file())
+    if named:  # a preset: as --model.name, so --model.* overrides (in any order) still apply
+        overrides = [f"--model.name={args.model}", *overrides]
     cfg = load_config(args.config, overrides)
+    shaped = [o.split("=")[0] for o in overrides if o.startswith("--model.") and "name" not in o]
+    if args.model and not named and shaped:
+        raise ConfigError(
+            f"--model {args.model} takes every size from that config.json, and "
+            f"{', '.join(shaped)} would be ignored. Fix: edit the config.json, or plan a preset "
+            "with --model.name and those overrides."
+        )
     if args.params is not None:
         if args.params < 1:
             raise ConfigError(f"--params={args.params:g} must be positive. Fix: --params 7.5e9")
         # mixed-precision Adam as in the ZeRO paper: 16-bit parameters and gradients
         return Job(None, hw, devices, precision="bf16", reduce="bf16", params=int(args.params))
-    spec = resolve_model(args.model) if args.model else None
+    spec = resolve_model(args.model) if args.model and not named else None
+    if named:
+        resolve_model(args.model)  # an unknown name: the message that lists the presets
     return job_from_config(cfg, hw, devices, spec)
 
 
@@ -138,9 +151,12 @@ def run(argv: list[str], overrides: list[str]) -> int:
             )
         print(report.explain_candidate(result.candidates[args.explain - 1], args.explain))
         return 0
+    from shardwise.plan.shapes import param_count
+
     hw = job.hardware
     print(
-        f"plan: {job.spec.n_layers} layers x {job.spec.dim} wide on {job.devices} x {hw.name} "
+        f"plan: {param_count(job.spec) / 1e6:,.1f}M params, {job.spec.n_layers} layers x "
+        f"{job.spec.dim} wide on {job.devices} x {hw.name} "
         f"({hw.memory / 1e9:.0f} GB, {hw.calibrated}); seq_len {job.seq_len}, global batch "
         f"{job.global_batch}, {job.precision}; {len(result.candidates):,} layouts fit"
     )

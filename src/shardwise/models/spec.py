@@ -40,6 +40,10 @@ def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> Mode
                 f"model.{key}={value} must be positive. Fix: a positive value, or "
                 f"--model.{key}=0 to keep the preset's."
             )
+    if "dim" in overrides and "ffn_dim" not in overrides and spec.ffn_dim and spec.dim:
+        # a wider preset keeps its MLP ratio (a "1.3B" GPT-2 scaled by model.dim alone would
+        # keep the small MLP and come out far smaller)
+        overrides["ffn_dim"] = spec.ffn_dim * overrides["dim"] // spec.dim
     if m.tie_embeddings != "preset":
         overrides["tie_embeddings"] = m.tie_embeddings == "true"
     for key in ("dropout", "attn_dropout"):

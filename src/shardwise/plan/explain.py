@@ -103,9 +103,9 @@ def print_explain(r: dict) -> None:
     ]
     if "step_time_s" in r:
         rows += [
-            ("predicted step time (s)", r["step_time_s"]),
-            ("predicted tokens/s", r["tokens_per_s"]),
-            ("predicted mfu", r["mfu"]),
+            ("predicted step time (s)", f"{r['step_time_s']:.4g}"),
+            ("predicted tokens/s", f"{r['tokens_per_s']:,.0f}"),
+            ("predicted mfu", f"{100 * r['mfu']:.1f}%"),
         ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
