@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -165,10 +166,9 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
         if os.environ.get("RANK") == "0":  # the plan line, once, as a local run prints it
             from shardwise.plan.explain import explain_record, print_plan
 
-            try:
+            # (an error: every rank reports it below, not rank 0 alone before the others)
+            with contextlib.suppress(ShardwiseError):
                 print_plan(explain_record(cfg, int(os.environ["WORLD_SIZE"])))
-            except ShardwiseError:
-                pass  # every rank reports it below, not rank 0 alone before the others
         rank_main(cfg.to_dict())
         return
     from shardwise.plan.explain import explain_record, print_plan
