@@ -273,3 +273,29 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_tensor(hf_dirs
     with pytest.raises(ConfigError, match=f"tensor '{bad}' .* holds a non-finite value") as err:
         _import("llama", nan)
     assert "[3, 5]" in str(err.value)
+
+
+def test_export_writes_the_runs_tokenizer_and_a_generation_config(tmp_path):
+    """The exported folder turns text into the ids the model was trained on and generates."""
+    from shardwise.checkpoint.export import export_hf
+    from shardwise.data import data_spec
+    from shardwise.data.tokens import prepare_text
+    from shardwise.testing.harness import run_here
+
+    small = ["--model.name=tiny", "--model.n_layers=1", "--data.seq_len=32"]
+    case = {"overrides": [*small, "--train.steps=1", "--checkpoint.every=1"]}
+    run_here(case, str(tmp_path / "run"))
+    export_hf(tmp_path / "run", tmp_path / "out")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    cache, meta = prepare_text(data_spec(load_config(None, small), 4096))
+    from tokenizers import Tokenizer
+
+    ours = Tokenizer.from_file(str(cache / "tokenizer.json"))
+    text = "def main(argv):\n    return 0\n"
+    assert tok(text)["input_ids"] == ours.encode(text).ids
+    assert tok.eos_token_id == meta["eos_id"]
+    gen = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
+    assert gen.eos_token_id == meta["eos_id"]
+    pipe = transformers.pipeline("text-generation", model=str(tmp_path / "out"))
+    out = pipe("def main(", max_new_tokens=4, do_sample=False)[0]["generated_text"]
+    assert out.startswith("def main(") and len(out) > len("def main(")

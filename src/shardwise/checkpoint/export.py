@@ -177,6 +177,28 @@ def _copy_tokenizer(source: Path, out: Path) -> None:
             shutil.copyfile(source / name, out / name)
 
 
+def _write_tokenizer(cfg, spec, out: Path) -> None:
+    """The tokenizer the run trained with, and a generation config with its end-of-text id,
+    so `pipeline("text-generation", OUT)` turns text into the model's ids and stops."""
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    from shardwise.data import data_spec
+    from shardwise.data.tokens import prepare_text
+
+    ds = data_spec(cfg, spec.vocab_size)
+    if ds.dataset == "digits" or ds.label_field:
+        return  # images, or a classifier's labels: no text generation
+    if ds.tokenizer:  # the checkpoint's own (or data.tokenizer's) files, as they are
+        _copy_tokenizer(Path(ds.tokenizer), out)
+        return
+    cache, meta = prepare_text(ds)  # shardwise's BPE lives beside the run's token cache
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(cache / "tokenizer.json"))
+    eos = tok.convert_ids_to_tokens(meta["eos_id"])
+    tok.add_special_tokens({"eos_token": eos})
+    tok.save_pretrained(out)
+    GenerationConfig(eos_token_id=meta["eos_id"], pad_token_id=meta["eos_id"]).save_pretrained(out)
+
+
 def open_checkpoint(run_dir: str | Path):
     """(checkpoint directory, its index, its config, the model spec) of a run's newest
     checkpoint, and `read(name)`: a parameter at full shape, its fp32 master when the run kept
@@ -270,6 +292,7 @@ def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 
         _copy_tokenizer(Path(spec.source), out)
     else:
         (out / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2))
+        _write_tokenizer(cfg, spec, out)
     if spec.arch == "decoder" and spec.dropout > 0:
         print(
             f"note: model.dropout={spec.dropout} (embedding and residual dropout) is not in the "
