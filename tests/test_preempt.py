@@ -97,10 +97,12 @@ def test_sigterm_saves_the_step_and_the_rerun_ends_bitwise_equal(tmp_path):
         assert torch.equal(whole[key], resumed[key]), key
 
 
-def test_sigint_to_one_process_saves_and_exits_130(tmp_path):
-    status, _, err = _interrupt(tmp_path / "run", 1, signal.SIGINT)
-    assert status == 130
-    _stopped_at(tmp_path / "run", err, signal.SIGINT)
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGUSR1, 138)])
+def test_sigint_or_sigusr1_to_one_process_saves_and_exits_128_plus_it(tmp_path, sig, status):
+    """Ctrl-C, and SIGUSR1 (what schedulers send as an early warning, Slurm --signal=USR1)."""
+    code, _, err = _interrupt(tmp_path / "run", 1, sig)
+    assert code == status
+    _stopped_at(tmp_path / "run", err, sig)
 
 
 def test_on_signal_off_keeps_the_default_behaviour(tmp_path):
