@@ -1,5 +1,5 @@
-"""Fault soak (issue 7): kill a rank at random moments, 20 times; every run must finish and
-end bitwise equal to the uninterrupted one.
+"""Fault soak (issues 7 and 26): kill a rank, or stop the job with SIGTERM or SIGINT, at random
+moments, 20 times each; every run must finish and end bitwise equal to the uninterrupted one.
 
 Each trial runs `shardwise train --nproc 2 --max-restarts 3 --checkpoint.every=2` on a tiny
 decoder for 12 steps and SIGKILLs one randomly chosen rank from outside
@@ -8,7 +8,10 @@ while a randomly chosen save is being written (as soon as its `.tmp` directory a
 torch elastic restarts both ranks; they resume from the newest valid checkpoint. A trial
 survives when the job exits 0, `metrics.jsonl` holds steps 1..12 once each with the
 reference losses, and every tensor of the final checkpoint (parameters, Adam moments) equals
-the reference run's bit for bit. Prints one line per trial and `survived k/20`.
+the reference run's bit for bit. SIGTERM (to the launcher, as Kubernetes or Slurm send it)
+and SIGINT (to the process group, as Ctrl-C does) trials: the job must save and exit 143 / 130;
+the same command is then run again (as a requeued job is) and must pass the same checks.
+Prints one line per trial and `survived k/N` per signal.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -81,14 +85,26 @@ def _differences(ref: dict, got: dict) -> list[str]:
     return out
 
 
-def trial(i: int, rng: random.Random, root: Path, ref: dict, ref_losses: list) -> tuple[bool, str]:
-    run_dir = root / f"trial{i:02d}"
+SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}
+
+
+def trial(
+    i: int, rng: random.Random, root: Path, ref: dict, ref_losses: list, sig: str = "kill"
+) -> tuple[bool, str]:
+    run_dir = root / f"{sig}{i:02d}"
     when = rng.choice(["step", "save"])
     at = rng.randint(1, STEPS - 1) if when == "step" else EVERY * rng.randint(1, STEPS // EVERY)
     t0 = time.monotonic()
-    result = run_and_kill(_cmd(run_dir), _env(), run_dir, run_dir / "checkpoints", when, at, rng)
+    cmd, ckpt = _cmd(run_dir), run_dir / "checkpoints"
+    result = run_and_kill(cmd, _env(), run_dir, ckpt, when, at, rng, sig=SIGNALS[sig])
+    where = f"{sig} {when} {at}: {result.killed_at or 'not reached'}"
+    if sig != "kill" and result.killed_pid is not None:  # stopped and saved: run it again
+        if result.returncode != 128 + SIGNALS[sig]:
+            return False, f"{where}; exit {result.returncode}\n{result.output[-2000:]}"
+        where += f"; exit {result.returncode}, rerun"
+        again = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+        result.returncode, result.output = again.returncode, again.stdout + again.stderr
     took = time.monotonic() - t0
-    where = f"kill {when} {at}: {result.killed_at or 'not reached'}"
     if result.returncode != 0:
         return False, f"{where}; exit {result.returncode}\n{result.output[-2000:]}"
     problems = []
@@ -104,7 +120,10 @@ def trial(i: int, rng: random.Random, root: Path, ref: dict, ref_losses: list) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--trials", type=int, default=20, help="trials per signal")
+    parser.add_argument(
+        "--signals", default="kill,term,int", help="comma-separated: kill, term, int"
+    )
     parser.add_argument("--seed", type=int, default=None, help="kill-point seed (random)")
     add_smoke(parser)
     args = parser.parse_args()
@@ -116,16 +135,22 @@ def main() -> None:
     subprocess.run(_cmd(root / "reference"), env=_env(), check=True, capture_output=True)
     ref, ref_losses = _final(root / "reference"), _losses(root / "reference")
     rng = random.Random(seed)
-    survived = 0
-    for i in range(args.trials):
-        ok, line = trial(i, rng, root, ref, ref_losses)
-        survived += ok
-        print(f"trial {i + 1:2d}: {'ok  ' if ok else 'FAIL'} {line}", flush=True)
-    print(f"survived {survived}/{args.trials}")
-    if args.smoke and survived == args.trials:  # the suite's run leaves nothing behind
+    signals = args.signals.split(",")
+    if args.smoke:
+        signals = signals[:1] if len(signals) == 1 else ["term"]  # the new path, once
+    failed = 0
+    for sig in signals:
+        survived = 0
+        for i in range(args.trials):
+            ok, line = trial(i, rng, root, ref, ref_losses, sig)
+            survived += ok
+            print(f"{sig} trial {i + 1:2d}: {'ok  ' if ok else 'FAIL'} {line}", flush=True)
+        print(f"{sig}: survived {survived}/{args.trials}", flush=True)
+        failed += args.trials - survived
+    if args.smoke and not failed:  # the suite's run leaves nothing behind
         shutil.rmtree(root, ignore_errors=True)
     print(f"load average at the end: {load()}")
-    if survived != args.trials:
+    if failed:
         sys.exit(1)
 
 

@@ -1,5 +1,6 @@
 """Fault injection from outside: run `shardwise train` in a subprocess and SIGKILL one of its
-ranks at a chosen moment (after some step, or while a checkpoint is being written). Used by
+ranks (or SIGTERM / SIGINT the job) at a chosen moment (after some step, or while a checkpoint
+is being written). Used by
 the restart test and benchmarks/fault_soak.py; nothing in the engine knows about it."""
 
 from __future__ import annotations
@@ -66,9 +67,12 @@ def run_and_kill(
     at: int,
     rng: random.Random,
     timeout: float = 600,
+    sig: int = signal.SIGKILL,
 ) -> KillResult:
     """Run `cmd`; when `when`='step' and `at` steps are logged, or `when`='save' and the save
-    of a step >= `at` has begun, SIGKILL one rank chosen by `rng`; wait for the end."""
+    of a step >= `at` has begun, send `sig` (SIGKILL: to one rank chosen by `rng`; SIGTERM: to
+    the launcher, as Kubernetes or `kill` would; SIGINT: to the whole process group, as Ctrl-C
+    does); wait for the end."""
     proc = subprocess.Popen(
         cmd,
         env=env,
@@ -85,8 +89,16 @@ def run_and_kill(
             moment = _reached(when, at, metrics, ckpt_dir)
             pids = rank_pids(proc.pid) if moment else []
             if pids:
-                killed, seen = rng.choice(pids), moment
-                os.kill(killed, signal.SIGKILL)
+                seen = moment
+                if sig == signal.SIGKILL:
+                    killed = rng.choice(pids)
+                    os.kill(killed, sig)
+                elif sig == signal.SIGINT:
+                    killed = proc.pid
+                    os.killpg(proc.pid, sig)
+                else:
+                    killed = proc.pid
+                    os.kill(proc.pid, sig)
             time.sleep(0.002)
         output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     except BaseException as exc:  # a timeout (or a failing watcher) must not leave ranks behind
