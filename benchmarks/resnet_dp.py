@@ -123,7 +123,10 @@ def main() -> int:
         )
     print(table(header, rows))
 
-    print("\nloss curve, 2 ranks vs 1 process (BatchNorm normalises over each rank's half batch):")
+    print(
+        "\nloss curve, 2 ranks vs 1 process (model.sync_batchnorm: BatchNorm normalises over "
+        "both ranks' halves, as the one process over its whole batch):"
+    )
     for precision in precisions:
         a, b = runs[1, precision]["losses"], runs[2, precision]["losses"]
         diff = [abs(x - y) for x, y in zip(a, b, strict=True)]

@@ -38,6 +38,7 @@ GOLDEN_KEYS = [
     "model.dropout",
     "model.attn_dropout",
     "model.init_from",
+    "model.sync_batchnorm",
     "data.dataset",
     "data.seq_len",
     "data.text_field",

@@ -190,3 +190,30 @@ def test_max_skipped_steps_stops_with_a_diagnosis(worlds):
         assert msg.startswith("NonFiniteError: train.max_skipped_steps=3: steps 3-5 were all"), msg
         assert "Step 3: non-finite loss on rank(s) [1]" in msg
         assert "Step 5: non-finite loss on rank(s) [1]" in msg and "Fix:" in msg
+
+
+def test_synchronised_batchnorm_makes_dp_equal_one_process_with_the_whole_batch():
+    """ResNet with BatchNorm: 2 ranks x micro-batch 4 with model.sync_batchnorm (the default)
+    give the losses, parameters and running statistics of one process with micro-batch 8;
+    unsynchronised, each replica normalises with its own 4 samples and the run differs."""
+    hook = {"hook": "shardwise.testing.hooks:return_buffers"}
+    # Adam's eps at 1e-3: a weight whose gradient is ~1e-8 (8x8 digits leave many such in
+    # the deep stages) moves by lr * g / (|g| + eps), which at the default eps of 1e-8 turns
+    # float32 rounding of g into a visible step; here the comparison is of the BatchNorm
+    resnet = [*RESNET, "--train.steps=3", "--optim.eps=1e-3"]
+    one = run_cases(1, [{"overrides": [*resnet, "--train.micro_batch=8"], **hook}])[0][0]
+    synced, plain = run_cases(
+        2,
+        [
+            {"overrides": resnet, **hook},
+            {"overrides": [*resnet, "--model.sync_batchnorm=false"], **hook},
+        ],
+    )
+    for res in (one, *synced, *plain):
+        assert "error" not in res, res["error"]
+    s = synced[0]
+    assert s["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert max_param_diff(s["params"], one["params"]) <= 1e-6
+    for key in one["buffers"]:
+        torch.testing.assert_close(s["buffers"][key], one["buffers"][key], rtol=1e-5, atol=1e-6)
+    assert plain[0]["losses"][1:] != pytest.approx(one["losses"][1:], rel=1e-4)

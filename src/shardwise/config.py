@@ -69,6 +69,12 @@ class ModelConfig:
         "Llama or GPT-2 model (as transformers' save_pretrained writes it); its sizes replace "
         "the preset's and each rank reads only what it keeps ('' = init from train.seed).",
     )
+    sync_batchnorm: bool = opt(
+        True,
+        "BatchNorm normalises with the statistics of every data-parallel replica's micro-batch "
+        "together (one all-reduce per BatchNorm forward), so dp ranks x micro-batch b equals one "
+        "process with micro-batch dp*b; false: each replica's own (faster, layout-dependent).",
+    )
 
 
 @dataclass

@@ -46,15 +46,27 @@ class _Timed:
         self.context = context
 
     def __enter__(self) -> None:
+        global _depth
         self._phase = clock().phase("recompute")
         self._phase.__enter__()
         self.context.__enter__()
+        _depth += 1
 
     def __exit__(self, *exc) -> None:
+        global _depth
+        _depth -= 1
         try:
             self.context.__exit__(*exc)
         finally:
             self._phase.__exit__(*exc)
+
+
+_depth = 0  # recomputations running now (a module updating state counts a forward once)
+
+
+def recomputing() -> bool:
+    """True inside a recomputed forward (activation checkpointing's replay in backward)."""
+    return _depth > 0
 
 
 def _blocks(model: nn.Module, mode: str) -> list[str] | None:

@@ -32,6 +32,7 @@ from shardwise.optim import QUANT_BLOCK, MixedPrecisionAdamW, replicated_targets
 from shardwise.parallel.data import GradReducer, apply_data_parallel
 from shardwise.parallel.pipeline import Pipeline, apply_pipeline
 from shardwise.parallel.recompute import apply_recompute
+from shardwise.parallel.sync_batchnorm import apply_sync_batchnorm
 from shardwise.parallel.tensor import TensorParallel, apply_tensor_parallel, keep_tp_marks
 from shardwise.parallel.zero import ZeroEngine, apply_zero
 from shardwise.training.lock import HELD_ENV, acquire, release
@@ -195,7 +196,10 @@ def parallelize(
         run_cfg.parallel.sp,
     )
     # 3. Recomputation wraps module forwards; names stay, so init and checkpoints are unchanged.
+    #    BatchNorm forwards take their statistics over every dp replica (layout-invariant).
     apply_recompute(model, derived.family, run_cfg.memory.recompute)
+    if run_cfg.model.sync_batchnorm:
+        apply_sync_batchnorm(model, comm)
     stage = run_cfg.parallel.zero
     source = weights_for(derived.spec, run_cfg.model.init_from, model)
     if stage:
