@@ -244,4 +244,9 @@ def test_requeued_slurm_job_finishes_from_its_checkpoint(
     assert log.count("nodes: 2 x 2 ranks; dp=4 across nodes") == 4, log
     resumed = re.findall(RESUMED, log)
     assert resumed and 2 <= int(resumed[0]) < STEPS, log
+    # Slurm's requeue stops the job with SIGTERM: every rank finished its step and the job
+    # saved it (checkpoint.on_signal), so the requeued job resumes exactly there, not at the
+    # last periodic checkpoint
+    stopped = re.findall(r"stopped by SIGTERM after step (\d+)", log)
+    assert stopped and int(stopped[0]) == int(resumed[0]), log
     assert_parity(records(tmp_path / "run"), reference)
