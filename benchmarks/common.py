@@ -51,6 +51,15 @@ def command_line() -> str:
     return f"{env} {argv}".strip()
 
 
+def preamble() -> None:
+    """The lines every result starts with: commit, the exact command, date and load."""
+    import datetime
+
+    print(f"shardwise commit {commit()}")
+    print(f"$ {command_line()}")
+    print(f"date: {datetime.date.today()}; load average at the start: {load()} (2 cores)")
+
+
 def load() -> str:
     """The 1/5/15-minute load averages: how busy the shared machine was."""
     return " ".join(f"{x:.2f}" for x in os.getloadavg())

