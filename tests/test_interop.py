@@ -299,3 +299,15 @@ def test_export_writes_the_runs_tokenizer_and_a_generation_config(tmp_path):
     pipe = transformers.pipeline("text-generation", model=str(tmp_path / "out"))
     out = pipe("def main(", max_new_tokens=4, do_sample=False)[0]["generated_text"]
     assert out.startswith("def main(") and len(out) > len("def main(")
+
+
+def test_init_from_into_a_model_that_cannot_take_it_names_what_it_is(hf_dirs):
+    for name, what in (("hf-llama-tiny", "transformers' class"), ("resnet18", "a ResNet")):
+        with pytest.raises(ConfigError, match=f"model.name='{name}' is {what}") as err:
+            derive(
+                load_config(
+                    None, [f"--model.name={name}", f"--model.init_from={hf_dirs['llama']}"]
+                ),
+                1,
+            )
+        assert "--model.name=hf" in str(err.value)

@@ -85,9 +85,15 @@ def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> Mode
     spec = dataclasses.replace(spec, **overrides)
     if m.init_from:
         if not spec.is_transformer:
+            what = (
+                "a ResNet"
+                if spec.arch in RESNET_ARCHS
+                else "transformers' class built from a config of its own, with no weights"
+            )
             raise ConfigError(
-                f"model.init_from needs a transformer, but model.name='{m.name}' is a ResNet."
-                " Fix: --model.name=tiny (Llama) or gpt2-tiny (GPT-2)."
+                f"model.init_from loads a checkpoint into one of shardwise's decoders, and "
+                f"model.name='{m.name}' is {what}. Fix: --model.name=tiny (Llama) or gpt2-tiny "
+                "(GPT-2), or --model.name=hf to train transformers' own class of the checkpoint."
             )
         from shardwise.models.hf_weights import adapt_spec
 
