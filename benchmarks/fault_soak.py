@@ -104,6 +104,8 @@ def trial(
         where += f"; exit {result.returncode}, rerun"
         again = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
         result.returncode, result.output = again.returncode, again.stdout + again.stderr
+        if "resumed from" not in result.output:  # it must continue, not start over
+            return False, f"{where}; the rerun did not resume\n{result.output[-2000:]}"
     took = time.monotonic() - t0
     if result.returncode != 0:
         return False, f"{where}; exit {result.returncode}\n{result.output[-2000:]}"
