@@ -243,3 +243,34 @@ def test_plan_verify_runs_the_best_candidate_here_and_compares(capsys):
     assert states == "exact" and abs(total_err) <= 5.0, lines[head + 1]
     pred_s, wall_s = float(row[-5]), float(row[-4])
     assert pred_s > 0 and wall_s > 0
+
+
+@pytest.mark.parametrize(
+    "units, precision, warned",
+    [
+        (set(), "bf16", True),
+        ({"bf16"}, "bf16", False),
+        ({"bf16"}, "fp16", True),
+        ({"bf16", "fp16"}, "fp16", False),
+        (set(), "fp32", False),
+    ],
+)
+def test_a_cpu_without_the_precisions_matrix_units_says_so_exactly_then(
+    monkeypatch, capsys, units, precision, warned
+):
+    from shardwise.config import load_config
+    from shardwise.distributed import device
+    from shardwise.plan.explain import explain_record, print_plan
+    from shardwise.plan.hardware import cpu_hardware, get_hardware
+
+    monkeypatch.setattr(device, "cpu_matrix_units", lambda: units)
+    cfg = load_config(None, ["--model.name=tiny", f"--precision.compute={precision}"])
+    record = explain_record(cfg, 1, cpu_hardware(measure=False))  # nominal: bf16 10x slower
+    print_plan(record)
+    out = capsys.readouterr().out
+    assert (f"this CPU has no {precision} matrix units" in out) == warned, out
+    if warned:
+        assert "x slower than fp32" in out and "Fix: --precision.compute=fp32" in out
+        assert ("(or bf16, which it has)" in out) == ("bf16" in units)
+    gpu = explain_record(cfg, 1, get_hardware("h100", calibrate=False))
+    assert "warnings" not in gpu  # a GPU's precision is not the CPU's business

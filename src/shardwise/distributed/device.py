@@ -158,3 +158,24 @@ def pin_socket_interface(interface: str) -> None:
     which on multi-homed hosts may not be reachable from the other nodes."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+
+
+# /proc/cpuinfo flags of matrix units for a low precision (x86: AVX-512 / AMX; Arm: SVE/NEON)
+_UNITS = {
+    "bf16": ("avx512_bf16", "amx_bf16", "bf16"),
+    "fp16": ("avx512_fp16", "amx_fp16", "fphp", "asimdhp"),
+}
+
+
+def cpu_matrix_units() -> set[str]:
+    """The low precisions ("bf16", "fp16") this CPU multiplies in hardware, from the flags
+    the kernel reports (empty when it cannot tell)."""
+    try:
+        text = open("/proc/cpuinfo").read()  # noqa: SIM115 (read at once)
+    except OSError:
+        return set()
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags |= set(line.split(":", 1)[1].split())
+    return {p for p, names in _UNITS.items() if flags & set(names)}

@@ -53,7 +53,27 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
     for key in ("step_time_s", "tokens_per_s", "mfu", "time"):  # transformer models only
         if key in pred:
             record[key] = pred[key]
+    slow = cpu_precision_warning(cfg.precision.compute, hw)
+    if slow:
+        record["warnings"] = [slow]
     return record
+
+
+def cpu_precision_warning(precision: str, hw: Hardware) -> str | None:
+    """One line when a CPU run computes in a precision the CPU has no matrix units for."""
+    from shardwise.distributed.device import cpu_matrix_units
+
+    units = cpu_matrix_units()
+    if hw.name != "cpu" or precision == "fp32" or precision in units:
+        return None
+    flag = {"bf16": "avx512_bf16 / amx_bf16", "fp16": "avx512_fp16 / amx_fp16"}[precision]
+    slower = hw.peak["fp32"] / hw.peak[precision]
+    better = " (or bf16, which it has)" if "bf16" in units else ""
+    return (
+        f"warning: this CPU has no {precision} matrix units ({flag}): its {precision} matmuls "
+        f"run {slower:.0f}x slower than fp32 ({hw.calibrated}). Fix: "
+        f"--precision.compute=fp32{better}"
+    )
 
 
 def checkpoint_bytes(r: dict) -> int:
@@ -78,6 +98,8 @@ def print_plan(r: dict) -> None:
         f"predicted memory/rank {human_bytes(r['mem_bytes']['total'])}",
         flush=True,
     )
+    for line in r.get("warnings", []):
+        print(line, flush=True)
 
 
 def print_explain(r: dict) -> None:
@@ -113,3 +135,5 @@ def print_explain(r: dict) -> None:
     print("memory per rank:")
     for key, value in r["mem_bytes"].items():
         print(f"  {key:<12} {human_bytes(value):>10}  ({value:,} B)")
+    for line in r.get("warnings", []):
+        print(line)
