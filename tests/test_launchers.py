@@ -281,7 +281,9 @@ def test_manifest_follows_the_pytorchjob_schema(manifest) -> None:
 
 
 K8S_ERRORS = [
-    (["--nodes", "2", "--gpus-per-node", "8"], ["--image is required"]),
+    (["--nodes", "2", "--gpus-per-node", "8", "--image", ""], ["--image is empty", "Dockerfile"]),
+    (["--nodes", "2", "--gpus-per-node", "8", "--container-image", "x"],
+     ["--container-image does not apply to `launch k8s`"]),
     (["--nodes", "2", "--gpus-per-node", "8", "--image", "x", "--name", "My_Job"],
      ["--name='My_Job'"]),
     (["--nodes", "2", "--gpus-per-node", "8", "--image", "x", "--run.dir=/scratch/r"],
@@ -337,3 +339,25 @@ def test_a_node_waiting_for_missing_nodes_fails_clearly(tmp_path: Path) -> None:
         proc.stderr
     )
     assert "Fix: start all 2 nodes with the same --nnodes and --rdzv" in proc.stderr
+
+
+def test_the_dockerfile_builds_what_the_launchers_name(tmp_path, monkeypatch):
+    """No container engine runs here: the Dockerfile is checked as text (base, the torch pin,
+    a non-root user, the entry point), and the manifests must name what it builds."""
+    from shardwise.cli.launch import launch_main
+
+    text = (Path(__file__).parents[1] / "Dockerfile").read_text()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    assert "ARG BASE=python:3.11-slim" in lines and "FROM ${BASE}" in lines
+    assert "-c constraints.txt" in text and "COPY pyproject.toml constraints.txt" in text
+    users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")  # runs as a user, not root
+    assert 'ENTRYPOINT ["shardwise"]' in lines and "WORKDIR /workspace" in lines
+    monkeypatch.chdir(tmp_path)
+    assert launch_main(["k8s", "--nodes", "2", "--gpus-per-node", "8", "-o", "j.yaml"]) == 0
+    assert "image: shardwise:latest" in (tmp_path / "j.yaml").read_text()
+    slurm = ["slurm", "--nodes", "2", "--gpus-per-node", "8", "-o", "j.sbatch"]
+    assert launch_main([*slurm, "--container-image", "shardwise"]) == 0
+    script = (tmp_path / "j.sbatch").read_text()
+    assert "srun --kill-on-bad-exit=1 --ntasks-per-node=1 --container-image=shardwise " in script
+    assert '--container-mounts="$PWD:$PWD"' in script and " python3 -m shardwise.cli.main" in script

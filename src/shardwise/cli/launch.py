@@ -52,8 +52,18 @@ def _parser() -> argparse.ArgumentParser:
     slurm.add_argument("--account", default="", help="sbatch --account")
     slurm.add_argument("--port", type=int, default=None, help="rendezvous port (default 29400)")
     slurm.add_argument("--submit", action="store_true", help="run sbatch and print the job id")
+    slurm.add_argument(
+        "--container-image",
+        default="",
+        help="run in this image through pyxis/enroot (e.g. shardwise, the repo's Dockerfile)",
+    )
     k8s = p.add_argument_group("k8s")
-    k8s.add_argument("--image", default="", help="container image with shardwise installed")
+    k8s.add_argument(
+        "--image",
+        default=None,
+        help="container image with shardwise installed (default shardwise:latest, the "
+        "repository's Dockerfile)",
+    )
     k8s.add_argument("--namespace", default="", help="Kubernetes namespace")
     k8s.add_argument("--claim", default="shardwise-checkpoints", help="PVC for checkpoints")
     k8s.add_argument("--mount-path", default="/workspace", help="where the claim is mounted")
@@ -71,7 +81,7 @@ def _slurm(args: argparse.Namespace, cfg: Config, shape, name: str) -> None:
     from shardwise.launchers.nodes import DEFAULT_PORT
     from shardwise.launchers.slurm import SlurmJob, sbatch_script, submit
 
-    _refuse(args, {"--image": "", "--namespace": "", "--claim": "shardwise-checkpoints"}, "slurm")
+    _refuse(args, {"--image": None, "--namespace": "", "--claim": "shardwise-checkpoints"}, "slurm")
     _refuse(args, {"--mount-path": "/workspace"}, "slurm")
     from shardwise.launchers.job import overrides_of
 
@@ -86,6 +96,7 @@ def _slurm(args: argparse.Namespace, cfg: Config, shape, name: str) -> None:
         port=args.port or DEFAULT_PORT,
         max_restarts=args.max_restarts or 0,
         workdir=str(Path.cwd()),
+        container_image=args.container_image,
     )
     out = Path(args.output or f"{name}.sbatch")
     out.write_text(sbatch_script(job))
@@ -95,13 +106,14 @@ def _slurm(args: argparse.Namespace, cfg: Config, shape, name: str) -> None:
 
 
 def _k8s(args: argparse.Namespace, cfg: Config, shape, name: str) -> None:
-    from shardwise.launchers.k8s import K8sJob, pytorchjob, to_yaml
+    from shardwise.launchers.k8s import DEFAULT_IMAGE, K8sJob, pytorchjob, to_yaml
 
     slurm_only = {"--partition": "", "--time": "", "--account": "", "--port": None}
+    slurm_only["--container-image"] = ""
     _refuse(args, {**slurm_only, "--submit": False}, "k8s")
     job = K8sJob(
         name=name,
-        image=args.image,
+        image=DEFAULT_IMAGE if args.image is None else args.image,
         shape=shape,
         namespace=args.namespace,
         claim=args.claim,

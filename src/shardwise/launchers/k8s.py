@@ -19,6 +19,9 @@ from shardwise.launchers.job import JobShape, overrides_of
 from shardwise.launchers.nodes import DEFAULT_PORT
 
 CONTAINER = "pytorch"  # the operator finds the training container by this name
+# what `docker build -t shardwise .` makes of the repository's Dockerfile (push it where the
+# cluster pulls from, or pass --image)
+DEFAULT_IMAGE = "shardwise:latest"
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,10 @@ def check_names(job: K8sJob, cfg: Config) -> None:
                 f"and '-', at most {limit} characters). Fix: {flag} shardwise-job"
             )
     if not job.image:
-        raise ConfigError("--image is required: the container image with shardwise installed.")
+        raise ConfigError(
+            "--image is empty. Fix: --image shardwise:latest (the repository's Dockerfile: "
+            "docker build -t shardwise .) or your registry's copy of it."
+        )
     run_dir = posixpath.normpath(posixpath.join(job.mount, cfg.run.dir))
     if not (run_dir + "/").startswith(posixpath.normpath(job.mount) + "/"):
         raise ConfigError(

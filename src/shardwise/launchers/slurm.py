@@ -36,6 +36,7 @@ class SlurmJob:
     max_restarts: int = 0  # in-allocation restarts of the ranks by the elastic agent
     python: str = sys.executable  # the interpreter (and so the install) that runs shardwise
     workdir: str = ""
+    container_image: str = ""  # pyxis/enroot: run in this image (the repo's Dockerfile)
 
 
 def sbatch_script(job: SlurmJob) -> str:
@@ -69,7 +70,8 @@ def sbatch_script(job: SlurmJob) -> str:
         directives.append(f"--chdir={job.workdir}")
     threads = max(1, s.cpus_per_node // s.nproc_per_node) if s.cpus_per_node else 1
     # Words in double quotes are expanded by the batch shell; the rest is quoted literally.
-    train = [shlex.quote(job.python), "-m", "shardwise.cli.main", "train"]
+    python = "python3" if job.container_image else shlex.quote(job.python)  # the image's
+    train = [python, "-m", "shardwise.cli.main", "train"]
     train += ["--nnodes", '"$SLURM_JOB_NUM_NODES"', "--nproc-per-node", str(s.nproc_per_node)]
     train += ["--rdzv", f'"$head_addr:{job.port}"', "--max-restarts", str(job.max_restarts)]
     command = " ".join([*train, *(shlex.quote(o) for o in job.overrides)])
@@ -85,10 +87,19 @@ def sbatch_script(job: SlurmJob) -> str:
         f"export OMP_NUM_THREADS={threads}",
         f"export {GRACE_ENV}={SIGNAL_GRACE_S}  # a save slower than this warns (checkpoint)",
         "export PYTHONUNBUFFERED=1",
-        f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 {command}",
+        f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 {_container(job)}{command}",
         "",
     ]
     return "\n".join(lines)
+
+
+def _container(job: SlurmJob) -> str:
+    """pyxis's srun options: the image, and the working directory mounted at the same path
+    (run.dir and checkpoints stay on the shared file system)."""
+    if not job.container_image:
+        return ""
+    image = shlex.quote(job.container_image)
+    return f'--container-image={image} --container-mounts="$PWD:$PWD" --container-workdir="$PWD" '
 
 
 def submit(script_path: str) -> str:
