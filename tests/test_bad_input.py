@@ -608,3 +608,20 @@ def test_the_steps_checkpoint_is_saved_before_evaluation_can_fail(
     with pytest.raises(RuntimeError, match="evaluation blew up"):
         run_here(case, str(tmp_path))
     assert io.latest(tmp_path / "checkpoints").name == "step-00000002"
+
+
+def test_an_unwritable_run_or_checkpoint_dir_is_named_before_step_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    base = ["train", "--model.name=tiny", *SAFE_TRAIN, "--nproc", "1"]
+    assert main([*base, f"--run.dir={blocker / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"run.dir={blocker / 'run'} cannot be written" in err
+    assert "Fix: --run.dir=<a writable directory>" in err
+    ckpt = ["--checkpoint.every=1", f"--checkpoint.dir={blocker / 'ckpt'}"]
+    assert main([*base, f"--run.dir={tmp_path / 'run'}", *ckpt]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint.dir={blocker / 'ckpt'} cannot be written" in err and "Fix:" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
