@@ -124,3 +124,28 @@ def test_a_save_slower_than_half_the_grace_period_warns(tmp_path, monkeypatch, c
     run_here(case("--train.steps=2", "--checkpoint.every=2"), str(tmp_path / "run"))
     err = capsys.readouterr().err
     assert "saving step 2 took" in err and "--checkpoint.async=true" in err, err
+
+
+def test_a_signal_during_the_last_save_stops_at_once(tmp_path):
+    """Ctrl-C while the final checkpoint is being written: every rank finished its steps and
+    the launcher is stopping too; the ranks must say so and exit, not wait for the launcher
+    to collect their results (torch elastic's agent does not while it shuts down: it waited
+    out its 120 s grace before this was handled)."""
+    import os
+    import random
+
+    from shardwise.testing.chaos import run_and_kill
+
+    steps = 6
+    cmd = _cmd(tmp_path / "run", 2, f"--train.steps={steps}", "--checkpoint.every=2")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    t0 = time.monotonic()
+    result = run_and_kill(
+        cmd, env, tmp_path / "run", tmp_path / "run" / "checkpoints", "save", steps,
+        random.Random(0), timeout=120, sig=signal.SIGINT,
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    assert result.killed_pid is not None, result.output[-2000:]
+    assert result.returncode == 130, result.output[-2000:]
+    assert took < 60, took  # (the run itself takes ~10 s here)
+    assert cio.latest(tmp_path / "run" / "checkpoints").name == f"step-{steps:08d}"

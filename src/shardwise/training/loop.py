@@ -44,6 +44,12 @@ def fit(run: Run) -> list[dict]:
         records, signum = _steps(
             run, start, ckpt, logger, guard, stop, step_flops, peak, capture, fetch
         )
+        if not signum and records and cfg.checkpoint.on_signal:
+            # a signal after the last step's check (during its save or log line): the job
+            # is stopping, so say so with its checkpoint rather than wait for the launcher
+            signum = _late_signal(run, stop)
+            if signum:
+                ckpt.maybe_save(records[-1]["step"], records[-1], force=True)
         capture.close()  # every rank writes its part, then waits for the others' files
     finally:
         stop.close()
@@ -54,6 +60,14 @@ def fit(run: Run) -> list[dict]:
     if signum:  # told to stop, and saved: the caller exits 128 + signum
         raise Preempted(signum, records[-1]["step"], str(ckpt.root))
     return records
+
+
+def _late_signal(run: Run, stop: StopRequest) -> int:
+    """A stop signal any rank received after the last step's check (every rank asks: one
+    all-reduce at the end of the run)."""
+    flag = torch.tensor([float(stop.signum)], dtype=torch.float64, device=run.info.device)
+    run.comm.all_reduce_world(flag, "max")
+    return int(flag.item())
 
 
 def _micro(run: Run, step: int, batch: torch.Tensor | None = None) -> list[torch.Tensor]:
