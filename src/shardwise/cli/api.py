@@ -43,15 +43,13 @@ def train(
     `overrides`: `--section.key=value` strings applied last. `model`, `dataset` and `loss`
     set model.name, data.dataset and train.loss. `nproc`: local ranks (default: one per
     device)."""
-    from shardwise.data import load_held_out, prepare_data
     from shardwise.launchers.local import (
         adopt_slurm_env,
         launch_local,
         rank_main,
         under_external_launcher,
     )
-    from shardwise.training.runtime import data_spec
-    from shardwise.training.validate import check_held_out, derive
+    from shardwise.training.runtime import check_before_launch
 
     cfg = _config(config, [*_callables(model, dataset, loss), *overrides])
     if under_external_launcher():
@@ -63,9 +61,7 @@ def train(
     n = local_device_count() if nproc is None else nproc
     if n < 1:
         raise ConfigError(f"nproc={nproc} must be >= 1. Fix: nproc=2")
-    derived = derive(cfg, n)  # every config error before any process starts
-    prepare_data(data_spec(cfg, derived.spec.vocab_size))
-    check_held_out(cfg, derived, load_held_out(cfg, derived.spec.vocab_size))
+    check_before_launch(cfg, n)
     launch_local(cfg, n)
     return _records(cfg)
 

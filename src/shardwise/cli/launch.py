@@ -164,11 +164,9 @@ def _restarts_need_checkpoints(restarts: int, cfg: Config) -> None:
 
 def train_nodes(cfg: Config, nproc: int, args: argparse.Namespace) -> None:
     """`train --nnodes ...`: validate for the whole job, prepare data, run this node's agent."""
-    from shardwise.data import load_held_out, prepare_data
     from shardwise.launchers.nodes import launch_nodes, parse_nodes, placement_line
     from shardwise.plan.explain import explain_record, print_plan
-    from shardwise.training.runtime import data_spec
-    from shardwise.training.validate import check_held_out, derive
+    from shardwise.training.runtime import check_before_launch
 
     nodes = parse_nodes(args.nnodes, args.node_rank, args.rdzv, nproc)
     try:
@@ -182,9 +180,7 @@ def train_nodes(cfg: Config, nproc: int, args: argparse.Namespace) -> None:
         from shardwise.plan.auto import auto_config
 
         cfg = auto_config(cfg, nodes.world)
-    derived = derive(cfg, nodes.world)  # every config error before any process starts
-    prepare_data(data_spec(cfg, derived.spec.vocab_size))
-    check_held_out(cfg, derived, load_held_out(cfg, derived.spec.vocab_size))
+    derived = check_before_launch(cfg, nodes.world)
     print_plan(explain_record(cfg, nodes.world))
     print(placement_line(nodes, derived.pp, derived.dp, derived.tp), flush=True)
     launch_nodes(cfg, nodes, restarts)

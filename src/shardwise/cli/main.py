@@ -172,20 +172,14 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
         rank_main(cfg.to_dict())
         return
     from shardwise.plan.explain import explain_record, print_plan
-    from shardwise.training.runtime import data_spec
-    from shardwise.training.validate import derive
+    from shardwise.training.runtime import check_before_launch
 
     nproc = _nproc(args)
     if args.plan == "auto":
         from shardwise.plan.auto import auto_config
 
         cfg = auto_config(cfg, nproc)
-    derived = derive(cfg, nproc)  # every config error before any process starts
-    from shardwise.data import load_held_out, prepare_data
-    from shardwise.training.validate import check_held_out
-
-    prepare_data(data_spec(cfg, derived.spec.vocab_size))  # data errors too, and one cache build
-    check_held_out(cfg, derived, load_held_out(cfg, derived.spec.vocab_size))
+    check_before_launch(cfg, nproc)  # config and data errors before any process starts
     record = explain_record(cfg, nproc)
     print_plan(record)
     if not args.force:  # refused here, not OOM-killed without a word an hour in

@@ -73,16 +73,12 @@ def _writable(folder: Path) -> None:
 
 def profile(cfg: Config, nproc: int, folder: Path, steps: int, hook: str | None = None) -> dict:
     """Profile `cfg` on `nproc` local ranks into `folder`; returns the summary."""
-    from shardwise.data import load_held_out, prepare_data
     from shardwise.launchers.local import launch_local
-    from shardwise.training.runtime import data_spec
-    from shardwise.training.validate import check_held_out, derive
+    from shardwise.training.runtime import check_before_launch
 
     _writable(folder)
     pcfg = profile_config(cfg, steps, folder)
-    derived = derive(pcfg, nproc)  # every config error before any process starts
-    prepare_data(data_spec(pcfg, derived.spec.vocab_size))
-    check_held_out(pcfg, derived, load_held_out(pcfg, derived.spec.vocab_size))
+    check_before_launch(pcfg, nproc)
     for stale in folder.glob("rank*.json"):  # an earlier profile's: never mixed into this one
         stale.unlink()
     launch_local(pcfg, nproc, hook)

@@ -284,14 +284,16 @@ class ControlChannel:
 BIND_ENV = "SHARDWISE_STORE_ON_MASTER_ADDR"
 
 
-def rank_store(timeout_s: float) -> dist.TCPStore:
-    """The job's store from the env:// variables, rank 0 hosting it on MASTER_ADDR only."""
+def rank_store(timeout_s: float, wait_for_all: bool = False) -> dist.TCPStore:
+    """The job's store from the env:// variables, rank 0 hosting it on MASTER_ADDR only (with
+    `wait_for_all`, once every rank of WORLD_SIZE has joined, or raising after `timeout_s`)."""
     import datetime
     import os
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if os.environ["RANK"] == "0":
-        return listening_store(host, port, timeout_s)
+        world = int(os.environ["WORLD_SIZE"]) if wait_for_all else None
+        return listening_store(host, port, timeout_s, world)
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 

@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config import Config
-from shardwise.data import GlobalSampler, data_spec, load_data, load_held_out
+from shardwise.data import GlobalSampler, data_spec, load_data, load_held_out, prepare_data
 from shardwise.data.callables import resolve
 from shardwise.distributed import device as dev
-from shardwise.distributed.comm import BIND_ENV, Comm, listening_store, rank_store
+from shardwise.distributed.comm import BIND_ENV, Comm, rank_store
 from shardwise.distributed.topology import Topology, build_topology
 from shardwise.distributed.watchdog import Watchdog, start_watchdog
 from shardwise.errors import ConfigError
@@ -40,6 +40,15 @@ from shardwise.training.memory import ActivationMeter
 from shardwise.training.validate import Derived, check_held_out, derive
 
 
+def check_before_launch(cfg: Config, world: int) -> Derived:
+    """Every config and data error of a job of `world` ranks, before any process starts; builds
+    the data cache once, here, instead of in every rank."""
+    derived = derive(cfg, world)
+    prepare_data(data_spec(cfg, derived.spec.vocab_size))
+    check_held_out(cfg, derived, load_held_out(cfg, derived.spec.vocab_size))
+    return derived
+
+
 def init_distributed(cfg: Config) -> dev.DeviceInfo:
     """Join the job's process group: from torchrun/elastic env vars when present, else a
     one-rank group, so 1 and N ranks run the same code."""
@@ -48,27 +57,22 @@ def init_distributed(cfg: Config) -> dev.DeviceInfo:
     if dist.is_initialized():
         return info
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
-    if os.environ.get(BIND_ENV) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        # started by our launcher without the agent's store: rank 0 hosts one, not on every
-        # interface as env:// would
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = rank_store(cfg.parallel.timeout_s)
-        dist.init_process_group(
-            info.backend, store=store, rank=rank, world_size=world, timeout=timeout
-        )
-    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if not ("TORCHELASTIC_RUN_ID" in os.environ or "SLURM_PROCID" in os.environ):
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        store = None  # env:// (torchrun, srun, or the agent's store shared with the ranks)
+        if os.environ.get(BIND_ENV) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            # started by our launcher without the agent's store: rank 0 hosts one, not on
+            # every interface as env:// would
+            store = rank_store(cfg.parallel.timeout_s)
+        elif not ("TORCHELASTIC_RUN_ID" in os.environ or "SLURM_PROCID" in os.environ):
             # RANK/WORLD_SIZE by hand (or left over in the shell): join within a bound
             store = _join_by_hand(cfg.parallel.timeout_s)
-            dist.init_process_group(
-                info.backend,
-                store=store,
-                rank=int(os.environ["RANK"]),
-                world_size=int(os.environ["WORLD_SIZE"]),
-                timeout=timeout,
-            )
-        else:
+        if store is None:
             dist.init_process_group(info.backend, timeout=timeout)
+        else:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(
+                info.backend, store=store, rank=rank, world_size=world, timeout=timeout
+            )
     else:
         dist.init_process_group(
             info.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -83,8 +87,6 @@ def _join_by_hand(timeout_s: float):
     """The store of ranks started without torchrun or srun, from RANK, WORLD_SIZE,
     MASTER_ADDR and MASTER_PORT: rank 0 hosts it on MASTER_ADDR and waits for the others up to
     a minute, then says what is wrong instead of waiting parallel.timeout_s for each step."""
-    import datetime as dt
-
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     shown = " ".join(f"{k}={v}" for k, v in env.items() if v is not None)
     fix = (
@@ -93,17 +95,9 @@ def _join_by_hand(timeout_s: float):
     )
     if not env["MASTER_ADDR"] or not env["MASTER_PORT"]:
         raise ConfigError(f"{shown} are set, but not MASTER_ADDR and MASTER_PORT. {fix}")
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     join = min(JOIN_S, timeout_s)
     try:
-        if rank == 0:
-            return listening_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), join, world)
-        return dist.TCPStore(
-            env["MASTER_ADDR"],
-            int(env["MASTER_PORT"]),
-            is_master=False,
-            timeout=dt.timedelta(seconds=join),
-        )
+        return rank_store(join, wait_for_all=True)
     except (RuntimeError, OSError) as exc:  # torch's DistStoreError is a RuntimeError
         raise ConfigError(
             f"{shown} are set in the environment, but no torchrun or srun started this "
