@@ -1,7 +1,7 @@
 """The causes of a slow step that the profile tests and benchmarks/profile_remedies.py inject,
 each as (extra overrides, hook) on a tiny decoder with 2 ranks: a 40 ms delay per micro-batch
 load, 75 gradient buckets of 0.0001 MB, pipeline pp2 with one micro-batch per step, rank 1
-60 ms slower per forward, full recomputation where memory allows none."""
+150 ms slower per forward, full recomputation where memory allows none."""
 
 from __future__ import annotations
 
