@@ -1,7 +1,8 @@
 """The planner against measured runs: model-state bytes exactly equal to the engine's own
-accounting, and peak memory (`total`) within 5% (the issue's bound; measured: exact), over 23
-layouts (DP, ZeRO 1-3, offload, recompute, accumulation, GPT-2, tied, tp, sp and pp) in one
-2-rank world; traffic and collective calls per mesh dimension as comm.py counts them."""
+accounting, and peak memory (`total`) within 5% (the issue's bound; measured: exact), over 25
+layouts (DP, gradient compression, ZeRO 1-3, offload, recompute, accumulation, GPT-2, tied,
+tp, sp and pp) in one 2-rank world; traffic and collective calls per mesh dimension as
+comm.py counts them."""
 
 import pytest
 
@@ -38,6 +39,9 @@ LAYOUTS = {
     "gpt2_z3": ["--model.name=gpt2-tiny", "--model.n_layers=2", "--parallel.zero=3"],
     "tied_z1_bf16": ["--model.tie_embeddings=true", "--parallel.zero=1", *BF16],
     "dp_small_buckets": ["--parallel.bucket_mb=1"],  # 4 buckets: 4 all-reduces a step
+    # gradient compression: a bf16 wire (4 buckets), PowerSGD (P and Q per bucket)
+    "dp_bf16_wire": ["--parallel.grad_compression=bf16", "--parallel.bucket_mb=1"],
+    "dp_powersgd": ["--parallel.grad_compression=powersgd", "--parallel.bucket_mb=1"],
     # one sample per micro-batch: the flattened targets stay a view of the loader's window
     "dp_mb1": ["--train.micro_batch=1"],
     "tp2": ["--parallel.tp=2"],
@@ -106,6 +110,8 @@ def test_prediction_matches_measured_memory(measured, name):
     # measured: exact on every layout here, GPipe's m micro-batches of logits on the last
     # stage included (a count error shows up before it reaches the 5% bound)
     assert pm["activations"] == mm["activations"], (pm, mm)
+    if "grad_compression" in " ".join(RUN[name]):  # its 16-bit copies, or error, P and Q
+        assert pm["buffers"] == mm["buffers"] > 0, (pm, mm)
     for dim in ("dp", "tp", "pp"):
         assert pred["comm_bytes"][dim] == got["comm_bytes"][dim], dim
     # and the collectives making up that traffic, call for call (each pays a latency)

@@ -206,6 +206,29 @@ def test_waiting_for_a_late_rank_is_split_off_and_attributed_to_it():
     assert total(first) == pytest.approx(1.0)
 
 
+def test_exposed_dp_traffic_in_full_buckets_is_offered_a_bf16_wire():
+    """With buckets already at the default size, fewer calls cannot help: the remedy is half
+    the bytes (parallel.grad_compression=bf16), priced by the same alpha-beta model."""
+    from shardwise.plan.hardware import get_hardware
+    from shardwise.plan.remedy import findings
+
+    hw = get_hardware("cpu", calibrate=False)
+    ledger = build(0.2, {"comm:dp": 0.08, "forward": 0.12}, {})
+    ranks = [{"rank": r, "steps": [{**ledger, "waited_for": {}}]} for r in (0, 1)]
+    comm = {"comm_calls": {"dp": 1, "tp": 0, "pp": 0}, "comm_bytes": {"dp": 4e8, "tp": 0, "pp": 0}}
+    mean = {**ledger, "straggler_by_dim": {}}
+    cfg = load_config(None, ["--model.name=tiny"])
+    top = findings(cfg, 2, mean, ranks, comm, hw)[0]
+    assert top["cause"] == "exposed_dp_communication"
+    assert top["remedy"] == ["--parallel.grad_compression=bf16"]
+    sent = lambda b: hw.latency + b / hw.intra_bw  # noqa: E731
+    assert top["predicted_step_s"] == pytest.approx(0.12 + 0.08 * sent(2e8) / sent(4e8), rel=1e-4)
+    # compressed already, or ZeRO (which reduce-scatters): no such remedy
+    for extra in (["--parallel.grad_compression=powersgd"], ["--parallel.zero=1"]):
+        cfg = load_config(None, ["--model.name=tiny", *extra])
+        assert findings(cfg, 2, mean, ranks, comm, hw)[0]["remedy"] == []
+
+
 # -- the command: bad input, and under torchrun ------------------------------------------------
 
 

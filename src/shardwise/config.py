@@ -225,6 +225,16 @@ class ParallelConfig:
     timeout_s: float = opt(
         300.0, "Timeout of every collective; a stuck rank fails the job after it."
     )
+    grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = opt(
+        "none",
+        "What the data-parallel gradient all-reduce sends (ZeRO-0): none (the fp32 buffers), "
+        "bf16/fp16 (half the bytes, one rounding) or powersgd (rank-powersgd_rank low-rank "
+        "factors with error feedback, Vogels et al. 2019). Buffers stay fp32.",
+    )
+    powersgd_rank: int = opt(4, "PowerSGD's rank r: r*(m+n) values per compressed m x n matrix.")
+    powersgd_warm_start: bool = opt(
+        True, "Start each PowerSGD step from the previous step's Q (else a fresh random Q)."
+    )
 
 
 @dataclass

@@ -7,7 +7,8 @@ the bucket's all-reduce is launched asynchronously while autograd keeps computin
 layers. Buckets are launched strictly in index order so every rank issues the same sequence
 of collectives (a rank's readiness order could otherwise differ and deadlock). The loss is
 already normalised by the *global* token count, so the sum over ranks is the gradient of the
-global loss: no division after the reduce.
+global loss: no division after the reduce. `compression` (parallel/compress.py) changes
+what crosses the wire, not the buffers.
 """
 
 from __future__ import annotations
@@ -33,9 +34,15 @@ class GradReducer:
     """Owns the gradient buffers of a model and reduces them over the `dp` dimension."""
 
     def __init__(
-        self, model: nn.Module, comm: Comm, reduce_dtype: torch.dtype, bucket_bytes: int
+        self,
+        model: nn.Module,
+        comm: Comm,
+        reduce_dtype: torch.dtype,
+        bucket_bytes: int,
+        compression=None,
     ) -> None:
         self.comm = comm
+        self.compression = compression if comm.topo.size("dp") > 1 else None
         self.sync = True  # the one visible flag: False on accumulation micro-batches
         params = [p for p in model.parameters() if p.requires_grad]
         self._params = list(model.parameters())
@@ -52,7 +59,10 @@ class GradReducer:
     def param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self._params)
 
-    peak_transient = 0  # no gathered units or temporary gradient buffers
+    @property
+    def peak_transient(self) -> int:
+        """No gathered units; a compressed wire's buffers and state (parallel/compress.py)."""
+        return self.compression.state_bytes if self.compression is not None else 0
 
     @property
     def grad_bytes(self) -> int:
@@ -84,7 +94,10 @@ class GradReducer:
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             b = self.buckets[self._next]
-            b.handle = self.comm.all_reduce(b.buffer, "dp", async_op=True)
+            if self.compression is None:
+                b.handle = self.comm.all_reduce(b.buffer, "dp", async_op=True)
+            else:
+                b.handle = self.compression.launch(self.comm, self._next, b.buffer, b.params)
             self._next += 1
 
     def finish(self) -> None:
@@ -95,6 +108,11 @@ class GradReducer:
         for b in self.buckets[self._next :]:
             b.pending = 0
         self._launch_ready()
+        if self.compression is not None:
+            waits = [(i, b.buffer, b.handle) for i, b in enumerate(self.buckets)]
+            self.compression.finish(self.comm, [w for w in waits if w[2] is not None])
+            for b in self.buckets:
+                b.handle = None
         for b in self.buckets:
             if b.handle is not None:
                 b.handle.wait()
@@ -125,10 +143,14 @@ def _make_buckets(params: list[nn.Parameter], dtype: torch.dtype, cap: int) -> l
 
 
 def apply_data_parallel(
-    model: nn.Module, comm: Comm, reduce_dtype: torch.dtype, bucket_mb: float
+    model: nn.Module,
+    comm: Comm,
+    reduce_dtype: torch.dtype,
+    bucket_mb: float,
+    compression=None,
 ) -> GradReducer:
     """Attach bucketed, overlapped gradient reduction over `dp` to a materialised model."""
-    return GradReducer(model, comm, reduce_dtype, int(bucket_mb * 1024 * 1024))
+    return GradReducer(model, comm, reduce_dtype, int(bucket_mb * 1024 * 1024), compression)
 
 
 def sync_buffers(model: nn.Module, comm: Comm) -> None:

@@ -26,6 +26,7 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
         "dp": d.dp,
         "tp": d.tp,
         "zero": cfg.parallel.zero,
+        "grad_compression": _compression(cfg),
         "model": cfg.model.name,
         "arch": d.spec.arch,
         "params": n,
@@ -53,9 +54,14 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
     for key in ("step_time_s", "tokens_per_s", "mfu", "time"):  # transformer models only
         if key in pred:
             record[key] = pred[key]
-    slow = cpu_precision_warning(cfg.precision.compute, hw)
-    if slow:
-        record["warnings"] = [slow]
+    warnings = [cpu_precision_warning(cfg.precision.compute, hw)]
+    if cfg.parallel.grad_compression != "none" and d.dp == 1:
+        warnings.append(
+            f"shardwise: parallel.grad_compression={cfg.parallel.grad_compression} has no "
+            "effect here: dp=1, no gradient is all-reduced over data-parallel ranks."
+        )
+    if any(warnings):
+        record["warnings"] = [w for w in warnings if w]
     return record
 
 
@@ -123,6 +129,8 @@ def print_explain(r: dict) -> None:
         ("dp traffic per step/rank", human_bytes(r["comm_bytes"]["dp"])),
         ("hardware", r["hardware"]),
     ]
+    if r.get("grad_compression", "none") != "none":
+        rows.insert(-1, ("dp gradient compression", r["grad_compression"]))
     if "step_time_s" in r:
         rows += [
             ("predicted step time (s)", f"{r['step_time_s']:.4g}"),
@@ -137,3 +145,12 @@ def print_explain(r: dict) -> None:
         print(f"  {key:<12} {human_bytes(value):>10}  ({value:,} B)")
     for line in r.get("warnings", []):
         print(line)
+
+
+def _compression(cfg: Config) -> str:
+    p = cfg.parallel
+    if p.grad_compression == "none":
+        return "none"
+    if p.grad_compression == "powersgd":
+        return f"powersgd (rank {p.powersgd_rank}, warm start {p.powersgd_warm_start})"
+    return f"{p.grad_compression} wire"

@@ -1,5 +1,6 @@
 """What is planned (`Job`: model, hardware, batch, precision, fine-tuning) and one way to run
-it (`Layout`: degrees, ZeRO stage, schedule, micro-batch, recompute, offload)."""
+it (`Layout`: degrees, ZeRO stage, schedule, micro-batch, recompute, offload, gradient
+compression)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class Job:
     pp_split: str = ""  # parallel.pp_split: blocks per pipeline chunk ("" = balanced cut)
     bucket_mb: float = 25.0  # parallel.bucket_mb: the data-parallel gradient bucket cap
     quantised_bytes: int = 0  # a quantised frozen base kept whole on every rank (finetune/quant)
+    powersgd_rank: int = 4  # parallel.powersgd_rank (layouts with compression='powersgd')
 
     @property
     def bc(self) -> int:
@@ -74,6 +76,7 @@ class Layout:
     micro_batch: int = 1
     recompute: str = "none"
     offload: str = "none"
+    compression: str = "none"  # parallel.grad_compression: what the ZeRO-0 all-reduce sends
 
     def micro_batches(self, job: Job) -> int:
         """Micro-batches per rank per step (gradient accumulation / pipeline micro-batches)."""

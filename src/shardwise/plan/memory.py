@@ -15,6 +15,7 @@ from functools import lru_cache
 
 from shardwise.optim import QUANT_BLOCK
 from shardwise.plan import activations as act
+from shardwise.plan import compression
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.shapes import Unit, linear_shapes, split_trainable, units
 
@@ -290,6 +291,7 @@ def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
         us = stage_units(job, layout, st)
         mem = model_states(us, job, layout.dp, layout.zero, layout.offload)
         mem["buffers"] = zero_transient(us, job, layout.dp, layout.zero)
+        mem["buffers"] += compression.state_bytes(job, layout, us)
         if job.finetune.quantised:  # one linear dequantised to compute dtype at a time
             mem["buffers"] += (
                 max(a * b for a, b in linear_shapes(job.spec, layout.tp).values()) * job.bc

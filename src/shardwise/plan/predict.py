@@ -49,6 +49,7 @@ def job_from_config(
         finetune=finetune or finetune_of(cfg, spec or model_spec(cfg)),
         pp_split=cfg.parallel.pp_split,
         bucket_mb=cfg.parallel.bucket_mb,
+        powersgd_rank=cfg.parallel.powersgd_rank,
     )
 
 
@@ -84,6 +85,7 @@ def layout_from_config(cfg: Config, derived) -> Layout:
         micro_batch=derived.micro_batch,
         recompute=cfg.memory.recompute,
         offload=cfg.memory.offload,
+        compression=p.grad_compression,
     )
 
 
@@ -92,7 +94,7 @@ def model_units(model: torch.nn.Module) -> list[Unit]:
     frozen parameters apart, as the engine keeps them)."""
     return split_trainable(
         [
-            Unit(name, tuple((p.numel(), p.requires_grad) for *_, p in entries))
+            Unit(name, tuple((p.numel(), p.requires_grad, tuple(p.shape)) for *_, p in entries))
             for name, entries, _ in unit_roots(model)
         ]
     )

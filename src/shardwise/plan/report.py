@@ -23,6 +23,7 @@ def why(rec: dict) -> str:
         "exposed dp comm": t["dp_exposed_s"],
         "optimizer": t["optimizer_s"],
         "offload": t["offload_s"],
+        "compression": t.get("compression_s", 0.0),
     }
     step = rec["step_time_s"]
     top = sorted(((v, k) for k, v in costs.items() if v >= 0.005 * step), reverse=True)[:2]

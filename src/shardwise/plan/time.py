@@ -9,8 +9,9 @@ call (the alpha-beta model, Hockney 1994), with calls counted as comm.py counts 
 
 from __future__ import annotations
 
-from shardwise.plan import kernels
+from shardwise.plan import compression, kernels
 from shardwise.plan import memory as mem
+from shardwise.plan.compression import bucket_calls, sent_bytes
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.shapes import non_embedding_params
 
@@ -68,7 +69,6 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     reduced = sum(
         mem.padded_numel(u, dp, align) * u.count for u in us if any(e[1] for e in u.entries)
     )
-    trainable = sum(e[0] * u.count for u in us for e in u.entries if e[1])
     bc, br, ring = job.bc, job.br, _ring(dp)
     # ZeRO-0: one all-reduce of every gradient per step; ZeRO-1: a reduce-scatter once and an
     # all-gather of the updated slices; ZeRO-2: reduce-scatter every micro-batch; ZeRO-3: and
@@ -76,7 +76,7 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     scatters = {0: 0, 1: 1, 2: m, 3: m}[layout.zero]
     gathers = {0: 0, 1: 1, 2: 1, 3: 2 * m}[layout.zero]
     dp_kinds = {
-        "all_reduce": 2 * ring * trainable * br if layout.zero == 0 else 0.0,
+        "all_reduce": 2 * ring * sent_bytes(job, layout, us) if layout.zero == 0 else 0.0,
         "reduce_scatter": ring * reduced * br * scatters,
         "all_gather": ring * (padded if layout.zero == 3 else reduced) * bc * gathers,
     }
@@ -120,7 +120,7 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
     dp_calls = 0
     if dp > 1:  # ZeRO-0: one all-reduce per bucket; ZeRO-1/2/3: per unit, as in `traffic`
         dp_calls = {
-            0: _buckets(units, job.br, job.bucket_mb),
+            0: sum(bucket_calls(job, layout, b) for b in _buckets(units, job.br, job.bucket_mb)),
             1: 2 * n_units,
             2: (m + 1) * n_units,
             3: m * n_units + 2 * m * n_all,
@@ -142,19 +142,21 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
     return {"dp": dp_calls, "tp": tp_calls, "pp": pp_calls}
 
 
-def _buckets(units, nbytes: int, cap_mb: float) -> int:
-    """parallel/data.py's buckets: trainable parameters in reverse order, a new bucket when
-    the next one would pass the cap."""
-    cap, count, size = int(cap_mb * 1024 * 1024), 0, 0
+def _buckets(units, nbytes: int, cap_mb: float) -> list[list[tuple]]:
+    """parallel/data.py's buckets, as (unit, entry) lists: trainable parameters in reverse
+    order, a new bucket when the next one would pass the cap."""
+    cap, out, size = int(cap_mb * 1024 * 1024), [], 0
     for u in reversed(units):
         for _ in range(u.count):
             for e in reversed(u.entries):
                 if not e[1]:
                     continue
-                if count == 0 or (size and size + e[0] * nbytes > cap):
-                    count, size = count + 1, 0
+                if not out or (size and size + e[0] * nbytes > cap):
+                    out.append([])
+                    size = 0
+                out[-1].append((u, e))
                 size += e[0] * nbytes
-    return count
+    return out
 
 
 def _tp_partial(spec, t: int, sp: bool) -> int:
@@ -253,6 +255,7 @@ def step_time(
         offload = elems * (job.br + job.bc) / hw.host_bw
         if layout.offload == "optimizer+params":  # slices fetched for every gather
             offload += 2 * m * mem_bytes.get("host_params", 0) / hw.host_bw
+    squeeze = slowdown * compression.seconds(job, layout, mem.stage_units(job, layout, 0))
     parts = {
         "compute_s": compute,
         "bubble_s": bubble,
@@ -262,6 +265,7 @@ def step_time(
         "dp_exposed_s": dp_exposed,
         "optimizer_s": optimizer,
         "offload_s": offload,
+        "compression_s": squeeze,
     }
-    parts["step_s"] = compute + bubble + tp_s + pp_s + dp_exposed + optimizer + offload
+    parts["step_s"] = compute + bubble + tp_s + pp_s + dp_exposed + optimizer + offload + squeeze
     return parts

@@ -21,8 +21,30 @@ from shardwise.training.runtime import data_spec, freeze, init_distributed
 from shardwise.training.validate import derive
 
 
+def _compress_like(ddp: DistributedDataParallel, cfg: Config) -> None:
+    """DDP's own communication hook for `parallel.grad_compression` (none: its default)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    kind = cfg.parallel.grad_compression
+    if kind in ("bf16", "fp16"):
+        ddp.register_comm_hook(None, getattr(default_hooks, f"{kind}_compress_hook"))
+    elif kind == "powersgd":
+        # DDP's hook runs plain all-reduces until start_powerSGD_iter, at least 2 with error
+        # feedback and warm start; ours compresses from the first step
+        state = psgd.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=cfg.parallel.powersgd_rank,
+            start_powerSGD_iter=2,
+            warm_start=cfg.parallel.powersgd_warm_start,
+            random_seed=cfg.train.seed,
+        )
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+
+
 def ddp_peer(cfg: Config) -> dict:
-    """Train `cfg` (data parallel, fp32) with torch's DistributedDataParallel."""
+    """Train `cfg` (data parallel, fp32) with torch's DistributedDataParallel (and its
+    compression hook for `parallel.grad_compression`)."""
     info = init_distributed(cfg)
     d = derive(cfg, dist.get_world_size())
     data = load_data(data_spec(cfg, d.spec.vocab_size), "train")
@@ -38,6 +60,7 @@ def ddp_peer(cfg: Config) -> dict:
     else:
         init_weights(model, cfg.train.seed)
     ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.parallel.bucket_mb)
+    _compress_like(ddp, cfg)
     o = cfg.optim
     trained = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trained if p.ndim >= 2]

@@ -29,6 +29,7 @@ from shardwise.models.auto import weights_for
 from shardwise.models.hf_weights import load_weights
 from shardwise.models.tp_plans import plan_for
 from shardwise.optim import QUANT_BLOCK, MixedPrecisionAdamW, replicated_targets
+from shardwise.parallel.compress import make_compression
 from shardwise.parallel.data import GradReducer, apply_data_parallel
 from shardwise.parallel.pipeline import Pipeline, apply_pipeline
 from shardwise.parallel.recompute import apply_recompute
@@ -222,7 +223,11 @@ def parallelize(
         init_weights(model, run_cfg.train.seed)
     cast_for_compute(model, compute)
     # 5. Data parallelism attaches gradient buckets to the materialised parameters.
-    reducer = apply_data_parallel(model, comm, reduce, run_cfg.parallel.bucket_mb)
+    par = run_cfg.parallel
+    compression = make_compression(
+        par.grad_compression, par.powersgd_rank, par.powersgd_warm_start, run_cfg.train.seed
+    )
+    reducer = apply_data_parallel(model, comm, reduce, par.bucket_mb, compression)
     return model, reducer, tp, pipeline
 
 

@@ -169,6 +169,36 @@ def _checkpoint(cfg: Config) -> None:
         )
 
 
+def _check_compression(cfg: Config) -> None:
+    p, kind = cfg.parallel, cfg.parallel.grad_compression
+    if kind == "none":
+        return
+    if p.zero:
+        raise ConfigError(
+            f"parallel.grad_compression={kind} compresses the data-parallel all-reduce, and "
+            f"parallel.zero={p.zero} reduce-scatters instead (a low-rank or 16-bit sum of "
+            "shards is not implemented). Fix: --parallel.zero=0, or "
+            "--parallel.grad_compression=none (ZeRO sends precision.reduce)."
+        )
+    if cfg.precision.reduce != "fp32":
+        raise ConfigError(
+            f"parallel.grad_compression={kind} keeps fp32 gradient buffers and compresses "
+            f"only what is sent, but precision.reduce={cfg.precision.reduce} makes the buffers "
+            f"{cfg.precision.reduce} already. Fix: --precision.reduce=fp32."
+        )
+    if kind == "powersgd" and p.powersgd_rank < 1:
+        raise ConfigError(
+            f"parallel.powersgd_rank={p.powersgd_rank} must be >= 1. Fix: e.g. "
+            "--parallel.powersgd_rank=4"
+        )
+    if kind == "powersgd" and cfg.precision.compute == "fp16":
+        raise ConfigError(
+            "parallel.grad_compression=powersgd keeps an error memory across steps, and "
+            "precision.compute=fp16 scales the gradients by a loss scale that changes (and "
+            "skips steps). Fix: --precision.compute=bf16 or fp32."
+        )
+
+
 def derive(cfg: Config, world: int) -> Derived:
     """Validate `cfg` for `world` ranks and compute the values every later stage needs."""
     _positive(cfg)
@@ -196,6 +226,7 @@ def derive(cfg: Config, world: int) -> Derived:
         raise ConfigError(
             "run.device='cuda' but no CUDA device is visible. Fix: --run.device=cpu or auto."
         )
+    _check_compression(cfg)
     spec = model_spec(cfg)
     pp, dp, tp = degrees(world, p.tp, p.pp)
     is_image = spec.arch.startswith("resnet")
