@@ -25,6 +25,7 @@ def layout_overrides(c: dict) -> list[str]:
         f"--train.micro_batch={c['micro_batch']}",
         f"--memory.recompute={c['recompute']}",
         f"--memory.offload={c['offload']}",
+        f"--parallel.grad_compression={c.get('compression', 'none')}",
     ]
     if c["tp"] > 1:
         out.append(f"--parallel.sp={str(c['sp']).lower()}")

@@ -19,6 +19,7 @@ def apply_layout(cfg: Config, cand: dict) -> Config:
     p.pp_schedule, p.pp_virtual = cand["pp_schedule"], cand["pp_virtual"]
     out.train.micro_batch = cand["micro_batch"]
     out.memory.recompute, out.memory.offload = cand["recompute"], cand["offload"]
+    p.grad_compression = cand.get("compression", "none")  # the search's choice (ZeRO-0 only)
     return out
 
 
@@ -42,7 +43,8 @@ def auto_config(cfg: Config, nproc: int) -> Config:
         print(
             f"shardwise: --plan auto on {nproc} x {hw.name}: tp={cand['tp']} pp={cand['pp']} "
             f"dp={cand['dp']} zero={cand['zero']} micro_batch={cand['micro_batch']} "
-            f"recompute={cand['recompute']} offload={cand['offload']} | predicted "
+            f"recompute={cand['recompute']} offload={cand['offload']} "
+            f"grad_compression={cand.get('compression', 'none')} | predicted "
             f"{cand['step_time_s']:.3g} s/step, {cand['tokens_per_s']:,.0f} tokens/s, "
             f"peak {cand['peak_bytes'] / 1e9:.2f} GB/rank"
             + (f" ({skipped} faster layouts need features not in this version)" if skipped else ""),
@@ -67,6 +69,7 @@ def _overrides(cfg: Config, chosen: Config) -> list[str]:
         ("train", "micro_batch"),
         ("memory", "recompute"),
         ("memory", "offload"),
+        ("parallel", "grad_compression"),
     ]
     out = []
     for section, key in keys:

@@ -50,6 +50,8 @@ class Job:
     bucket_mb: float = 25.0  # parallel.bucket_mb: the data-parallel gradient bucket cap
     quantised_bytes: int = 0  # a quantised frozen base kept whole on every rank (finetune/quant)
     powersgd_rank: int = 4  # parallel.powersgd_rank (layouts with compression='powersgd')
+    # what the search may send ZeRO-0 gradients as: none, plus the config's grad_compression
+    compressions: tuple[str, ...] = ("none",)
 
     @property
     def bc(self) -> int:
@@ -92,6 +94,7 @@ class Layout:
         return (
             f"tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp}{sched} dp{self.dp} "
             f"z{self.zero} mb{self.micro_batch} rc={self.recompute} off={self.offload}"
+            + (f" wire={self.compression}" if self.compression != "none" else "")
         )
 
 

@@ -50,6 +50,7 @@ def job_from_config(
         pp_split=cfg.parallel.pp_split,
         bucket_mb=cfg.parallel.bucket_mb,
         powersgd_rank=cfg.parallel.powersgd_rank,
+        compressions=tuple(dict.fromkeys(("none", cfg.parallel.grad_compression))),
     )
 
 

@@ -28,7 +28,9 @@ def why(rec: dict) -> str:
     step = rec["step_time_s"]
     top = sorted(((v, k) for k, v in costs.items() if v >= 0.005 * step), reverse=True)[:2]
     over = "".join(f", {k} {100 * v / step:.0f}%" for v, k in top)
-    return f"{_gb(spare)} GB spare; compute {100 * t['compute_s'] / step:.0f}%{over}"
+    wire = rec.get("compression", "none")
+    wire = f"; dp sends {wire}" if wire != "none" else ""
+    return f"{_gb(spare)} GB spare; compute {100 * t['compute_s'] / step:.0f}%{over}{wire}"
 
 
 def table(cands: list[dict], top: int) -> str:
@@ -67,7 +69,8 @@ def explain_candidate(r: dict, n: int) -> str:
     lines = [f"candidate #{n}: tp={r['tp']} sp={r['sp']} pp={r['pp']} dp={r['dp']}"]
     lines.append(
         f"  zero={r['zero']} schedule={r['pp_schedule']} v={r['pp_virtual']} "
-        f"micro_batch={r['micro_batch']} recompute={r['recompute']} offload={r['offload']}"
+        f"micro_batch={r['micro_batch']} recompute={r['recompute']} offload={r['offload']} "
+        f"compression={r.get('compression', 'none')}"
     )
     lines.append("  memory per rank (max over ranks):")
     for key, value in r["mem_bytes"].items():

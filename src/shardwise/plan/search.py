@@ -122,10 +122,13 @@ def layouts(job: Job):
             mbs = [b for b in _pow2_upto(per_rank) if per_rank % b == 0] or [1]
             # sequence parallelism always with tp: less activation memory for the same
             # communication volume (Korthikanti et al. 2022 §4.2.2)
+            # gradient compression (ZeRO-0 over dp > 1 only): none, and what the config asks
             for (sched, v), mb, zero, rc, off in itertools.product(
                 scheds, mbs, range(4), RECOMPUTE, OFFLOAD
             ):
-                yield Layout(tp, pp, dp, zero, tp > 1, sched, v, mb, rc, off)
+                wires = job.compressions if zero == 0 and dp > 1 else ("none",)
+                for wire in wires:
+                    yield Layout(tp, pp, dp, zero, tp > 1, sched, v, mb, rc, off, wire)
 
 
 def search(job: Job) -> Result:
