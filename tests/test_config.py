@@ -96,6 +96,8 @@ GOLDEN_KEYS = [
     "precision.scale_window",
     "memory.recompute",
     "memory.offload",
+    "memory.nvme_dir",
+    "memory.nvme_buffer_mb",
     "checkpoint.every",
     "checkpoint.keep",
     "checkpoint.dir",

@@ -1,8 +1,8 @@
 """The planner against measured runs: model-state bytes exactly equal to the engine's own
-accounting, and peak memory (`total`) within 5% (the issue's bound; measured: exact), over 25
-layouts (DP, gradient compression, ZeRO 1-3, offload, recompute, accumulation, GPT-2, tied,
-tp, sp and pp) in one 2-rank world; traffic and collective calls per mesh dimension as
-comm.py counts them."""
+accounting, and peak memory (`total`) within 5% (the issue's bound; measured: exact), over 26
+layouts (DP, gradient compression, ZeRO 1-3, offload to host and disk, recompute,
+accumulation, GPT-2, tied, tp, sp and pp) in one 2-rank world; traffic and collective calls
+per mesh dimension as comm.py counts them."""
 
 import pytest
 
@@ -24,6 +24,12 @@ LAYOUTS = {
     "z2_bf16": ["--parallel.zero=2", *BF16],
     "z3_bf16": ["--parallel.zero=3", *BF16],
     "z1_offload": ["--parallel.zero=1", "--memory.offload=optimizer"],
+    # the state on disk, streamed through two 64 KB buffers per region
+    "z1_nvme": [
+        "--parallel.zero=1",
+        "--memory.offload=optimizer+nvme",
+        "--memory.nvme_buffer_mb=0.0625",
+    ],
     "z2_offload_accum": [
         "--parallel.zero=2",
         "--memory.offload=optimizer",
@@ -104,7 +110,7 @@ def test_prediction_matches_measured_memory(measured, name):
     cfg = load_config(None, [*SMALL, *RUN[name]])
     pred = explain_record(cfg, 2, get_hardware("cpu", calibrate=False))
     pm, mm = pred["mem_bytes"], got["mem_bytes"]
-    for key in (*STATES, "host_params", "host_master", "host_optimizer"):
+    for key in (*STATES, "host_params", "host_master", "host_optimizer", "disk_optimizer"):
         assert pm.get(key, 0) == mm.get(key, 0), key
     assert abs(pm["total"] - mm["total"]) <= 0.05 * mm["total"], (pm, mm)
     # measured: exact on every layout here, GPipe's m micro-batches of logits on the last

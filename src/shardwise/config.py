@@ -256,8 +256,20 @@ class MemoryConfig:
         "Activation recomputation: selective recomputes attention/MLP internals, full "
         "recomputes whole blocks.",
     )
-    offload: Literal["none", "optimizer", "optimizer+params"] = opt(
-        "none", "Keep optimizer state (and parameters) in host memory."
+    offload: Literal["none", "optimizer", "optimizer+params", "optimizer+nvme"] = opt(
+        "none",
+        "Keep optimizer state (and parameters) in host memory; optimizer+nvme: the fp32 masters "
+        "and AdamW moments on local disk (memory.nvme_dir), streamed through two host buffers.",
+    )
+    nvme_dir: str = opt(
+        "",
+        "Where optimizer+nvme keeps each rank's state (a folder of its own, removed at the "
+        "end; '' = run.dir). Use a fast local disk.",
+    )
+    nvme_buffer_mb: float = opt(
+        16.0,
+        "optimizer+nvme: MB of each of the 3 regions (master, 2 moments) per host buffer; two "
+        "buffers stream the state (one chunk steps while the other is written back and refilled).",
     )
 
 

@@ -119,7 +119,7 @@ def local_state(run) -> list[Local]:
         moments = opt.moments(m)  # fp32 for any optimizer (8-bit: dequantised copies)
         for kind, v in moments.items():
             out += slices_of(f"{kind}/{key(t.name)}", p, span, _flat(v))
-        if "state1" in opt.inner.state.get(m, {}):  # 8-bit: quantised back once loaded
+        if opt.inner is not None and "state1" in opt.inner.state.get(m, {}):  # 8-bit: requantised
             out[-1].after_load = lambda m=m, v=moments: opt.store_moments(m, v)
     for prefix, module in run.model.named_modules():
         for leaf, b in module._buffers.items():
@@ -131,9 +131,7 @@ def local_state(run) -> list[Local]:
 
 def adam_step(opt: MixedPrecisionAdamW) -> int:
     """AdamW's step count (the same for every tensor: a skipped step skips them all)."""
-    for state in opt.inner.state.values():
-        return int(state["step"])
-    return 0
+    return opt.adam_steps()
 
 
 def assign_writers(held: list[list[io.Piece]]) -> dict[io.Piece, int]:

@@ -34,6 +34,9 @@ class Hardware:
     per_node: int  # devices per node
     host_memory: int  # bytes of host memory per device (a node's RAM / per_node)
     host_mem_bw: float = 25e9  # bytes/s of host RAM per device (a ~200 GB/s server / 8)
+    # bytes/s of local disk per device for optimizer+nvme: an assumption, not measured (one
+    # PCIe 4 NVMe drive's ~6-7 GB/s shared by the 8 devices of a node, rounded down)
+    disk_bw: float = 1e9
     matmul_eff: float = 0.7  # achieved / peak for a training step's compute
     comm_eff: float = 0.8  # achieved / peak link bandwidth for ring collectives
     mem_eff: float = 0.8  # achieved / peak memory bandwidth for element-wise kernels

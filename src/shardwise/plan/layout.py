@@ -52,6 +52,7 @@ class Job:
     powersgd_rank: int = 4  # parallel.powersgd_rank (layouts with compression='powersgd')
     # what the search may send ZeRO-0 gradients as: none, plus the config's grad_compression
     compressions: tuple[str, ...] = ("none",)
+    nvme_chunk: int = 1 << 22  # memory.nvme_buffer_mb in fp32 elements (optimizer+nvme)
 
     @property
     def bc(self) -> int:

@@ -89,13 +89,13 @@ def model_states(us: list[Unit], job: Job, dp: int, stage: int, offload: str) ->
     """Device (and host, with offload) model-state bytes per rank (max over dp ranks)."""
     master = 4 if (job.precision != "fp32" or offload != "none") else 0
     key = (tuple(us), dp, stage, offload, job.bc, job.br, master, job.finetune.optim_8bit)
-    states = dict(_model_states(*key))
+    states = dict(_model_states(*key, job.nvme_chunk))
     states["params"] += job.quantised_bytes  # outside the ZeRO units, on every rank
     return states
 
 
 @lru_cache(maxsize=8192)
-def _model_states(us, dp, stage, offload, bc, br, master, eight) -> tuple:
+def _model_states(us, dp, stage, offload, bc, br, master, eight, chunk) -> tuple:
     ranks = 1 if stage == 0 else dp
     params = grads = 0.0
     own, pieces, blocks = [0] * ranks, [0] * ranks, [0] * ranks
@@ -123,6 +123,13 @@ def _model_states(us, dp, stage, offload, bc, br, master, eight) -> tuple:
         states["master"] = states["optimizer"] = 0.0
     if offload == "optimizer+params":
         states["host_params"], states["params"] = states["params"], 0.0
+    if offload == "optimizer+nvme":  # optim/nvme.py: masters and both moments in one file,
+        # streamed through two host slots of `chunk` elements per region (one if it all fits)
+        n = max(own)
+        slot = min(chunk, n)
+        slots = min(2, -(-n // slot)) if n else 0
+        states["host_master"], states["host_optimizer"] = 4.0 * slot * slots, 8.0 * slot * slots
+        states["disk_optimizer"] = 12.0 * n
     return tuple(states.items())
 
 
@@ -297,7 +304,7 @@ def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
                 max(a * b for a, b in linear_shapes(job.spec, layout.tp).values()) * job.bc
             )
         mem["activations"] = activation_bytes(job, layout, st)
-        mem["total"] = sum(v for k, v in mem.items() if not k.startswith("host_"))
+        mem["total"] = sum(v for k, v in mem.items() if not k.startswith(("host_", "disk_")))
         per_stage.append(mem)
     keys = list(per_stage[0]) + [k for m in per_stage[1:] for k in m if k not in per_stage[0]]
     return {k: max(m.get(k, 0.0) for m in per_stage) for k in keys}
@@ -309,5 +316,5 @@ def states_only(params: int, job: Job, dp: int, stage: int, offload: str = "none
     mem = model_states([unit], job, dp, stage, offload)
     mem["optimizer"] -= 4  # the paper counts no step counter
     mem["activations"] = 0.0
-    mem["total"] = sum(v for k, v in mem.items() if not k.startswith("host_"))
+    mem["total"] = sum(v for k, v in mem.items() if not k.startswith(("host_", "disk_")))
     return mem

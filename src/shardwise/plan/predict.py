@@ -51,6 +51,7 @@ def job_from_config(
         bucket_mb=cfg.parallel.bucket_mb,
         powersgd_rank=cfg.parallel.powersgd_rank,
         compressions=tuple(dict.fromkeys(("none", cfg.parallel.grad_compression))),
+        nvme_chunk=max(1, int(cfg.memory.nvme_buffer_mb * 1024 * 1024) // 4),
     )
 
 
@@ -170,7 +171,7 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload)
         states["buffers"] = mem.zero_transient(us, job, layout.dp, layout.zero) + module_buffers
         states["activations"] = activations
-        states["total"] = sum(v for k, v in states.items() if not k.startswith("host_"))
+        states["total"] = sum(v for k, v in states.items() if not k.startswith(("host_", "disk_")))
         # data-parallel traffic and calls from the real units (tp = pp = 1 for these models)
         real = dataclasses.replace(job, frozen=tuple(us))
         return n, {

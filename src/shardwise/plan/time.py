@@ -245,16 +245,21 @@ def step_time(
     dp_exposed = dp_s - hidden
     local = mem_bytes.get("master", 0) + mem_bytes.get("host_master", 0)
     elems = local / 4 if local else mem_bytes["optimizer"] / 8
+    if layout.offload == "optimizer+nvme":  # host_master is only the streaming slots
+        elems = mem_bytes["disk_optimizer"] / 12
     if hw.measured_kernels:  # the optimizer runs on this CPU: its measured rate
         optimizer = elems * kernels.adam_seconds_per_element() * slowdown
     else:
         opt_bw = hw.host_mem_bw if layout.offload != "none" else hw.hbm_bw * hw.mem_eff
         optimizer = elems * ADAM_BYTES * slowdown / opt_bw
-    offload = 0.0
+    offload = disk = 0.0
     if layout.offload != "none":  # gradients down, updated parameters up, every step
         offload = elems * (job.br + job.bc) / hw.host_bw
         if layout.offload == "optimizer+params":  # slices fetched for every gather
             offload += 2 * m * mem_bytes.get("host_params", 0) / hw.host_bw
+    if layout.offload == "optimizer+nvme":  # the state read and written once per step while
+        # the CPU steps the chunk before (double-buffered): what the step does not cover
+        disk = max(0.0, 2 * mem_bytes["disk_optimizer"] / hw.disk_bw - optimizer)
     squeeze = slowdown * compression.seconds(job, layout, mem.stage_units(job, layout, 0))
     parts = {
         "compute_s": compute,
@@ -266,6 +271,9 @@ def step_time(
         "optimizer_s": optimizer,
         "offload_s": offload,
         "compression_s": squeeze,
+        "disk_s": disk,  # (the part of the disk traffic the optimizer step does not cover)
     }
-    parts["step_s"] = compute + bubble + tp_s + pp_s + dp_exposed + optimizer + offload + squeeze
+    parts["step_s"] = (
+        compute + bubble + tp_s + pp_s + dp_exposed + optimizer + offload + squeeze + disk
+    )
     return parts

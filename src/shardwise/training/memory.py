@@ -76,6 +76,8 @@ def model_state_bytes(model: nn.Module, reducer, optimizer) -> dict[str, int]:
         states["host_master"] = states.pop("master")
         states["host_optimizer"] = states.pop("optimizer")
         states["master"] = states["optimizer"] = 0
+    if getattr(optimizer, "disk_bytes", 0):  # optimizer+nvme: on disk, beside the others
+        states["disk_optimizer"] = optimizer.disk_bytes
     if getattr(reducer, "host_param_bytes", 0):
         states["host_params"] = reducer.host_param_bytes
         states["params"] -= reducer.host_param_bytes
@@ -85,8 +87,10 @@ def model_state_bytes(model: nn.Module, reducer, optimizer) -> dict[str, int]:
 def step_memory(states: dict[str, int], activations: int) -> dict[str, int]:
     """All categories plus `total` (device memory only): persistent states are resident for
     the whole step, so the peak of the sum is states + the activation peak. Offloaded
-    `host_*` categories are reported beside it, not in it."""
+    `host_*` (and `disk_*`) categories are reported beside it, not in it."""
     out = dict(states)
     out["activations"] = activations
-    out["total"] = sum(v for k, v in states.items() if not k.startswith("host_")) + activations
+    out["total"] = (
+        sum(v for k, v in states.items() if not k.startswith(("host_", "disk_"))) + activations
+    )
     return out

@@ -132,6 +132,8 @@ class Run:
         rank's silence is no longer a hang; a failure explains its peers' stuck collectives)."""
         if self.watchdog is not None:
             self.watchdog.stop(error)
+        if getattr(self, "optimizer", None) is not None:
+            self.optimizer.close()
         release(self.locks)
 
     @property
@@ -325,9 +327,12 @@ def _build(
     if pipeline is not None:  # the norm sums over stages, a tied weight counted once
         targets = pipeline.mark_norm_targets(targets)
         sum_over_shards = pipeline.norm_reducer(sum_over_shards)
-    offload = cfg.memory.offload != "none"
+    offload = cfg.memory.offload in ("optimizer", "optimizer+params")
+    nvme = None
+    if cfg.memory.offload == "optimizer+nvme":
+        nvme = (cfg.memory.nvme_dir or cfg.run.dir, topo.rank)
     optimizer = MixedPrecisionAdamW(
-        targets, cfg, sum_over_shards, after, offload, tp.reduce_partial
+        targets, cfg, sum_over_shards, after, offload, tp.reduce_partial, nvme
     )
     sampler = GlobalSampler(len(train_data), cfg.train.global_batch, cfg.train.seed)
     return Run(

@@ -120,6 +120,7 @@ def _positive(cfg: Config) -> None:
         "optim.eps": cfg.optim.eps,
         "checkpoint.keep": cfg.checkpoint.keep,
         "profile.max_events": cfg.profile.max_events,
+        "memory.nvme_buffer_mb": cfg.memory.nvme_buffer_mb,
     }
     for key, value in checks.items():
         if value <= 0:
@@ -215,6 +216,12 @@ def derive(cfg: Config, world: int) -> Derived:
         raise ConfigError(
             f"memory.offload='{cfg.memory.offload}' needs sharded optimizer state: "
             "parallel.zero=0. Fix: --parallel.zero=1 (or 2, 3)."
+        )
+    if cfg.memory.offload == "optimizer+nvme" and cfg.optim.name != "adamw":
+        raise ConfigError(
+            "memory.offload=optimizer+nvme steps torch's fp32 AdamW on disk, and "
+            f"optim.name={cfg.optim.name} keeps another state. Fix: --optim.name=adamw, "
+            "or --memory.offload=optimizer."
         )
     if cfg.memory.offload == "optimizer+params" and p.zero != 3:
         raise ConfigError(

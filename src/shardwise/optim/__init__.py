@@ -145,15 +145,30 @@ class MixedPrecisionAdamW:
         after_step: Callable[[], None] | None = None,
         offload: bool = False,
         reduce_partial: Callable[[list[torch.Tensor]], None] | None = None,
+        nvme: tuple[str, int] | None = None,
     ) -> None:
         self.targets = targets
         self.params = [t.param for t in targets]
         self.device = self.params[0].device if self.params else torch.device("cpu")
         # Offload (ZeRO-Offload, Ren et al. 2021): fp32 masters and Adam state live in host
         # memory and the update runs on the CPU; only gradients go down, parameters come up.
-        self.offload = offload
-        self.separate_master = offload or any(p.dtype != torch.float32 for p in self.params)
-        if self.separate_master:
+        # `nvme` (folder, rank): they live on local disk instead, streamed through two host
+        # slots (optim/nvme.py; ZeRO-Infinity).
+        self.offload = offload or nvme is not None
+        self.separate_master = self.offload or any(p.dtype != torch.float32 for p in self.params)
+        self.nvme = None
+        if nvme is not None:
+            from shardwise.optim.nvme import NvmeAdamW
+
+            chunk = max(1, int(cfg.memory.nvme_buffer_mb * 1024 * 1024) // 4)
+            self.nvme = NvmeAdamW(nvme[0], nvme[1], [p.shape for p in self.params], chunk)
+            self.masters = self.nvme.masters
+            for m, p in zip(self.masters, self.params, strict=True):
+                m.copy_(p.detach())
+            self.nvme_step, self.lr = 0, cfg.train.lr
+            self.decay = [cfg.optim.weight_decay if t.decay else 0.0 for t in targets]
+            self.hyper = (cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps)
+        elif self.separate_master:
             host = torch.device("cpu") if offload else None
             self.masters = [
                 _host_copy(p) if host else p.detach().float().clone() for p in self.params
@@ -162,7 +177,7 @@ class MixedPrecisionAdamW:
             self.masters = self.params
         decay = [m for m, t in zip(self.masters, targets, strict=True) if t.decay]
         no_decay = [m for m, t in zip(self.masters, targets, strict=True) if not t.decay]
-        self.inner = adamw(decay, no_decay, cfg)
+        self.inner = adamw(decay, no_decay, cfg) if self.nvme is None else None
         self.grad_clip = cfg.optim.grad_clip
         self.sum_over_shards = sum_over_shards
         self.reduce_partial = reduce_partial
@@ -174,12 +189,33 @@ class MixedPrecisionAdamW:
 
     @property
     def master_bytes(self) -> int:
+        if self.nvme is not None:  # in host memory: the masters' row of the two slots
+            return self.nvme.buffer_bytes // 3
         if not self.separate_master:
             return 0
         return sum(m.numel() * m.element_size() for m in self.masters)
 
     @property
+    def disk_bytes(self) -> int:
+        return self.nvme.disk_bytes if self.nvme is not None else 0
+
+    def adam_steps(self) -> int:
+        """AdamW's step count (the same for every tensor: a skipped step skips them all)."""
+        if self.nvme is not None:
+            return self.nvme_step
+        for state in self.inner.state.values():
+            return int(state["step"])
+        return 0
+
+    def close(self) -> None:
+        """Release what lives outside the process (the NVMe state's folder)."""
+        if self.nvme is not None:
+            self.nvme.close()
+
+    @property
     def state_bytes(self) -> int:
+        if self.nvme is not None:  # the moments' rows of the two slots
+            return self.nvme.buffer_bytes * 2 // 3
         seen: dict[int, int] = {}  # by storage: 8-bit AdamW shares its quantisation maps
         for state in self.inner.state.values():
             for v in state.values():
@@ -193,6 +229,9 @@ class MixedPrecisionAdamW:
         so they are layout-free and an 8-bit run resumes in any layout): torch's own state
         tensors, or bitsandbytes' 8-bit blocks dequantised (copies; `store_moments` writes
         edited copies back)."""
+        if self.nvme is not None:  # views of the state on disk: a load writes them in place
+            i = next(k for k, m in enumerate(self.masters) if m is master)
+            return {"exp_avg": self.nvme.exp_avg[i], "exp_avg_sq": self.nvme.exp_avg_sq[i]}
         state = self.inner.state.get(master, {})
         if "state1" not in state:
             return {k: v for k, v in state.items() if k != "step"}
@@ -212,7 +251,7 @@ class MixedPrecisionAdamW:
         """Quantise fp32 moments back into an 8-bit state (torch's: `moments` gave the state
         itself, nothing to do); exactly the state they were dequantised from when the blocks
         are cut alike (`requantise`)."""
-        state = self.inner.state.get(master, {})
+        state = self.inner.state.get(master, {}) if self.inner is not None else {}
         if "state1" not in state:
             return
         for i, name in ((1, "exp_avg"), (2, "exp_avg_sq")):
@@ -223,6 +262,10 @@ class MixedPrecisionAdamW:
     def fresh_state(self, step: int) -> None:
         """Give every master zero moments and the step count `step` (before a checkpoint's
         moments are loaded into them)."""
+        if self.nvme is not None:
+            self.nvme.zero_moments()
+            self.nvme_step = step
+            return
         if not hasattr(self.inner, "init_state"):  # torch: through its own load_state_dict
             sd = self.inner.state_dict()
             params = [p for g in self.inner.param_groups for p in g["params"]]
@@ -243,7 +286,8 @@ class MixedPrecisionAdamW:
                 self.inner.state[p]["step"] = step
 
     def set_lr(self, lr: float) -> None:
-        for group in self.inner.param_groups:
+        self.lr = lr
+        for group in self.inner.param_groups if self.inner is not None else []:
             group["lr"] = lr
 
     @torch.no_grad()
@@ -251,10 +295,13 @@ class MixedPrecisionAdamW:
         """Unscale, measure the global norm, clip and step; returns the norm and whether the
         step was skipped: a non-finite norm skips it on every rank alike, and so does `skip`
         (the caller saw a non-finite loss; every rank must pass the same value)."""
-        for t, m in zip(self.targets, self.masters, strict=True):
-            g = t.grad()
-            m.grad = g.to(m.device, torch.float32, non_blocking=True)
-        grads = [m.grad for m in self.masters]
+        if self.nvme is not None:  # stay where they are: the step takes them chunk by chunk
+            grads = [t.grad() for t in self.targets]
+        else:
+            for t, m in zip(self.targets, self.masters, strict=True):
+                g = t.grad()
+                m.grad = g.to(m.device, torch.float32, non_blocking=True)
+            grads = [m.grad for m in self.masters]
         if self.reduce_partial is not None:
             self.reduce_partial(
                 [g for g, t in zip(grads, self.targets, strict=True) if t.tp == "partial"]
@@ -283,12 +330,17 @@ class MixedPrecisionAdamW:
         if finite and not skip:
             if grads and self.grad_clip > 0 and norm_value > self.grad_clip:
                 torch._foreach_mul_(grads, self.grad_clip / (norm_value + 1e-6))
-            self.inner.step()
-            if self.offload:
-                for p, m in zip(self.params, self.masters, strict=True):
-                    p.copy_(m, non_blocking=True)
-            elif self.separate_master:
-                torch._foreach_copy_(self.params, self.masters)
+            if self.nvme is not None:  # each chunk's masters go into their parameters
+                b1, b2, eps = self.hyper
+                self.nvme.step(grads, self.params, self.decay, self.nvme_step, self.lr, b1, b2, eps)
+                self.nvme_step += 1
+            else:
+                self.inner.step()
+                if self.offload:
+                    for p, m in zip(self.params, self.masters, strict=True):
+                        p.copy_(m, non_blocking=True)
+                elif self.separate_master:
+                    torch._foreach_copy_(self.params, self.masters)
             if self.after_step is not None:
                 self.after_step()
         for m in self.masters:
