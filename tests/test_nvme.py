@@ -3,9 +3,10 @@ host memory down to the streaming buffers (counted, and predicted), checkpoints 
 into other layouts with and without NVMe, the folder cleaned up, a full disk refused.
 
 One spawned world of 2 gloo ranks: host offload and NVMe offload (buffers of 64 KB per
-region, so a rank's ~250k elements stream in 16 chunks) under ZeRO-1, 8 steps with a
-checkpoint at step 4; the NVMe run's checkpoint resumed under ZeRO-3 without offload, and the
-host run's under ZeRO-2 with NVMe.
+region, so a rank's ~250k elements stream in 16 chunks) under ZeRO-1, and ZeRO-3 with its
+parameter slices in host memory and on disk (`params+nvme`), 8 steps with a checkpoint at
+step 4; the NVMe run's checkpoint resumed under ZeRO-3 without offload, and the host run's
+under ZeRO-2 with NVMe.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from shardwise.testing.compare import case, max_param_diff, max_rel
 RUN = ["--train.steps=8", "--checkpoint.every=4"]
 HALF = "step-00000004"
 NVME = ["--memory.offload=optimizer+nvme", "--memory.nvme_buffer_mb=0.0625"]
+PARAMS_NVME = ["--memory.offload=params+nvme", "--memory.nvme_buffer_mb=0.0625"]
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,8 @@ def runs(tmp_path_factory):
         "host": run("host", "--parallel.zero=1", "--memory.offload=optimizer"),
         "nvme": run("nvme", "--parallel.zero=1", *NVME, f"--memory.nvme_dir={disk}"),
         "nvme_to_z3": run("nvme_to_z3", "--parallel.zero=3", resume="nvme"),
+        "z3_host": run("z3_host", "--parallel.zero=3", "--memory.offload=optimizer+params"),
+        "z3_disk": run("z3_disk", "--parallel.zero=3", *PARAMS_NVME, f"--memory.nvme_dir={disk}"),
         "host_to_nvme_z2": run(
             "host_to_nvme_z2",
             "--parallel.zero=2",
@@ -62,6 +66,20 @@ def test_nvme_offload_trains_bitwise_like_host_offload(runs):
     host, nvme = runs["host"], runs["nvme"]
     assert nvme["losses"] == host["losses"]
     assert max_param_diff(nvme["params"], host["params"]) == 0.0
+
+
+def test_zero3_slices_on_disk_train_bitwise_like_slices_in_host_memory(runs):
+    """params+nvme: ZeRO-3's parameter slices in files, the optimizer state too."""
+    host, disk = runs["z3_host"], runs["z3_disk"]
+    assert disk["losses"] == host["losses"]
+    assert max_param_diff(disk["params"], host["params"]) == 0.0
+    hm, dm = host["records"][-1]["mem_bytes"], disk["records"][-1]["mem_bytes"]
+    assert dm["disk_params"] == hm["host_params"] > 0 and "host_params" not in dm
+    assert dm["params"] == hm["params"]  # (0: every slice is offloaded either way)
+    cfg = load_config(None, case("--parallel.zero=3", *PARAMS_NVME)["overrides"])
+    pred = explain_record(cfg, 2, get_hardware("cpu", calibrate=False))["mem_bytes"]
+    for key in ("disk_params", "disk_optimizer", "host_master", "host_optimizer", "params"):
+        assert pred[key] == dm[key], key
 
 
 def test_host_memory_falls_to_the_streaming_buffers_and_the_planner_predicts_it(runs):

@@ -223,8 +223,10 @@ def test_exposed_dp_traffic_in_full_buckets_is_offered_a_bf16_wire():
     assert top["remedy"] == ["--parallel.grad_compression=bf16"]
     sent = lambda b: hw.latency + b / hw.intra_bw  # noqa: E731
     assert top["predicted_step_s"] == pytest.approx(0.12 + 0.08 * sent(2e8) / sent(4e8), rel=1e-4)
-    # compressed already, or ZeRO (which reduce-scatters): no such remedy
-    for extra in (["--parallel.grad_compression=powersgd"], ["--parallel.zero=1"]):
+    # ZeRO's reduce-scatter too; compressed already, or 16-bit gradients: no such remedy
+    cfg = load_config(None, ["--model.name=tiny", "--parallel.zero=1"])
+    assert findings(cfg, 2, mean, ranks, comm, hw)[0]["remedy"] == top["remedy"]
+    for extra in (["--parallel.grad_compression=powersgd"], ["--precision.reduce=bf16"]):
         cfg = load_config(None, ["--model.name=tiny", *extra])
         assert findings(cfg, 2, mean, ranks, comm, hw)[0]["remedy"] == []
 

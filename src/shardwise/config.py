@@ -227,9 +227,9 @@ class ParallelConfig:
     )
     grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = opt(
         "none",
-        "What the data-parallel gradient all-reduce sends (ZeRO-0): none (the fp32 buffers), "
-        "bf16/fp16 (half the bytes, one rounding) or powersgd (rank-powersgd_rank low-rank "
-        "factors with error feedback, Vogels et al. 2019). Buffers stay fp32.",
+        "What the data-parallel gradient reduction sends: none (the fp32 buffers), bf16/fp16 "
+        "(half the bytes; ZeRO's reduce-scatters too) or powersgd (ZeRO-0: rank-powersgd_rank "
+        "low-rank factors with error feedback, Vogels et al. 2019). Buffers stay fp32.",
     )
     powersgd_rank: int = opt(4, "PowerSGD's rank r: r*(m+n) values per compressed m x n matrix.")
     powersgd_warm_start: bool = opt(
@@ -256,10 +256,13 @@ class MemoryConfig:
         "Activation recomputation: selective recomputes attention/MLP internals, full "
         "recomputes whole blocks.",
     )
-    offload: Literal["none", "optimizer", "optimizer+params", "optimizer+nvme"] = opt(
-        "none",
-        "Keep optimizer state (and parameters) in host memory; optimizer+nvme: the fp32 masters "
-        "and AdamW moments on local disk (memory.nvme_dir), streamed through two host buffers.",
+    offload: Literal["none", "optimizer", "optimizer+params", "optimizer+nvme", "params+nvme"] = (
+        opt(
+            "none",
+            "Keep optimizer state (and ZeRO-3 parameter slices) in host memory; optimizer+nvme: "
+            "the fp32 masters and AdamW moments on local disk (memory.nvme_dir), streamed "
+            "through two host buffers; params+nvme (ZeRO-3): the parameter slices there too.",
+        )
     )
     nvme_dir: str = opt(
         "",

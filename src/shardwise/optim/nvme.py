@@ -48,20 +48,7 @@ class NvmeAdamW:
         self.chunk = max(1, min(chunk, self.n or 1))
         self.folder = _own_folder(root, rank)
         path = self.folder / "adamw_state.f32"
-        nbytes = 3 * self.n * 4
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            if nbytes:
-                os.posix_fallocate(fd, 0, nbytes)  # the room, now: never a SIGBUS mid-step
-        except OSError as exc:
-            os.close(fd)
-            self.close()
-            raise ConfigError(
-                f"memory.nvme_dir='{root}' cannot hold this rank's optimizer state "
-                f"({nbytes / 1e9:.2f} GB): {exc.strerror}. Fix: free space there, point "
-                "--memory.nvme_dir at a larger local disk, or --memory.offload=optimizer."
-            ) from None
-        os.close(fd)
+        _reserve(path, 3 * self.n * 4, root, "optimizer state", self.close)
         self.flat = torch.from_file(str(path), shared=True, size=3 * self.n, dtype=torch.float32)
         self.flat.zero_()
         self.masters = [self._view(0, i) for i in range(len(shapes))]
@@ -157,11 +144,51 @@ class NvmeAdamW:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _own_folder(root: str, rank: int) -> Path:
+class DiskTensors:
+    """Tensors backed by files of their own in one folder of this rank's under `root`
+    (`memory.offload=params+nvme`: ZeRO-3's parameter slices). Each file's space is reserved
+    when it is made; the folder goes when the run ends."""
+
+    def __init__(self, root: str, rank: int, what: str = "params") -> None:
+        self.root, self.folder, self.what = root, _own_folder(root, rank, what), what
+        self.nbytes = 0
+        self._count = 0
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        path = self.folder / f"{self.what}{self._count:05d}.bin"
+        self._count += 1
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        _reserve(path, nbytes, self.root, self.what, self.close)
+        self.nbytes += nbytes
+        return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _reserve(path: Path, nbytes: int, root: str, what: str, undo) -> None:
+    """Create `path` (never an existing file) with `nbytes` of disk reserved, or raise the
+    one message naming the folder (after `undo`, which removes ours)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)  # the room, now: never a SIGBUS mid-step
+    except OSError as exc:
+        os.close(fd)
+        undo()
+        raise ConfigError(
+            f"memory.nvme_dir='{root}' cannot hold this rank's {what} ({nbytes / 1e9:.2f} GB "
+            f"more): {exc.strerror}. Fix: free space there, point --memory.nvme_dir at a "
+            "larger local disk, or offload to host memory (--memory.offload=optimizer)."
+        ) from None
+    os.close(fd)
+
+
+def _own_folder(root: str, rank: int, what: str = "optimizer") -> Path:
     base = Path(root)
     try:
         base.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix=f"shardwise-nvme-rank{rank}-", dir=base))
+        return Path(tempfile.mkdtemp(prefix=f"shardwise-nvme-{what}-rank{rank}-", dir=base))
     except OSError as exc:
         raise ConfigError(
             f"memory.nvme_dir='{root}' is not a folder this job can write into: "

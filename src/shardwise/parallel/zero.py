@@ -55,11 +55,18 @@ class ZeroEngine:
         reduce: torch.dtype,
         device: torch.device,
         seed: int,
-        offload_params: bool = False,
+        offload_params=False,
         source=None,
         align: int = 1,
+        wire: torch.dtype | None = None,
     ) -> None:
         self.comm, self.stage = comm, stage
+        # False, True (host memory) or optim/nvme.DiskTensors (params+nvme): where ZeRO-3's
+        # parameter slices live
+        self.store = None if isinstance(offload_params, bool) else offload_params
+        # parallel.grad_compression=bf16/fp16: each reduce-scatter sends a 16-bit copy of the
+        # flat gradients and the owned slice of the sum is taken back into fp32
+        self.wire = wire if comm.topo.size("dp") > 1 else None
         self.sync = True
         n, rank = comm.topo.size("dp"), comm.topo.coord("dp")
         # Trainable and frozen parameters of a root never share a unit: a frozen unit has no
@@ -218,6 +225,15 @@ class ZeroEngine:
     def host_param_bytes(self) -> int:
         return sum(u.param_bytes for u in self.units if u.host_shard)
 
+    @property
+    def disk_param_bytes(self) -> int:
+        return sum(u.param_bytes for u in self.units if u.on_disk)
+
+    def close(self) -> None:
+        """Remove the parameter slices' files (params+nvme)."""
+        if self.store is not None:
+            self.store.close()
+
     def zero_grad(self) -> None:
         for unit in self.units:
             unit.zero_grad()
@@ -255,9 +271,13 @@ class ZeroEngine:
             flat = unit.grad_to_reduce()
             if flat is not unit.grad_full:
                 self._grow(flat.numel() * flat.element_size())
+            send = flat
+            if self.wire is not None:
+                send = flat.to(self.wire)
+                self._grow(send.numel() * send.element_size())
             # in place: the owned slice of the summed buffer lands where it already lives
-            handle = self.comm.reduce_scatter(flat[unit.lo : unit.hi], flat, "dp", async_op=True)
-            self._pending.append((unit, flat, handle))
+            handle = self.comm.reduce_scatter(send[unit.lo : unit.hi], send, "dp", async_op=True)
+            self._pending.append((unit, flat, send, handle))
             while len(self._pending) > 2:  # overlap with backward, bounded to two buffers
                 self._complete()
             unit.done = True
@@ -266,8 +286,11 @@ class ZeroEngine:
             self._next += 1
 
     def _complete(self) -> None:
-        unit, flat, handle = self._pending.pop(0)
+        unit, flat, send, handle = self._pending.pop(0)
         handle.wait()
+        if send is not flat:
+            flat[unit.lo : unit.hi].copy_(send[unit.lo : unit.hi])
+            self._grow(-send.numel() * send.element_size())
         unit.take_reduced(flat)
         if flat is not unit.grad_full:
             self._grow(-flat.numel() * flat.element_size())
@@ -365,14 +388,17 @@ def apply_zero(
     reduce: torch.dtype,
     device: torch.device,
     seed: int,
-    offload_params: bool = False,
+    offload_params=False,
     source=None,
     align: int = 1,
+    wire: torch.dtype | None = None,
 ) -> ZeroEngine:
     """Shard a model that is still on the meta device; returns the engine driving it.
-    `offload_params` (ZeRO-3) keeps each rank's parameter slices in host memory; `source`
+    `offload_params` (ZeRO-3) keeps each rank's parameter slices in host memory (True) or in
+    files of an optim/nvme.DiskTensors; `source`
     (shardwise.models.hf_weights.HFWeights) supplies the values instead of the (seed, name) init;
-    `align` puts parameters and shard boundaries on multiples of it (zero_units.Unit)."""
+    `align` puts parameters and shard boundaries on multiples of it (zero_units.Unit); `wire`
+    the 16-bit dtype the reduce-scatters send (None: the gradients' own)."""
     return ZeroEngine(
-        model, comm, stage, compute, reduce, device, seed, offload_params, source, align
+        model, comm, stage, compute, reduce, device, seed, offload_params, source, align, wire
     )

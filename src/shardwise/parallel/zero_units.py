@@ -101,11 +101,13 @@ class Unit:
         compute: torch.dtype,
         reduce: torch.dtype,
         device: torch.device,
-        host_shard: bool = False,
+        host_shard=False,
         align: int = 1,
     ) -> None:
         self.name, self.stage = name, stage
-        self.host_shard = host_shard
+        # False, True (host memory) or a store of disk-backed tensors (optim/nvme.DiskTensors)
+        self.on_disk = not isinstance(host_shard, bool)
+        self.host_shard = bool(host_shard) and not self.on_disk
         self.modules = modules  # root modules whose forward/backward need this unit
         # `align` > 1 (a block-wise 8-bit optimizer, optim.QUANT_BLOCK): every parameter starts
         # and every shard boundary falls on a multiple of it, so each rank's piece of a
@@ -119,7 +121,10 @@ class Unit:
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
         self.full = torch.zeros(self.padded, dtype=compute, device=device)
         self.full_bytes = self.full.numel() * self.full.element_size()
-        if stage == 3:  # the persistent slice; in host memory with optimizer+params offload
+        if stage == 3 and self.on_disk:  # params+nvme: a file of its own, mapped
+            self.shard = host_shard.empty(self.shard_size, compute)
+            self.shard.zero_()
+        elif stage == 3:  # the persistent slice; in host memory with optimizer+params offload
             where = torch.device("cpu") if host_shard else device
             self.shard = torch.zeros(
                 self.shard_size,

@@ -1,5 +1,6 @@
-"""The planner's view of `parallel.grad_compression` (parallel/compress.py): the bytes a
-ZeRO-0 step sends, its all-reduce calls per bucket, and the state compression keeps.
+"""The planner's view of `parallel.grad_compression` (parallel/compress.py, and the 16-bit
+reduce-scatters of parallel/zero.py): the bytes a step sends, its all-reduce calls per
+bucket, the state compression keeps and the compute it adds.
 
 PowerSGD needs each gradient's shape: a real model's units carry it; for the presets the
 block linears, embeddings, head and LoRA adapters are named. Anything else is counted as
@@ -37,6 +38,11 @@ def _compressed(job: Job, layout: Layout, unit, entry: tuple) -> tuple[int, int]
 
 def _trainable(units) -> list[tuple]:
     return [(u, e) for u in units for e in u.entries if e[1] for _ in range(u.count)]
+
+
+def wire_bytes(job: Job, layout: Layout) -> int:
+    """Bytes per gradient element on a ZeRO reduce-scatter (16-bit wires included)."""
+    return 2 if layout.compression in ("bf16", "fp16") else job.br
 
 
 def sent_bytes(job: Job, layout: Layout, units) -> float:
@@ -86,12 +92,15 @@ def seconds(job: Job, layout: Layout, units) -> float:
     per element each way); PowerSGD multiplies each compressed M by Q, Mᵀ by P and P by Qᵀ
     (6·m·n·r FLOPs, fp32) and passes over M about five times (error in, two products, error
     out, result), 4 bytes each."""
-    if layout.zero or layout.dp == 1 or layout.compression == "none":
+    if layout.dp == 1 or layout.compression == "none":
         return 0.0
     hw, trainable = job.hardware, _trainable(units)
     bw = hw.hbm_bw * hw.mem_eff
     if layout.compression in ("bf16", "fp16"):
-        return 12.0 * sum(e[0] for _, e in trainable) / bw
+        # ZeRO casts every unit's flat gradients at each reduce-scatter (ZeRO-2/3: every
+        # micro-batch) and takes its own slice back
+        times = layout.micro_batches(job) if layout.zero >= 2 else 1
+        return 12.0 * times * sum(e[0] for _, e in trainable) / bw
     flops = moved = 0.0
     for u, e in trainable:
         mn = _compressed(job, layout, u, e)

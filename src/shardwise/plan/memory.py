@@ -123,7 +123,9 @@ def _model_states(us, dp, stage, offload, bc, br, master, eight, chunk) -> tuple
         states["master"] = states["optimizer"] = 0.0
     if offload == "optimizer+params":
         states["host_params"], states["params"] = states["params"], 0.0
-    if offload == "optimizer+nvme":  # optim/nvme.py: masters and both moments in one file,
+    if offload == "params+nvme":  # ZeRO-3's slices in files too (parallel/zero_units.py)
+        states["disk_params"], states["params"] = states["params"], 0.0
+    if offload in ("optimizer+nvme", "params+nvme"):  # optim/nvme.py: masters and moments,
         # streamed through two host slots of `chunk` elements per region (one if it all fits)
         n = max(own)
         slot = min(chunk, n)
@@ -133,8 +135,10 @@ def _model_states(us, dp, stage, offload, bc, br, master, eight, chunk) -> tuple
     return tuple(states.items())
 
 
-def zero_transient(us: list[Unit], job: Job, dp: int, stage: int) -> float:
-    return _zero_transient(tuple(us), dp, stage, job.bc, job.br, align_of(job))
+def zero_transient(us: list[Unit], job: Job, dp: int, stage: int, wire: int = 0) -> float:
+    """`_zero_transient` for `job`; `wire`: bytes per element of a 16-bit copy each
+    reduce-scatter sends (parallel.grad_compression=bf16/fp16), 0 without."""
+    return _zero_transient(tuple(us), dp, stage, job.bc, job.br, align_of(job), wire)
 
 
 def _roots(us: tuple) -> list[list[Unit]]:
@@ -152,13 +156,16 @@ def _roots(us: tuple) -> list[list[Unit]]:
 
 
 @lru_cache(maxsize=8192)
-def _zero_transient(us: tuple, dp: int, stage: int, bc: int, br: int, align: int = 1) -> float:
+def _zero_transient(
+    us: tuple, dp: int, stage: int, bc: int, br: int, align: int = 1, wire: int = 0
+) -> float:
     """Peak bytes of ZeRO's temporary buffers, replaying the engine's schedule (zero.py): ZeRO-3
     holds the root it runs plus the prefetched next unit (backward: the previous root's last
     unit); ZeRO-2/3 reduce-scatter each trainable unit's gradients from a fresh flat buffer, at
     most three in flight (two pending, one launching). Backward visits roots in reverse; at root
-    k: F_k + F_last(k-1) + G_k + G_k+1 + G_k+2 (a frozen unit has no G)."""
-    if stage < 2:
+    k: F_k + F_last(k-1) + G_k + G_k+1 + G_k+2 (a frozen unit has no G). A 16-bit wire adds
+    its copy to each G (ZeRO-1: G is only that copy; its flat buffer is persistent)."""
+    if stage < 2 and not (stage == 1 and wire):
         return 0.0
     roots = _roots(us)
 
@@ -166,7 +173,8 @@ def _zero_transient(us: tuple, dp: int, stage: int, bc: int, br: int, align: int
         return padded_numel(u, dp, align) * nbytes
 
     full = [[size(u, bc) if stage == 3 else 0 for u in r] for r in roots]
-    grad = [sum(size(u, br) for u in r if any(e[1] for e in u.entries)) for r in roots]
+    per = (br if stage >= 2 else 0) + wire
+    grad = [sum(size(u, per) for u in r if any(e[1] for e in u.entries)) for r in roots]
     n, peak = len(roots), 0.0
     for k in range(n):  # forward: the running root + the next root's first unit, prefetched
         peak = max(peak, sum(full[k]) + (full[k + 1][0] if k + 1 < n else 0))
@@ -297,7 +305,8 @@ def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
     for st in stages:
         us = stage_units(job, layout, st)
         mem = model_states(us, job, layout.dp, layout.zero, layout.offload)
-        mem["buffers"] = zero_transient(us, job, layout.dp, layout.zero)
+        wire = 2 if layout.compression in ("bf16", "fp16") and layout.dp > 1 else 0
+        mem["buffers"] = zero_transient(us, job, layout.dp, layout.zero, wire)
         mem["buffers"] += compression.state_bytes(job, layout, us)
         if job.finetune.quantised:  # one linear dequantised to compute dtype at a time
             mem["buffers"] += (

@@ -23,6 +23,7 @@ from shardwise.finetune.quant import quant_layers, quantise_base
 from shardwise.models import build_model, count_params
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.zero_units import unit_roots
+from shardwise.plan import compression
 from shardwise.plan import memory as mem
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import Hardware
@@ -169,7 +170,12 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
             activations = _fake_activations(model, cfg, derived)
     if not formula:  # states + the fake forward's bytes (unsharded models only)
         states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload)
-        states["buffers"] = mem.zero_transient(us, job, layout.dp, layout.zero) + module_buffers
+        wire = 2 if layout.compression in ("bf16", "fp16") and layout.dp > 1 else 0
+        states["buffers"] = (
+            mem.zero_transient(us, job, layout.dp, layout.zero, wire)
+            + compression.state_bytes(job, layout, us)
+            + module_buffers
+        )
         states["activations"] = activations
         states["total"] = sum(v for k, v in states.items() if not k.startswith(("host_", "disk_")))
         # data-parallel traffic and calls from the real units (tp = pp = 1 for these models)

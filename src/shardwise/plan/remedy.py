@@ -112,7 +112,7 @@ def _exposed_dp(cfg: Config, world: int, exposed: float, comm: dict, hw: Hardwar
         evidence += f" (bucket_mb={cfg.parallel.bucket_mb:g}: {predicted[0]} buckets)"
         return _finding("exposed_dp_communication", evidence, remedy, step, new)
     p = cfg.parallel
-    if p.zero == 0 and p.grad_compression == "none" and cfg.precision.reduce == "fp32":
+    if p.grad_compression == "none" and cfg.precision.reduce == "fp32":
         # the same calls with half the bytes: a bf16 wire (parallel/compress.py) rounds each
         # summed gradient once; PowerSGD would send less still, but approximates
         remedy = ["--parallel.grad_compression=bf16"]

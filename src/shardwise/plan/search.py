@@ -122,11 +122,12 @@ def layouts(job: Job):
             mbs = [b for b in _pow2_upto(per_rank) if per_rank % b == 0] or [1]
             # sequence parallelism always with tp: less activation memory for the same
             # communication volume (Korthikanti et al. 2022 §4.2.2)
-            # gradient compression (ZeRO-0 over dp > 1 only): none, and what the config asks
+            # gradient compression over dp > 1 (PowerSGD: ZeRO-0 only): none, and what is asked
             for (sched, v), mb, zero, rc, off in itertools.product(
                 scheds, mbs, range(4), RECOMPUTE, OFFLOAD
             ):
-                wires = job.compressions if zero == 0 and dp > 1 else ("none",)
+                wires = [w for w in job.compressions if dp > 1 and (zero == 0 or w != "powersgd")]
+                wires = wires or ["none"]
                 for wire in wires:
                     yield Layout(tp, pp, dp, zero, tp > 1, sched, v, mb, rc, off, wire)
 

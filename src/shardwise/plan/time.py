@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from shardwise.plan import compression, kernels
 from shardwise.plan import memory as mem
-from shardwise.plan.compression import bucket_calls, sent_bytes
+from shardwise.plan.compression import bucket_calls, sent_bytes, wire_bytes
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.shapes import non_embedding_params
 
@@ -69,7 +69,7 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     reduced = sum(
         mem.padded_numel(u, dp, align) * u.count for u in us if any(e[1] for e in u.entries)
     )
-    bc, br, ring = job.bc, job.br, _ring(dp)
+    bc, ring = job.bc, _ring(dp)
     # ZeRO-0: one all-reduce of every gradient per step; ZeRO-1: a reduce-scatter once and an
     # all-gather of the updated slices; ZeRO-2: reduce-scatter every micro-batch; ZeRO-3: and
     # a gather before forward and before backward
@@ -77,7 +77,7 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     gathers = {0: 0, 1: 1, 2: 1, 3: 2 * m}[layout.zero]
     dp_kinds = {
         "all_reduce": 2 * ring * sent_bytes(job, layout, us) if layout.zero == 0 else 0.0,
-        "reduce_scatter": ring * reduced * br * scatters,
+        "reduce_scatter": ring * reduced * wire_bytes(job, layout) * scatters,
         "all_gather": ring * (padded if layout.zero == 3 else reduced) * bc * gathers,
     }
     if layout.zero == 3 and spec.tie_embeddings and p == 1:
@@ -245,7 +245,7 @@ def step_time(
     dp_exposed = dp_s - hidden
     local = mem_bytes.get("master", 0) + mem_bytes.get("host_master", 0)
     elems = local / 4 if local else mem_bytes["optimizer"] / 8
-    if layout.offload == "optimizer+nvme":  # host_master is only the streaming slots
+    if layout.offload in ("optimizer+nvme", "params+nvme"):  # host_master: only the slots
         elems = mem_bytes["disk_optimizer"] / 12
     if hw.measured_kernels:  # the optimizer runs on this CPU: its measured rate
         optimizer = elems * kernels.adam_seconds_per_element() * slowdown
@@ -257,9 +257,11 @@ def step_time(
         offload = elems * (job.br + job.bc) / hw.host_bw
         if layout.offload == "optimizer+params":  # slices fetched for every gather
             offload += 2 * m * mem_bytes.get("host_params", 0) / hw.host_bw
-    if layout.offload == "optimizer+nvme":  # the state read and written once per step while
-        # the CPU steps the chunk before (double-buffered): what the step does not cover
+    if layout.offload in ("optimizer+nvme", "params+nvme"):  # the state read and written once
+        # per step while the CPU steps the chunk before (double-buffered): what it does not cover
         disk = max(0.0, 2 * mem_bytes["disk_optimizer"] / hw.disk_bw - optimizer)
+        # params+nvme: each slice read for every gather (2 per micro-batch, as host offload)
+        disk += 2 * m * mem_bytes.get("disk_params", 0) / hw.disk_bw
     squeeze = slowdown * compression.seconds(job, layout, mem.stage_units(job, layout, 0))
     parts = {
         "compute_s": compute,

@@ -81,6 +81,9 @@ def model_state_bytes(model: nn.Module, reducer, optimizer) -> dict[str, int]:
     if getattr(reducer, "host_param_bytes", 0):
         states["host_params"] = reducer.host_param_bytes
         states["params"] -= reducer.host_param_bytes
+    if getattr(reducer, "disk_param_bytes", 0):  # params+nvme: in files, mapped
+        states["disk_params"] = reducer.disk_param_bytes
+        states["params"] -= reducer.disk_param_bytes
     return states
 
 

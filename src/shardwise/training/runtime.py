@@ -29,7 +29,7 @@ from shardwise.models.auto import weights_for
 from shardwise.models.hf_weights import load_weights
 from shardwise.models.tp_plans import plan_for
 from shardwise.optim import QUANT_BLOCK, MixedPrecisionAdamW, replicated_targets
-from shardwise.parallel.compress import make_compression
+from shardwise.parallel.compress import WIRE, make_compression
 from shardwise.parallel.data import GradReducer, apply_data_parallel
 from shardwise.parallel.pipeline import Pipeline, apply_pipeline
 from shardwise.parallel.recompute import apply_recompute
@@ -134,6 +134,8 @@ class Run:
             self.watchdog.stop(error)
         if getattr(self, "optimizer", None) is not None:
             self.optimizer.close()
+        if hasattr(self.reducer, "close"):
+            self.reducer.close()
         release(self.locks)
 
     @property
@@ -203,6 +205,11 @@ def parallelize(
         # 4. ZeRO flattens the still-meta parameters into units and materialises only what
         #    this rank keeps (its slices under ZeRO-3), straight from the (seed, name) init.
         offload_params = run_cfg.memory.offload == "optimizer+params"
+        if run_cfg.memory.offload == "params+nvme":  # the slices in files under nvme_dir
+            from shardwise.optim.nvme import DiskTensors
+
+            where = run_cfg.memory.nvme_dir or run_cfg.run.dir
+            offload_params = DiskTensors(where, comm.topo.rank)
         engine = apply_zero(
             model,
             comm,
@@ -214,6 +221,7 @@ def parallelize(
             offload_params,
             source,
             QUANT_BLOCK if run_cfg.optim.name == "adamw8bit" else 1,
+            WIRE.get(run_cfg.parallel.grad_compression),
         )
         return model, engine, tp, pipeline
     # 4. Materialise: without ZeRO the local shard is the whole model. Values depend only on
@@ -329,7 +337,7 @@ def _build(
         sum_over_shards = pipeline.norm_reducer(sum_over_shards)
     offload = cfg.memory.offload in ("optimizer", "optimizer+params")
     nvme = None
-    if cfg.memory.offload == "optimizer+nvme":
+    if cfg.memory.offload in ("optimizer+nvme", "params+nvme"):
         nvme = (cfg.memory.nvme_dir or cfg.run.dir, topo.rank)
     optimizer = MixedPrecisionAdamW(
         targets, cfg, sum_over_shards, after, offload, tp.reduce_partial, nvme

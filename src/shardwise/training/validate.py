@@ -174,12 +174,12 @@ def _check_compression(cfg: Config) -> None:
     p, kind = cfg.parallel, cfg.parallel.grad_compression
     if kind == "none":
         return
-    if p.zero:
+    if p.zero and kind == "powersgd":
         raise ConfigError(
-            f"parallel.grad_compression={kind} compresses the data-parallel all-reduce, and "
-            f"parallel.zero={p.zero} reduce-scatters instead (a low-rank or 16-bit sum of "
-            "shards is not implemented). Fix: --parallel.zero=0, or "
-            "--parallel.grad_compression=none (ZeRO sends precision.reduce)."
+            f"parallel.grad_compression=powersgd sums low-rank factors of whole gradient "
+            f"matrices, and parallel.zero={p.zero} reduce-scatters each rank's slice of them "
+            "instead (no rank holds a whole matrix to factor). Fix: --parallel.zero=0, or "
+            "--parallel.grad_compression=bf16 (a 16-bit reduce-scatter)."
         )
     if cfg.precision.reduce != "fp32":
         raise ConfigError(
@@ -217,11 +217,16 @@ def derive(cfg: Config, world: int) -> Derived:
             f"memory.offload='{cfg.memory.offload}' needs sharded optimizer state: "
             "parallel.zero=0. Fix: --parallel.zero=1 (or 2, 3)."
         )
-    if cfg.memory.offload == "optimizer+nvme" and cfg.optim.name != "adamw":
+    if cfg.memory.offload.endswith("+nvme") and cfg.optim.name != "adamw":
         raise ConfigError(
-            "memory.offload=optimizer+nvme steps torch's fp32 AdamW on disk, and "
+            f"memory.offload={cfg.memory.offload} steps torch's fp32 AdamW on disk, and "
             f"optim.name={cfg.optim.name} keeps another state. Fix: --optim.name=adamw, "
             "or --memory.offload=optimizer."
+        )
+    if cfg.memory.offload == "params+nvme" and p.zero != 3:
+        raise ConfigError(
+            f"memory.offload='params+nvme' puts ZeRO-3's parameter slices on disk, but "
+            f"parallel.zero={p.zero}. Fix: --parallel.zero=3, or --memory.offload=optimizer+nvme."
         )
     if cfg.memory.offload == "optimizer+params" and p.zero != 3:
         raise ConfigError(
