@@ -51,6 +51,13 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
         or {"dp": 0.0, "tp": 0.0, "pp": 0.0},
         "comm_calls": pred.get("comm_calls", {"dp": 0, "tp": 0, "pp": 0}),
     }
+    mem_b = pred["mem_bytes"]
+    if mem_b.get("disk_optimizer") or mem_b.get("disk_params"):  # optim/nvme.py, per step:
+        # the state read and written once, each slice read for every gather
+        gathers = 2 * d.micro_batches if cfg.parallel.zero == 3 else 0
+        record["disk_bytes_per_step"] = 2 * mem_b.get("disk_optimizer", 0) + gathers * mem_b.get(
+            "disk_params", 0
+        )
     for key in ("step_time_s", "tokens_per_s", "mfu", "time"):  # transformer models only
         if key in pred:
             record[key] = pred[key]
@@ -131,6 +138,8 @@ def print_explain(r: dict) -> None:
     ]
     if r.get("grad_compression", "none") != "none":
         rows.insert(-1, ("dp gradient compression", r["grad_compression"]))
+    if r.get("disk_bytes_per_step"):
+        rows.insert(-1, ("disk traffic per step/rank", human_bytes(r["disk_bytes_per_step"])))
     if "step_time_s" in r:
         rows += [
             ("predicted step time (s)", f"{r['step_time_s']:.4g}"),
