@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 from common import add_smoke, engine_rounds, engine_times, mb, preamble, table
+from ddp_vs_torch import overrides as ddp_overrides
 from shardwise.testing import run_world
 
 NPROC = 2
@@ -29,21 +30,8 @@ KINDS = ("none", "fp16", "powersgd")
 
 
 def base(steps: int) -> list[str]:
-    return [
-        "--model.name=tiny",
-        "--model.n_layers=4",
-        "--model.dim=256",
-        "--data.seq_len=128",
-        "--train.global_batch=16",
-        f"--train.steps={steps}",
-        "--train.lr=1e-3",
-        "--train.seed=0",
-        "--optim.warmup_steps=5",
-        "--train.eval_every=0",
-        "--train.eval_batches=0",
-        "--precision.compute=fp32",
-        "--parallel.powersgd_rank=4",
-    ]
+    """ddp_vs_torch.py's decoder and recipe (its first size), rank-4 PowerSGD."""
+    return [*ddp_overrides("L4 d256", steps), "--parallel.powersgd_rank=4"]
 
 
 def late_loss(per_rank: list[dict], k: int = 10) -> float:

@@ -98,7 +98,12 @@ def test_loss_after_200_steps_is_within_the_seed_to_seed_spread(trained):
     its run-to-run spread). A 16-bit wire rounds each gradient element twice per step here
     (the cast, and the sum of 2 ranks in 16 bits; round-to-nearest, relative 2^-8 for bf16,
     2^-11 for fp16), a far smaller change than PowerSGD's rank-4 approximation: it must stay
-    within a tenth of that spread, under ZeRO-2's reduce-scatter too."""
+    within a tenth of that spread, under ZeRO-2's reduce-scatter too.
+
+    PowerSGD's cost depends on the model: on this decoder (vocabulary 4096) rank 4 ended 0.18
+    above the uncompressed loss, within the 0.38 spread; on the same decoder with compare.py's
+    512-token vocabulary it ended 0.43 above (10%, outside that run's 0.11 spread). The test
+    holds for the configuration it names, not for every model (README)."""
     seeds = [_late_loss(trained[("none", s)]) for s in (0, 1, 2)]
     spread = max(seeds) - min(seeds)
     base = seeds[0]
