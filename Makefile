@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: train test lint format bench clean
+.PHONY: train test lint format bench bench-smoke clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,7 +21,7 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q --timeout=600 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --timeout=600 -n 2 --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff format src tests benchmarks
@@ -29,3 +29,8 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# every benchmark's --smoke run, the two the test suite leaves out included
+bench-smoke: $(STAMP)
+	cd benchmarks && for f in *.py; do case $$f in common.py|smoke_all.py) ;; \
+	*) echo "== $$f"; ../$(BIN)/python $$f --smoke > /dev/null || exit 1;; esac; done
