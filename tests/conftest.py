@@ -7,10 +7,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # `make test` runs the suite on 2 pytest-xdist workers, one test file each at a time
 # (--dist loadfile: a file's spawned worlds and fixtures stay on one worker). Files are handed
 # out in collection order, so the longest go first; otherwise one of them started last keeps
-# one worker busy alone at the end (measured: ~2 of 12 minutes).
+# one worker busy alone at the end (measured: ~2 of 12 minutes; test_launchers' 2-node runs
+# were the last file once).
 LONGEST_FIRST = [
     "test_benchmarks.py",
     "test_multinode.py",
+    "test_launchers.py",
     "test_pipeline.py",
     "test_tensor.py",
     "test_zero.py",
