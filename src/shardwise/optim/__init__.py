@@ -158,11 +158,12 @@ class MixedPrecisionAdamW:
         self.separate_master = self.offload or any(p.dtype != torch.float32 for p in self.params)
         self.nvme = None
         if nvme is not None:
-            from shardwise.optim.nvme import NvmeAdamW
+            from shardwise.optim.nvme import NvmeAdamW, chunk_elements
 
-            chunk = max(1, int(cfg.memory.nvme_buffer_mb * 1024 * 1024) // 4)
+            chunk = chunk_elements(cfg.memory.nvme_buffer_mb)
             self.nvme = NvmeAdamW(nvme[0], nvme[1], [p.shape for p in self.params], chunk)
             self.masters = self.nvme.masters
+            self._index = {id(m): i for i, m in enumerate(self.masters)}
             for m, p in zip(self.masters, self.params, strict=True):
                 m.copy_(p.detach())
             self.nvme_step, self.lr = 0, cfg.train.lr
@@ -230,7 +231,7 @@ class MixedPrecisionAdamW:
         tensors, or bitsandbytes' 8-bit blocks dequantised (copies; `store_moments` writes
         edited copies back)."""
         if self.nvme is not None:  # views of the state on disk: a load writes them in place
-            i = next(k for k, m in enumerate(self.masters) if m is master)
+            i = self._index[id(master)]
             return {"exp_avg": self.nvme.exp_avg[i], "exp_avg_sq": self.nvme.exp_avg_sq[i]}
         state = self.inner.state.get(master, {})
         if "state1" not in state:

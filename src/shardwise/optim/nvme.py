@@ -35,6 +35,11 @@ from shardwise.errors import ConfigError
 CHUNK = 1 << 22  # elements per slot and region by default: 16 MB of fp32 (memory.nvme_buffer_mb)
 
 
+def chunk_elements(buffer_mb: float) -> int:
+    """fp32 elements per region of one host buffer for `memory.nvme_buffer_mb`."""
+    return max(1, int(buffer_mb * 1024 * 1024) // 4)
+
+
 class NvmeAdamW:
     """Masters and AdamW moments of `sizes` elements each (one entry per target) on disk."""
 

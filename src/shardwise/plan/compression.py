@@ -45,6 +45,11 @@ def wire_bytes(job: Job, layout: Layout) -> int:
     return 2 if layout.compression in ("bf16", "fp16") else job.br
 
 
+def zero_wire_copy(layout: Layout) -> int:
+    """Bytes per element of the 16-bit copy each ZeRO reduce-scatter keeps in flight (0: none)."""
+    return 2 if layout.compression in ("bf16", "fp16") and layout.dp > 1 else 0
+
+
 def sent_bytes(job: Job, layout: Layout, units) -> float:
     """Bytes of one step's ZeRO-0 gradient all-reduce payload per rank, before the ring's
     2(n-1)/n: the gradients in precision.reduce, half of fp32 on a 16-bit wire, or

@@ -305,7 +305,7 @@ def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
     for st in stages:
         us = stage_units(job, layout, st)
         mem = model_states(us, job, layout.dp, layout.zero, layout.offload)
-        wire = 2 if layout.compression in ("bf16", "fp16") and layout.dp > 1 else 0
+        wire = compression.zero_wire_copy(layout)
         mem["buffers"] = zero_transient(us, job, layout.dp, layout.zero, wire)
         mem["buffers"] += compression.state_bytes(job, layout, us)
         if job.finetune.quantised:  # one linear dequantised to compute dtype at a time

@@ -21,6 +21,7 @@ from shardwise.finetune.lora import apply_lora
 from shardwise.finetune.quant import layer_bytes as quant_layer_bytes
 from shardwise.finetune.quant import quant_layers, quantise_base
 from shardwise.models import build_model, count_params
+from shardwise.optim.nvme import chunk_elements
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.zero_units import unit_roots
 from shardwise.plan import compression
@@ -52,7 +53,7 @@ def job_from_config(
         bucket_mb=cfg.parallel.bucket_mb,
         powersgd_rank=cfg.parallel.powersgd_rank,
         compressions=tuple(dict.fromkeys(("none", cfg.parallel.grad_compression))),
-        nvme_chunk=max(1, int(cfg.memory.nvme_buffer_mb * 1024 * 1024) // 4),
+        nvme_chunk=chunk_elements(cfg.memory.nvme_buffer_mb),
     )
 
 
@@ -170,7 +171,7 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
             activations = _fake_activations(model, cfg, derived)
     if not formula:  # states + the fake forward's bytes (unsharded models only)
         states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload)
-        wire = 2 if layout.compression in ("bf16", "fp16") and layout.dp > 1 else 0
+        wire = compression.zero_wire_copy(layout)
         states["buffers"] = (
             mem.zero_transient(us, job, layout.dp, layout.zero, wire)
             + compression.state_bytes(job, layout, us)
