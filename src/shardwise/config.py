@@ -195,8 +195,8 @@ class FinetuneConfig:
     base_quant: Literal["none", "nf4", "int8"] = opt(
         "none",
         "The frozen base linears under LoRA adapters stored in nf4 (QLoRA, Dettmers et al. "
-        "2023: 4-bit NormalFloat, double quantisation; data parallelism and ZeRO-1/2). int8 is "
-        "planned by plan/explain only so far.",
+        "2023: 4-bit NormalFloat, double quantisation; data parallelism, ZeRO-1/2/3 (1/dp of "
+        "the base per rank) and pipeline stages). int8 is planned by plan/explain only so far.",
     )
 
 

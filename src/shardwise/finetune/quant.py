@@ -3,24 +3,33 @@ Efficient Finetuning of Quantized LLMs"), through bitsandbytes.
 
 The base linear of every LoRA layer becomes a `QuantLinear`: its weight is stored as
 bitsandbytes' 4-bit NormalFloat with double quantisation (blocks of 64 weights, the absmax of
-each block itself quantised to 8 bits in groups of 256) and multiplied by `bnb.matmul_4bit`,
-which dequantises on the fly and again in backward (only the input's gradient is taken: the
-weight is frozen), so no 16/32-bit copy of the weight is kept between forward and backward.
-bitsandbytes over torchao: it runs NF4 on CPU and on CUDA alike with one call each way (torchao's
-NF4 tensor compiles kernels on first use), and peft already speaks its formats.
+each block itself quantised to 8 bits in groups of 256 around their mean) and used through
+`_DequantLinear`, which dequantises before the product and again in backward (only the input's
+gradient is taken: the weight is frozen), so no 16/32-bit copy of the weight is kept between
+forward and backward. bitsandbytes over torchao: it runs NF4 on CPU and on CUDA alike with one
+call each way (torchao's NF4 tensor compiles kernels on first use), and peft speaks its formats.
 
 Values: each rank computes the weight exactly as an unquantised run would (the checkpoint's
-tensor, or the (seed, name) init) and quantises it, identically on every rank, so every data
-parallel layout trains against bit-identical base weights. The packed weight and its statistics
-are non-persistent buffers: checkpoints do not store them (a resumed run quantises again, to the
-same bits), and ZeRO units (parameters only) never hold them, so a quantised weight is never put
-into a float flat buffer. ZeRO-1/2 and data parallelism keep the whole quantised base on every
-rank; ZeRO-3 sharding of it, tensor and pipeline parallelism are refused for now.
+tensor, or the (seed, name) init) and quantises it, so every layout trains against
+bit-identical base weights. The packed weight and its statistics are non-persistent buffers:
+checkpoints do not store them (a resumed run quantises again, to the same bits), and ZeRO units
+(parameters only) never hold them, so a quantised weight is never put into a float flat buffer.
+
+Under ZeRO-3 each of the dp ranks keeps 1/dp of every quantised weight: a run of whole 64-weight
+blocks (`Shards`), read from the checkpoint or cut from the init by itself alone. The blocks'
+fp32 absmax are gathered once at load (1/16 of the weight's fp32 bytes, transiently) so every
+rank double-quantises them exactly as bitsandbytes does for the whole tensor; in use, the 4-bit
+codes and 8-bit absmax (never floats) are all-gathered over dp for one layer at a time, forward
+and backward, and dropped after the product. Data parallelism and ZeRO-1/2 keep the whole
+quantised base on every rank; tensor parallelism of it is refused for now.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shardwise.errors import ConfigError
@@ -28,7 +37,8 @@ from shardwise.finetune.lora import is_lora_layer
 from shardwise.optim import quiet_bitsandbytes
 
 NF4_BLOCK = 64  # weights per absmax block (QLoRA's choice)
-STATE_KEYS = ("weight_q", "absmax", "code", "absmax2", "code2")
+ABSMAX_BLOCK = 256  # absmax values per block of the double quantisation (bitsandbytes')
+STATE_KEYS = ("weight_q", "absmax", "code", "absmax2", "code2", "offset")
 
 
 def _bnb():
@@ -45,6 +55,34 @@ def _bnb():
     return bnb, bf
 
 
+@dataclass(frozen=True)
+class Shards:
+    """How one weight of `numel` elements is split over `n` ranks: `chunk` whole blocks each
+    (the last ranks may hold fewer real ones; every rank stores `chunk`, so the gather is one
+    equal-sized all-gather)."""
+
+    numel: int
+    n: int = 1
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.numel // NF4_BLOCK)
+
+    @property
+    def chunk(self) -> int:
+        return -(-self.blocks // self.n)
+
+    def span(self, rank: int) -> tuple[int, int]:
+        """The elements [start, stop) of the flattened weight rank `rank` quantises."""
+        start = min(self.numel, rank * self.chunk * NF4_BLOCK)
+        return start, min(self.numel, start + self.chunk * NF4_BLOCK)
+
+    @property
+    def code_bytes(self) -> int:
+        """Packed 4-bit codes one rank stores (two per byte)."""
+        return -(-self.numel // 2) if self.n == 1 else self.chunk * NF4_BLOCK // 2
+
+
 class QuantLinear(nn.Module):
     """A frozen linear layer whose weight is held in NF4 (buffers set by `quantise_weight`);
     the bias, if any, stays a (frozen) parameter."""
@@ -53,7 +91,12 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
-        self.state = None  # bitsandbytes' QuantState, rebuilt from the buffers
+        self.shards = Shards(self.in_features * self.out_features)
+        self.comm = None  # ZeRO-3: gathers this rank's codes with the other dp ranks'
+        self.read_elements = 0  # of the weight, read from the checkpoint by this rank
+        self.peak_transient = 0  # bytes gathered and dequantised for one use, at most
+        self.shape_only = False  # the planner's fake forward: a weight of the right shape
+        self.input_needs_grad = True  # as the last forward saw it: False, no backward use
         for key in STATE_KEYS:
             self.register_buffer(key, None, persistent=False)
 
@@ -62,34 +105,95 @@ class QuantLinear(nn.Module):
         return (self.out_features, self.in_features)
 
     @torch.no_grad()
-    def quantise_weight(self, value: torch.Tensor) -> None:
-        """Store `value` ([out, in], any float dtype) in NF4 with double quantisation."""
+    def quantise_weight(self, part: torch.Tensor, comm=None, shards: int = 1) -> None:
+        """Store this rank's `part` (elements `Shards.span(rank)` of the flattened [out, in]
+        weight; all of it when `shards` is 1) in NF4 with double quantisation, bit for bit as
+        bitsandbytes' `quantize_4bit(weight, compress_statistics=True)` stores them."""
         _, bf = _bnb()
-        q, state = bf.quantize_4bit(
-            value.float().contiguous(),
-            blocksize=NF4_BLOCK,
-            compress_statistics=True,
-            quant_type="nf4",
+        self.shards, self.comm = Shards(self.shards.numel, shards), comm if shards > 1 else None
+        s, part = self.shards, part.float().reshape(-1)
+        codes = torch.zeros(s.code_bytes, dtype=torch.uint8, device=part.device)
+        absmax = torch.zeros(s.chunk, dtype=torch.float32, device=part.device)
+        if part.numel():  # blocks are independent: a run of whole blocks quantises alike
+            q, state = bf.quantize_4bit(part, blocksize=NF4_BLOCK, quant_type="nf4")
+            codes[: q.numel()] = q.flatten()
+            absmax[: state.absmax.numel()] = state.absmax
+            self.code = state.code
+        else:
+            self.code = bf.get_4bit_type("nf4", device=part.device)
+        if self.comm is not None:  # every block's absmax, for the mean and 256-groups
+            full = torch.empty(s.chunk * s.n, dtype=torch.float32, device=part.device)
+            self.comm.all_gather(full, absmax, "dp")
+            whole = full[: s.blocks]
+        else:
+            whole = absmax[: s.blocks]
+        self.offset = whole.mean()
+        qabsmax, state2 = bf.quantize_blockwise(whole - self.offset, blocksize=ABSMAX_BLOCK)
+        rank = self.comm.topo.coord("dp") if self.comm is not None else 0
+        own = torch.zeros(s.chunk, dtype=torch.uint8, device=part.device)
+        mine = qabsmax[rank * s.chunk : (rank + 1) * s.chunk]
+        own[: mine.numel()] = mine
+        self.weight_q, self.absmax = codes, own
+        self.absmax2, self.code2 = state2.absmax, state2.code
+
+    def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantised [out, in] weight in `dtype` (gathered over dp under ZeRO-3)."""
+        _, bf = _bnb()
+        if self.shape_only:
+            return torch.empty(self.shape, dtype=dtype)
+        if self.weight_q is None:
+            raise RuntimeError("QuantLinear used before its weight was quantised")
+        s, codes, absmax, gathered = self.shards, self.weight_q, self.absmax, 0
+        if self.comm is not None:  # one uint8 all-gather of codes and 8-bit absmax
+            mine = torch.cat([codes, absmax])
+            full = torch.empty(mine.numel() * s.n, dtype=torch.uint8, device=mine.device)
+            self.comm.all_gather(full, mine, "dp")
+            rows = full.view(s.n, -1)
+            codes = rows[:, : s.code_bytes].flatten()[: -(-s.numel // 2)]
+            absmax = rows[:, s.code_bytes :].flatten()[: s.blocks]
+            gathered = 2 * full.numel() + mine.numel()  # the gather and the two cuts of it
+        state2 = bf.QuantState(
+            absmax=self.absmax2, code=self.code2, blocksize=ABSMAX_BLOCK, dtype=torch.float32
         )
-        state.dtype = torch.float32  # dequantised to fp32; cast to the input's dtype on use
-        self.weight_q, self.absmax, self.code = q, state.absmax, state.code
-        self.absmax2, self.code2 = state.state2.absmax, state.state2.code
-        self.state = state
+        state = bf.QuantState(
+            absmax=absmax,
+            shape=torch.Size(self.shape),
+            code=self.code,
+            blocksize=NF4_BLOCK,
+            quant_type="nf4",
+            dtype=dtype,
+            offset=self.offset,
+            state2=state2,
+        )
+        weight = bf.dequantize_4bit(codes.reshape(-1, 1), state)
+        used = gathered + weight.numel() * weight.element_size()
+        self.peak_transient = max(self.peak_transient, used)
+        return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bnb, _ = _bnb()
-        if self.state is None:
-            raise RuntimeError("QuantLinear used before its weight was quantised")
-        self.state.dtype = x.dtype
-        y = bnb.matmul_4bit(x, self.weight_q.t(), quant_state=self.state)
+        self.input_needs_grad = x.requires_grad
+        y = _DequantLinear.apply(x, self)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def dequantised(self) -> torch.Tensor:
-        _, bf = _bnb()
-        return bf.dequantize_4bit(self.weight_q, self.state).float()
+        return self.weight_for(torch.float32)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, nf4"
+
+
+class _DequantLinear(torch.autograd.Function):
+    """x·Wᵀ with W dequantised for the product only: backward dequantises (and, under ZeRO-3,
+    gathers) again instead of keeping W; the frozen weight gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+        ctx.layer = layer
+        return F.linear(x, layer.weight_for(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad @ ctx.layer.weight_for(grad.dtype), None
 
 
 def quantise_base(model: nn.Module, base_quant: str) -> list[str]:
@@ -131,30 +235,55 @@ def quantised_bytes(layers: list[QuantLinear]) -> int:
     )
 
 
-def layer_bytes(out_features: int, in_features: int) -> int:
-    """Bytes bitsandbytes keeps for one NF4 weight with double quantisation: 4 bits per weight,
-    an 8-bit absmax per 64-weight block, the 16-entry NF4 map (fp32), an fp32 absmax per 256
-    blocks and the 256-entry map of the absmax quantisation (fp32)."""
-    n = out_features * in_features
-    blocks = -(-n // NF4_BLOCK)
-    return -(-n // 2) + blocks + 16 * 4 + 4 * -(-blocks // 256) + 256 * 4
+def layer_bytes(out_features: int, in_features: int, shards: int = 1) -> int:
+    """Bytes one rank keeps for one NF4 weight with double quantisation, the weight split over
+    `shards` ranks (ZeRO-3): 4 bits per weight and an 8-bit absmax per 64-weight block (its
+    share of them), and on every rank the 16-entry NF4 map (fp32), an fp32 absmax per 256
+    blocks, the 256-entry map of the absmax quantisation (fp32) and their fp32 mean."""
+    s = Shards(out_features * in_features, shards)
+    return s.code_bytes + s.chunk + 16 * 4 + 4 * -(-s.blocks // ABSMAX_BLOCK) + 256 * 4 + 4
 
 
-def materialise_quantised(model: nn.Module, source, seed: int, device: torch.device) -> None:
+def gather_bytes(out_features: int, in_features: int, shards: int) -> int:
+    """Bytes one use of a weight split over `shards` ranks all-gathers (codes and 8-bit absmax
+    of every rank, padded alike); 0 when it is whole here."""
+    s = Shards(out_features * in_features, shards)
+    return 0 if shards == 1 else (s.code_bytes + s.chunk) * shards
+
+
+def transient_bytes(out_features: int, in_features: int, shards: int, itemsize: int) -> int:
+    """Bytes one use of a quantised weight holds at once (`QuantLinear.weight_for`): the
+    gather, its codes and absmax cut out of it, this rank's part sent, and the weight
+    dequantised to `itemsize`-byte floats."""
+    g = gather_bytes(out_features, in_features, shards)
+    return (2 * g + g // shards if g else 0) + out_features * in_features * itemsize
+
+
+def materialise_quantised(
+    model: nn.Module, source, seed: int, device: torch.device, comm=None, shards: int = 1
+) -> None:
     """Quantise every QuantLinear's weight, one layer at a time on `device`, from the value an
     unquantised run gives it: the checkpoint's tensor (`source`, models/hf_weights) or the
-    (seed, name) init; identical on every rank."""
+    (seed, name) init. `shards` > 1 (ZeRO-3 over `comm`'s dp ranks): each rank reads or cuts
+    only its own blocks."""
     from shardwise.models.init import canonical_name, find_spec, initial_value
 
     spec = find_spec(model)
+    rank = comm.topo.coord("dp") if shards > 1 else 0
     for path, layer in quant_layers(model):
         name = canonical_name(f"{path}.weight", spec)
+        start, stop = Shards(layer.shards.numel, shards).span(rank)
         if source is not None and source.has(name):
-            value = source.full(name, layer.shape)
+            before = source.elements_read
+            part = source.span(name, layer.shape, start, stop) if stop > start else None
+            layer.read_elements = source.elements_read - before
         else:
             with torch.device("meta"):  # the init rule reads the module's kind: a Linear
                 like = nn.Linear(layer.in_features, layer.out_features, bias=False)
             value = initial_value(like, "weight", name, layer.shape, seed, spec)
-        layer.quantise_weight(value.to(device))
+            part = value.flatten()[start:stop]
+        if part is None:
+            part = torch.empty(0)
+        layer.quantise_weight(part.to(device), comm, shards)
     if source is not None:
         source.close()

@@ -159,6 +159,7 @@ class HFWeights:
         self.path, self.arch = Path(path), arch
         self.files = weight_files(path)
         self._open: dict[Path, object] = {}
+        self.elements_read = 0  # through `span` (the quantised base checks its reads)
 
     def _slice(self, key: str):
         if key not in self.files:
@@ -199,6 +200,7 @@ class HFWeights:
             row *= s
         r0, r1 = start // row, -(-stop // row)
         flat = self.rows(name, shape, r0, r1).flatten()
+        self.elements_read += flat.numel()
         return flat[start - r0 * row : stop - r0 * row]
 
     def local(self, name: str, param: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,11 @@ class Job:
     frozen: tuple | None = None  # the real model's ZeRO units (explain with train.freeze)
     pp_split: str = ""  # parallel.pp_split: blocks per pipeline chunk ("" = balanced cut)
     bucket_mb: float = 25.0  # parallel.bucket_mb: the data-parallel gradient bucket cap
-    quantised_bytes: int = 0  # a quantised frozen base kept whole on every rank (finetune/quant)
+    # (out, in) of each quantised frozen linear (finetune/quant): outside the ZeRO units,
+    # whole on every rank, or 1/dp of it on each under ZeRO-3
+    quantised_shapes: tuple[tuple[int, int], ...] = ()
+    # whether each of them is used in backward (its input needs a gradient; () = all are)
+    quantised_backward: tuple[bool, ...] = ()
     powersgd_rank: int = 4  # parallel.powersgd_rank (layouts with compression='powersgd')
     # what the search may send ZeRO-0 gradients as: none, plus the config's grad_compression
     compressions: tuple[str, ...] = ("none",)

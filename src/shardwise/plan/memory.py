@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from shardwise.finetune.quant import layer_bytes, transient_bytes
 from shardwise.optim import QUANT_BLOCK
 from shardwise.plan import activations as act
 from shardwise.plan import compression
@@ -37,6 +38,27 @@ def _up(x: int, k: int) -> int:
 def align_of(job: Job) -> int:
     """Elements ZeRO aligns parameters and shards to (optim.QUANT_BLOCK for 8-bit Adam)."""
     return QUANT_BLOCK if job.finetune.optim_8bit else 1
+
+
+def quantised_layers(job: Job, layout: Layout, stage: int = 0) -> list[tuple[int, int]]:
+    """(out, in) of the quantised frozen linears on one rank of pipeline rank `stage`, which
+    finetune/quant keeps outside the ZeRO units (whole on each rank, or 1/dp under ZeRO-3):
+    the real model's where the job has them (pp = 1), else the LoRA targets of the stage's
+    blocks."""
+    if not job.finetune.quantised:
+        return []
+    if job.quantised_shapes and layout.pp == 1:
+        return list(job.quantised_shapes)
+    layers = job_split(job, layout)[stage][0]
+    shapes = linear_shapes(job.spec, layout.tp)
+    return [(b, a) for tag, (a, b) in shapes.items() if tag in job.finetune.lora_targets] * layers
+
+
+def quantised_transient(job: Job, layout: Layout, stage: int = 0) -> float:
+    """One quantised linear gathered (ZeRO-3) and dequantised to compute dtype at a time."""
+    shards = layout.dp if layout.zero == 3 else 1
+    shapes = quantised_layers(job, layout, stage)
+    return max((transient_bytes(a, b, shards, job.bc) for a, b in shapes), default=0)
 
 
 def padded_numel(u: Unit, dp: int, align: int = 1) -> int:
@@ -85,12 +107,17 @@ def _unit_states(unit: Unit, dp: int, stage: int, bc: int, br: int, align: int =
     return params, grads, tuple(own), tuple(pieces), tuple(blocks)
 
 
-def model_states(us: list[Unit], job: Job, dp: int, stage: int, offload: str) -> dict[str, float]:
-    """Device (and host, with offload) model-state bytes per rank (max over dp ranks)."""
+def model_states(
+    us: list[Unit], job: Job, dp: int, stage: int, offload: str, quantised=None
+) -> dict[str, float]:
+    """Device (and host, with offload) model-state bytes per rank (max over dp ranks);
+    `quantised`: (out, in) of the quantised linears beside the units (default: the job's)."""
     master = 4 if (job.precision != "fp32" or offload != "none") else 0
     key = (tuple(us), dp, stage, offload, job.bc, job.br, master, job.finetune.optim_8bit)
     states = dict(_model_states(*key, job.nvme_chunk))
-    states["params"] += job.quantised_bytes  # outside the ZeRO units, on every rank
+    shards = dp if stage == 3 else 1
+    shapes = job.quantised_shapes if quantised is None else quantised
+    states["params"] += sum(layer_bytes(a, b, shards) for a, b in shapes)
     return states
 
 
@@ -239,15 +266,16 @@ def stage_units(job: Job, layout: Layout, stage: int) -> list[Unit]:
 
 def finetune_units(us: list[Unit], job: Job, tp: int) -> list[Unit]:
     """LoRA: every base parameter frozen, rank-r A and B beside each targeted linear (trainable,
-    in compute dtype); QLoRA: frozen block linears stored in NF4."""
+    in compute dtype); QLoRA: the targeted linears' weights leave the units (finetune/quant
+    keeps them beside them, `quantised_layers`)."""
     ft, out = job.finetune, []
     shapes = linear_shapes(job.spec, tp)
     for u in us:
         entries = []
         for e in u.entries:
             tag = e[2] if len(e) > 2 else ""
-            nbytes = QUANT_BYTES[ft.base_quant] if (ft.quantised and tag in shapes) else job.bc
-            entries.append((e[0], not ft.lora, tag, nbytes))
+            if not (ft.quantised and ft.lora and tag in ft.lora_targets):
+                entries.append((e[0], not ft.lora, tag, job.bc))
             if ft.lora and tag in ft.lora_targets:
                 fan_in, fan_out = shapes[tag]
                 entries += [
@@ -304,14 +332,12 @@ def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
     per_stage = []
     for st in stages:
         us = stage_units(job, layout, st)
-        mem = model_states(us, job, layout.dp, layout.zero, layout.offload)
+        quantised = quantised_layers(job, layout, st)
+        mem = model_states(us, job, layout.dp, layout.zero, layout.offload, quantised)
         wire = compression.zero_wire_copy(layout)
         mem["buffers"] = zero_transient(us, job, layout.dp, layout.zero, wire)
         mem["buffers"] += compression.state_bytes(job, layout, us)
-        if job.finetune.quantised:  # one linear dequantised to compute dtype at a time
-            mem["buffers"] += (
-                max(a * b for a, b in linear_shapes(job.spec, layout.tp).values()) * job.bc
-            )
+        mem["buffers"] += quantised_transient(job, layout, st)
         mem["activations"] = activation_bytes(job, layout, st)
         mem["total"] = sum(v for k, v in mem.items() if not k.startswith(("host_", "disk_")))
         per_stage.append(mem)

@@ -18,7 +18,6 @@ from shardwise.config import Config
 from shardwise.distributed import device as dev
 from shardwise.errors import ConfigError
 from shardwise.finetune.lora import apply_lora
-from shardwise.finetune.quant import layer_bytes as quant_layer_bytes
 from shardwise.finetune.quant import quant_layers, quantise_base
 from shardwise.models import build_model, count_params
 from shardwise.optim.nvme import chunk_elements
@@ -161,14 +160,17 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
     quantised = [m.shape for _, m in quant_layers(model)]
     if quantised:  # the NF4 base: bitsandbytes' bytes per layer, outside the ZeRO units
         n += sum(a * b for a, b in quantised)
-        job = dataclasses.replace(
-            job, quantised_bytes=sum(quant_layer_bytes(a, b) for a, b in quantised)
-        )
+        job = dataclasses.replace(job, quantised_shapes=tuple(quantised))
     with FakeTensorMode():
         _to_fake(model)
         module_buffers = tensor_bytes(model.buffers())
-        if not formula:
+        if not formula or quantised:  # which quantised linears backward uses, too
+            for _, layer in quant_layers(model):
+                layer.shape_only = True
             activations = _fake_activations(model, cfg, derived)
+    if quantised:
+        backward = tuple(m.input_needs_grad for _, m in quant_layers(model))
+        job = dataclasses.replace(job, quantised_backward=backward)
     if not formula:  # states + the fake forward's bytes (unsharded models only)
         states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload)
         wire = compression.zero_wire_copy(layout)
@@ -176,6 +178,7 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
             mem.zero_transient(us, job, layout.dp, layout.zero, wire)
             + compression.state_bytes(job, layout, us)
             + module_buffers
+            + (mem.quantised_transient(job, layout) if quantised else 0)
         )
         states["activations"] = activations
         states["total"] = sum(v for k, v in states.items() if not k.startswith(("host_", "disk_")))

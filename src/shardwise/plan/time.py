@@ -9,6 +9,7 @@ call (the alpha-beta model, Hockney 1994), with calls counted as comm.py counts 
 
 from __future__ import annotations
 
+from shardwise.finetune.quant import gather_bytes
 from shardwise.plan import compression, kernels
 from shardwise.plan import memory as mem
 from shardwise.plan.compression import bucket_calls, sent_bytes, wire_bytes
@@ -80,10 +81,16 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
         "reduce_scatter": ring * reduced * wire_bytes(job, layout) * scatters,
         "all_gather": ring * (padded if layout.zero == 3 else reduced) * bc * gathers,
     }
+    if layout.zero == 3:  # frozen units before the first trainable one: backward does not
+        # reach them (nothing before them needs a gradient), so no gather for it
+        lead = sum(mem.padded_numel(u, dp, align) * u.count for u in _leading_frozen(us))
+        dp_kinds["all_gather"] -= ring * lead * bc * m
     if layout.zero == 3 and spec.tie_embeddings and p == 1:
         # the tied head is a second root of the embedding's unit: it is gathered again for
         # the head's forward (it was freed after the embedding's), once per micro-batch
         dp_kinds["all_gather"] += ring * -(-us[0].numel // dp) * dp * bc * m
+    if layout.zero == 3:  # finetune/quant: each quantised linear's codes gathered per use
+        dp_kinds["all_gather"] += ring * m * sum(_quant_uses(job, layout, dp))
     act = b * s * spec.dim * bc
     layers = -(-spec.n_layers // p)
     # parallel/tensor.py, per micro-batch: per layer 2 all-reduces forward and 2 backward
@@ -108,6 +115,28 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     return {"dp": dp_kinds, "tp": tp_kinds, "pp": {"send": pp_bytes}}
 
 
+def _leading_frozen(us: list) -> list:
+    """The units, in forward order, before the first one with a trainable parameter."""
+    out = []
+    for u in us:
+        if any(e[1] for e in u.entries):
+            break
+        out.append(u)
+    return out
+
+
+def _quant_uses(job: Job, layout: Layout, dp: int) -> list[int]:
+    """Bytes of each gather of a quantised linear per micro-batch under ZeRO-3: one for its
+    forward, one for a fully recomputed forward, and one for backward where its input needs a
+    gradient (finetune/quant)."""
+    out, shapes = [], mem.quantised_layers(job, layout)
+    backward = job.quantised_backward if len(job.quantised_backward) == len(shapes) else ()
+    for (a, b), back in zip(shapes, backward or (True,) * len(shapes), strict=True):
+        uses = 1 + (layout.recompute == "full") + back
+        out += [gather_bytes(a, b, dp)] * uses
+    return out
+
+
 def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
     """Training collectives per rank per step by mesh dimension, as comm.py counts them (a
     point-to-point send is one call; its receive is the sender's): each pays the link's
@@ -123,10 +152,12 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
             0: sum(bucket_calls(job, layout, b) for b in _buckets(units, job.br, job.bucket_mb)),
             1: 2 * n_units,
             2: (m + 1) * n_units,
-            3: m * n_units + 2 * m * n_all,
+            3: m * n_units + 2 * m * n_all - m * sum(u.count for u in _leading_frozen(every)),
         }[layout.zero]
         if layout.zero == 3 and spec.tie_embeddings and p == 1:
             dp_calls += m  # the tied head's second gather
+        if layout.zero == 3:  # a quantised linear's gathers (`traffic_by_kind`)
+            dp_calls += m * len(_quant_uses(job, layout, dp))
     tp_calls = 0
     if t > 1:  # per layer 2 forward + 2 backward (sp: an all-gather/reduce-scatter pair for
         # each, 8); embedding, head and vocabulary-parallel loss 4 (sp: 6); full recompute

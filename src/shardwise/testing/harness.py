@@ -75,9 +75,13 @@ def _train_case(case: dict, run, fit) -> dict:
             for n, b in run.model.named_buffers()
             if b.is_floating_point()
         }
+    from shardwise.finetune.quant import quant_layers
+
     return {
         "buffers": buffers,
         "zero": zero,
+        # a quantised base: per layer, (elements this rank read from the checkpoint, out, in)
+        "quant": {n: (m.read_elements, *m.shape) for n, m in quant_layers(run.model)},
         "losses": [r["loss"] for r in records],
         "records": records,
         "params": params,

@@ -69,8 +69,11 @@ def model_state_bytes(model: nn.Module, reducer, optimizer) -> dict[str, int]:
         "grads": reducer.grad_bytes,
         "master": optimizer.master_bytes,
         "optimizer": optimizer.state_bytes,
-        # module buffers plus the peak of gathered ZeRO-3 units and in-flight gradient buffers
-        "buffers": tensor_bytes(buffers) + reducer.peak_transient,
+        # module buffers plus the peak of gathered ZeRO-3 units and in-flight gradient
+        # buffers, and of one quantised weight gathered and dequantised
+        "buffers": tensor_bytes(buffers)
+        + reducer.peak_transient
+        + max((m.peak_transient for m in layers), default=0),
     }
     if getattr(optimizer, "offload", False):  # host memory is a budget of its own
         states["host_master"] = states.pop("master")

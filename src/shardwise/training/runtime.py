@@ -321,7 +321,8 @@ def _build(
     model, reducer, tp, pipeline = parallelize(model, cfg, derived, comm, info)
     if quantised:  # every rank quantises the values an unquantised run would start from
         source = weights_for(spec, cfg.model.init_from, model)
-        materialise_quantised(model, source, cfg.train.seed, info.device)
+        shards = topo.size("dp") if cfg.parallel.zero == 3 else 1  # ZeRO-3: 1/dp each
+        materialise_quantised(model, source, cfg.train.seed, info.device, comm, shards)
     if isinstance(reducer, ZeroEngine):
         targets, after = reducer.targets(), reducer.after_step
 

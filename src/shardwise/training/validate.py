@@ -334,11 +334,12 @@ def _check_lora(spec: ModelSpec, cfg: Config) -> None:
             f"finetune.base_quant={quant} freezes a quantised base under LoRA adapters, and "
             "finetune.lora_rank=0 trains none. Fix: --finetune.lora_rank=16 (QLoRA)."
         )
-    if quant != "none" and (p.zero == 3 or p.tp > 1 or p.pp > 1):
+    if quant != "none" and p.tp > 1:
         raise ConfigError(
-            f"finetune.base_quant={quant} with parallel.zero={p.zero}, tp={p.tp}, pp={p.pp}: "
-            "the quantised base is kept whole on every rank so far (data parallelism, ZeRO-1/2). "
-            "Fix: --parallel.zero=2 --parallel.tp=1 --parallel.pp=1, or base_quant=none."
+            f"finetune.base_quant={quant} with parallel.tp={p.tp}: the quantised base is split "
+            "over data-parallel ranks and pipeline stages only so far (whole on each with "
+            "ZeRO-0/1/2, 1/dp each with ZeRO-3). Fix: --parallel.tp=1 (ZeRO-3 shards the "
+            "base), or base_quant=none."
         )
     if cfg.finetune.lora_rank == 0:
         return
