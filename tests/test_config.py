@@ -48,6 +48,7 @@ GOLDEN_KEYS = [
     "data.input_field",
     "data.response_field",
     "data.messages_field",
+    "data.pack",
     "data.tokenizer",
     "data.max_bad_rows",
     "data.prefetch",

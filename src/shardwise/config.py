@@ -105,6 +105,12 @@ class DataConfig:
     messages_field: str = opt(
         "messages", "Field holding the [{role, content}, ...] list (data.format=chat)."
     )
+    pack: bool = opt(
+        False,
+        "Pack several instruction/chat records into each data.seq_len row (in order, none "
+        "split) instead of one padded record per row; attention stays within each record and "
+        "its positions restart, so every record's loss is the one it has alone.",
+    )
     tokenizer: str = opt(
         "auto",
         "Tokenizer of text data: auto (the checkpoint's own when model.init_from is set, else "

@@ -90,6 +90,7 @@ def data_spec(cfg: Config, vocab_size: int) -> DataSpec:
         image_size=d.image_size,
         cache_dir=d.cache_dir,
         max_bad_rows=d.max_bad_rows,
+        pack=d.pack,
     )
 
 

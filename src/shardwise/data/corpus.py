@@ -45,6 +45,7 @@ class DataSpec:
     label_field: str = ""  # set: labelled rows for sequence classification (data/classify.py)
     format: str = "text"  # instruction | chat: one record per sample (data/instruct.py)
     fields: tuple[str, ...] = ()  # instruction: (prompt, input, response); chat: (messages,)
+    pack: bool = False  # instruction | chat: several records per row (data/instruct.py)
     max_bad_rows: int = 100  # rows without a text value skipped (counted) before refusing
 
     def __post_init__(self) -> None:

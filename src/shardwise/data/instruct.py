@@ -16,6 +16,11 @@ right-padded (the pads are ignored too, and a causal model never attends forward
 attention mask is needed). The loss is divided by the global count of target tokens of the
 step (`targets_in`, computed by every rank from the step's global indices: no collective, the
 same in every layout). Records whose response is cut off entirely are dropped (counted).
+
+Packing (`data.pack=true`): consecutive records share a row while they fit (first fit in
+order; a row never splits a record), and a batch is `[B, 2, S]`: the ids and each position's
+record number in its row (models/packing.py masks attention to the record and restarts its
+positions). Rows, not records, are then the samples; the cache holds records either way.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from shardwise.data.corpus import (
 from shardwise.data.pretrained import check_vocab, content_key, load_tokenizer
 from shardwise.errors import DataError
 
-FORMAT = 1
+FORMAT = 2  # 2: records' lengths cached (packing)
 IGNORE = -100  # torch's cross_entropy ignore_index: no loss, no gradient
 ALPACA = (
     "Below is an instruction that describes a task{with_input}. Write a response that "
@@ -60,27 +65,61 @@ def alpaca_prompt(instruction: str, input_text: str) -> str:
 class InstructDataset:
     tokens_per_sample: int
 
-    def __init__(self, root: Path, split: str, meta: dict) -> None:
+    def __init__(self, root: Path, split: str, meta: dict, pack: bool = False) -> None:
         self.kind = meta["kind"]
         self.inputs = np.load(root / f"{split}.inputs.npy", mmap_mode="r")
         self.targets = np.load(root / f"{split}.targets.npy", mmap_mode="r")
         self.counts = np.load(root / f"{split}.counts.npy")
+        self.lengths = np.load(root / f"{split}.lengths.npy")
         self.vocab_size: int = meta["vocab_size"]
         self.tokens_per_sample = self.inputs.shape[1]
+        # records [rows[r], rows[r + 1]) share row r (one record per row unpacked)
+        n = len(self.counts)
+        self.rows = pack_rows(self.lengths, self.tokens_per_sample) if pack else np.arange(n + 1)
+        self.packed = pack
+        self.row_counts = np.add.reduceat(self.counts, self.rows[:-1]) if n else self.counts
 
     def __len__(self) -> int:
-        return len(self.counts)
+        return len(self.rows) - 1
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), both int64 [B, seq_len]; targets -100 outside responses."""
+        """(inputs, targets): int64 [B, seq_len], targets -100 outside responses; packed, the
+        inputs are [B, 2, seq_len]: ids and record numbers (models/packing.py)."""
         idx = torch.as_tensor(indices, dtype=torch.int64).numpy()
-        x = torch.from_numpy(np.asarray(self.inputs[idx], np.int64))
-        return x, torch.from_numpy(np.asarray(self.targets[idx], np.int64))
+        if not self.packed:
+            x = torch.from_numpy(np.asarray(self.inputs[idx], np.int64))
+            return x, torch.from_numpy(np.asarray(self.targets[idx], np.int64))
+        s = self.tokens_per_sample
+        x = np.zeros((len(idx), 2, s), np.int64)  # filler: id 0, record 0, no target
+        y = np.full((len(idx), s), IGNORE, np.int64)
+        for b, r in enumerate(idx):
+            at = 0
+            for k, i in enumerate(range(self.rows[r], self.rows[r + 1]), start=1):
+                n = int(self.lengths[i])
+                x[b, 0, at : at + n] = self.inputs[i, :n]
+                x[b, 1, at : at + n] = k
+                y[b, at : at + n] = self.targets[i, :n]
+                at += n
+        return torch.from_numpy(x), torch.from_numpy(y)
 
     def targets_in(self, indices) -> int:
         """Target (response) tokens in the samples `indices`: the loss normaliser."""
         idx = torch.as_tensor(indices, dtype=torch.int64).numpy()
-        return int(self.counts[idx].sum())
+        return int(self.row_counts[idx].sum())
+
+
+def pack_rows(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """Row boundaries of records packed in order: row r holds records [out[r], out[r+1]),
+    a new row whenever the next record does not fit in what is left of seq_len."""
+    bounds, used = [0], 0
+    for i, n in enumerate(lengths):
+        if used and used + n > seq_len:
+            bounds.append(i)
+            used = 0
+        used += int(n)
+    if len(lengths):
+        bounds.append(len(lengths))
+    return np.asarray(bounds, dtype=np.int64)
 
 
 def _records(spec: DataSpec) -> tuple[list, list]:
@@ -179,7 +218,8 @@ def _encode(spec: DataSpec, tok, record: list, where: str) -> tuple[list[int], l
 
 
 def _sample(ids: list[int], target: list[bool], seq_len: int, pad: int):
-    """(inputs, targets) of seq_len; targets -100 where the next token is not a response."""
+    """(inputs, targets, length) of seq_len; targets -100 where the next token is not a
+    response; length: the positions before the padding."""
     ids, target = ids[: seq_len + 1], target[: seq_len + 1]
     x = np.full(seq_len, pad, dtype=np.int64)
     y = np.full(seq_len, IGNORE, dtype=np.int64)
@@ -187,7 +227,7 @@ def _sample(ids: list[int], target: list[bool], seq_len: int, pad: int):
     x[:n] = ids[:-1]
     nxt = np.asarray(ids[1:], dtype=np.int64)
     y[:n] = np.where(np.asarray(target[1:], dtype=bool), nxt, IGNORE)
-    return x, y
+    return x, y, n
 
 
 def _key(spec: DataSpec) -> str:
@@ -225,12 +265,14 @@ def _build(spec: DataSpec, root: Path) -> dict:
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     meta = {"format": FORMAT, "kind": spec.format, "vocab_size": len(tok)}
     for split, records in (("train", train), ("val", val)):
-        xs, ys = [], []
+        xs, ys, ns = [], [], []
         for i, record in enumerate(records):
-            x, y = _sample(*_encode(spec, tok, record, f"{split} record {i}"), spec.seq_len, pad)
+            encoded = _encode(spec, tok, record, f"{split} record {i}")
+            x, y, n = _sample(*encoded, spec.seq_len, pad)
             if (y != IGNORE).any():
                 xs.append(x)
                 ys.append(y)
+                ns.append(n)
         dropped = len(records) - len(xs)
         if dropped:
             print(
@@ -249,6 +291,7 @@ def _build(spec: DataSpec, root: Path) -> dict:
         save_array(root / f"{split}.targets.npy", np.asarray(ys or empty, dtype=dtype))
         counts = np.asarray([(y != IGNORE).sum() for y in ys], dtype=np.int64)
         save_array(root / f"{split}.counts.npy", counts)
+        save_array(root / f"{split}.lengths.npy", np.asarray(ns, dtype=np.int64))
         meta[f"{split}_records"] = len(xs)
     return meta
 
@@ -259,4 +302,12 @@ def load_instruct(spec: DataSpec, split: str) -> InstructDataset | None:
     check_vocab(spec, meta)
     if split == "val" and meta["val_records"] == 0:
         return None
-    return InstructDataset(root, split, meta)
+    data = InstructDataset(root, split, meta, spec.pack)
+    if spec.pack and split == "train":
+        filled = data.lengths.sum() / max(1, len(data) * data.tokens_per_sample)
+        print(
+            f"shardwise: packed {len(data.lengths)} records into {len(data)} rows of "
+            f"{data.tokens_per_sample} tokens ({filled:.0%} of positions hold a record)",
+            file=sys.stderr,
+        )
+    return data

@@ -20,6 +20,7 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 from shardwise.models.hf_weights import CONFIG, HFWeights, checkpoint_dir
+from shardwise.models.packing import take_packed_tokens
 
 TASKS = {
     "causal_lm": "AutoModelForCausalLM",
@@ -85,6 +86,8 @@ def build_auto(spec) -> nn.Module:
     model = on_meta(lambda: cls.from_config(config))
     if spec.task == "classification":
         _take_packed_inputs(model)
+    else:  # data.pack=true: records packed in rows (models/packing.py)
+        take_packed_tokens(model)
     model.shardwise_spec = spec  # (on_meta kept the buffers its constructor computed: RoPE tables)
     return model
 

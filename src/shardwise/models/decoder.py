@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.models.dropout import LayoutFreeDropout, name_sites
+from shardwise.models.packing import Packed, is_packed, unpack
 from shardwise.models.presets import ModelSpec
 
 
@@ -58,14 +59,15 @@ class LayerNorm(nn.Module):
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos/sin tables [S, head_dim] for RoPE (Su et al. 2021, "RoFormer", eq. 34).
+    """float32 cos/sin tables [S, head_dim] (positions [S]; [B, S, head_dim] for [B, S]) for
+    RoPE (Su et al. 2021, "RoFormer", eq. 34).
 
     Computed from `positions` on their device at every call, never stored at construction,
     so a model built on meta and materialised with `to_empty` needs no buffer fix-up.
     """
     exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
     inv_freq = 1.0 / (theta ** (exponents / head_dim))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [S, head_dim/2]
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [(B,) S, head_dim/2]
     angles = torch.cat([angles, angles], dim=-1)  # half-split layout, see apply_rope
     return angles.cos(), angles.sin()
 
@@ -77,7 +79,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
     (i, i + D/2), so Hugging Face Llama checkpoints load without permuting wq/wk.
     """
     cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads (and batch)
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
@@ -97,13 +99,18 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.rope_theta = rope_theta
         self.drop = LayoutFreeDropout(attn_dropout, "heads")
+        self.packed: Packed | None = None  # set by Decoder.forward for packed rows
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n_heads, n_kv = q.shape[2], k.shape[2]
         if n_heads % n_kv:
             raise ValueError(f"{n_heads} query heads are not a multiple of {n_kv} kv heads")
+        packed = self.packed
         if self.rope_theta is not None:
-            positions = torch.arange(q.shape[1], device=q.device)
+            if packed is not None:  # each record from position 0 (models/packing.py)
+                positions = packed.positions
+            else:
+                positions = torch.arange(q.shape[1], device=q.device)
             q, k = (
                 apply_rope(q, positions, self.rope_theta),
                 apply_rope(k, positions, self.rope_theta),
@@ -117,12 +124,18 @@ class AttentionCore(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.training and self.drop.p > 0:
             return self._explicit(q, k, v).transpose(1, 2)
+        if packed is not None:  # causal within each record only
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=packed.mask)
+            return out.transpose(1, 2)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
 
     def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q kᵀ / √d + causal) with dropout, times v; q, k, v [B, H, S, D]."""
         s = q.shape[2]
-        causal = torch.full((s, s), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
+        if self.packed is not None:
+            causal = self.packed.mask
+        else:
+            causal = torch.full((s, s), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
         scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + causal  # the add saves nothing
         return self.drop(scores.softmax(-1)) @ v
 
@@ -242,14 +255,21 @@ class Decoder(nn.Module):
         return out
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] (or hidden states [B, S, dim] when `embed` is None)."""
-        h = self.embed_tokens(tokens)
+        """tokens [B, S], or packed records [B, 2, S] (models/packing.py), or hidden states
+        [B, S, dim] when `embed` is None."""
+        packed = None
+        if is_packed(tokens):
+            tokens, packed = unpack(tokens, self.embed.weight.dtype)
+        for module in self.modules():  # the attention of every block reads them
+            if isinstance(module, AttentionCore):
+                module.packed = packed
+        h = self.embed_tokens(tokens, packed)
         blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
         for block in blocks:
             h = block(h)
         return self.output(h)
 
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed_tokens(self, tokens: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
         """Token (and learned position) embeddings; hidden states pass through unchanged."""
         h = self.embed(tokens) if self.embed is not None else tokens
         if self.pos_embed is not None:
@@ -259,7 +279,8 @@ class Decoder(nn.Module):
                     f"sequence length {seq_len} exceeds max_seq_len={self.spec.max_seq_len} "
                     "of the learned position table; raise model.max_seq_len or shorten data"
                 )
-            h = h + self.pos_embed(torch.arange(seq_len, device=h.device))
+            positions = torch.arange(seq_len, device=h.device)
+            h = h + self.pos_embed(packed.positions if packed is not None else positions)
         return self.embed_drop(h) if self.embed is not None else h
 
     def output(self, h: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.models.packing import take_packed_tokens
 from shardwise.models.presets import ModelSpec
 
 
@@ -66,6 +67,7 @@ def build_hf(spec: ModelSpec) -> nn.Module:
         )
         model = tf.GPT2LMHeadModel(config)
     model.spec = spec  # read by init (find_spec) like our own models'
+    take_packed_tokens(model)  # data.pack=true: records packed in rows
     model.shardwise_buffers = _rope_buffers(model)
     return model
 

@@ -85,6 +85,8 @@ GPT2 = (
 RULES = {"decoder": LLAMA, "gpt2": GPT2}
 MODEL_TYPES = {"llama": "decoder", "gpt2": "gpt2"}
 # Buffers some GPT-2 checkpoints carry (the causal mask), not parameters.
+# Parameters a fine-tune adds to the decoder (peft's adapters), never in a base checkpoint.
+_ADDED = re.compile(r"\.lora_[AB]\.")
 _IGNORED = re.compile(r"(^|\.)attn\.(bias|masked_bias)$|rotary_emb\.inv_freq$")
 
 
@@ -227,8 +229,9 @@ class HFWeights:
         return self.local(name, param).flatten()[start:stop]
 
     def has(self, name: str) -> bool:
-        """Every parameter of our decoders is in the checkpoint (check_weights, at launch)."""
-        return True
+        """Every parameter of our decoders is in the checkpoint (check_weights, at launch);
+        parameters added to it (LoRA adapters) are not: they start from (seed, name)."""
+        return not _ADDED.search(name)
 
     def close(self) -> None:
         self._open.clear()

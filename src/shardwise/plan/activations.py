@@ -87,13 +87,15 @@ def norm_terms(spec: ModelSpec, s: int, b: int, c: int, where: str) -> list[Term
 
 
 @lru_cache(maxsize=4096)
-def block_terms(spec: ModelSpec, s: int, b: int, c: int) -> tuple[Term, ...]:
-    """Our block (models/decoder.Block) in compute dtype of `c` bytes."""
+def block_terms(spec: ModelSpec, s: int, b: int, c: int, packed: bool = False) -> tuple[Term, ...]:
+    """Our block (models/decoder.Block) in compute dtype of `c` bytes; `packed` rows
+    (models/packing.py) rotate each sample by its own positions."""
     sbh, sbf = s * b * spec.dim, s * b * spec.ffn_dim
     kv = spec.n_kv_heads / spec.n_heads
     out = norm_terms(spec, s, b, c, "attn_norm")
-    if spec.arch == "decoder":  # cos/sin tables for q and k, fp32 [s, head_dim] each
-        out.append(Term("RoPE tables", 4 * 4 * s * spec.head_dim, False, False, "not_selective"))
+    if spec.arch == "decoder":  # cos/sin tables for q and k, fp32 [(b,) s, head_dim] each
+        rope = 4 * 4 * s * spec.head_dim * (b if packed else 1)
+        out.append(Term("RoPE tables", rope, False, False, "not_selective"))
     out.append(Term("SDPA q, k, v", 3 * c * sbh, True, False, "not_selective"))
     if spec.attn_dropout:  # the explicit softmax (models/decoder.AttentionCore._explicit)
         as2b = spec.n_heads * s * s * b
@@ -187,18 +189,30 @@ def full_recompute_bytes(spec: ModelSpec, s: int, b: int, c: int, t: int, sp: bo
 
 @lru_cache(maxsize=4096)
 def edge_terms(
-    spec: ModelSpec, s: int, b: int, c: int, first: bool, last: bool, tp: int = 1
+    spec: ModelSpec,
+    s: int,
+    b: int,
+    c: int,
+    first: bool,
+    last: bool,
+    tp: int = 1,
+    packed: bool = False,
 ) -> tuple[Term, ...]:
     """Outside the blocks: token ids (a view of the (b, s+1) window the loader reads, shared
     with the targets), learned positions, the final norm, fp32 log-softmax of the logits
     (split by a vocabulary-parallel loss), the flattened targets and the loss's weight sum.
     With tp the embedding and the loss are vocabulary-parallel (parallel/tensor.py): each saves
     its shifted ids (int64) and a mask of the ids it owns (bool) instead (the loss also a mask
-    of the targets that count)."""
+    of the targets that count). Packed rows (models/packing.py) come as [b, 2, s] ids and
+    record numbers, their targets apart, and one additive attention mask [b, 1, s, s] in
+    compute dtype that every layer's attention shares."""
     out = []
     if first:
+        if packed:
+            out.append(Term("attention mask of the packed records", c * b * s * s, False, False))
         if tp == 1:
-            out.append(Term("token ids", 8 * b * (s + 1), False, False))
+            ids = 16 * b * s if packed else 8 * b * (s + 1)
+            out.append(Term("token ids", ids, False, False))
         else:
             out.append(Term("local token ids and mask", 9 * b * s, False, False))
         if spec.arch == "gpt2":
@@ -213,7 +227,7 @@ def edge_terms(
             # targets are a view of the loader's (b, s+1) window: flattening copies it, except
             # for one sample, where the flat view keeps the window itself (already held as the
             # token ids when this stage is also the first)
-            targets = 8 * s * b if b > 1 else (0 if first else 8 * (s + 1))
+            targets = 8 * s * b if (b > 1 or packed) else (0 if first else 8 * (s + 1))
             out += [
                 Term("targets (flattened)", targets, False, False),
                 Term("loss weight sum", 4, False, False),

@@ -53,6 +53,7 @@ class Job:
     quantised_shapes: tuple[tuple[int, int], ...] = ()
     # whether each of them is used in backward (its input needs a gradient; () = all are)
     quantised_backward: tuple[bool, ...] = ()
+    packed: bool = False  # data.pack: several records per row (models/packing.py)
     powersgd_rank: int = 4  # parallel.powersgd_rank (layouts with compression='powersgd')
     # what the search may send ZeRO-0 gradients as: none, plus the config's grad_compression
     compressions: tuple[str, ...] = ("none",)

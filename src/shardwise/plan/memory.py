@@ -295,13 +295,13 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     if layout.recompute == "full":
         per_layer = act.full_recompute_bytes(spec, s, b, c, t, layout.sp)
     else:
-        terms = act.block_terms(spec, s, b, c)
+        terms = act.block_terms(spec, s, b, c, job.packed)
         if ft.lora:  # the base frozen, the adapters' own saved tensors
             terms = act.lora_terms(terms, spec, s, b, c, *lora)
         per_layer = act.layer_bytes(terms, t, layout.sp, layout.recompute == "selective")
     m = layout.micro_batches(job)
     held = act.in_flight(layout.pp_schedule, p, m, layout.pp_virtual, stage)
-    edges = act.edge_terms(spec, s, b, c, first, last, t)
+    edges = act.edge_terms(spec, s, b, c, first, last, t, job.packed)
     if ft.lora:  # the frozen head and final norm; the first block's input needs no gradient
         edges = act.lora_terms(edges, spec, s, b, c, (), ft.lora_rank, False)
         if first and spec.arch == "decoder" and layout.recompute != "full":
@@ -321,7 +321,7 @@ def backward_transient(job: Job, layout: Layout) -> float:
     layer's recomputed activations."""
     spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
     logits = (4 + c) * s * b * spec.vocab_size / t
-    terms = act.block_terms(spec, s, b, c)
+    terms = act.block_terms(spec, s, b, c, job.packed)
     layer = act.layer_bytes(terms, t, layout.sp) if layout.recompute != "none" else 0.0
     return max(logits, layer)
 

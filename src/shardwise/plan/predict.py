@@ -44,6 +44,7 @@ def job_from_config(
         hardware=hardware,
         devices=devices,
         seq_len=cfg.data.seq_len,
+        packed=cfg.data.pack,
         global_batch=cfg.train.global_batch,
         precision=cfg.precision.compute,
         reduce=cfg.precision.reduce,
@@ -135,6 +136,10 @@ def _fake_activations(model, cfg: Config, derived) -> int:
     elif cfg.model.task == "classification":  # ids and attention mask packed, one label each
         inputs = torch.ones(b, 2, cfg.data.seq_len, dtype=torch.long)
         targets = torch.zeros(b, dtype=torch.long)
+    elif cfg.data.pack:  # ids and record numbers [b, 2, s], targets apart (models/packing.py)
+        inputs = torch.zeros(b, 2, cfg.data.seq_len, dtype=torch.long)
+        inputs[:, 1] = 1
+        targets = torch.zeros(b, cfg.data.seq_len, dtype=torch.long)
     else:  # token ids and targets: views of one (b, s+1) window, as the loader makes them
         window = torch.zeros(b, cfg.data.seq_len + 1, dtype=torch.long)
         inputs, targets = window[:, :-1], window[:, 1:]

@@ -261,6 +261,8 @@ def derive(cfg: Config, world: int) -> Derived:
             f"language model, and {what} is not one's data. Fix: --data.format=text, or a "
             "causal LM with a .jsonl/.json/.parquet file of records."
         )
+    if cfg.data.pack:
+        _check_packing(cfg, spec, pp)
     yours = spec.arch in ("custom", "hf") or user_data  # the pairing is yours / the checkpoint's
     if not yours and is_image != (cfg.data.dataset == "digits"):
         kind = "an image model" if is_image else "a text model"
@@ -289,6 +291,29 @@ def derive(cfg: Config, world: int) -> Derived:
     per_row = cfg.data.dataset == "digits" or user_data or cfg.model.task == "classification"
     tokens = 1 if per_row else cfg.data.seq_len
     return Derived(world, pp, dp, tp, micro, m, tokens, spec)
+
+
+def _check_packing(cfg: Config, spec: ModelSpec, pp: int) -> None:
+    """data.pack=true: records in rows, attention masked per record by the model."""
+    why = ""
+    if cfg.data.format == "text":
+        why = (
+            "text data is one stream of documents cut into data.seq_len windows already. "
+            "Fix: --data.format=instruction (or chat) for records, or --data.pack=false."
+        )
+    elif spec.arch == "custom":
+        why = (
+            f"model.name='{cfg.model.name}' takes [B, S] ids; packed rows need a model that masks "
+            "attention per record (the built-in decoders and Hugging Face causal LMs do). "
+            "Fix: --data.pack=false."
+        )
+    elif pp > 1:
+        why = (
+            f"with parallel.pp={pp} the later stages receive hidden states, not the record "
+            "numbers their attention masks need. Fix: --parallel.pp=1, or --data.pack=false."
+        )
+    if why:
+        raise ConfigError(f"data.pack=true packs instruction/chat records into rows, but {why}")
 
 
 def _check_loss(cfg: Config, tp: int, pp: int) -> None:
