@@ -37,6 +37,7 @@ def worlds(tmp_path_factory):
     one = {
         "fp32": case(),
         "eight": case(*EIGHT),
+        "paged": case("--optim.name=paged_adamw8bit"),
         "fp32_long": case(*LONG),
         "eight_long": case(*EIGHT, *LONG),
         "fp32_long_seed1": case(*LONG, "--train.seed=1"),
@@ -62,6 +63,25 @@ def test_close_to_fp32_adamw_over_200_steps(worlds):
     seed1 = worlds[1]["fp32_long_seed1"][0]
     assert eight["losses"][-1] < eight["losses"][0] - 1.0  # it trained
     assert abs(_tail(eight) - _tail(fp32)) < abs(_tail(seed1) - _tail(fp32))
+
+
+def test_paged_8bit_adamw_is_bitsandbytes_paged_optimizer_and_the_same_update(worlds):
+    """optim.name=paged_adamw8bit builds bitsandbytes' PagedAdamW8bit; on a CPU (nothing to
+    page to) it trains exactly as adamw8bit, and `explain` (so `train`) says so once."""
+    import bitsandbytes as bnb
+    import torch
+
+    from shardwise.optim import adamw
+
+    cfg = load_config(None, case("--optim.name=paged_adamw8bit")["overrides"])
+    opt = adamw([torch.nn.Parameter(torch.zeros(512))], [], cfg)
+    assert isinstance(opt, bnb.optim.PagedAdamW8bit)
+    paged, eight = worlds[1]["paged"][0], worlds[1]["eight"][0]
+    assert paged["losses"] == eight["losses"]
+    assert max_param_diff(paged["params"], eight["params"]) == 0
+    record = explain_record(cfg, 1, get_hardware("cpu", calibrate=False))
+    assert any("nothing to page to" in w for w in record["warnings"])
+    assert record["mem_bytes"]["optimizer"] == paged["records"][-1]["mem_bytes"]["optimizer"]
 
 
 def test_optimizer_state_is_two_bytes_per_parameter(worlds):

@@ -164,11 +164,12 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "adamw8bit"] = opt(
+    name: Literal["adamw", "adamw8bit", "paged_adamw8bit"] = opt(
         "adamw",
         "adamw: torch's AdamW (fp32 moments); adamw8bit: bitsandbytes' block-wise 8-bit AdamW "
         "(Dettmers et al. 2022: both moments in one byte per element + an fp32 scale per "
-        "256-element block).",
+        "256-element block); paged_adamw8bit: the same with its state in CUDA unified memory, "
+        "paged to the host under GPU memory pressure (QLoRA; on a CPU it is adamw8bit).",
     )
     beta1: float = opt(0.9, "AdamW beta1.")
     beta2: float = opt(

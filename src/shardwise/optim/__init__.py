@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,6 +71,9 @@ class Target:
 # elements (one fp32 absmax each): a shard that starts on a block boundary of its parameter
 # holds exactly the single-process blocks, so ZeRO aligns shards to it (parallel/zero.py)
 QUANT_BLOCK = 256
+# bitsandbytes' block-wise 8-bit AdamW, and its paged variant: the same update, its state in
+# CUDA unified memory that the driver pages out to the host under GPU memory pressure
+EIGHT_BIT = ("adamw8bit", "paged_adamw8bit")
 
 
 def adamw(
@@ -85,7 +89,7 @@ def adamw(
         {"params": decay, "weight_decay": o.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    if o.name == "adamw8bit":
+    if o.name in EIGHT_BIT:
         return adamw8bit(groups, cfg)
     return torch.optim.AdamW(
         groups, lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True
@@ -100,22 +104,23 @@ def quiet_bitsandbytes() -> None:
 
 
 def adamw8bit(groups: list[dict], cfg: Config) -> torch.optim.Optimizer:
-    """bitsandbytes' AdamW8bit, block-wise, every tensor in 8 bits (min_8bit_size=0: the
-    32-bit fallback for small tensors would decide by the size of a rank's shard, so by the
-    layout)."""
+    """bitsandbytes' AdamW8bit (or PagedAdamW8bit), block-wise, every tensor in 8 bits
+    (min_8bit_size=0: the 32-bit fallback for small tensors would decide by the size of a
+    rank's shard, so by the layout). Paged on a CPU is the same optimizer (nothing to page to:
+    `explain`, and so `train`, say it once; bitsandbytes' own per-tensor warning is muted)."""
     quiet_bitsandbytes()
     try:
         import bitsandbytes as bnb
     except ImportError:
         raise ConfigError(
-            "optim.name=adamw8bit is bitsandbytes' 8-bit AdamW, and bitsandbytes is not "
-            "installed. Fix: pip install 'shardwise[finetune]' (or bitsandbytes), or "
+            f"optim.name={cfg.optim.name} is bitsandbytes' 8-bit AdamW, and bitsandbytes is "
+            "not installed. Fix: pip install 'shardwise[finetune]' (or bitsandbytes), or "
             "--optim.name=adamw."
         ) from None
     o = cfg.optim
-    return bnb.optim.AdamW8bit(
-        groups, lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps, min_8bit_size=0
-    )
+    kind = bnb.optim.PagedAdamW8bit if o.name == "paged_adamw8bit" else bnb.optim.AdamW8bit
+    warnings.filterwarnings("ignore", "Paged optimizers are not supported on CPU")
+    return kind(groups, lr=cfg.train.lr, betas=(o.beta1, o.beta2), eps=o.eps, min_8bit_size=0)
 
 
 def replicated_targets(model: nn.Module) -> list[Target]:

@@ -67,6 +67,11 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
             f"shardwise: parallel.grad_compression={cfg.parallel.grad_compression} has no "
             "effect here: dp=1, no gradient is all-reduced over data-parallel ranks."
         )
+    if cfg.optim.name == "paged_adamw8bit" and hw.name == "cpu":
+        warnings.append(
+            "shardwise: optim.name=paged_adamw8bit pages its state to host memory on a GPU "
+            "(CUDA unified memory); on a CPU it has nothing to page to and runs as adamw8bit."
+        )
     if any(warnings):
         record["warnings"] = [w for w in warnings if w]
     return record

@@ -20,6 +20,7 @@ from shardwise.errors import ConfigError
 from shardwise.finetune.lora import apply_lora
 from shardwise.finetune.quant import quant_layers, quantise_base
 from shardwise.models import build_model, count_params
+from shardwise.optim import EIGHT_BIT
 from shardwise.optim.nvme import chunk_elements
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.zero_units import unit_roots
@@ -60,7 +61,7 @@ def job_from_config(
 def finetune_of(cfg: Config, spec) -> FineTune:
     """The planner's fine-tuning inputs from the train config's `finetune.*` keys (one source
     of truth): LoRA's targets as the planner's names of the block linears they match."""
-    ft, eight = cfg.finetune, cfg.optim.name == "adamw8bit"
+    ft, eight = cfg.finetune, cfg.optim.name in EIGHT_BIT
     if not ft.lora_rank:
         return FineTune(base_quant=ft.base_quant, optim_8bit=eight)
     tags = tuple(linear_shapes(spec)) if spec.is_transformer else ()

@@ -28,7 +28,7 @@ from shardwise.models import build_model, init_weights, to_empty
 from shardwise.models.auto import weights_for
 from shardwise.models.hf_weights import load_weights
 from shardwise.models.tp_plans import plan_for
-from shardwise.optim import QUANT_BLOCK, MixedPrecisionAdamW, replicated_targets
+from shardwise.optim import EIGHT_BIT, QUANT_BLOCK, MixedPrecisionAdamW, replicated_targets
 from shardwise.parallel.compress import WIRE, make_compression
 from shardwise.parallel.data import GradReducer, apply_data_parallel
 from shardwise.parallel.pipeline import Pipeline, apply_pipeline
@@ -220,7 +220,7 @@ def parallelize(
             run_cfg.train.seed,
             offload_params,
             source,
-            QUANT_BLOCK if run_cfg.optim.name == "adamw8bit" else 1,
+            QUANT_BLOCK if run_cfg.optim.name in EIGHT_BIT else 1,
             WIRE.get(run_cfg.parallel.grad_compression),
         )
         return model, engine, tp, pipeline
