@@ -31,6 +31,7 @@ from test_pretrained_tokenizer import _documents, _tokenizer  # noqa: E402
 LORA = ["--finetune.lora_rank=4", "--finetune.lora_alpha=8", "--train.steps=8"]
 DROP = ["--finetune.lora_dropout=0.1"]
 NF4 = ["--finetune.base_quant=nf4"]
+INT8 = ["--finetune.base_quant=int8"]
 DDP = "shardwise.testing.peers:ddp_peer"
 LAYOUTS = {
     "z2": ["--parallel.zero=2"],
@@ -98,6 +99,7 @@ def worlds(llama, runs):
         "hf": {"overrides": [*llama, "--checkpoint.every=4", f"--run.dir={runs['one']}"]},
         "hf_inst": {"overrides": inst},
         "q": case(*LORA, *NF4),
+        "i8": case(*LORA, *INT8),
         "q_hf": {"overrides": [*llama, *NF4, "--checkpoint.every=4", f"--run.dir={runs['q']}"]},
     }
     two = {"ddp": case(*LORA, peer=DDP), "z0": case(*LORA)}
@@ -109,6 +111,8 @@ def worlds(llama, runs):
     for name in ("z0", "z2", "z3"):  # QLoRA: the same NF4 base (1/dp of it each under z3)
         two[f"q_{name}"] = case(*LORA, *NF4, f"--parallel.zero={name[1]}")
     two["q_pp2"] = case(*LORA, *NF4, "--parallel.pp=2", "--train.micro_batch=2")
+    for name in ("z2", "z3"):  # an int8 base (a row per block)
+        two[f"i8_{name}"] = case(*LORA, *INT8, f"--parallel.zero={name[1]}")
     for name in ("z2", "z3"):
         two[f"q_hf_{name}"] = {"overrides": [*llama, *NF4, f"--parallel.zero={name[1]}"]}
     for name, extra in FIGURE.items():  # model states of QLoRA vs full fine-tuning
@@ -239,7 +243,6 @@ def test_frozen_weights_have_no_gradients_or_optimizer_state(worlds):
         (["--finetune.lora_rank=-1"], "finetune.lora_rank=-1 must be >= 0"),
         (["--finetune.lora_alpha=0"], "finetune.lora_alpha=0.0 must be > 0"),
         (["--finetune.lora_dropout=1.5"], "finetune.lora_dropout=1.5 is not a probability"),
-        (["--finetune.base_quant=int8"], "train quantises the base to nf4 only so far"),
         (
             ["--finetune.base_quant=nf4", "--parallel.tp=2"],
             "split over data-parallel ranks and pipeline stages",
@@ -309,12 +312,14 @@ def test_explain_predicts_the_lora_job(worlds, name):
         assert abs(pred[key] - got[key]) <= 0.05 * got[key], (key, pred[key], got[key])
 
 
-@pytest.mark.parametrize("name", ["q_z0", "q_z2", "q_z3", "q_pp2", "q_hf_z2", "q_hf_z3"])
-def test_qlora_reproduces_one_process(worlds, name):
+@pytest.mark.parametrize(
+    "name", ["q_z0", "q_z2", "q_z3", "q_pp2", "q_hf_z2", "q_hf_z3", "i8_z2", "i8_z3"]
+)
+def test_quantised_base_reproduces_one_process(worlds, name):
     """QLoRA: every rank quantises the same base values identically (under ZeRO-3 each its own
     blocks, with the double quantisation of the whole tensor's absmax), so dp2 trains against
     bit-identical NF4 weights and reproduces one process to the LoRA bound."""
-    ref = worlds[1]["q_hf" if "hf" in name else "q"][0]
+    ref = worlds[1]["q_hf" if "hf" in name else name.split("_")[0]][0]
     got = worlds[2][name][0]
     assert max_rel(got["losses"], ref["losses"]) <= 1e-5
     # a pipeline stage holds (and quantised) its own blocks only
@@ -353,6 +358,24 @@ def test_qlora_stores_half_a_byte_per_base_weight_and_explain_predicts_it(worlds
         assert abs(pred[key] - got[key]) <= 0.05 * got[key], (key, pred[key], got[key])
 
 
+def test_an_int8_base_stores_a_byte_per_weight_and_a_scale_per_row(worlds):
+    """int8 (LLM.int8's weight format): a byte per weight and an fp32 absmax per row replace
+    the fp32 weights in `params`, bit for bit what bitsandbytes' int8_vectorwise_quant keeps;
+    under ZeRO-3 each rank keeps half the rows."""
+    from shardwise.finetune.quant import layer_bytes
+
+    lora, i8 = worlds[1]["ref"][0], worlds[1]["i8"][0]
+    bases = [p for n, p in lora["params"].items() if ".base_layer." in n]
+    stored = sum(p.numel() + 4 * p.shape[0] for p in bases)
+    assert stored == sum(layer_bytes(*p.shape, 1, "int8") for p in bases)
+    saved = lora["records"][-1]["mem_bytes"]["params"] - i8["records"][-1]["mem_bytes"]["params"]
+    assert saved == sum(4 * p.numel() for p in bases) - stored
+    assert all(
+        2 * layer_bytes(*p.shape, 2, "int8") == layer_bytes(*p.shape, 1, "int8") for p in bases
+    )
+    assert i8["losses"] != worlds[1]["q"][0]["losses"]  # another base than nf4's
+
+
 def test_zero3_splits_the_nf4_base_and_no_rank_reads_it_whole(worlds):
     """ZeRO-3 over 2 ranks: each rank reads from the checkpoint only the rows holding its half
     of every quantised weight's 64-weight blocks (never the whole tensor; the two halves
@@ -372,7 +395,7 @@ def test_zero3_splits_the_nf4_base_and_no_rank_reads_it_whole(worlds):
         assert 2 * (layer_bytes(out, inp, 2) - maps) == layer_bytes(out, inp) - maps
 
 
-@pytest.mark.parametrize("name", ["q_z3", "q_pp2", "q_hf_z3"])
+@pytest.mark.parametrize("name", ["q_z3", "q_pp2", "q_hf_z3", "i8_z3"])
 def test_explain_predicts_the_split_qlora_job(worlds, llama, name):
     """Under ZeRO-3 (and per pipeline stage) the planner splits the NF4 base like the engine:
     model states and buffers (one layer gathered and dequantised) exact, dp traffic and calls
@@ -386,7 +409,7 @@ def test_explain_predicts_the_split_qlora_job(worlds, llama, name):
     layout = (
         ["--parallel.pp=2", "--train.micro_batch=2"] if name == "q_pp2" else ["--parallel.zero=3"]
     )
-    overrides = [*base, *NF4, *layout]
+    overrides = [*base, *(INT8 if name.startswith("i8") else NF4), *layout]
     pred = explain_record(load_config(None, overrides), 2, get_hardware("cpu", calibrate=False))
     got = worlds[2][name][0]["records"][-1]
     for key in ("params", "grads", "master", "optimizer", "buffers"):

@@ -203,7 +203,8 @@ class FinetuneConfig:
         "none",
         "The frozen base linears under LoRA adapters stored in nf4 (QLoRA, Dettmers et al. "
         "2023: 4-bit NormalFloat, double quantisation; data parallelism, ZeRO-1/2/3 (1/dp of "
-        "the base per rank) and pipeline stages). int8 is planned by plan/explain only so far.",
+        "the base per rank) and pipeline stages); int8: a byte per weight and an fp32 absmax "
+        "per row (LLM.int8's weight format, Dettmers et al. 2022), in the same layouts.",
     )
 
 

@@ -1,27 +1,32 @@
-"""A frozen low-bit base (`finetune.base_quant=nf4`): QLoRA (Dettmers et al. 2023, "QLoRA:
-Efficient Finetuning of Quantized LLMs"), through bitsandbytes.
+"""A frozen low-bit base (`finetune.base_quant = nf4 | int8`): QLoRA (Dettmers et al. 2023,
+"QLoRA: Efficient Finetuning of Quantized LLMs") and 8-bit weights (Dettmers et al. 2022,
+"LLM.int8()"), through bitsandbytes.
 
-The base linear of every LoRA layer becomes a `QuantLinear`: its weight is stored as
-bitsandbytes' 4-bit NormalFloat with double quantisation (blocks of 64 weights, the absmax of
-each block itself quantised to 8 bits in groups of 256 around their mean) and used through
-`_DequantLinear`, which dequantises before the product and again in backward (only the input's
-gradient is taken: the weight is frozen), so no 16/32-bit copy of the weight is kept between
-forward and backward. bitsandbytes over torchao: it runs NF4 on CPU and on CUDA alike with one
-call each way (torchao's NF4 tensor compiles kernels on first use), and peft speaks its formats.
+The base linear of every LoRA layer becomes a `QuantLinear`, its weight stored as
+* nf4: bitsandbytes' 4-bit NormalFloat with double quantisation (blocks of 64 weights, the
+  absmax of each block itself quantised to 8 bits in groups of 256 around their mean);
+* int8: int8 codes with an fp32 absmax per row, as bitsandbytes' `Linear8bitLt` stores its
+  weight (`int8_vectorwise_quant`, no outlier columns held back);
+and used through `_DequantLinear`, which dequantises before the product and again in backward
+(only the input's gradient is taken: the weight is frozen), so no 16/32-bit copy of the weight
+is kept between forward and backward. bitsandbytes over torchao: it runs both formats on CPU
+and on CUDA alike with one call each way (torchao's NF4 tensor compiles kernels on first use),
+and peft speaks its formats.
 
 Values: each rank computes the weight exactly as an unquantised run would (the checkpoint's
 tensor, or the (seed, name) init) and quantises it, so every layout trains against
-bit-identical base weights. The packed weight and its statistics are non-persistent buffers:
+bit-identical base weights. The codes and their statistics are non-persistent buffers:
 checkpoints do not store them (a resumed run quantises again, to the same bits), and ZeRO units
 (parameters only) never hold them, so a quantised weight is never put into a float flat buffer.
 
-Under ZeRO-3 each of the dp ranks keeps 1/dp of every quantised weight: a run of whole 64-weight
-blocks (`Shards`), read from the checkpoint or cut from the init by itself alone. The blocks'
-fp32 absmax are gathered once at load (1/16 of the weight's fp32 bytes, transiently) so every
-rank double-quantises them exactly as bitsandbytes does for the whole tensor; in use, the 4-bit
-codes and 8-bit absmax (never floats) are all-gathered over dp for one layer at a time, forward
-and backward, and dropped after the product. Data parallelism and ZeRO-1/2 keep the whole
-quantised base on every rank; tensor parallelism of it is refused for now.
+Under ZeRO-3 each of the dp ranks keeps 1/dp of every quantised weight: a run of whole blocks
+(`Shards`: 64 weights for nf4, a row for int8), read from the checkpoint or cut from the init
+by itself alone. nf4 gathers the blocks' fp32 absmax once at load (1/16 of the weight's fp32
+bytes, transiently) so every rank double-quantises them exactly as bitsandbytes does for the
+whole tensor. In use, the codes and their block statistics (bytes, never floats) are
+all-gathered over dp for one layer at a time, forward and backward, and dropped after the
+product. Data parallelism and ZeRO-1/2 keep the whole quantised base on every rank, pipeline
+stages their own layers; tensor parallelism of it is refused for now.
 """
 
 from __future__ import annotations
@@ -39,16 +44,17 @@ from shardwise.optim import quiet_bitsandbytes
 NF4_BLOCK = 64  # weights per absmax block (QLoRA's choice)
 ABSMAX_BLOCK = 256  # absmax values per block of the double quantisation (bitsandbytes')
 STATE_KEYS = ("weight_q", "absmax", "code", "absmax2", "code2", "offset")
+KINDS = ("nf4", "int8")
 
 
-def _bnb():
+def _bnb(kind: str = "nf4"):
     quiet_bitsandbytes()
     try:
         import bitsandbytes as bnb
         import bitsandbytes.functional as bf
     except ImportError:
         raise ConfigError(
-            "finetune.base_quant=nf4 stores the frozen base with bitsandbytes, which is not "
+            f"finetune.base_quant={kind} stores the frozen base with bitsandbytes, which is not "
             "installed. Fix: pip install 'shardwise[finetune]' (or bitsandbytes), or "
             "--finetune.base_quant=none."
         ) from None
@@ -57,16 +63,26 @@ def _bnb():
 
 @dataclass(frozen=True)
 class Shards:
-    """How one weight of `numel` elements is split over `n` ranks: `chunk` whole blocks each
-    (the last ranks may hold fewer real ones; every rank stores `chunk`, so the gather is one
-    equal-sized all-gather)."""
+    """How one [out, in] weight in format `kind` is split over `n` ranks: `chunk` whole
+    blocks each (the last ranks may hold fewer real ones; every rank stores `chunk`, so the
+    gather is one equal-sized all-gather). A block is 64 weights (nf4) or a row (int8)."""
 
-    numel: int
+    out_features: int
+    in_features: int
     n: int = 1
+    kind: str = "nf4"
+
+    @property
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+    @property
+    def block(self) -> int:
+        return NF4_BLOCK if self.kind == "nf4" else self.in_features
 
     @property
     def blocks(self) -> int:
-        return -(-self.numel // NF4_BLOCK)
+        return -(-self.numel // self.block)
 
     @property
     def chunk(self) -> int:
@@ -74,24 +90,37 @@ class Shards:
 
     def span(self, rank: int) -> tuple[int, int]:
         """The elements [start, stop) of the flattened weight rank `rank` quantises."""
-        start = min(self.numel, rank * self.chunk * NF4_BLOCK)
-        return start, min(self.numel, start + self.chunk * NF4_BLOCK)
+        start = min(self.numel, rank * self.chunk * self.block)
+        return start, min(self.numel, start + self.chunk * self.block)
 
     @property
     def code_bytes(self) -> int:
-        """Packed 4-bit codes one rank stores (two per byte)."""
+        """Codes one rank stores: nf4 two per byte, int8 one."""
+        if self.kind == "int8":
+            return self.chunk * self.block
         return -(-self.numel // 2) if self.n == 1 else self.chunk * NF4_BLOCK // 2
+
+    @property
+    def stat_bytes(self) -> int:
+        """Block statistics one rank stores: an 8-bit absmax (nf4) or an fp32 one (int8)."""
+        return self.chunk * (1 if self.kind == "nf4" else 4)
+
+    @property
+    def gathered(self) -> int:
+        """Bytes one use all-gathers (0: the weight is whole here)."""
+        return 0 if self.n == 1 else (self.code_bytes + self.stat_bytes) * self.n
 
 
 class QuantLinear(nn.Module):
-    """A frozen linear layer whose weight is held in NF4 (buffers set by `quantise_weight`);
-    the bias, if any, stays a (frozen) parameter."""
+    """A frozen linear layer whose weight is held in nf4 or int8 (buffers set by
+    `quantise_weight`); the bias, if any, stays a (frozen) parameter."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, kind: str = "nf4") -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kind = kind
         self.bias = linear.bias
-        self.shards = Shards(self.in_features * self.out_features)
+        self.shards = Shards(self.out_features, self.in_features, 1, kind)
         self.comm = None  # ZeRO-3: gathers this rank's codes with the other dp ranks'
         self.read_elements = 0  # of the weight, read from the checkpoint by this rank
         self.peak_transient = 0  # bytes gathered and dequantised for one use, at most
@@ -107,20 +136,28 @@ class QuantLinear(nn.Module):
     @torch.no_grad()
     def quantise_weight(self, part: torch.Tensor, comm=None, shards: int = 1) -> None:
         """Store this rank's `part` (elements `Shards.span(rank)` of the flattened [out, in]
-        weight; all of it when `shards` is 1) in NF4 with double quantisation, bit for bit as
-        bitsandbytes' `quantize_4bit(weight, compress_statistics=True)` stores them."""
-        _, bf = _bnb()
-        self.shards, self.comm = Shards(self.shards.numel, shards), comm if shards > 1 else None
+        weight; all of it when `shards` is 1) as bitsandbytes stores the whole weight, bit
+        for bit: nf4 `quantize_4bit(weight, compress_statistics=True)`, int8
+        `int8_vectorwise_quant(weight)`."""
+        _, bf = _bnb(self.kind)
+        self.shards = Shards(self.out_features, self.in_features, shards, self.kind)
+        self.comm = comm if shards > 1 else None
         s, part = self.shards, part.float().reshape(-1)
         codes = torch.zeros(s.code_bytes, dtype=torch.uint8, device=part.device)
+        if self.kind == "int8":  # rows are independent: nothing to share
+            stats = torch.zeros(s.chunk, dtype=torch.float32, device=part.device)
+            if part.numel():
+                q, row_absmax, _ = bf.int8_vectorwise_quant(part.view(-1, self.in_features))
+                codes[: q.numel()] = q.flatten().view(torch.uint8)
+                stats[: row_absmax.numel()] = row_absmax
+            self.weight_q, self.absmax = codes, stats
+            return
         absmax = torch.zeros(s.chunk, dtype=torch.float32, device=part.device)
         if part.numel():  # blocks are independent: a run of whole blocks quantises alike
             q, state = bf.quantize_4bit(part, blocksize=NF4_BLOCK, quant_type="nf4")
             codes[: q.numel()] = q.flatten()
             absmax[: state.absmax.numel()] = state.absmax
-            self.code = state.code
-        else:
-            self.code = bf.get_4bit_type("nf4", device=part.device)
+        self.code = bf.get_4bit_type("nf4", device=part.device)
         if self.comm is not None:  # every block's absmax, for the mean and 256-groups
             full = torch.empty(s.chunk * s.n, dtype=torch.float32, device=part.device)
             self.comm.all_gather(full, absmax, "dp")
@@ -136,36 +173,45 @@ class QuantLinear(nn.Module):
         self.weight_q, self.absmax = codes, own
         self.absmax2, self.code2 = state2.absmax, state2.code
 
+    def _gather(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(codes, block statistics) of the whole weight, and the bytes the gather held."""
+        s, codes, stats = self.shards, self.weight_q, self.absmax
+        if self.comm is None:
+            return codes, stats, 0
+        mine = torch.cat([codes, stats.view(torch.uint8)])  # one uint8 all-gather
+        full = torch.empty(mine.numel() * s.n, dtype=torch.uint8, device=mine.device)
+        self.comm.all_gather(full, mine, "dp")
+        rows = full.view(s.n, -1)
+        codes = rows[:, : s.code_bytes].flatten()
+        stats = rows[:, s.code_bytes :].flatten().view(stats.dtype)[: s.blocks]
+        return codes, stats, 2 * full.numel() + mine.numel()  # the gather and its two cuts
+
     def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantised [out, in] weight in `dtype` (gathered over dp under ZeRO-3)."""
-        _, bf = _bnb()
+        _, bf = _bnb(self.kind)
         if self.shape_only:
             return torch.empty(self.shape, dtype=dtype)
         if self.weight_q is None:
             raise RuntimeError("QuantLinear used before its weight was quantised")
-        s, codes, absmax, gathered = self.shards, self.weight_q, self.absmax, 0
-        if self.comm is not None:  # one uint8 all-gather of codes and 8-bit absmax
-            mine = torch.cat([codes, absmax])
-            full = torch.empty(mine.numel() * s.n, dtype=torch.uint8, device=mine.device)
-            self.comm.all_gather(full, mine, "dp")
-            rows = full.view(s.n, -1)
-            codes = rows[:, : s.code_bytes].flatten()[: -(-s.numel // 2)]
-            absmax = rows[:, s.code_bytes :].flatten()[: s.blocks]
-            gathered = 2 * full.numel() + mine.numel()  # the gather and the two cuts of it
-        state2 = bf.QuantState(
-            absmax=self.absmax2, code=self.code2, blocksize=ABSMAX_BLOCK, dtype=torch.float32
-        )
-        state = bf.QuantState(
-            absmax=absmax,
-            shape=torch.Size(self.shape),
-            code=self.code,
-            blocksize=NF4_BLOCK,
-            quant_type="nf4",
-            dtype=dtype,
-            offset=self.offset,
-            state2=state2,
-        )
-        weight = bf.dequantize_4bit(codes.reshape(-1, 1), state)
+        codes, stats, gathered = self._gather()
+        if self.kind == "int8":
+            q = codes[: self.shards.numel].view(torch.int8).view(self.shape)
+            weight = bf.int8_vectorwise_dequant(q, stats).to(dtype)
+        else:
+            state2 = bf.QuantState(
+                absmax=self.absmax2, code=self.code2, blocksize=ABSMAX_BLOCK, dtype=torch.float32
+            )
+            state = bf.QuantState(
+                absmax=stats,
+                shape=torch.Size(self.shape),
+                code=self.code,
+                blocksize=NF4_BLOCK,
+                quant_type="nf4",
+                dtype=dtype,
+                offset=self.offset,
+                state2=state2,
+            )
+            weight = bf.dequantize_4bit(codes[: -(-self.shards.numel // 2)].view(-1, 1), state)
         used = gathered + weight.numel() * weight.element_size()
         self.peak_transient = max(self.peak_transient, used)
         return weight
@@ -179,7 +225,7 @@ class QuantLinear(nn.Module):
         return self.weight_for(torch.float32)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, nf4"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
 
 
 class _DequantLinear(torch.autograd.Function):
@@ -201,17 +247,17 @@ def quantise_base(model: nn.Module, base_quant: str) -> list[str]:
     returns their paths (`...wq.base_layer`)."""
     if base_quant == "none":
         return []
-    if base_quant != "nf4":
+    if base_quant not in KINDS:
         raise ConfigError(
-            f"finetune.base_quant={base_quant}: train quantises the base to nf4 only so far. "
-            "Fix: --finetune.base_quant=nf4, or none."
+            f"finetune.base_quant={base_quant} is not a format shardwise stores. Fix: "
+            "--finetune.base_quant=nf4 (or int8, none)."
         )
-    _bnb()
+    _bnb(base_quant)
     done = []
     for path, module in list(model.named_modules()):
         base = getattr(module, "base_layer", None)
         if is_lora_layer(module) and isinstance(base, nn.Linear):
-            module.base_layer = QuantLinear(base)
+            module.base_layer = QuantLinear(base, base_quant)
             done.append(f"{path}.base_layer")
     if not done:
         raise ConfigError(
@@ -235,27 +281,31 @@ def quantised_bytes(layers: list[QuantLinear]) -> int:
     )
 
 
-def layer_bytes(out_features: int, in_features: int, shards: int = 1) -> int:
-    """Bytes one rank keeps for one NF4 weight with double quantisation, the weight split over
-    `shards` ranks (ZeRO-3): 4 bits per weight and an 8-bit absmax per 64-weight block (its
-    share of them), and on every rank the 16-entry NF4 map (fp32), an fp32 absmax per 256
-    blocks, the 256-entry map of the absmax quantisation (fp32) and their fp32 mean."""
-    s = Shards(out_features * in_features, shards)
-    return s.code_bytes + s.chunk + 16 * 4 + 4 * -(-s.blocks // ABSMAX_BLOCK) + 256 * 4 + 4
+def layer_bytes(out_features: int, in_features: int, shards: int = 1, kind: str = "nf4") -> int:
+    """Bytes one rank keeps for one quantised weight split over `shards` ranks (ZeRO-3): its
+    share of the codes and block statistics (nf4: 4 bits per weight, an 8-bit absmax per 64;
+    int8: a byte per weight, an fp32 absmax per row), and for nf4 on every rank the 16-entry
+    NF4 map (fp32), an fp32 absmax per 256 blocks, the 256-entry map of the absmax
+    quantisation (fp32) and their fp32 mean."""
+    s = Shards(out_features, in_features, shards, kind)
+    if kind == "int8":
+        return s.code_bytes + s.stat_bytes
+    return s.code_bytes + s.stat_bytes + 16 * 4 + 4 * -(-s.blocks // ABSMAX_BLOCK) + 256 * 4 + 4
 
 
-def gather_bytes(out_features: int, in_features: int, shards: int) -> int:
-    """Bytes one use of a weight split over `shards` ranks all-gathers (codes and 8-bit absmax
-    of every rank, padded alike); 0 when it is whole here."""
-    s = Shards(out_features * in_features, shards)
-    return 0 if shards == 1 else (s.code_bytes + s.chunk) * shards
+def gather_bytes(out_features: int, in_features: int, shards: int, kind: str = "nf4") -> int:
+    """Bytes one use of a weight split over `shards` ranks all-gathers (codes and block
+    statistics of every rank, padded alike); 0 when it is whole here."""
+    return Shards(out_features, in_features, shards, kind).gathered
 
 
-def transient_bytes(out_features: int, in_features: int, shards: int, itemsize: int) -> int:
+def transient_bytes(
+    out_features: int, in_features: int, shards: int, itemsize: int, kind: str = "nf4"
+) -> int:
     """Bytes one use of a quantised weight holds at once (`QuantLinear.weight_for`): the
-    gather, its codes and absmax cut out of it, this rank's part sent, and the weight
+    gather, its codes and statistics cut out of it, this rank's part sent, and the weight
     dequantised to `itemsize`-byte floats."""
-    g = gather_bytes(out_features, in_features, shards)
+    g = gather_bytes(out_features, in_features, shards, kind)
     return (2 * g + g // shards if g else 0) + out_features * in_features * itemsize
 
 
@@ -272,7 +322,7 @@ def materialise_quantised(
     rank = comm.topo.coord("dp") if shards > 1 else 0
     for path, layer in quant_layers(model):
         name = canonical_name(f"{path}.weight", spec)
-        start, stop = Shards(layer.shards.numel, shards).span(rank)
+        start, stop = Shards(*layer.shape, shards, layer.kind).span(rank)
         if source is not None and source.has(name):
             before = source.elements_read
             part = source.span(name, layer.shape, start, stop) if stop > start else None

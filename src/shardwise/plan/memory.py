@@ -58,7 +58,8 @@ def quantised_transient(job: Job, layout: Layout, stage: int = 0) -> float:
     """One quantised linear gathered (ZeRO-3) and dequantised to compute dtype at a time."""
     shards = layout.dp if layout.zero == 3 else 1
     shapes = quantised_layers(job, layout, stage)
-    return max((transient_bytes(a, b, shards, job.bc) for a, b in shapes), default=0)
+    kind = job.finetune.base_quant
+    return max((transient_bytes(a, b, shards, job.bc, kind) for a, b in shapes), default=0)
 
 
 def padded_numel(u: Unit, dp: int, align: int = 1) -> int:
@@ -117,7 +118,8 @@ def model_states(
     states = dict(_model_states(*key, job.nvme_chunk))
     shards = dp if stage == 3 else 1
     shapes = job.quantised_shapes if quantised is None else quantised
-    states["params"] += sum(layer_bytes(a, b, shards) for a, b in shapes)
+    kind = job.finetune.base_quant
+    states["params"] += sum(layer_bytes(a, b, shards, kind) for a, b in shapes)
     return states
 
 

@@ -133,7 +133,7 @@ def _quant_uses(job: Job, layout: Layout, dp: int) -> list[int]:
     backward = job.quantised_backward if len(job.quantised_backward) == len(shapes) else ()
     for (a, b), back in zip(shapes, backward or (True,) * len(shapes), strict=True):
         uses = 1 + (layout.recompute == "full") + back
-        out += [gather_bytes(a, b, dp)] * uses
+        out += [gather_bytes(a, b, dp, job.finetune.base_quant)] * uses
     return out
 
 
