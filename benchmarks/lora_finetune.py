@@ -6,9 +6,10 @@ spawned world of 2 gloo ranks, in alternating rounds: ours dp2 (ZeRO-0) and dp2 
 PyTorch's DistributedDataParallel and FSDP2 (`fully_shard` per block, then the root) on the
 same peft-wrapped module, weights, data order, AdamW and clipping (testing.peers.ddp_peer,
 testing.zero_peers.fsdp2_peer); and, for scale, ours full fine-tuning with ZeRO-3 and ours LoRA
-with 8-bit AdamW. Printed: median step time per engine (steps after warm-up, slowest rank) and
-the ratio to DDP, the largest relative loss difference from one process of ours, and
-model-state bytes per rank (ours from `mem_bytes`, the peers' from their own storages).
+with 8-bit AdamW, QLoRA (an NF4 base, split over the ranks) and an int8 base. Printed: median
+step time per engine (steps after warm-up, slowest rank) and the ratio to DDP, the largest
+relative loss difference from one process of ours, and model-state bytes per rank (ours from
+`mem_bytes`, the peers' from their own storages).
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ ENGINES = [
     ("DDP + peft", [*LORA], DDP),
     ("FSDP2 + peft", [*LORA], FSDP2),
     ("ours LoRA z3 8-bit", [*LORA, "--parallel.zero=3", "--optim.name=adamw8bit"], None),
+    ("ours QLoRA z3", [*LORA, "--parallel.zero=3", "--finetune.base_quant=nf4"], None),
+    ("ours int8 base z3", [*LORA, "--parallel.zero=3", "--finetune.base_quant=int8"], None),
     ("ours full z3", ["--parallel.zero=3"], None),
 ]
 
@@ -94,7 +97,7 @@ def main() -> int:
     rows = []
     for name, _, _ in ENGINES:
         first = by_key[name, 0][0]
-        lora = "full" not in name and "8-bit" not in name
+        lora = not any(k in name for k in ("full", "8-bit", "QLoRA", "int8"))  # fp32 LoRA
         dloss = max(
             abs(a - b) / abs(b) for a, b in zip(first["losses"], one["losses"], strict=True)
         )
@@ -109,8 +112,10 @@ def main() -> int:
         )
     header = ["engine (2 ranks)", "step ms", "/ DDP+peft", "max rel dloss vs 1 proc"]
     print(table([*header, "model states MB/rank"], rows))
-    full, z3 = _states(by_key["ours full z3", 0][0]), _states(by_key["ours LoRA z3", 0][0])
-    print(f"LoRA z3 model states {full / z3:.1f}x below full fine-tuning z3 (fp32, same model)")
+    full = _states(by_key["ours full z3", 0][0])
+    for name in ("ours LoRA z3", "ours QLoRA z3", "ours int8 base z3"):
+        below = full / _states(by_key[name, 0][0])
+        print(f"{name[5:]} model states {below:.1f}x below full fine-tuning z3 (fp32, same model)")
     print(f"load average at the end: {load()}")
     return 0
 
