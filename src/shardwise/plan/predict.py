@@ -8,7 +8,11 @@ the engine's own saved-tensor accounting (memory.ActivationMeter).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
+from collections.abc import Iterator
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +126,20 @@ def _to_fake(model: torch.nn.Module) -> None:
                 store[key] = done[id(t)]
 
 
+@contextlib.contextmanager
+def _as_in_training() -> Iterator[None]:
+    """transformers reads the position ids' values to tell packed rows from plain ones, and
+    on fake tensors, which have none, assumes packing: an explicit mask (and repeated k/v
+    heads instead of SDPA's GQA) that the real run does not save. The rows this forward
+    feeds are plain (a packed run passes its own mask), so answer as the real run does."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    with mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None):
+        yield
+
+
 def _fake_activations(model, cfg: Config, derived) -> int:
     """Bytes saved for backward by one micro-batch's forward and loss, on fake tensors (for
     models without a formula: image models and Hugging Face definitions)."""
@@ -144,7 +162,7 @@ def _fake_activations(model, cfg: Config, derived) -> int:
     else:  # token ids and targets: views of one (b, s+1) window, as the loader makes them
         window = torch.zeros(b, cfg.data.seq_len + 1, dtype=torch.long)
         inputs, targets = window[:, :-1], window[:, 1:]
-    with meter.measure():
+    with meter.measure(), _as_in_training():
         logits = model(inputs)
         logits = getattr(logits, "logits", logits)  # a Hugging Face output object
         F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
