@@ -113,6 +113,10 @@ def worlds(llama, runs):
     two["q_pp2"] = case(*LORA, *NF4, "--parallel.pp=2", "--train.micro_batch=2")
     for name in ("z2", "z3"):  # an int8 base (a row per block)
         two[f"i8_{name}"] = case(*LORA, *INT8, f"--parallel.zero={name[1]}")
+    # tensor parallelism: each rank stores half of every base, multiplies by its rows/columns
+    two["q_tp2"] = case(*LORA, *NF4, "--parallel.tp=2")
+    two["i8_tp2"] = case(*LORA, *INT8, "--parallel.tp=2")
+    two["q_hf_tp2"] = {"overrides": [*llama, *NF4, "--parallel.tp=2"]}
     for name in ("z2", "z3"):
         two[f"q_hf_{name}"] = {"overrides": [*llama, *NF4, f"--parallel.zero={name[1]}"]}
     for name, extra in FIGURE.items():  # model states of QLoRA vs full fine-tuning
@@ -122,7 +126,9 @@ def worlds(llama, runs):
     two["pp2_drop"] = case(*LORA, *DROP, "--parallel.pp=2", "--train.micro_batch=2")
     two["tp2_sp"] = case(*LORA, *DROP, "--parallel.tp=2", "--parallel.sp=true")
     two["z3_full"] = case("--train.steps=8", "--parallel.zero=3")  # the same model, all trained
-    return run_named_worlds({1: one, 2: two})
+    # dp2 x tp2 under ZeRO-3: each base split over 4 ranks (dp outer), gathered over tp then dp
+    four = {"q_z3_tp2": case(*LORA, *NF4, "--parallel.zero=3", "--parallel.tp=2")}
+    return run_named_worlds({1: one, 2: two, 4: four})
 
 
 def _folder(overrides: list[str]):
@@ -243,10 +249,6 @@ def test_frozen_weights_have_no_gradients_or_optimizer_state(worlds):
         (["--finetune.lora_rank=-1"], "finetune.lora_rank=-1 must be >= 0"),
         (["--finetune.lora_alpha=0"], "finetune.lora_alpha=0.0 must be > 0"),
         (["--finetune.lora_dropout=1.5"], "finetune.lora_dropout=1.5 is not a probability"),
-        (
-            ["--finetune.base_quant=nf4", "--parallel.tp=2"],
-            "split over data-parallel ranks and pipeline stages",
-        ),
     ],
 )
 def test_bad_lora_keys_are_refused_before_launch(overrides, message):
@@ -313,7 +315,12 @@ def test_explain_predicts_the_lora_job(worlds, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["q_z0", "q_z2", "q_z3", "q_pp2", "q_hf_z2", "q_hf_z3", "i8_z2", "i8_z3"]
+    "name",
+    [
+        *("q_z0", "q_z2", "q_z3", "q_pp2", "q_tp2"),
+        *("q_hf_z2", "q_hf_z3", "q_hf_tp2"),
+        *("i8_z2", "i8_z3", "i8_tp2"),
+    ],
 )
 def test_quantised_base_reproduces_one_process(worlds, name):
     """QLoRA: every rank quantises the same base values identically (under ZeRO-3 each its own
@@ -376,13 +383,39 @@ def test_an_int8_base_stores_a_byte_per_weight_and_a_scale_per_row(worlds):
     assert i8["losses"] != worlds[1]["q"][0]["losses"]  # another base than nf4's
 
 
-def test_zero3_splits_the_nf4_base_and_no_rank_reads_it_whole(worlds):
-    """ZeRO-3 over 2 ranks: each rank reads from the checkpoint only the rows holding its half
-    of every quantised weight's 64-weight blocks (never the whole tensor; the two halves
+def test_zero3_with_tp_splits_the_base_over_four_ranks(worlds):
+    """dp2 x tp2 with ZeRO-3: a quarter of every NF4 base per rank, gathered over tp, then dp;
+    one process's losses and parameters to 1e-5; model states, buffers and dp traffic exact."""
+    from shardwise.plan.explain import explain_record
+    from shardwise.plan.hardware import get_hardware
+
+    ref, got = worlds[1]["q"][0], worlds[4]["q_z3_tp2"][0]
+    assert max_rel(got["losses"], ref["losses"]) <= 1e-5
+    assert max_param_diff(got["params"], ref["params"]) <= 1e-5
+    cfg = load_config(None, case(*LORA, *NF4, "--parallel.zero=3", "--parallel.tp=2")["overrides"])
+    pred = explain_record(cfg, 4, get_hardware("cpu", calibrate=False))
+    last = got["records"][-1]
+    for key in ("params", "grads", "master", "optimizer", "buffers"):
+        assert pred["mem_bytes"][key] == last["mem_bytes"][key], key
+    assert pred["comm_bytes"]["dp"] == last["comm_bytes"]["dp"]
+    assert pred["comm_calls"] == last["comm_calls"]
+
+
+def test_zero3_and_tp_split_the_nf4_base_and_no_rank_reads_it_whole(worlds):
+    """ZeRO-3 or tp over 2 ranks: each rank reads from the checkpoint only the rows holding its
+    half of every quantised weight's 64-weight blocks (never the whole tensor; the two halves
     cover it), and keeps half of its codes and absmax."""
     from shardwise.finetune.quant import layer_bytes
 
-    ranks = [r["quant"] for r in worlds[2]["q_hf_z3"]]
+    for name in ("q_hf_z3", "q_hf_tp2"):
+        _assert_half_read(worlds[2][name])
+    for out, inp in [(128, 128), (352, 128)]:  # the decoder's attention and MLP weights
+        maps = 16 * 4 + 256 * 4 + 4 + 4 * -(-out * inp // 64 // 256)  # whole on each rank
+        assert 2 * (layer_bytes(out, inp, 2) - maps) == layer_bytes(out, inp) - maps
+
+
+def _assert_half_read(per_rank: list[dict]) -> None:
+    ranks = [r["quant"] for r in per_rank]
     assert len(ranks[0]) == 2 * 7 and ranks[0].keys() == ranks[1].keys()
     for path, (_, out, inp) in ranks[0].items():
         numel, reads = out * inp, [r[path][0] for r in ranks]
@@ -390,32 +423,36 @@ def test_zero3_splits_the_nf4_base_and_no_rank_reads_it_whole(worlds):
         assert sum(reads) >= numel, (path, reads)  # together: all of it
         # half the blocks, rounded up, plus the two rows the half starts and ends in
         assert max(reads) <= -(-numel // 128) * 64 + 2 * inp, (path, reads)
-    for out, inp in [(128, 128), (352, 128)]:  # the decoder's attention and MLP weights
-        maps = 16 * 4 + 256 * 4 + 4 + 4 * -(-out * inp // 64 // 256)  # whole on each rank
-        assert 2 * (layer_bytes(out, inp, 2) - maps) == layer_bytes(out, inp) - maps
 
 
-@pytest.mark.parametrize("name", ["q_z3", "q_pp2", "q_hf_z3", "i8_z3"])
+@pytest.mark.parametrize("name", ["q_z3", "q_pp2", "q_hf_z3", "i8_z3", "q_tp2", "i8_tp2"])
 def test_explain_predicts_the_split_qlora_job(worlds, llama, name):
-    """Under ZeRO-3 (and per pipeline stage) the planner splits the NF4 base like the engine:
-    model states and buffers (one layer gathered and dequantised) exact, dp traffic and calls
-    exact (a quantised linear is gathered for forward, and for backward only where its input
-    needs a gradient; the frozen embedding is not gathered for backward), activations and the
-    peak within 5 %."""
+    """Under ZeRO-3, tp and per pipeline stage the planner splits the quantised base like the
+    engine: model states and buffers (one layer gathered and dequantised) exact; the base's
+    gathers exact in dp and tp traffic and calls (a linear is gathered for forward, and for
+    backward only where its input needs a gradient; the frozen embedding is not gathered for
+    backward; over tp: the quantised job's traffic minus the same LoRA job's, as the rest of
+    the LoRA tp traffic is the planner's tp model); activations and the peak within 5 %."""
     from shardwise.plan.explain import explain_record
     from shardwise.plan.hardware import get_hardware
 
+    def explain(*extra: str) -> dict:
+        cfg = load_config(None, [*base, *extra])
+        return explain_record(cfg, 2, get_hardware("cpu", calibrate=False))
+
     base = llama if name == "q_hf_z3" else case(*LORA)["overrides"]
-    layout = (
-        ["--parallel.pp=2", "--train.micro_batch=2"] if name == "q_pp2" else ["--parallel.zero=3"]
-    )
-    overrides = [*base, *(INT8 if name.startswith("i8") else NF4), *layout]
-    pred = explain_record(load_config(None, overrides), 2, get_hardware("cpu", calibrate=False))
+    layout = {"q_pp2": ["--parallel.pp=2", "--train.micro_batch=2"]}.get(name)
+    layout = layout or (["--parallel.tp=2"] if name.endswith("tp2") else ["--parallel.zero=3"])
+    pred = explain(*(INT8 if name.startswith("i8") else NF4), *layout)
     got = worlds[2][name][0]["records"][-1]
     for key in ("params", "grads", "master", "optimizer", "buffers"):
         assert pred["mem_bytes"][key] == got["mem_bytes"][key], (key, pred, got)
     assert pred["comm_bytes"]["dp"] == got["comm_bytes"]["dp"]
     assert pred["comm_calls"]["dp"] == got["comm_calls"]["dp"]
+    if name.endswith("tp2"):
+        plain, lora = explain(*layout), worlds[2]["tp2"][0]["records"][-1]
+        for key in ("comm_bytes", "comm_calls"):
+            assert pred[key]["tp"] - plain[key]["tp"] == got[key]["tp"] - lora[key]["tp"] > 0
     for key in ("activations", "total"):
         p, g = pred["mem_bytes"][key], got["mem_bytes"][key]
         assert abs(p - g) <= 0.05 * g, (key, p, g)

@@ -202,9 +202,9 @@ class FinetuneConfig:
     base_quant: Literal["none", "nf4", "int8"] = opt(
         "none",
         "The frozen base linears under LoRA adapters stored in nf4 (QLoRA, Dettmers et al. "
-        "2023: 4-bit NormalFloat, double quantisation; data parallelism, ZeRO-1/2/3 (1/dp of "
-        "the base per rank) and pipeline stages); int8: a byte per weight and an fp32 absmax "
-        "per row (LLM.int8's weight format, Dettmers et al. 2022), in the same layouts.",
+        "2023: 4-bit NormalFloat, double quantisation; in every layout, 1/(dp·tp) of the base "
+        "per rank under ZeRO-3 and tensor parallelism); int8: a byte per weight and an fp32 "
+        "absmax per row (LLM.int8's weight format, Dettmers et al. 2022).",
     )
 
 

@@ -19,14 +19,16 @@ bit-identical base weights. The codes and their statistics are non-persistent bu
 checkpoints do not store them (a resumed run quantises again, to the same bits), and ZeRO units
 (parameters only) never hold them, so a quantised weight is never put into a float flat buffer.
 
-Under ZeRO-3 each of the dp ranks keeps 1/dp of every quantised weight: a run of whole blocks
-(`Shards`: 64 weights for nf4, a row for int8), read from the checkpoint or cut from the init
-by itself alone. nf4 gathers the blocks' fp32 absmax once at load (1/16 of the weight's fp32
-bytes, transiently) so every rank double-quantises them exactly as bitsandbytes does for the
-whole tensor. In use, the codes and their block statistics (bytes, never floats) are
-all-gathered over dp for one layer at a time, forward and backward, and dropped after the
-product. Data parallelism and ZeRO-1/2 keep the whole quantised base on every rank, pipeline
-stages their own layers; tensor parallelism of it is refused for now.
+Split storage: under ZeRO-3 (over dp) and tensor parallelism (over tp) each rank keeps 1/n of
+every quantised weight (n = dp·tp, dp outer): a run of whole blocks (`Shards`: 64 weights for
+nf4, a row for int8), read from the checkpoint or cut from the init by itself alone. nf4
+gathers the blocks' fp32 absmax once at load (1/16 of the weight's fp32 bytes, transiently) so
+every rank double-quantises them exactly as bitsandbytes does for the whole tensor. In use, the
+codes and their block statistics (bytes, never floats) are all-gathered (over tp, then dp) for
+one layer at a time, forward and backward, dequantised and dropped after the product; a
+tensor-parallel rank multiplies by its rows (column-parallel) or columns (row-parallel) of the
+dequantised weight (`take`), exactly as the float layer's split would. Data parallelism and
+ZeRO-1/2 keep the whole quantised base on every rank, pipeline stages their own layers.
 """
 
 from __future__ import annotations
@@ -59,6 +61,27 @@ def _bnb(kind: str = "nf4"):
             "--finetune.base_quant=none."
         ) from None
     return bnb, bf
+
+
+def split_index(comm, dims: tuple[tuple[str, int], ...]) -> int:
+    """This rank's index among the n = prod(sizes) ranks a weight is split over, `dims`
+    outer first (dp, then tp)."""
+    index = 0
+    for dim, size in dims:
+        index = index * size + comm.topo.coord(dim)
+    return index
+
+
+def gather_split(comm, part: torch.Tensor, dims: tuple[tuple[str, int], ...]) -> list:
+    """All-gather `part` over `dims`, innermost first, so the result is in split_index order;
+    every buffer it made, the last the whole."""
+    made = []
+    for dim, size in reversed(dims):
+        full = torch.empty(part.numel() * size, dtype=part.dtype, device=part.device)
+        comm.all_gather(full, part, dim)
+        made.append(full)
+        part = full
+    return made
 
 
 @dataclass(frozen=True)
@@ -105,15 +128,12 @@ class Shards:
         """Block statistics one rank stores: an 8-bit absmax (nf4) or an fp32 one (int8)."""
         return self.chunk * (1 if self.kind == "nf4" else 4)
 
-    @property
-    def gathered(self) -> int:
-        """Bytes one use all-gathers (0: the weight is whole here)."""
-        return 0 if self.n == 1 else (self.code_bytes + self.stat_bytes) * self.n
-
 
 class QuantLinear(nn.Module):
     """A frozen linear layer whose weight is held in nf4 or int8 (buffers set by
     `quantise_weight`); the bias, if any, stays a (frozen) parameter."""
+
+    splits_like_linear = True  # parallel/tensor_lora.py splits it as the Linear it replaces
 
     def __init__(self, linear: nn.Linear, kind: str = "nf4") -> None:
         super().__init__()
@@ -121,7 +141,9 @@ class QuantLinear(nn.Module):
         self.kind = kind
         self.bias = linear.bias
         self.shards = Shards(self.out_features, self.in_features, 1, kind)
-        self.comm = None  # ZeRO-3: gathers this rank's codes with the other dp ranks'
+        self.comm = None  # with `split`: gathers this rank's codes with the others'
+        self.split: tuple[tuple[str, int], ...] = ()  # (mesh dim, ranks), outer first
+        self.take: tuple[int, int, int] | None = None  # tp: (dim 0 rows | 1 columns, lo, hi)
         self.read_elements = 0  # of the weight, read from the checkpoint by this rank
         self.peak_transient = 0  # bytes gathered and dequantised for one use, at most
         self.shape_only = False  # the planner's fake forward: a weight of the right shape
@@ -134,14 +156,18 @@ class QuantLinear(nn.Module):
         return (self.out_features, self.in_features)
 
     @torch.no_grad()
-    def quantise_weight(self, part: torch.Tensor, comm=None, shards: int = 1) -> None:
-        """Store this rank's `part` (elements `Shards.span(rank)` of the flattened [out, in]
-        weight; all of it when `shards` is 1) as bitsandbytes stores the whole weight, bit
-        for bit: nf4 `quantize_4bit(weight, compress_statistics=True)`, int8
-        `int8_vectorwise_quant(weight)`."""
+    def quantise_weight(self, part: torch.Tensor, comm=None, split=()) -> None:
+        """Store this rank's `part` (elements `Shards.span(split_index)` of the flattened
+        [out, in] weight split over `split`; all of it when that is empty) as bitsandbytes
+        stores the whole weight, bit for bit: nf4 `quantize_4bit(weight,
+        compress_statistics=True)`, int8 `int8_vectorwise_quant(weight)`."""
         _, bf = _bnb(self.kind)
-        self.shards = Shards(self.out_features, self.in_features, shards, self.kind)
-        self.comm = comm if shards > 1 else None
+        self.split = tuple((d, n) for d, n in split if n > 1)
+        n = 1
+        for _, size in self.split:
+            n *= size
+        self.shards = Shards(self.out_features, self.in_features, n, self.kind)
+        self.comm = comm if self.split else None
         s, part = self.shards, part.float().reshape(-1)
         codes = torch.zeros(s.code_bytes, dtype=torch.uint8, device=part.device)
         if self.kind == "int8":  # rows are independent: nothing to share
@@ -159,14 +185,12 @@ class QuantLinear(nn.Module):
             absmax[: state.absmax.numel()] = state.absmax
         self.code = bf.get_4bit_type("nf4", device=part.device)
         if self.comm is not None:  # every block's absmax, for the mean and 256-groups
-            full = torch.empty(s.chunk * s.n, dtype=torch.float32, device=part.device)
-            self.comm.all_gather(full, absmax, "dp")
-            whole = full[: s.blocks]
+            whole = gather_split(self.comm, absmax, self.split)[-1][: s.blocks]
         else:
             whole = absmax[: s.blocks]
         self.offset = whole.mean()
         qabsmax, state2 = bf.quantize_blockwise(whole - self.offset, blocksize=ABSMAX_BLOCK)
-        rank = self.comm.topo.coord("dp") if self.comm is not None else 0
+        rank = split_index(self.comm, self.split) if self.comm is not None else 0
         own = torch.zeros(s.chunk, dtype=torch.uint8, device=part.device)
         mine = qabsmax[rank * s.chunk : (rank + 1) * s.chunk]
         own[: mine.numel()] = mine
@@ -178,16 +202,17 @@ class QuantLinear(nn.Module):
         s, codes, stats = self.shards, self.weight_q, self.absmax
         if self.comm is None:
             return codes, stats, 0
-        mine = torch.cat([codes, stats.view(torch.uint8)])  # one uint8 all-gather
-        full = torch.empty(mine.numel() * s.n, dtype=torch.uint8, device=mine.device)
-        self.comm.all_gather(full, mine, "dp")
-        rows = full.view(s.n, -1)
+        mine = torch.cat([codes, stats.view(torch.uint8)])  # one uint8 all-gather per dim
+        made = gather_split(self.comm, mine, self.split)
+        rows = made[-1].view(s.n, -1)
         codes = rows[:, : s.code_bytes].flatten()
         stats = rows[:, s.code_bytes :].flatten().view(stats.dtype)[: s.blocks]
-        return codes, stats, 2 * full.numel() + mine.numel()  # the gather and its two cuts
+        # the gathers, the two cuts of the last, this rank's part
+        held = sum(t.numel() for t in made) + made[-1].numel() + mine.numel()
+        return codes, stats, held
 
     def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dequantised [out, in] weight in `dtype` (gathered over dp under ZeRO-3)."""
+        """The whole dequantised [out, in] weight in `dtype` (gathered where it is split)."""
         _, bf = _bnb(self.kind)
         if self.shape_only:
             return torch.empty(self.shape, dtype=dtype)
@@ -216,10 +241,23 @@ class QuantLinear(nn.Module):
         self.peak_transient = max(self.peak_transient, used)
         return weight
 
+    def local_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight this rank multiplies by: all of it, or its tensor-parallel rows or
+        columns (`take`)."""
+        weight = self.weight_for(dtype)
+        if self.take is None:
+            return weight
+        dim, lo, hi = self.take
+        return weight.narrow(dim, lo, hi - lo)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.input_needs_grad = x.requires_grad
-        y = _DequantLinear.apply(x, self)
+        y = self.product(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x·Wᵀ without the bias (a row-parallel split adds it after the reduction)."""
+        self.input_needs_grad = x.requires_grad
+        return _DequantLinear.apply(x, self)
 
     def dequantised(self) -> torch.Tensor:
         return self.weight_for(torch.float32)
@@ -235,11 +273,11 @@ class _DequantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
         ctx.layer = layer
-        return F.linear(x, layer.weight_for(x.dtype))
+        return F.linear(x, layer.local_weight(x.dtype))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad @ ctx.layer.weight_for(grad.dtype), None
+        return grad @ ctx.layer.local_weight(grad.dtype), None
 
 
 def quantise_base(model: nn.Module, base_quant: str) -> list[str]:
@@ -293,33 +331,51 @@ def layer_bytes(out_features: int, in_features: int, shards: int = 1, kind: str 
     return s.code_bytes + s.stat_bytes + 16 * 4 + 4 * -(-s.blocks // ABSMAX_BLOCK) + 256 * 4 + 4
 
 
-def gather_bytes(out_features: int, in_features: int, shards: int, kind: str = "nf4") -> int:
-    """Bytes one use of a weight split over `shards` ranks all-gathers (codes and block
-    statistics of every rank, padded alike); 0 when it is whole here."""
-    return Shards(out_features, in_features, shards, kind).gathered
+def gather_steps(out_features: int, in_features: int, sizes, kind: str = "nf4") -> list[int]:
+    """Bytes of the whole buffer each all-gather of one use makes, for a weight split over
+    ranks of `sizes` (outer first), innermost first; none when it is whole here."""
+    n = 1
+    for size in sizes:
+        n *= size
+    if n == 1:
+        return []
+    s = Shards(out_features, in_features, n, kind)
+    part, out = s.code_bytes + s.stat_bytes, []
+    for size in reversed(sizes):
+        part *= size
+        out.append(part)
+    return out
 
 
 def transient_bytes(
-    out_features: int, in_features: int, shards: int, itemsize: int, kind: str = "nf4"
+    out_features: int, in_features: int, sizes, itemsize: int, kind: str = "nf4"
 ) -> int:
     """Bytes one use of a quantised weight holds at once (`QuantLinear.weight_for`): the
-    gather, its codes and statistics cut out of it, this rank's part sent, and the weight
-    dequantised to `itemsize`-byte floats."""
-    g = gather_bytes(out_features, in_features, shards, kind)
-    return (2 * g + g // shards if g else 0) + out_features * in_features * itemsize
+    gathers, the codes and statistics cut out of the last, this rank's part sent, and the
+    weight dequantised to `itemsize`-byte floats."""
+    steps = gather_steps(out_features, in_features, sizes, kind)
+    n = 1
+    for size in sizes:
+        n *= size
+    held = sum(steps) + steps[-1] + steps[-1] // n if steps else 0
+    return held + out_features * in_features * itemsize
 
 
 def materialise_quantised(
-    model: nn.Module, source, seed: int, device: torch.device, comm=None, shards: int = 1
+    model: nn.Module, source, seed: int, device: torch.device, comm=None, split=()
 ) -> None:
     """Quantise every QuantLinear's weight, one layer at a time on `device`, from the value an
     unquantised run gives it: the checkpoint's tensor (`source`, models/hf_weights) or the
-    (seed, name) init. `shards` > 1 (ZeRO-3 over `comm`'s dp ranks): each rank reads or cuts
-    only its own blocks."""
+    (seed, name) init. `split` ((mesh dim, ranks), outer first: ZeRO-3's dp, tp): each rank
+    reads or cuts only its own blocks."""
     from shardwise.models.init import canonical_name, find_spec, initial_value
 
     spec = find_spec(model)
-    rank = comm.topo.coord("dp") if shards > 1 else 0
+    split = tuple((d, n) for d, n in split if n > 1)
+    rank = split_index(comm, split) if split else 0
+    shards = 1
+    for _, size in split:
+        shards *= size
     for path, layer in quant_layers(model):
         name = canonical_name(f"{path}.weight", spec)
         start, stop = Shards(*layer.shape, shards, layer.kind).span(rank)
@@ -334,6 +390,6 @@ def materialise_quantised(
             part = value.flatten()[start:stop]
         if part is None:
             part = torch.empty(0)
-        layer.quantise_weight(part.to(device), comm, shards)
+        layer.quantise_weight(part.to(device), comm, split)
     if source is not None:
         source.close()

@@ -138,7 +138,7 @@ def _foreign_layers(model: nn.Module, published: dict[str, str]) -> str:
             want = nn.Embedding if kind == "embedding_rowwise" else nn.Linear
             if hasattr(module, "lora_A"):  # a peft LoRA layer: its base is what is split
                 module = module.base_layer
-            if type(module) is not want:
+            if type(module) is not want and not getattr(module, "splits_like_linear", False):
                 return (
                     f"splits '{name}', a {type(module).__name__} (not torch's {want.__name__}, "
                     "whose forward the split replaces)"

@@ -23,6 +23,7 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 from shardwise.finetune.lora import ADAPTER
+from shardwise.finetune.quant import QuantLinear
 from shardwise.models.tp_plans import out_dim
 
 
@@ -36,6 +37,9 @@ def split_lora(s, path: str, w: nn.Module, kind: str, own_entry: bool) -> None:
     parallel/tensor.py's sharder for this rank."""
     base, a, b = w.base_layer, w.lora_A[ADAPTER], w.lora_B[ADAPTER]
     peft_forward = type(w).forward
+    if isinstance(base, QuantLinear):
+        _split_quantised(s, path, w, kind, own_entry)
+        return
     if kind == "column:kv":
         heads = (
             base.weight.shape[out_dim(base)]
@@ -74,6 +78,49 @@ def split_lora(s, path: str, w: nn.Module, kind: str, own_entry: bool) -> None:
     if hasattr(dropout, "shard"):  # LayoutFreeDropout: the input's columns are this rank's
         dropout.shard = (s.r, s.t)
     base.forward = lambda x: _partial(base, x)
+
+    def forward(x):
+        y = s.exit(peft_forward(w, x))
+        return y if base.bias is None else y + base.bias
+
+    w.forward = forward
+
+
+def _split_quantised(s, path: str, w: nn.Module, kind: str, own_entry: bool) -> None:
+    """A LoRA layer over a quantised base (finetune/quant): the base keeps its storage split
+    over the ranks and multiplies by its rows (column) or columns (row) of the dequantised
+    weight; the adapter splits as over a float base."""
+    base, a, b = w.base_layer, w.lora_A[ADAPTER], w.lora_B[ADAPTER]
+    peft_forward = type(w).forward
+    if (
+        kind == "column:kv"
+        and base.out_features // s.model.get_submodule(path.rpartition(".")[0]).head_dim % s.t == 0
+    ):
+        kind = "column"
+    if kind == "column":
+        lo, hi = s.even(path, base, "output width", base.out_features)
+        base.take, base.tp_out, w.tp_out = (0, lo, hi), hi - lo, hi - lo
+        if base.bias is not None:
+            s.shard(f"{path}.base_layer", base, "bias", 0, [(lo, hi)])
+        s.shard(f"{path}.lora_B.{ADAPTER}", b, "weight", 0, [(lo, hi)])
+        a.weight.tp_kind = "partial"
+        enter = s.enter if own_entry else (lambda x: x)
+        w.forward = lambda x: peft_forward(w, enter(x))
+        return
+    if kind != "row":
+        raise ConfigError(
+            f"{path}: a quantised base (finetune.base_quant) on a {kind} layer cannot be split "
+            f"over parallel.tp={s.t}. Fix: leave it out of finetune.lora_targets, or "
+            "--parallel.tp=1."
+        )
+    lo, hi = s.even(path, base, "input width", base.in_features)
+    base.take = (1, lo, hi)
+    s.shard(f"{path}.lora_A.{ADAPTER}", a, "weight", 1, [(lo, hi)])
+    b.weight.tp_kind = "partial"
+    dropout = w.lora_dropout[ADAPTER]
+    if hasattr(dropout, "shard"):
+        dropout.shard = (s.r, s.t)
+    base.forward = base.product  # the bias after the reduction
 
     def forward(x):
         y = s.exit(peft_forward(w, x))

@@ -11,6 +11,7 @@ counters and padding.
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 from shardwise.finetune.quant import layer_bytes, transient_bytes
@@ -41,25 +42,28 @@ def align_of(job: Job) -> int:
 
 
 def quantised_layers(job: Job, layout: Layout, stage: int = 0) -> list[tuple[int, int]]:
-    """(out, in) of the quantised frozen linears on one rank of pipeline rank `stage`, which
-    finetune/quant keeps outside the ZeRO units (whole on each rank, or 1/dp under ZeRO-3):
-    the real model's where the job has them (pp = 1), else the LoRA targets of the stage's
-    blocks."""
+    """(out, in) of the whole quantised frozen linears of pipeline rank `stage`, which
+    finetune/quant keeps outside the ZeRO units (split over `quantised_split`): the real
+    model's where the job has them (pp = 1), else the LoRA targets of the stage's blocks."""
     if not job.finetune.quantised:
         return []
     if job.quantised_shapes and layout.pp == 1:
         return list(job.quantised_shapes)
     layers = job_split(job, layout)[stage][0]
-    shapes = linear_shapes(job.spec, layout.tp)
+    shapes = linear_shapes(job.spec)
     return [(b, a) for tag, (a, b) in shapes.items() if tag in job.finetune.lora_targets] * layers
 
 
+def quantised_split(layout: Layout) -> tuple[int, ...]:
+    """The ranks each quantised weight is split over, outer first: ZeRO-3's dp, then tp."""
+    return tuple(n for n in (layout.dp if layout.zero == 3 else 1, layout.tp) if n > 1)
+
+
 def quantised_transient(job: Job, layout: Layout, stage: int = 0) -> float:
-    """One quantised linear gathered (ZeRO-3) and dequantised to compute dtype at a time."""
-    shards = layout.dp if layout.zero == 3 else 1
+    """One quantised linear gathered and dequantised to compute dtype at a time."""
+    split, kind = quantised_split(layout), job.finetune.base_quant
     shapes = quantised_layers(job, layout, stage)
-    kind = job.finetune.base_quant
-    return max((transient_bytes(a, b, shards, job.bc, kind) for a, b in shapes), default=0)
+    return max((transient_bytes(a, b, split, job.bc, kind) for a, b in shapes), default=0)
 
 
 def padded_numel(u: Unit, dp: int, align: int = 1) -> int:
@@ -109,14 +113,15 @@ def _unit_states(unit: Unit, dp: int, stage: int, bc: int, br: int, align: int =
 
 
 def model_states(
-    us: list[Unit], job: Job, dp: int, stage: int, offload: str, quantised=None
+    us: list[Unit], job: Job, dp: int, stage: int, offload: str, quantised=None, shards=0
 ) -> dict[str, float]:
     """Device (and host, with offload) model-state bytes per rank (max over dp ranks);
-    `quantised`: (out, in) of the quantised linears beside the units (default: the job's)."""
+    `quantised`: (out, in) of the quantised linears beside the units (default: the job's),
+    split over `shards` ranks (default: dp under ZeRO-3)."""
     master = 4 if (job.precision != "fp32" or offload != "none") else 0
     key = (tuple(us), dp, stage, offload, job.bc, job.br, master, job.finetune.optim_8bit)
     states = dict(_model_states(*key, job.nvme_chunk))
-    shards = dp if stage == 3 else 1
+    shards = shards or (dp if stage == 3 else 1)
     shapes = job.quantised_shapes if quantised is None else quantised
     kind = job.finetune.base_quant
     states["params"] += sum(layer_bytes(a, b, shards, kind) for a, b in shapes)
@@ -334,8 +339,8 @@ def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
     per_stage = []
     for st in stages:
         us = stage_units(job, layout, st)
-        quantised = quantised_layers(job, layout, st)
-        mem = model_states(us, job, layout.dp, layout.zero, layout.offload, quantised)
+        quantised, shards = quantised_layers(job, layout, st), math.prod(quantised_split(layout))
+        mem = model_states(us, job, layout.dp, layout.zero, layout.offload, quantised, shards)
         wire = compression.zero_wire_copy(layout)
         mem["buffers"] = zero_transient(us, job, layout.dp, layout.zero, wire)
         mem["buffers"] += compression.state_bytes(job, layout, us)

@@ -9,7 +9,7 @@ call (the alpha-beta model, Hockney 1994), with calls counted as comm.py counts 
 
 from __future__ import annotations
 
-from shardwise.finetune.quant import gather_bytes
+from shardwise.finetune.quant import gather_steps
 from shardwise.plan import compression, kernels
 from shardwise.plan import memory as mem
 from shardwise.plan.compression import bucket_calls, sent_bytes, wire_bytes
@@ -89,8 +89,9 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
         # the tied head is a second root of the embedding's unit: it is gathered again for
         # the head's forward (it was freed after the embedding's), once per micro-batch
         dp_kinds["all_gather"] += ring * -(-us[0].numel // dp) * dp * bc * m
-    if layout.zero == 3:  # finetune/quant: each quantised linear's codes gathered per use
-        dp_kinds["all_gather"] += ring * m * sum(_quant_uses(job, layout, dp))
+    quantised = _quant_uses(job, layout)  # finetune/quant: a split base gathered per use
+    if quantised["dp"]:
+        dp_kinds["all_gather"] += ring * m * sum(quantised["dp"])
     act = b * s * spec.dim * bc
     layers = -(-spec.n_layers // p)
     # parallel/tensor.py, per micro-batch: per layer 2 all-reduces forward and 2 backward
@@ -107,6 +108,9 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     if t > 1:  # gradients of parameters replicated over tp ranks that each saw part of them,
         # summed in fp32 (the optimizer's master gradients) once per step
         tp_kinds["all_reduce"] += 2 * _ring(t) * _tp_partial(spec, t, layout.sp) * 4
+    if quantised["tp"]:
+        tp_kinds["all_gather"] = tp_kinds.get("all_gather", 0.0)
+        tp_kinds["all_gather"] += _ring(t) * m * sum(quantised["tp"])
     pp_bytes = 0.0
     if p > 1:  # activations forward and their gradients backward, per micro-batch and chunk:
         # a rank sends forward from its v chunks (the last chunk's rank one fewer) and backward
@@ -125,15 +129,22 @@ def _leading_frozen(us: list) -> list:
     return out
 
 
-def _quant_uses(job: Job, layout: Layout, dp: int) -> list[int]:
-    """Bytes of each gather of a quantised linear per micro-batch under ZeRO-3: one for its
-    forward, one for a fully recomputed forward, and one for backward where its input needs a
-    gradient (finetune/quant)."""
-    out, shapes = [], mem.quantised_layers(job, layout)
+def _quant_uses(job: Job, layout: Layout) -> dict[str, list[int]]:
+    """Per mesh dimension, the bytes of each all-gather of a split quantised linear per
+    micro-batch (finetune/quant: over tp, then dp): per use, and a linear is used for its
+    forward, a fully recomputed forward, and backward where its input needs a gradient."""
+    sizes = mem.quantised_split(layout)
+    dims = [
+        d for d, n in (("dp", layout.dp if layout.zero == 3 else 1), ("tp", layout.tp)) if n > 1
+    ]
+    out = {"dp": [], "tp": []}
+    shapes = mem.quantised_layers(job, layout)
     backward = job.quantised_backward if len(job.quantised_backward) == len(shapes) else ()
     for (a, b), back in zip(shapes, backward or (True,) * len(shapes), strict=True):
         uses = 1 + (layout.recompute == "full") + back
-        out += [gather_bytes(a, b, dp, job.finetune.base_quant)] * uses
+        steps = gather_steps(a, b, sizes, job.finetune.base_quant)  # innermost first
+        for dim, nbytes in zip(reversed(dims), steps, strict=True):
+            out[dim] += [nbytes] * uses
     return out
 
 
@@ -157,7 +168,7 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
         if layout.zero == 3 and spec.tie_embeddings and p == 1:
             dp_calls += m  # the tied head's second gather
         if layout.zero == 3:  # a quantised linear's gathers (`traffic_by_kind`)
-            dp_calls += m * len(_quant_uses(job, layout, dp))
+            dp_calls += m * len(_quant_uses(job, layout)["dp"])
     tp_calls = 0
     if t > 1:  # per layer 2 forward + 2 backward (sp: an all-gather/reduce-scatter pair for
         # each, 8); embedding, head and vocabulary-parallel loss 4 (sp: 6); full recompute
@@ -166,6 +177,7 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
         per_layer = (8 if layout.sp else 4) + (3 if layout.sp else 1) * (layout.recompute == "full")
         tp_calls = m * (per_layer * layers + (6 if layout.sp else 4))
         tp_calls += 1 if _tp_partial(spec, t, layout.sp) else 0
+        tp_calls += m * len(_quant_uses(job, layout)["tp"])
     pp_calls = 0
     if p > 1:  # one send per micro-batch and chunk boundary (as `traffic`), plus the tied
         # embedding/head gradient all-reduce between the first and last stage

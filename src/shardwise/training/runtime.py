@@ -321,8 +321,9 @@ def _build(
     model, reducer, tp, pipeline = parallelize(model, cfg, derived, comm, info)
     if quantised:  # every rank quantises the values an unquantised run would start from
         source = weights_for(spec, cfg.model.init_from, model)
-        shards = topo.size("dp") if cfg.parallel.zero == 3 else 1  # ZeRO-3: 1/dp each
-        materialise_quantised(model, source, cfg.train.seed, info.device, comm, shards)
+        # 1/dp each under ZeRO-3, and 1/tp each (dp outer: finetune/quant.split_index)
+        split = (("dp", topo.size("dp") if cfg.parallel.zero == 3 else 1), ("tp", topo.size("tp")))
+        materialise_quantised(model, source, cfg.train.seed, info.device, comm, split)
     if isinstance(reducer, ZeroEngine):
         targets, after = reducer.targets(), reducer.after_step
 

@@ -353,18 +353,11 @@ def _check_lora(spec: ModelSpec, cfg: Config) -> None:
     from shardwise.models import build_model
 
     check(cfg.finetune)
-    quant, p = cfg.finetune.base_quant, cfg.parallel
+    quant = cfg.finetune.base_quant
     if quant != "none" and cfg.finetune.lora_rank == 0:
         raise ConfigError(
             f"finetune.base_quant={quant} freezes a quantised base under LoRA adapters, and "
             "finetune.lora_rank=0 trains none. Fix: --finetune.lora_rank=16 (QLoRA)."
-        )
-    if quant != "none" and p.tp > 1:
-        raise ConfigError(
-            f"finetune.base_quant={quant} with parallel.tp={p.tp}: the quantised base is split "
-            "over data-parallel ranks and pipeline stages only so far (whole on each with "
-            "ZeRO-0/1/2, 1/dp each with ZeRO-3). Fix: --parallel.tp=1 (ZeRO-3 shards the "
-            "base), or base_quant=none."
         )
     if cfg.finetune.lora_rank == 0:
         return
