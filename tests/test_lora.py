@@ -115,6 +115,7 @@ def worlds(llama, runs):
         two[f"i8_{name}"] = case(*LORA, *INT8, f"--parallel.zero={name[1]}")
     # tensor parallelism: each rank stores half of every base, multiplies by its rows/columns
     two["q_tp2"] = case(*LORA, *NF4, "--parallel.tp=2")
+    two["q_tp2_sp"] = case(*LORA, *NF4, "--parallel.tp=2", "--parallel.sp=true")
     two["i8_tp2"] = case(*LORA, *INT8, "--parallel.tp=2")
     two["q_hf_tp2"] = {"overrides": [*llama, *NF4, "--parallel.tp=2"]}
     for name in ("z2", "z3"):
@@ -317,7 +318,7 @@ def test_explain_predicts_the_lora_job(worlds, name):
 @pytest.mark.parametrize(
     "name",
     [
-        *("q_z0", "q_z2", "q_z3", "q_pp2", "q_tp2"),
+        *("q_z0", "q_z2", "q_z3", "q_pp2", "q_tp2", "q_tp2_sp"),
         *("q_hf_z2", "q_hf_z3", "q_hf_tp2"),
         *("i8_z2", "i8_z3", "i8_tp2"),
     ],
