@@ -132,7 +132,56 @@ def lm_runs(world):
     worlds[2]["qwen2_offload_full"] = {"overrides": _lm(world, "qwen2", *STEPS, *OFFLOAD_FULL)}
     for n in TP_PLANNED:
         worlds[2][f"tp2_{n}"] = {"overrides": _lm(world, n, *STEPS, "--parallel.tp=2")}
+    for n in PIPELINED:
+        worlds[2][f"pp2_{n}"] = {"overrides": _lm(world, n, *STEPS, *PP2)}
+    gpipe_z1 = ["--parallel.pp_schedule=gpipe", "--parallel.zero=1", "--memory.recompute=full"]
+    worlds[2]["pp2_llama_gpipe_z1"] = {"overrides": _lm(world, "llama", *STEPS, *PP2, *gpipe_z1)}
     return run_named_worlds(worlds)
+
+
+# families cut into pipeline stages as their base_model_pp_plan says (parallel/pipeline_hf.py)
+PIPELINED = ["llama", "mistral", "qwen2"]
+PP2 = ["--parallel.pp=2", "--train.micro_batch=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*PIPELINED, "llama_gpipe_z1"])
+def test_pp2_from_the_published_stages_reproduces_one_process(lm_runs, name):
+    """Each stage holds its own layers (the first the embedding, the last norm and head); the
+    losses and the parameters, gathered from both stages, are one process's."""
+    one, ranks = lm_runs[1][name.split("_")[0]][0], lm_runs[2][f"pp2_{name}"]
+    assert max_rel(ranks[0]["losses"], one["losses"]) <= 1e-5
+    params = [set(r["params"]) for r in ranks]
+    assert not params[0] & params[1] and params[0] | params[1] == set(one["params"])
+    assert "model.embed_tokens.weight" in params[0] and "lm_head.weight" in params[1]
+    merged = {k: v for r in ranks for k, v in r["params"].items()}
+    assert max_param_diff(merged, one["params"]) <= 1e-5
+    assert ranks[0]["records"][-1]["comm_bytes"]["pp"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2", "llama_gpipe_z1"])
+def test_the_planner_predicts_each_pipeline_stage(world, lm_runs, name):
+    """explain cuts the meta model as training does and runs each stage's chunk on fake
+    tensors: states, buffers and pp traffic exact, activations (per micro-batch times the
+    micro-batches the schedule holds) and the peak within 5 %."""
+    extra = [*PP2] if name == "qwen2" else [*PP2, "--parallel.pp_schedule=gpipe"]
+    if name != "qwen2":
+        extra += ["--parallel.zero=1", "--memory.recompute=full"]
+    cfg = load_config(None, _lm(world, name.split("_")[0], *STEPS, *extra))
+    record = explain_record(cfg, 2, get_hardware("cpu", calibrate=False))
+    pred, got = record["mem_bytes"], lm_runs[2][f"pp2_{name}"][0]["records"][-1]
+    for key in ("params", "grads", "master", "optimizer", "buffers"):
+        assert pred[key] == got["mem_bytes"][key], (key, pred, got["mem_bytes"])
+    for key in ("activations", "total"):
+        assert abs(pred[key] - got["mem_bytes"][key]) <= 0.05 * got["mem_bytes"][key], key
+    assert record["comm_bytes"]["pp"] == got["comm_bytes"]["pp"] > 0
+
+
+def test_pp_for_a_family_the_engine_cannot_cut_is_refused(world):
+    for name in ("gemma", "gpt2", "opt"):
+        with pytest.raises(ConfigError, match=r"shardwise cuts llama, mistral, qwen2 models only"):
+            derive(load_config(None, _lm(world, name, *PP2)), 2)
 
 
 # families whose class publishes a tensor-parallel plan the engine applies (GPT-2: ours)

@@ -311,5 +311,5 @@ def apply_pipeline(model: nn.Module, cfg: Config, derived, comm: Comm) -> Pipeli
     """Cut the meta model to this rank's chunks (in place) and return what runs them."""
     p, v = comm.topo.pp, cfg.parallel.pp_virtual
     chunks = plan_chunks(derived.spec, p, v, cfg.parallel.pp_split, cfg.data.seq_len)
-    mine = prune_to_stage(model, chunks, comm.topo.coord("pp"), p)
-    return Pipeline(model, mine, len(chunks), cfg, comm)
+    mine, stages = prune_to_stage(model, chunks, comm.topo.coord("pp"), p, derived.spec)
+    return Pipeline(stages, mine, len(chunks), cfg, comm)

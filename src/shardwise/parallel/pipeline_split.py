@@ -129,20 +129,27 @@ def plan_chunks(spec: ModelSpec, pp: int, v: int, split: str, seq_len: int) -> l
     return out
 
 
-def prune_to_stage(model: Decoder, chunks: list[Chunk], rank: int, pp: int) -> list[Chunk]:
-    """Keep only what pipeline rank `rank` runs (in place, on meta: no memory involved).
+def prune_to_stage(model: nn.Module, chunks: list[Chunk], rank: int, pp: int, spec=None):
+    """Keep only what pipeline rank `rank` runs (in place, on meta: no memory involved);
+    returns (its chunks, the model the engine runs: the Decoder, or a Hugging Face causal LM's
+    decoder-shaped view, parallel/pipeline_hf.py).
 
     Blocks move into an `nn.ModuleDict` keyed by their original index, so parameter names —
     and so their (seed, name) initialisation and checkpoints — are those of the full model.
     With tied embeddings the first and the last stage each keep the shared weight (as
     `embed.weight` and `head.weight`; init maps both names to the same values)."""
+    mine = [c for c in chunks if c.index % pp == rank]
+    keep = {i for c in mine for i in c.blocks}
+    if spec is not None and spec.arch == "hf":
+        from shardwise.parallel.pipeline_hf import prune_hf
+
+        first, last = any(c.first for c in mine), any(c.last for c in mine)
+        return mine, prune_hf(model, spec, keep, first, last)
     if not isinstance(model, Decoder):
         raise ConfigError(
             f"pipeline parallelism cuts transformer blocks; {type(model).__name__} has none. "
             "Fix: --parallel.pp=1."
         )
-    mine = [c for c in chunks if c.index % pp == rank]
-    keep = {i for c in mine for i in c.blocks}
     model.blocks = nn.ModuleDict({str(i): b for i, b in enumerate(model.blocks) if i in keep})
     if not any(c.first for c in mine):
         model.embed = None
@@ -150,4 +157,4 @@ def prune_to_stage(model: Decoder, chunks: list[Chunk], rank: int, pp: int) -> l
     if not any(c.last for c in mine):
         model.norm = None
         model.head = None
-    return mine
+    return mine, model

@@ -28,6 +28,7 @@ from shardwise.optim import EIGHT_BIT
 from shardwise.optim.nvme import chunk_elements
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.zero_units import unit_roots
+from shardwise.plan import activations as act
 from shardwise.plan import compression
 from shardwise.plan import memory as mem
 from shardwise.plan import time as tm
@@ -169,6 +170,63 @@ def _fake_activations(model, cfg: Config, derived) -> int:
     return meter.take_peak()
 
 
+def _stage_model(cfg: Config, derived, layout: Layout, stage: int):
+    """(the decoder-shaped view of pipeline rank `stage`'s meta model, its ZeRO units), cut as
+    training cuts it (parallel/pipeline_split)."""
+    from shardwise.parallel.pipeline_split import plan_chunks, prune_to_stage
+
+    with torch.device("meta"):
+        model = build_model(derived.spec)
+        apply_lora(model, cfg.finetune)
+        quantise_base(model, cfg.finetune.base_quant)
+    freeze(model, cfg.train.freeze)
+    p, v = layout.pp, layout.pp_virtual
+    chunks = plan_chunks(derived.spec, p, v, cfg.parallel.pp_split, cfg.data.seq_len)
+    mine, view = prune_to_stage(model, chunks, stage, p, derived.spec)
+    return (model, view, mine), model_units(model)
+
+
+def _hf_stage(cfg: Config, derived, job: Job, layout: Layout, stage: int) -> dict:
+    """`mem_bytes` of pipeline rank `stage` of a Hugging Face causal LM: its units' states,
+    and one micro-batch's saved bytes from a fake forward of its chunk (embedding, layers,
+    norm + head + loss as it holds them) times the micro-batches its schedule keeps."""
+    (model, view, mine), us = _stage_model(cfg, derived, layout, stage)
+    quantised = [m.shape for _, m in quant_layers(model)]
+    states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload, quantised)
+    wire = compression.zero_wire_copy(layout)
+    states["buffers"] = mem.zero_transient(us, job, layout.dp, layout.zero, wire)
+    b, s = derived.micro_batch, cfg.data.seq_len
+    with FakeTensorMode():
+        _to_fake(model)
+        states["buffers"] += tensor_bytes(model.buffers())
+        apply_recompute(model, derived.family, cfg.memory.recompute)
+        cast_for_compute(model, dev.dtype_of(cfg.precision.compute))
+        meter = ActivationMeter(model)
+        with meter.measure(), _as_in_training():
+            first, last = any(c.first for c in mine), any(c.last for c in mine)
+            if first:
+                h = view.embed_tokens(torch.zeros(b, s + 1, dtype=torch.long)[:, :-1])
+            else:  # the received activations: a leaf that needs its gradient
+                h = torch.zeros(b, s, derived.spec.dim, dtype=dev.dtype_of(cfg.precision.compute))
+                h.requires_grad_(True)
+            edge = meter.current
+            for c in mine:
+                for i in c.blocks:
+                    h = view.blocks[str(i)](h)
+            blocks = meter.current - edge
+            if last:
+                logits = view.output(h)
+                targets = torch.zeros(b, s, dtype=torch.long)
+                F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
+            tail = meter.current - edge - blocks
+    m = layout.micro_batches(job)
+    held = act.in_flight(layout.pp_schedule, layout.pp, m, layout.pp_virtual, stage)
+    one = layout.pp_schedule in ("1f1b", "interleaved")  # the last stage's loss: one at a time
+    states["activations"] = (edge + blocks) * held + tail * (1.0 if one else held)
+    states["total"] = sum(v for k, v in states.items() if not k.startswith(("host_", "disk_")))
+    return states
+
+
 def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]:
     """(parameter count, the planner's candidate record for exactly this config)."""
     job = job_from_config(cfg, hardware, derived.world, derived.spec)
@@ -195,6 +253,17 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
     if quantised:
         backward = tuple(m.input_needs_grad for _, m in quant_layers(model))
         job = dataclasses.replace(job, quantised_backward=backward)
+    if not formula and layout.pp > 1:  # a Hugging Face causal LM cut into stages
+        stages = [_hf_stage(cfg, derived, job, layout, r) for r in range(layout.pp)]
+        keys = list(stages[0])
+        states = {k: max(s.get(k, 0) for s in stages) for k in keys}
+        real = dataclasses.replace(job, frozen=tuple(_stage_model(cfg, derived, layout, 0)[1]))
+        return n, {
+            **layout.record(),
+            "mem_bytes": {k: int(v) for k, v in states.items()},
+            "comm_bytes": tm.traffic(real, layout),
+            "comm_calls": tm.collective_calls(real, layout),
+        }
     if not formula:  # states + the fake forward's bytes (unsharded models only)
         states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload)
         wire = compression.zero_wire_copy(layout)

@@ -398,7 +398,12 @@ def _check_pipeline(cfg: Config, spec: ModelSpec, pp: int, dp: int, micro: int, 
             f"the pipeline schedule (parallel.pp={pp}) loads its own when a stage needs them. "
             "Fix: --data.prefetch=0 with parallel.pp > 1."
         )
-    if spec.arch.startswith("resnet") or spec.arch in (*HF_ARCHS, "custom", "hf"):
+    if spec.arch == "hf" and spec.task == "causal_lm":  # cut as its base_model_pp_plan says
+        from shardwise.models.auto import read_hf_config
+        from shardwise.parallel.pipeline_hf import check_hf_pipeline
+
+        check_hf_pipeline(read_hf_config(spec.source).model_type, spec.tie_embeddings, pp)
+    elif spec.arch.startswith("resnet") or spec.arch in (*HF_ARCHS, "custom", "hf"):
         kind = {"custom": "your own module"}.get(spec.arch, "a Hugging Face model")
         kind = "a ResNet" if spec.arch.startswith("resnet") else kind
         raise ConfigError(
