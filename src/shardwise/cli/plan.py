@@ -94,7 +94,12 @@ def build_job(args, overrides: list[str]) -> Job:
     spec = resolve_model(args.model) if args.model and not named else None
     if named:
         resolve_model(args.model)  # an unknown name: the message that lists the presets
-    return job_from_config(cfg, hw, devices, spec)
+    job = job_from_config(cfg, hw, devices, spec)
+    if spec is not None and spec.arch == "hf":  # a family the formula does not model
+        from shardwise.plan.real import real_job
+
+        job = real_job(job, cfg)
+    return job
 
 
 def states_records(job: Job) -> list[dict]:

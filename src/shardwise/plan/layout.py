@@ -54,6 +54,11 @@ class Job:
     # whether each of them is used in backward (its input needs a gradient; () = all are)
     quantised_backward: tuple[bool, ...] = ()
     packed: bool = False  # data.pack: several records per row (models/packing.py)
+    # a model priced from its real modules (plan/real.py): module buffers, the parameters
+    # that cost matmul FLOPs, and saved bytes = a + b·micro_batch per recomputation mode
+    buffer_bytes: int = 0
+    matmul_params: int = 0
+    act_lines: tuple = ()  # ((recompute, (a, b)), ...)
     powersgd_rank: int = 4  # parallel.powersgd_rank (layouts with compression='powersgd')
     # what the search may send ZeRO-0 gradients as: none, plus the config's grad_compression
     compressions: tuple[str, ...] = ("none",)

@@ -296,6 +296,9 @@ def finetune_units(us: list[Unit], job: Job, tp: int) -> list[Unit]:
 def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     """Peak bytes saved for backward on one rank of pipeline stage `stage`."""
     spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
+    if job.act_lines:  # a real model measured at 1 and 2 samples (plan/real.py; tp = pp = 1)
+        a0, a1 = dict(job.act_lines)[layout.recompute]
+        return a0 + a1 * b
     p, ft = layout.pp, job.finetune
     lora = (ft.lora_targets, ft.lora_rank, bool(ft.lora_dropout))
     layers, first, last = job_split(job, layout)[stage]
@@ -344,7 +347,7 @@ def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
         wire = compression.zero_wire_copy(layout)
         mem["buffers"] = zero_transient(us, job, layout.dp, layout.zero, wire)
         mem["buffers"] += compression.state_bytes(job, layout, us)
-        mem["buffers"] += quantised_transient(job, layout, st)
+        mem["buffers"] += quantised_transient(job, layout, st) + job.buffer_bytes
         mem["activations"] = activation_bytes(job, layout, st)
         mem["total"] = sum(v for k, v in mem.items() if not k.startswith(("host_", "disk_")))
         per_stage.append(mem)

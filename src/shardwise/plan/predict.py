@@ -141,10 +141,45 @@ def _as_in_training() -> Iterator[None]:
         yield
 
 
-def _fake_activations(model, cfg: Config, derived) -> int:
+def _meta_model(cfg: Config, spec):
+    """The model on meta as training builds it: adapters added, the base quantised, frozen."""
+    with torch.device("meta"):
+        model = build_model(spec)
+        apply_lora(model, cfg.finetune)
+        quantise_base(model, cfg.finetune.base_quant)
+    freeze(model, cfg.train.freeze)
+    return model
+
+
+def real_model(cfg: Config, spec) -> tuple[list, int, int]:
+    """(ZeRO units, module buffer bytes, matmul parameters) of `spec`'s real model
+    (plan/real.py): every parameter but lookup tables costs matmul FLOPs."""
+    model = _meta_model(cfg, spec)
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    lookups -= {id(head.weight)} if head is not None else set()
+    matmul = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return model_units(model), buffers, matmul
+
+
+def measure_activations(cfg: Config, spec, recompute: str, micro_batch: int) -> int:
+    """Saved bytes of one micro-batch of `micro_batch` samples on `spec`'s real model."""
+    from shardwise.training.validate import Derived
+
+    derived = Derived(1, 1, 1, 1, micro_batch, 1, cfg.data.seq_len, spec)
+    model = _meta_model(cfg, spec)
+    with FakeTensorMode():
+        _to_fake(model)
+        for _, layer in quant_layers(model):
+            layer.shape_only = True
+        return _fake_activations(model, cfg, derived, recompute)
+
+
+def _fake_activations(model, cfg: Config, derived, recompute: str | None = None) -> int:
     """Bytes saved for backward by one micro-batch's forward and loss, on fake tensors (for
     models without a formula: image models and Hugging Face definitions)."""
-    apply_recompute(model, derived.family, cfg.memory.recompute)
+    apply_recompute(model, derived.family, recompute or cfg.memory.recompute)
     cast_for_compute(model, dev.dtype_of(cfg.precision.compute))
     meter = ActivationMeter(model)
     b = derived.micro_batch
@@ -175,11 +210,7 @@ def _stage_model(cfg: Config, derived, layout: Layout, stage: int):
     training cuts it (parallel/pipeline_split)."""
     from shardwise.parallel.pipeline_split import plan_chunks, prune_to_stage
 
-    with torch.device("meta"):
-        model = build_model(derived.spec)
-        apply_lora(model, cfg.finetune)
-        quantise_base(model, cfg.finetune.base_quant)
-    freeze(model, cfg.train.freeze)
+    model = _meta_model(cfg, derived.spec)
     p, v = layout.pp, layout.pp_virtual
     chunks = plan_chunks(derived.spec, p, v, cfg.parallel.pp_split, cfg.data.seq_len)
     mine, view = prune_to_stage(model, chunks, stage, p, derived.spec)
@@ -232,11 +263,7 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
     job = job_from_config(cfg, hardware, derived.world, derived.spec)
     layout = layout_from_config(cfg, derived)
     formula = derived.spec.arch in ("decoder", "gpt2")  # our blocks: activations by formula
-    with torch.device("meta"):  # as training builds it: adapters added, the base frozen
-        model = build_model(derived.spec)
-        apply_lora(model, cfg.finetune)
-        quantise_base(model, cfg.finetune.base_quant)
-    freeze(model, cfg.train.freeze)
+    model = _meta_model(cfg, derived.spec)  # as training builds it
     n = count_params(model)
     us = model_units(model)
     quantised = [m.shape for _, m in quant_layers(model)]

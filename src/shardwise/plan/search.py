@@ -34,6 +34,10 @@ def _pow2_upto(n: int) -> list[int]:
 def invalid(job: Job, lay: Layout) -> str | None:
     """Why `lay` cannot run `job`, or None. The reasons are the rejected table's keys."""
     spec = job.spec
+    if job.act_lines and (lay.tp > 1 or lay.pp > 1):  # plan/real.py
+        return "tp/pp searched for Llama-family and GPT-2 configs only"
+    if job.act_lines and lay.recompute not in dict(job.act_lines):
+        return f"recompute={lay.recompute} not available for this model"
     if lay.tp > job.hardware.per_node:
         return "tp spans nodes"
     if spec.n_heads % lay.tp or spec.ffn_dim % lay.tp:

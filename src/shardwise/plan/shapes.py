@@ -143,11 +143,14 @@ _HF_GPT2 = {
     "n_positions": "max_seq_len",
     "tie_word_embeddings": "tie_embeddings",
 }
-_DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "olmo", "yi")
+# families whose blocks are our decoder's (Qwen2 adds q/k/v biases: 0.1 % of its weights);
+# any other config.json is priced from its real modules (plan/real.py)
+_DECODER_TYPES = ("llama", "mistral", "qwen2")
 
 
 def spec_from_hf_config(path: str) -> ModelSpec:
-    """A ModelSpec from a Hugging Face `config.json` (Llama-family or GPT-2)."""
+    """A ModelSpec from a Hugging Face `config.json`: our decoder's shape (Llama-family, GPT-2),
+    or transformers' sizes of any other family (`arch="hf"`, priced from its real modules)."""
     p = Path(path)
     try:
         cfg = json.loads(p.read_text())
@@ -160,13 +163,12 @@ def spec_from_hf_config(path: str) -> ModelSpec:
     kind = str(cfg.get("model_type", "")).lower()
     if kind == "gpt2":
         keys, arch = _HF_GPT2, "gpt2"
-    elif kind in _DECODER_TYPES or "num_hidden_layers" in cfg:
+    elif kind in _DECODER_TYPES:
         keys, arch = _HF_LLAMA, "decoder"
-    else:
-        raise ConfigError(
-            f"model config '{path}' has model_type '{kind}', which the planner does not "
-            "know. Fix: a Llama-family (llama, mistral, qwen2, ...) or gpt2 config."
-        )
+    else:  # priced from its real modules (plan/real.py)
+        from shardwise.plan.real import real_spec
+
+        return real_spec(p, cfg)
     fields = {field: cfg[key] for key, field in keys.items() if cfg.get(key) is not None}
     missing = {"n_layers", "dim", "n_heads", "vocab_size"} - set(fields)
     if missing:

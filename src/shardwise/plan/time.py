@@ -24,7 +24,7 @@ def model_flops_per_token(job: Job) -> float:
     """6N + 12·L·h·s (PaLM, Chowdhery et al. 2022, app. B): the MFU numerator. With LoRA the
     frozen weights need no weight gradient: 4N (adapters are negligible)."""
     spec = job.spec
-    n = non_embedding_params(spec) * (4.0 if job.finetune.lora else 6.0)
+    n = (job.matmul_params or non_embedding_params(spec)) * (4.0 if job.finetune.lora else 6.0)
     return n + 12.0 * spec.n_layers * spec.dim * job.seq_len
 
 
@@ -33,7 +33,7 @@ def hardware_flops_per_token(job: Job, layout: Layout) -> float:
     et al. 2022 §5) or only attention (4Lhs, selective); LoRA skips the frozen weights'
     gradient (2N of the 6N) but adds its adapters."""
     spec, s = job.spec, job.seq_len
-    n = non_embedding_params(spec)
+    n = job.matmul_params or non_embedding_params(spec)
     attn = 12.0 * spec.n_layers * spec.dim * s
     flops = 6.0 * n + attn
     if job.finetune.lora:
@@ -264,7 +264,7 @@ def step_time(
     t_mb = slowdown * _micro_batch_seconds(job, layout)
     if job.finetune.quantised:  # NF4/int8 -> bf16 dequantisation before every use of a weight
         uses = 3 if layout.recompute == "full" else 2
-        n = non_embedding_params(job.spec) / (t * p)
+        n = (job.matmul_params or non_embedding_params(job.spec)) / (t * p)
         stored = mem.QUANT_BYTES[job.finetune.base_quant]
         t_mb += slowdown * uses * n * (stored + job.bc) / (hw.hbm_bw * hw.mem_eff)
     compute = m * t_mb
