@@ -134,6 +134,10 @@ def lm_runs(world):
         worlds[2][f"tp2_{n}"] = {"overrides": _lm(world, n, *STEPS, "--parallel.tp=2")}
     for n in PIPELINED:
         worlds[2][f"pp2_{n}"] = {"overrides": _lm(world, n, *STEPS, *PP2)}
+    bf16 = _lm(world, "llama", *STEPS, "--precision.compute=bf16")
+    worlds[1]["llama_bf16"] = {"overrides": bf16}
+    worlds[2]["llama_bf16_z3"] = {"overrides": [*bf16, "--parallel.zero=3"]}
+    worlds[2]["llama_bf16_tp2"] = {"overrides": [*bf16, "--parallel.tp=2"]}
     gpipe_z1 = ["--parallel.pp_schedule=gpipe", "--parallel.zero=1", "--memory.recompute=full"]
     worlds[2]["pp2_llama_gpipe_z1"] = {"overrides": _lm(world, "llama", *STEPS, *PP2, *gpipe_z1)}
     return run_named_worlds(worlds)
@@ -202,6 +206,26 @@ def test_plan_prices_a_config_json_from_its_real_modules(world, lm_runs, name, c
     for key in ("activations", "total") if name == "gpt_neox" else ("activations",):
         assert abs(pred[key] - got[key]) <= 0.05 * got[key], (key, pred, got)
     assert all(r["tp"] == r["pp"] == 1 for r in out["candidates"])
+
+
+@pytest.mark.slow
+def test_a_checkpoint_trains_in_bf16_in_every_layout_as_predicted(world, lm_runs):
+    """bf16 compute (fp32 masters and reduction): within one bf16 rounding (2^-8 relative) of
+    the fp32 run's losses, and dp2 ZeRO-3 and tp2 within one bf16 rounding of one process's
+    bf16 losses (they round the same products in another order); explain predicts every
+    category to the byte (16-bit weights, fp32 gradients, masters and moments)."""
+    bf16, fp32 = lm_runs[1]["llama_bf16"][0], lm_runs[1]["llama"][0]
+    assert bf16["losses"] != fp32["losses"]  # it computed in bf16
+    assert max_rel(bf16["losses"], fp32["losses"]) <= 2**-8
+    for layout in ("z3", "tp2"):
+        got = lm_runs[2][f"llama_bf16_{layout}"][0]
+        assert max_rel(got["losses"], bf16["losses"]) <= 2**-8, layout
+    cfg = load_config(None, _lm(world, "llama", *STEPS, "--precision.compute=bf16"))
+    pred = explain_record(cfg, 1, get_hardware("cpu", calibrate=False))["mem_bytes"]
+    got = bf16["records"][-1]["mem_bytes"]
+    n = sum(p.numel() for p in bf16["params"].values())
+    assert got["params"] == 2 * n and got["master"] == 4 * n
+    assert pred == got
 
 
 def test_pp_for_a_family_the_engine_cannot_cut_is_refused(world):
