@@ -23,8 +23,8 @@ transformers = pytest.importorskip("transformers")
 from shardwise.config import load_config  # noqa: E402
 from shardwise.errors import ConfigError, DataError  # noqa: E402
 from shardwise.models import build_model, to_empty  # noqa: E402
-from shardwise.models.auto import weight_source  # noqa: E402
-from shardwise.models.hf_weights import load_weights  # noqa: E402
+from shardwise.models.hf.auto import weight_source  # noqa: E402
+from shardwise.models.hf.weights import load_weights  # noqa: E402
 from shardwise.models.init import restore_buffers  # noqa: E402
 from shardwise.plan.explain import explain_record  # noqa: E402
 from shardwise.plan.hardware import get_hardware  # noqa: E402

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from shardwise.config import load_config  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.models import build_model  # noqa: E402
-from shardwise.models.hf_weights import HFWeights, load_weights  # noqa: E402
+from shardwise.models.hf.weights import HFWeights, load_weights  # noqa: E402
 from shardwise.testing.compare import VOCAB as SMALL_VOCAB  # noqa: E402
 from shardwise.testing.compare import case, max_param_diff, max_rel  # noqa: E402
 from shardwise.testing.harness import run_named_worlds  # noqa: E402

@@ -7,7 +7,7 @@ shard and one parameter are in memory at once, whatever the layout the run was t
 The fp32 master weights are exported when the run kept them apart from the (bf16/fp16)
 parameters, else the parameters. `config.json` describes the Llama or GPT-2 model so
 `transformers`' `from_pretrained(OUT)` loads it; the tensor layouts are those of
-shardwise.models.hf (transposed Conv1D and fused c_attn for GPT-2).
+shardwise.models.hf.gpt2 (transposed Conv1D and fused c_attn for GPT-2).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from shardwise.config import config_from_dict
 from shardwise.errors import ShardwiseError
 from shardwise.finetune.lora import ADAPTER, apply_lora, is_adapter_name
 from shardwise.models import build_model
-from shardwise.models.hf_weights import INDEX, SINGLE, hf_shape, rule_for
+from shardwise.models.hf import gpt2, llama
+from shardwise.models.hf.rule import hf_shape
+from shardwise.models.hf.weights import INDEX, SINGLE, rule_for
 from shardwise.models.init import canonical_name
 from shardwise.models.presets import ModelSpec
 from shardwise.models.spec import spec_from_config
@@ -57,55 +59,14 @@ def _newest(root: Path) -> Path:
 
 
 def hf_config(spec: ModelSpec, dtype: str) -> dict:
-    """config.json for transformers (Llama or GPT-2), with the model's dropout rates. GPT-2
-    has a field for each of ours (embedding, residual, attention probabilities); transformers'
-    Llama has attention dropout only, so a residual/embedding rate cannot be carried there
-    (`export_hf` says so)."""
-    if spec.arch == "decoder":
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": spec.dim,
-            "intermediate_size": spec.ffn_dim,
-            "num_hidden_layers": spec.n_layers,
-            "num_attention_heads": spec.n_heads,
-            "num_key_value_heads": spec.n_kv_heads,
-            "head_dim": spec.head_dim,
-            "vocab_size": spec.vocab_size,
-            "max_position_embeddings": spec.max_seq_len,
-            "rms_norm_eps": spec.norm_eps,
-            "rope_theta": spec.rope_theta,  # transformers 4.x
-            "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},  # 5.x
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "attention_dropout": spec.attn_dropout,
-            "tie_word_embeddings": spec.tie_embeddings,
-            "torch_dtype": dtype,
-        }
-    if spec.arch != "gpt2":
+    """config.json for transformers, with the model's dropout rates (models/hf/llama.py,
+    gpt2.py)."""
+    writers = {"decoder": llama.config, "gpt2": gpt2.config}
+    if spec.arch not in writers:
         raise ShardwiseError(
             f"only Llama-style and GPT-2 models export to Hugging Face, not {spec.arch}"
         )
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "n_embd": spec.dim,
-        "n_inner": spec.ffn_dim,
-        "n_layer": spec.n_layers,
-        "n_head": spec.n_heads,
-        "n_positions": spec.max_seq_len,
-        "vocab_size": spec.vocab_size,
-        "layer_norm_epsilon": spec.norm_eps,
-        "activation_function": "gelu_new",
-        "resid_pdrop": spec.dropout,
-        "embd_pdrop": spec.dropout,
-        "attn_pdrop": spec.attn_dropout,
-        "tie_word_embeddings": spec.tie_embeddings,
-        "bos_token_id": None,  # GPT-2's 50256 lies outside a smaller vocabulary
-        "eos_token_id": None,
-        "torch_dtype": dtype,
-    }
+    return writers[spec.arch](spec, dtype)
 
 
 def _plan(spec: ModelSpec, finetune=None) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
@@ -226,7 +187,7 @@ def _quantised_base(cfg, spec) -> dict[str, torch.Tensor]:
     """A QLoRA run's base linears as it computed with them: quantised to NF4 from the values it
     started from (checkpoints do not store them; finetune/quant.py), dequantised; by name."""
     from shardwise.finetune.quant import materialise_quantised, quant_layers, quantise_base
-    from shardwise.models.auto import weights_for
+    from shardwise.models.hf.auto import weights_for
 
     with torch.device("meta"):
         model = build_model(spec)
@@ -286,7 +247,7 @@ def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 
         index_out = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX).write_text(json.dumps(index_out, indent=2))
     if spec.arch == "hf":  # transformers' own class: its config, the labels, the tokenizer
-        from shardwise.models.auto import export_config
+        from shardwise.models.hf.auto import export_config
 
         (out / "config.json").write_text(json.dumps(export_config(spec, dtype), indent=2))
         _copy_tokenizer(Path(spec.source), out)

@@ -19,7 +19,7 @@ from shardwise.checkpoint.export import open_checkpoint
 from shardwise.errors import ShardwiseError
 from shardwise.finetune.lora import ADAPTER, apply_lora
 from shardwise.models import build_model
-from shardwise.models.hf_weights import rule_for
+from shardwise.models.hf.weights import rule_for
 from shardwise.models.init import canonical_name
 from shardwise.optim import quiet_bitsandbytes
 

@@ -144,6 +144,6 @@ def _new_parameters(model: nn.Module) -> set[str]:
     spec = find_spec(model)
     if spec is None or spec.arch != "hf" or spec.task == "causal_lm":
         return set()
-    from shardwise.models.auto import check_checkpoint
+    from shardwise.models.hf.auto import check_checkpoint
 
     return set(check_checkpoint(spec))

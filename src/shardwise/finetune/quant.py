@@ -365,7 +365,7 @@ def materialise_quantised(
     model: nn.Module, source, seed: int, device: torch.device, comm=None, split=()
 ) -> None:
     """Quantise every QuantLinear's weight, one layer at a time on `device`, from the value an
-    unquantised run gives it: the checkpoint's tensor (`source`, models/hf_weights) or the
+    unquantised run gives it: the checkpoint's tensor (`source`, models/hf/weights) or the
     (seed, name) init. `split` ((mesh dim, ranks), outer first: ZeRO-3's dp, tp): each rank
     reads or cuts only its own blocks."""
     from shardwise.models.init import canonical_name, find_spec, initial_value

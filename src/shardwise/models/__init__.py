@@ -41,7 +41,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
     if spec.is_transformer:
         return Decoder(spec)
     if spec.arch == "hf":
-        from shardwise.models.auto import build_auto  # imports transformers on first use
+        from shardwise.models.hf.auto import build_auto  # imports transformers on first use
 
         return build_auto(spec)
     if spec.arch == "custom":
@@ -49,7 +49,7 @@ def build_model(spec: ModelSpec) -> nn.Module:
 
         return build_custom(spec)
     if spec.arch in HF_ARCHS:
-        from shardwise.models.hf import build_hf  # imports transformers on first use
+        from shardwise.models.hf.build import build_hf  # imports transformers on first use
 
         return build_hf(spec)
     return ResNet(spec)

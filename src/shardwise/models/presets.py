@@ -56,7 +56,7 @@ class ModelSpec:
         if self.arch in RESNET_ARCHS:
             _require_positive(self, ("num_classes", "in_channels"))
             return
-        if self.arch == "hf":  # transformers' own class for the checkpoint (models/auto.py)
+        if self.arch == "hf":  # transformers' own class for the checkpoint (models/hf/auto.py)
             return
         if self.arch == "custom":  # the user's module: its shapes are its own
             _require_positive(self, ("vocab_size", "max_seq_len"))

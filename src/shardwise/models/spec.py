@@ -95,7 +95,7 @@ def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> Mode
                 f"model.name='{m.name}' is {what}. Fix: --model.name=tiny (Llama) or gpt2-tiny "
                 "(GPT-2), or --model.name=hf to train transformers' own class of the checkpoint."
             )
-        from shardwise.models.hf_weights import adapt_spec
+        from shardwise.models.hf.weights import adapt_spec
 
         spec = adapt_spec(spec, m, m.init_from)
     return spec
@@ -137,10 +137,10 @@ def _custom(cfg: Config) -> ModelSpec:
 
 
 def _auto(cfg: Config, recorded: tuple[str, ...] | None = None) -> ModelSpec:
-    """transformers' own class for the checkpoint in model.init_from (models/auto.py): its
+    """transformers' own class for the checkpoint in model.init_from (models/hf/auto.py): its
     config must build, its tensors fit the model, and for classification the labels are the
     data's."""
-    from shardwise.models.auto import check_checkpoint, read_hf_config
+    from shardwise.models.hf.auto import check_checkpoint, read_hf_config
 
     m = cfg.model
     shaped = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")

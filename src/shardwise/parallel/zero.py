@@ -396,7 +396,7 @@ def apply_zero(
     """Shard a model that is still on the meta device; returns the engine driving it.
     `offload_params` (ZeRO-3) keeps each rank's parameter slices in host memory (True) or in
     files of an optim/nvme.DiskTensors; `source`
-    (shardwise.models.hf_weights.HFWeights) supplies the values instead of the (seed, name) init;
+    (shardwise.models.hf.weights.HFWeights) supplies the values instead of the (seed, name) init;
     `align` puts parameters and shard boundaries on multiples of it (zero_units.Unit); `wire`
     the 16-bit dtype the reduce-scatters send (None: the gradients' own)."""
     return ZeroEngine(

@@ -166,8 +166,6 @@ def spec_from_hf_config(path: str) -> ModelSpec:
     elif kind in _DECODER_TYPES:
         keys, arch = _HF_LLAMA, "decoder"
     else:  # priced from its real modules (plan/real.py)
-        from shardwise.plan.real import real_spec
-
         return real_spec(p, cfg)
     fields = {field: cfg[key] for key, field in keys.items() if cfg.get(key) is not None}
     missing = {"n_layers", "dim", "n_heads", "vocab_size"} - set(fields)
@@ -176,6 +174,38 @@ def spec_from_hf_config(path: str) -> ModelSpec:
         raise ConfigError(f"model config '{path}' lacks {names}. Fix: a complete config.json.")
     fields.setdefault("tie_embeddings", arch == "gpt2")
     return ModelSpec(arch, **fields)  # type: ignore[arg-type]
+
+
+def real_spec(path: Path, cfg: dict) -> ModelSpec:
+    """The spec of a config.json the formula does not cover: its sizes, read by transformers."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(
+            f"model config '{path}' is a '{cfg.get('model_type')}' model, which the planner "
+            "builds with transformers (not installed). Fix: pip install transformers."
+        ) from None
+    try:
+        config = transformers.AutoConfig.for_model(**cfg)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"model config '{path}': transformers cannot build model_type "
+            f"'{cfg.get('model_type')}' ({exc}). Fix: a config.json transformers knows."
+        ) from None
+    text = getattr(config, "text_config", None) or config
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    return ModelSpec(
+        "hf",
+        n_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
+        dim=int(getattr(text, "hidden_size", 0) or 0),
+        n_heads=heads,
+        n_kv_heads=int(getattr(text, "num_key_value_heads", 0) or heads),
+        ffn_dim=int(getattr(text, "intermediate_size", 0) or getattr(text, "ffn_dim", 0) or 0),
+        vocab_size=int(getattr(text, "vocab_size", 0) or 0),
+        max_seq_len=int(getattr(text, "max_position_embeddings", 0) or 2048),
+        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        source=str(path.parent),
+    )
 
 
 def resolve_model(name: str) -> ModelSpec:

@@ -53,8 +53,8 @@ def ddp_peer(cfg: Config) -> dict:
         apply_lora(model, cfg.finetune)  # peft's adapters, as the engine adds them
     freeze(model, cfg.train.freeze)
     if d.spec.arch == "hf":  # a checkpoint: its weights, a new head from (seed, name)
-        from shardwise.models.auto import weight_source
-        from shardwise.models.hf_weights import load_weights
+        from shardwise.models.hf.auto import weight_source
+        from shardwise.models.hf.weights import load_weights
 
         load_weights(model, weight_source(d.spec, model), cfg.train.seed)
     else:

@@ -25,8 +25,8 @@ from shardwise.errors import ConfigError
 from shardwise.finetune.lora import apply_lora
 from shardwise.finetune.quant import materialise_quantised, quantise_base
 from shardwise.models import build_model, init_weights, to_empty
-from shardwise.models.auto import weights_for
-from shardwise.models.hf_weights import load_weights
+from shardwise.models.hf.auto import weights_for
+from shardwise.models.hf.weights import load_weights
 from shardwise.models.tp_plans import plan_for
 from shardwise.optim import EIGHT_BIT, QUANT_BLOCK, MixedPrecisionAdamW, replicated_targets
 from shardwise.parallel.compress import WIRE, make_compression

@@ -399,7 +399,7 @@ def _check_pipeline(cfg: Config, spec: ModelSpec, pp: int, dp: int, micro: int, 
             "Fix: --data.prefetch=0 with parallel.pp > 1."
         )
     if spec.arch == "hf" and spec.task == "causal_lm":  # cut as its base_model_pp_plan says
-        from shardwise.models.auto import read_hf_config
+        from shardwise.models.hf.auto import read_hf_config
         from shardwise.parallel.pipeline_hf import check_hf_pipeline
 
         check_hf_pipeline(read_hf_config(spec.source).model_type, spec.tie_embeddings, pp)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.models.hf_weights import CONFIG, HFWeights, checkpoint_dir
+from shardwise.models.hf.weights import CONFIG, HFWeights, checkpoint_dir
 from shardwise.models.packing import take_packed_tokens
 
 TASKS = {

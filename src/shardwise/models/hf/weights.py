@@ -1,92 +1,32 @@
-"""Hugging Face interop: the name and layout map between our decoders and `transformers`'
-Llama (`LlamaForCausalLM`) and GPT-2 (`GPT2LMHeadModel`), the model shape read from a
-Hugging Face `config.json`, and a weight source that reads any row range of any of our
-parameters straight from the safetensors files (so a rank loads only the slices it keeps).
-
-Layouts (why the map is more than a renaming):
-
-* Llama: one tensor per projection, same (out, in) layout as ours. Our RoPE pairs channels
-  (i, i + D/2) ("rotate_half"), the convention of the Hugging Face Llama checkpoints (Meta's
-  original weights are permuted into it by transformers' conversion script), so q/k load
-  without a permutation.
-* GPT-2: `Conv1D` stores weights as (in, out), the transpose of `nn.Linear`; q, k and v are
-  fused in `c_attn` (in, 3·dim), ours are three (dim, dim) projections, so wq/wk/wv are the
-  three column blocks of c_attn, transposed (biases: the three thirds of c_attn.bias).
-
-The map is data: one `Rule` per parameter pattern.
-"""
+"""Hugging Face weights into our decoders (`model.init_from` with a Llama or GPT-2 preset):
+the model shape read from a checkpoint's `config.json`, checked against its tensors before
+launch, and a weight source that reads any row range of any of our parameters straight from
+the safetensors files (so a rank loads only the slices it keeps). The per-architecture maps
+are models/hf/llama.py and gpt2.py."""
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from shardwise.errors import ConfigError
+from shardwise.models.hf import gpt2, llama
+from shardwise.models.hf.rule import Rule, hf_shape
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-@dataclass(frozen=True)
-class Rule:
-    """Our parameter `ours` (a regex over our names) is `theirs` (a format string of the
-    regex groups), transposed for Conv1D, or block `part` of `parts` along their out axis."""
-
-    ours: str
-    theirs: str
-    transposed: bool = False
-    part: int = 0
-    parts: int = 1
-
-
-_L = r"blocks\.(\d+)\."
-LLAMA = (
-    Rule(r"embed\.weight", "model.embed_tokens.weight"),
-    Rule(_L + r"attn_norm\.weight", "model.layers.{0}.input_layernorm.weight"),
-    Rule(_L + r"attn\.wq\.weight", "model.layers.{0}.self_attn.q_proj.weight"),
-    Rule(_L + r"attn\.wk\.weight", "model.layers.{0}.self_attn.k_proj.weight"),
-    Rule(_L + r"attn\.wv\.weight", "model.layers.{0}.self_attn.v_proj.weight"),
-    Rule(_L + r"attn\.wo\.weight", "model.layers.{0}.self_attn.o_proj.weight"),
-    Rule(_L + r"mlp_norm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
-    Rule(_L + r"mlp\.w1\.weight", "model.layers.{0}.mlp.gate_proj.weight"),
-    Rule(_L + r"mlp\.w3\.weight", "model.layers.{0}.mlp.up_proj.weight"),
-    Rule(_L + r"mlp\.w2\.weight", "model.layers.{0}.mlp.down_proj.weight"),
-    Rule(r"norm\.weight", "model.norm.weight"),
-    Rule(r"head\.weight", "lm_head.weight"),
-)
-_H = "transformer.h.{0}."
-GPT2 = (
-    Rule(r"embed\.weight", "transformer.wte.weight"),
-    Rule(r"pos_embed\.weight", "transformer.wpe.weight"),
-    Rule(_L + r"attn_norm\.(weight|bias)", _H + "ln_1.{1}"),
-    *(
-        Rule(_L + rf"attn\.w{x}\.weight", _H + "attn.c_attn.weight", True, i, 3)
-        for i, x in enumerate("qkv")
-    ),
-    *(
-        Rule(_L + rf"attn\.w{x}\.bias", _H + "attn.c_attn.bias", False, i, 3)
-        for i, x in enumerate("qkv")
-    ),
-    Rule(_L + r"attn\.wo\.weight", _H + "attn.c_proj.weight", True),
-    Rule(_L + r"attn\.wo\.bias", _H + "attn.c_proj.bias"),
-    Rule(_L + r"mlp_norm\.(weight|bias)", _H + "ln_2.{1}"),
-    Rule(_L + r"mlp\.w1\.weight", _H + "mlp.c_fc.weight", True),
-    Rule(_L + r"mlp\.w1\.bias", _H + "mlp.c_fc.bias"),
-    Rule(_L + r"mlp\.w2\.weight", _H + "mlp.c_proj.weight", True),
-    Rule(_L + r"mlp\.w2\.bias", _H + "mlp.c_proj.bias"),
-    Rule(r"norm\.(weight|bias)", "transformer.ln_f.{0}"),
-    Rule(r"head\.weight", "lm_head.weight"),
-)
-RULES = {"decoder": LLAMA, "gpt2": GPT2}
+RULES = {"decoder": llama.RULES, "gpt2": gpt2.RULES}
 MODEL_TYPES = {"llama": "decoder", "gpt2": "gpt2"}
-# Buffers some GPT-2 checkpoints carry (the causal mask), not parameters.
+FIELDS = {"llama": llama.fields, "gpt2": gpt2.fields}
 # Parameters a fine-tune adds to the decoder (peft's adapters), never in a base checkpoint.
 _ADDED = re.compile(r"\.lora_[AB]\.")
+# Buffers some GPT-2 checkpoints carry (the causal mask), not parameters.
 _IGNORED = re.compile(r"(^|\.)attn\.(bias|masked_bias)$|rotary_emb\.inv_freq$")
 
 
@@ -100,12 +40,6 @@ def rule_for(arch: str, name: str) -> tuple[Rule, str]:
         if m:
             return rule, rule.theirs.format(*m.groups())
     raise ConfigError(f"no Hugging Face name for parameter '{name}' of a {arch} model")
-
-
-def hf_shape(rule: Rule, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of the Hugging Face tensor that holds our parameter of `shape`."""
-    out = (shape[0] * rule.parts, *shape[1:])
-    return (out[1], out[0]) if rule.transposed else out
 
 
 def checkpoint_dir(path: str | Path) -> Path:
@@ -254,57 +188,9 @@ def _unreadable(path: Path, why: str) -> ConfigError:
     )
 
 
-def _unsupported(path, what: str) -> ConfigError:
-    return ConfigError(
-        f"model.init_from='{path}': {what}, which shardwise's decoders do not implement. "
-        "Fix: start from a plain Llama or GPT-2 checkpoint."
-    )
-
-
 def spec_fields(cfg: dict, path: str | Path) -> dict:
     """ModelSpec fields of the Hugging Face model described by `cfg` (its config.json)."""
-    if cfg["model_type"] == "llama":
-        heads = cfg["num_attention_heads"]
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise _unsupported(path, f"hidden_act={cfg['hidden_act']!r}")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise _unsupported(path, "attention/MLP biases")
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        if head_dim * heads != cfg["hidden_size"]:
-            raise _unsupported(path, f"head_dim={head_dim} != hidden_size / heads")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise _unsupported(path, f"RoPE scaling {rope}")
-        return {
-            "arch": "decoder",
-            "n_layers": cfg["num_hidden_layers"],
-            "dim": cfg["hidden_size"],
-            "n_heads": heads,
-            "n_kv_heads": cfg.get("num_key_value_heads") or heads,
-            "ffn_dim": cfg["intermediate_size"],
-            "vocab_size": cfg["vocab_size"],
-            "max_seq_len": cfg.get("max_position_embeddings", 2048),
-            "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-            "norm_eps": cfg.get("rms_norm_eps", 1e-6),
-            "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-        }
-    act = cfg.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):  # ours is the tanh approximation
-        raise _unsupported(path, f"activation_function={act!r}")
-    if cfg.get("scale_attn_by_inverse_layer_idx") or not cfg.get("scale_attn_weights", True):
-        raise _unsupported(path, "a non-standard attention scale")
-    return {
-        "arch": "gpt2",
-        "n_layers": cfg["n_layer"],
-        "dim": cfg["n_embd"],
-        "n_heads": cfg["n_head"],
-        "n_kv_heads": cfg["n_head"],
-        "ffn_dim": cfg.get("n_inner") or 4 * cfg["n_embd"],
-        "vocab_size": cfg["vocab_size"],
-        "max_seq_len": cfg["n_positions"],
-        "tie_embeddings": bool(cfg.get("tie_word_embeddings", True)),
-        "norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
-    }
+    return FIELDS[cfg["model_type"]](cfg, path)
 
 
 SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
