@@ -19,6 +19,7 @@ LONGEST_FIRST = [
     "test_preempt.py",
     "test_compression.py",
     "test_hf_models.py",
+    "test_lora.py",
     "test_checkpoint.py",
     "test_hang.py",
     "test_network.py",

@@ -24,6 +24,28 @@ CHAT_TEMPLATE = (
 )
 
 
+def instruction_checkpoint(root, max_positions: int) -> list[str]:
+    """A tiny Llama checkpoint (random weights) with a tokenizer trained here in root/ckpt,
+    and Alpaca records from real text in root/inst.jsonl; returns the documents."""
+    docs = _documents()
+    tok = _tokenizer(320, docs)
+    tok.save_pretrained(root / "ckpt")
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "ckpt")
+    records = [{**r, "input": ""} for r in instruction_records(docs)]
+    (root / "inst.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return docs
+
+
 def instruction_records(docs: list[str]) -> list[dict]:
     """Alpaca-style records from real text: summarise a docstring by its first line."""
     out = []

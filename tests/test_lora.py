@@ -25,8 +25,7 @@ pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from test_instruct import instruction_records  # noqa: E402
-from test_pretrained_tokenizer import _documents, _tokenizer  # noqa: E402
+from test_instruct import instruction_checkpoint  # noqa: E402
 
 LORA = ["--finetune.lora_rank=4", "--finetune.lora_alpha=8", "--train.steps=8"]
 DROP = ["--finetune.lora_dropout=0.1"]
@@ -49,24 +48,9 @@ HF_STEPS = ["--train.steps=4", "--train.lr=1e-3", "--optim.warmup_steps=1", "--o
 def llama(tmp_path_factory):
     """A tiny Llama checkpoint (random weights) with a tokenizer trained here, and text."""
     root = tmp_path_factory.mktemp("llama")
-    docs = _documents()
+    docs = instruction_checkpoint(root, max_positions=256)
     data = root / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    tok = _tokenizer(320, docs)
-    tok.save_pretrained(root / "ckpt")
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "ckpt")
-    records = [{**r, "input": ""} for r in instruction_records(docs)]
-    (root / "inst.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return [
         "--model.name=hf",
         f"--model.init_from={root / 'ckpt'}",

@@ -6,8 +6,6 @@ One spawned world runs every multi-rank case."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,8 +21,7 @@ pytestmark = pytest.mark.slow
 
 transformers = pytest.importorskip("transformers")
 
-from test_instruct import instruction_records  # noqa: E402
-from test_pretrained_tokenizer import _documents, _tokenizer  # noqa: E402
+from test_instruct import instruction_checkpoint  # noqa: E402
 
 SEQ = 384  # the records here are 147-211 tokens: two per row
 
@@ -33,22 +30,7 @@ SEQ = 384  # the records here are 147-211 tokens: two per row
 def root(tmp_path_factory):
     """A tiny Llama checkpoint (random weights), its tokenizer trained here, Alpaca records."""
     root = tmp_path_factory.mktemp("packing")
-    docs = _documents()
-    tok = _tokenizer(320, docs)
-    tok.save_pretrained(root / "ckpt")
-    config = transformers.LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "ckpt")
-    records = [{**r, "input": ""} for r in instruction_records(docs)]
-    (root / "inst.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    instruction_checkpoint(root, max_positions=512)
     return root
 
 
