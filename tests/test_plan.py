@@ -280,3 +280,64 @@ def test_a_cpu_without_the_precisions_matrix_units_says_so_exactly_then(
         assert ("(or bf16, which it has)" in out) == ("bf16" in units)
     gpu = explain_record(cfg, 1, get_hardware("h100", calibrate=False))
     assert "warnings" not in gpu  # a GPU's precision is not the CPU's business
+
+
+PINNED_7B = [
+    "--model.name=7b",
+    "--data.seq_len=2048",
+    "--train.global_batch=512",
+    "--precision.compute=bf16",
+    "--parallel.tp=8",
+    "--parallel.pp=2",
+    "--parallel.zero=1",
+    "--train.micro_batch=1",
+    "--memory.recompute=full",
+]
+
+
+def _explain(capsys, *args) -> dict:
+    assert main(["explain", "--json", "--hardware", "a100-80gb", "--nproc", "64", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_explain_predicts_a_pinned_layout_on_catalog_hardware(capsys):
+    """Issue 27, item 1: explain honours every layout key on any catalog hardware, and
+    `--hardware.FIELD=VALUE` overrides one field of the entry (a slower network between
+    nodes: dp spans 8 nodes of 8 here). MFU and HFU both, with the convention they count."""
+    rec = _explain(capsys, *PINNED_7B)
+    assert (rec["tp"], rec["pp"], rec["dp"], rec["micro_batch"]) == (8, 2, 4, 1)
+    assert rec["hfu"] > rec["mfu"] > 0  # full recomputation executes the forward twice
+    assert "6N + 12·L·h·s" in rec["flop_convention"]
+    slow = _explain(capsys, *PINNED_7B, "--hardware.inter_bw=1e9")
+    assert slow["time"]["dp_comm_s"] > 10 * rec["time"]["dp_comm_s"]  # 25 GB/s -> 1 GB/s
+    assert slow["time"]["tp_comm_s"] == rec["time"]["tp_comm_s"]  # tp stays on NVLink
+    assert slow["step_time_s"] > rec["step_time_s"]
+
+
+def test_plan_keeps_the_layout_keys_given(capsys):
+    code, out, _ = _plan(
+        capsys, "--hardware", "a100-80gb", "--devices", "16", "--model", "7b", "--json",
+        "--parallel.tp=4", "--memory.recompute=full", "--top", "100",
+    )  # fmt: skip
+    result = json.loads(out)
+    assert code == 0 and result["candidates"]
+    assert {(c["tp"], c["recompute"]) for c in result["candidates"]} == {(4, "full")}
+    assert result["rejected"]["other than the layout keys given"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--hardware.bogus=1"], "--hardware.bogus is not a field of the hardware entry"),
+        (["--hardware.inter_bw=fast"], "--hardware.inter_bw='fast' is not a float"),
+        (["--hardware.inter_bw=-1"], "--hardware.inter_bw=-1 must be > 0"),
+    ],
+)
+def test_bad_hardware_overrides_are_refused(capsys, args, needle):
+    assert main(["explain", "--hardware", "a100-80gb", "--nproc", "8", *args]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_train_refuses_hardware(capsys):
+    assert main(["train", "--hardware", "a100-80gb", "--nproc", "1"]) == 2
+    assert "train runs on the hardware it finds" in capsys.readouterr().err

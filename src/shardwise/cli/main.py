@@ -41,6 +41,13 @@ def parser(command: str = "train") -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="explain: machine-readable output")
     p.add_argument(
+        "--hardware",
+        default=None,
+        metavar="NAME",
+        help="explain: predict for this catalog hardware (default: this machine's); "
+        "--hardware.FIELD=VALUE overrides one field of its entry (e.g. inter_bw=6.25e9)",
+    )
+    p.add_argument(
         "--help-config", action="store_true", help="every config key, its default and meaning"
     )
     p.add_argument(
@@ -142,6 +149,11 @@ def _max_restarts(args: argparse.Namespace, cfg: Config, external: bool) -> int:
 
 
 def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
+    if args.hardware or args.hardware_overrides:
+        raise ShardwiseError(
+            "--hardware predicts for other hardware in `shardwise explain` and `plan`; train "
+            "runs on the hardware it finds. Fix: drop --hardware here."
+        )
     if cfg.profile.steps:
         raise ShardwiseError(
             f"profile.steps={cfg.profile.steps} is set by `shardwise profile --steps K`, which "
@@ -203,7 +215,11 @@ def cmd_explain(cfg: Config, args: argparse.Namespace) -> None:
 
     if args.max_restarts not in (None, "0"):
         raise ShardwiseError("--max-restarts is an option of train. Fix: drop it here.")
-    record = explain_record(cfg, explain_world(args, _nproc(args)))
+    from shardwise.plan.hardware import detect_hardware, get_hardware, with_overrides
+
+    hw = get_hardware(args.hardware) if args.hardware else detect_hardware()
+    hw = with_overrides(hw, args.hardware_overrides)
+    record = explain_record(cfg, explain_world(args, _nproc(args)), hw)
     if args.json:
         print(json.dumps(record, indent=2))
     else:
@@ -239,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
             return run(*split_overrides(rest))
         if command not in commands:
             raise ShardwiseError(f"unknown command '{command}'. Fix: one of {', '.join(commands)}.")
+        from shardwise.plan.hardware import take_hardware_overrides
+
         args, overrides = _split(rest)
+        args.hardware_overrides, overrides = take_hardware_overrides(overrides)
         if args.help:
             print(parser(command).format_help())
             return 0

@@ -11,6 +11,7 @@ come from the config (as for `train`: one source of truth, so `explain` and `tra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -70,10 +71,13 @@ def _devices(args, hw: Hardware) -> int:
 
 
 def build_job(args, overrides: list[str]) -> Job:
+    from shardwise.plan.hardware import take_hardware_overrides, with_overrides
     from shardwise.plan.predict import job_from_config
     from shardwise.plan.shapes import resolve_model
 
+    hw_args, overrides = take_hardware_overrides(overrides)
     hw = get_hardware(args.hardware) if args.hardware else detect_hardware()
+    hw = with_overrides(hw, hw_args)
     devices = _devices(args, hw)
     named = args.model and not (args.model.endswith(".json") or Path(args.model).is_file())
     if named:  # a preset: as --model.name, so --model.* overrides (in any order) still apply
@@ -94,12 +98,47 @@ def build_job(args, overrides: list[str]) -> Job:
     spec = resolve_model(args.model) if args.model and not named else None
     if named:
         resolve_model(args.model)  # an unknown name: the message that lists the presets
-    job = job_from_config(cfg, hw, devices, spec)
+    job = dataclasses.replace(
+        job_from_config(cfg, hw, devices, spec), pinned=pinned_layout(cfg, overrides)
+    )
     if spec is not None and spec.arch == "hf":  # a family the formula does not model
         from shardwise.plan.real import real_job
 
         job = real_job(job, cfg)
     return job
+
+
+# config key -> the Layout field it pins in the search (sequence parallelism is not a pin: the
+# search always runs it with tp > 1, Korthikanti et al. 2022)
+PINS = {
+    "parallel.tp": "tp",
+    "parallel.pp": "pp",
+    "parallel.zero": "zero",
+    "parallel.pp_schedule": "pp_schedule",
+    "parallel.pp_virtual": "pp_virtual",
+    "parallel.grad_compression": "compression",
+    "train.micro_batch": "micro_batch",
+    "memory.recompute": "recompute",
+    "memory.offload": "offload",
+}
+
+
+def pinned_layout(cfg, overrides: list[str]) -> tuple:
+    """The layout fields the user fixed (on the command line, or away from the default in the
+    config file): the search keeps only layouts that have them."""
+    from shardwise.config import Config
+
+    given = {o[2:].split("=", 1)[0] for o in overrides if o.startswith("--")}
+    default = Config()
+    out = []
+    for key, field in PINS.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if key in given or value != getattr(getattr(default, section), name):
+            if key == "train.micro_batch" and not value:  # 0: chosen per layout
+                continue
+            out.append((field, value))
+    return tuple(out)
 
 
 def states_records(job: Job) -> list[dict]:

@@ -58,7 +58,7 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
         record["disk_bytes_per_step"] = 2 * mem_b.get("disk_optimizer", 0) + gathers * mem_b.get(
             "disk_params", 0
         )
-    for key in ("step_time_s", "tokens_per_s", "mfu", "time"):  # transformer models only
+    for key in ("step_time_s", "tokens_per_s", "mfu", "hfu", "flop_convention", "time"):
         if key in pred:
             record[key] = pred[key]
     warnings = [cpu_precision_warning(cfg.precision.compute, hw)]
@@ -150,6 +150,7 @@ def print_explain(r: dict) -> None:
             ("predicted step time (s)", f"{r['step_time_s']:.4g}"),
             ("predicted tokens/s", f"{r['tokens_per_s']:,.0f}"),
             ("predicted mfu", f"{100 * r['mfu']:.1f}%"),
+            ("predicted hfu", f"{100 * r['hfu']:.1f}%"),
         ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
@@ -157,6 +158,8 @@ def print_explain(r: dict) -> None:
     print("memory per rank:")
     for key, value in r["mem_bytes"].items():
         print(f"  {key:<12} {human_bytes(value):>10}  ({value:,} B)")
+    if "flop_convention" in r:
+        print(f"flops: {r['flop_convention']}")
     for line in r.get("warnings", []):
         print(line)
 

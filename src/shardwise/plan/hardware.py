@@ -201,3 +201,54 @@ def cpu_hardware(measure: bool = True, refresh: bool = False) -> Hardware:
         measured_kernels=measure,
         calibrated="measured on this machine" if measure else "nominal (not measured)",
     )
+
+
+def take_hardware_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(`--hardware.FIELD=VALUE` overrides, the config overrides left), the value given in
+    the same token or the next one."""
+    mine, rest, i = [], [], 0
+    while i < len(overrides):
+        arg = overrides[i]
+        if arg.startswith("--hardware."):
+            if "=" not in arg and i + 1 < len(overrides):
+                arg, i = f"{arg}={overrides[i + 1]}", i + 1
+            mine.append(arg)
+        else:
+            rest.append(arg)
+        i += 1
+    return mine, rest
+
+
+def with_overrides(hw: Hardware, overrides: list[str]) -> Hardware:
+    """`hw` with `--hardware.FIELD=VALUE` applied: one scalar field of the catalog entry each
+    (e.g. `--hardware.inter_bw=6.25e9` bytes/s per device for a slower network)."""
+    fields = {f.name: f for f in dataclasses.fields(Hardware) if f.type in ("int", "float", "bool")}
+    changes = {}
+    for arg in overrides:
+        key, _, text = arg[len("--hardware.") :].partition("=")
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"--hardware.{key} is not a field of the hardware entry.{hint} Fix: one of "
+                f"{', '.join(sorted(fields))}."
+            )
+        kind = fields[key].type
+        try:
+            if kind == "bool":
+                if text.lower() not in ("true", "false"):
+                    raise ValueError(text)
+                value = text.lower() == "true"
+            else:
+                value = float(text) if kind == "float" else int(float(text))
+        except ValueError:
+            raise ConfigError(
+                f"--hardware.{key}={text!r} is not a {kind}. Fix: e.g. --hardware.{key}="
+                f"{getattr(hw, key)}."
+            ) from None
+        if kind != "bool" and value <= 0 and key not in ("overlap", "reserve", "cores"):
+            raise ConfigError(f"--hardware.{key}={text} must be > 0. Fix: a positive value.")
+        changes[key] = value
+    if not changes:
+        return hw
+    return dataclasses.replace(hw, **changes, calibrated=f"{hw.calibrated}, overridden")

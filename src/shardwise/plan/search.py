@@ -34,6 +34,8 @@ def _pow2_upto(n: int) -> list[int]:
 def invalid(job: Job, lay: Layout) -> str | None:
     """Why `lay` cannot run `job`, or None. The reasons are the rejected table's keys."""
     spec = job.spec
+    if any(getattr(lay, k) != v for k, v in job.pinned):
+        return "other than the layout keys given"
     if job.act_lines and (lay.tp > 1 or lay.pp > 1):  # plan/real.py
         return "tp/pp searched for Llama-family and GPT-2 configs only"
     if job.act_lines and lay.recompute not in dict(job.act_lines):
@@ -83,7 +85,9 @@ def evaluate(job: Job, lay: Layout) -> dict:
     host = sum(v for k, v in mb.items() if k.startswith("host_"))
     step = parts["step_s"]
     tokens = job.tokens_per_step / step
-    mfu = tm.model_flops_per_token(job) * tokens / (job.devices * hw.peak[job.precision])
+    peak_flops = job.devices * hw.peak[job.precision]
+    mfu = tm.model_flops_per_token(job) * tokens / peak_flops
+    hfu = tm.hardware_flops_per_token(job, lay) * tokens / peak_flops
     return {
         **lay.record(),
         "mem_bytes": {k: round(v) for k, v in mb.items()},
@@ -93,6 +97,8 @@ def evaluate(job: Job, lay: Layout) -> dict:
         "step_time_s": step,
         "tokens_per_s": tokens,
         "mfu": mfu,
+        "hfu": hfu,
+        "flop_convention": tm.FLOP_CONVENTION,
         "time": parts,
         "comm_bytes": tm.traffic_totals(kinds),
         "comm_calls": calls,

@@ -20,6 +20,15 @@ from shardwise.plan.shapes import non_embedding_params
 ADAM_BYTES = 28
 
 
+# what `mfu` and `hfu` count, so figures compare like-for-like with a paper's convention
+FLOP_CONVENTION = (
+    "MFU: model FLOPs per token 6N + 12·L·h·s (PaLM, Chowdhery et al. 2022, app. B; N the "
+    "non-embedding parameters, a tied head counted; attention's QK^T and AV over the whole "
+    "s x s square, not halved for causal masking; LoRA: 4N). HFU: the FLOPs executed, "
+    "recomputation included (full: + 2N + 4·L·h·s, selective: + 4·L·h·s)."
+)
+
+
 def model_flops_per_token(job: Job) -> float:
     """6N + 12·L·h·s (PaLM, Chowdhery et al. 2022, app. B): the MFU numerator. With LoRA the
     frozen weights need no weight gradient: 4N (adapters are negligible)."""
