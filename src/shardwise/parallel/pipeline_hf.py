@@ -1,18 +1,21 @@
 """Pipeline parallelism for a Hugging Face causal LM (`model.name=hf`): the decoder-shaped view
 the pipeline engine cuts and runs.
 
-transformers publishes each model's stages as `base_model_pp_plan`: the token embedding, the
-repeated decoder layers and the final norm (the head follows on the causal LM). The engine
-runs them as it runs our decoders: the first chunk embeds, each chunk runs its layers, the last
-applies norm and head. What the model's own forward computes once for all layers, each layer
-computes here for itself: the rotary position embeddings (from `rotary_emb`, a buffer-only
-module every stage keeps) and the causal mask (none: SDPA's is_causal, as the model's forward
-chooses for an unpadded batch). Pruning keeps the names (`model.layers.{i}` stays the key of
-layer i), so (seed, name) init, checkpoint slices and ZeRO units are those of the whole model.
+transformers publishes each model's stages as `base_model_pp_plan`: the modules before the
+repeated decoder layers (the token embedding, GPT-NeoX's embedding dropout), the layers, the
+modules after them (the final norm); the head follows on the causal LM. The engine runs them as
+it runs our decoders: the first chunk applies the modules before, each chunk runs its layers,
+the last applies the modules after and the head. What the model's own forward computes once
+for all layers, each layer computes here for itself: the rotary position embeddings (from
+`rotary_emb`, a buffer-only module every stage keeps) and the causal mask (none: SDPA's
+is_causal, as the model's forward chooses for an unpadded batch). Pruning keeps the names
+(`model.layers.{i}` stays the key of layer i), so (seed, name) init, checkpoint slices and ZeRO
+units are those of the whole model.
 
-Families whose base forward does exactly that (embed -> rotary -> layers -> norm) run; one
-whose forward does more between the pieces (Gemma scales the embedding, GPT-2 adds learned
-positions) is refused before launch by `check_hf_pipeline`.
+Families whose base forward does exactly what the plan lists, with rotary positions, run; one
+whose forward does more between the pieces (Gemma scales the embedding by sqrt(hidden), which
+its plan does not say; GPT-2 and OPT add learned positions and publish no plan) is refused
+before launch by `check_hf_pipeline`.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 
-# model_type -> the family's base model runs embed -> rotary -> layers -> norm and nothing else
-PIPELINE_TYPES = ("llama", "mistral", "qwen2")  # each checked against one process (tests)
+# model_type -> its base forward is exactly its published plan plus rotary positions; each
+# checked against one process (tests/test_hf_models.py)
+PIPELINE_TYPES = ("llama", "mistral", "qwen2", "phi3", "gpt_neox")
 
 
 def check_hf_pipeline(model_type: str, tied: bool, pp: int) -> None:
@@ -31,8 +35,8 @@ def check_hf_pipeline(model_type: str, tied: bool, pp: int) -> None:
     if model_type not in PIPELINE_TYPES:
         raise ConfigError(
             f"parallel.pp={pp}: a '{model_type}' model's forward does more between its "
-            "published pipeline stages (base_model_pp_plan) than embed -> layers -> norm, and "
-            f"shardwise cuts {', '.join(PIPELINE_TYPES)} models only. Fix: --parallel.pp=1 "
+            "pipeline stages than its base_model_pp_plan lists (or it publishes none), and "
+            f"shardwise cuts {', '.join(PIPELINE_TYPES)} models. Fix: --parallel.pp=1 "
             "(data, ZeRO and tensor parallelism split it)."
         )
     if tied:
@@ -41,6 +45,15 @@ def check_hf_pipeline(model_type: str, tied: bool, pp: int) -> None:
             "(tie_word_embeddings), which the first and last stage would each need to load "
             "and keep equal. Fix: --parallel.pp=1 for now."
         )
+
+
+def _plan(base: nn.Module) -> tuple[list[str], str, list[str]]:
+    """(modules before the layers, the layers' name, modules after) of the published plan."""
+    plan = base.config.base_model_pp_plan
+    names = list(plan)
+    layers = next(n for n, (inputs, _) in plan.items() if "attention_mask" in inputs)
+    i = names.index(layers)
+    return names[:i], layers, names[i + 1 :]
 
 
 class _Layer(nn.Module):
@@ -53,24 +66,47 @@ class _Layer(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(h.shape[1], device=h.device)[None]
         cos_sin = self.rotary(h, position_ids=positions)
-        return self.layer(
+        out = self.layer(
             h, attention_mask=None, position_ids=positions, position_embeddings=cos_sin
         )
+        return out[0] if isinstance(out, tuple) else out
+
+
+class _Sequence(nn.Module):
+    """Modules of the plan applied in order (the embedding and its dropout, or the norm); a
+    view outside the model's tree, so names stay the model's."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(modules)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.parts:
+            x = m(x)
+        return x
 
 
 class HFStages:
     """What the pipeline engine reads of a model (`spec`, `embed`, `blocks`, `norm`, `head`,
-    `embed_tokens`, `output`), over a pruned transformers causal LM that keeps its own names."""
+    `embed_tokens`, `output`), over a pruned transformers causal LM that keeps its own names.
+    `embed` and `norm` are the plan's first module before and after the layers (tied weights
+    and the chunk's parameters), or None where this stage does not hold them."""
 
     def __init__(self, model: nn.Module, spec) -> None:
         base = model.base_model
+        before, layers, after = _plan(base)
         self.spec, self.pos_embed = spec, None
-        self.embed, self.norm = base.embed_tokens, base.norm
+        self._before = [getattr(base, n) for n in before if getattr(base, n, None) is not None]
+        self._after = [getattr(base, n) for n in after if getattr(base, n, None) is not None]
+        self.embed = self._before[0] if self._before else None
+        self.norm = _Sequence(self._after) if self._after else None
         self.head = model.get_output_embeddings()
-        self.blocks = {i: _Layer(layer, base.rotary_emb) for i, layer in base.layers.items()}
+        self.blocks = {
+            i: _Layer(layer, base.rotary_emb) for i, layer in getattr(base, layers).items()
+        }
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed(tokens)
+        return _Sequence(self._before)(tokens)
 
     def output(self, h: torch.Tensor) -> torch.Tensor:
         if self.norm is not None:
@@ -79,13 +115,17 @@ class HFStages:
 
 
 def prune_hf(model: nn.Module, spec, keep: set[int], first: bool, last: bool) -> HFStages:
-    """Keep the layers `keep` (and the embedding on the first stage, norm and head on the
-    last) of a meta causal LM, in place; layers stay under `model.layers.{i}`."""
+    """Keep the layers `keep` (and the modules before them on the first stage, after them and
+    the head on the last) of a meta causal LM, in place; layers keep their names."""
     base = model.base_model
-    base.layers = nn.ModuleDict({str(i): m for i, m in enumerate(base.layers) if i in keep})
+    before, layers, after = _plan(base)
+    blocks = getattr(base, layers)
+    setattr(base, layers, nn.ModuleDict({str(i): m for i, m in enumerate(blocks) if i in keep}))
     if not first:
-        base.embed_tokens = None
+        for name in before:
+            setattr(base, name, None)
     if not last:
-        base.norm = None
-        model.lm_head = None
+        for name in after:
+            setattr(base, name, None)
+        model.set_output_embeddings(None)
     return HFStages(model, spec)
