@@ -140,6 +140,9 @@ def lm_runs(world):
     worlds[2]["llama_bf16_tp2"] = {"overrides": [*bf16, "--parallel.tp=2"]}
     gpipe_z1 = ["--parallel.pp_schedule=gpipe", "--parallel.zero=1", "--memory.recompute=full"]
     worlds[2]["pp2_llama_gpipe_z1"] = {"overrides": _lm(world, "llama", *STEPS, *PP2, *gpipe_z1)}
+    lora = ["--finetune.lora_rank=4", "--finetune.lora_alpha=8"]
+    worlds[1]["llama_lora"] = {"overrides": _lm(world, "llama", *STEPS, *lora)}
+    worlds[2]["pp2_llama_lora"] = {"overrides": _lm(world, "llama", *STEPS, *PP2, *lora)}
     return run_named_worlds(worlds)
 
 
@@ -149,11 +152,11 @@ PP2 = ["--parallel.pp=2", "--train.micro_batch=2"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*PIPELINED, "llama_gpipe_z1"])
+@pytest.mark.parametrize("name", [*PIPELINED, "llama_gpipe_z1", "llama_lora"])
 def test_pp2_from_the_published_stages_reproduces_one_process(lm_runs, name):
     """Each stage holds its own layers (the first the embedding, the last norm and head); the
     losses and the parameters, gathered from both stages, are one process's."""
-    family = name if name in PIPELINED else name.split("_")[0]
+    family = name if name in PIPELINED or name == "llama_lora" else name.split("_")[0]
     one, ranks = lm_runs[1][family][0], lm_runs[2][f"pp2_{name}"]
     assert max_rel(ranks[0]["losses"], one["losses"]) <= 1e-5
     params = [set(r["params"]) for r in ranks]
