@@ -1,0 +1,195 @@
+"""The checks `derive` runs that depend on the model and the layout together: the loss, the
+sizes tensor parallelism splits, a checkpoint under it, LoRA and a quantised base, your own
+module, packed rows, and the pipeline's options (training/validate.py calls them before
+launch)."""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.config import Config
+from shardwise.errors import ConfigError
+from shardwise.models import ModelSpec
+from shardwise.models.presets import HF_ARCHS
+from shardwise.parallel.pipeline_split import plan_chunks
+
+
+def check_packing(cfg: Config, spec: ModelSpec, pp: int) -> None:
+    """data.pack=true: records in rows, attention masked per record by the model."""
+    why = ""
+    if cfg.data.format == "text":
+        why = (
+            "text data is one stream of documents cut into data.seq_len windows already. "
+            "Fix: --data.format=instruction (or chat) for records, or --data.pack=false."
+        )
+    elif spec.arch == "custom":
+        why = (
+            f"model.name='{cfg.model.name}' takes [B, S] ids; packed rows need a model that masks "
+            "attention per record (the built-in decoders and Hugging Face causal LMs do). "
+            "Fix: --data.pack=false."
+        )
+    elif pp > 1:
+        why = (
+            f"with parallel.pp={pp} the later stages receive hidden states, not the record "
+            "numbers their attention masks need. Fix: --parallel.pp=1, or --data.pack=false."
+        )
+    if why:
+        raise ConfigError(f"data.pack=true packs instruction/chat records into rows, but {why}")
+
+
+def check_loss(cfg: Config, tp: int, pp: int) -> None:
+    if cfg.train.loss == "cross_entropy":
+        return
+    if ":" not in cfg.train.loss:
+        raise ConfigError(
+            f"train.loss='{cfg.train.loss}' is neither cross_entropy nor module:fn. Fix: "
+            "--train.loss=cross_entropy, or your function as mylosses:mse or losses.py:mse."
+        )
+    from shardwise.data.callables import resolve
+
+    resolve(cfg.train.loss, "train.loss")  # imports, or one message naming what failed
+    if tp > 1 or pp > 1:
+        raise ConfigError(
+            f"train.loss='{cfg.train.loss}' with parallel.tp={tp}, parallel.pp={pp}: your loss "
+            "sees whole outputs, which tensor and pipeline parallelism split. Fix: "
+            "--parallel.tp=1 --parallel.pp=1 (data parallelism and ZeRO keep them whole)."
+        )
+
+
+def check_checkpoint_tp(spec: ModelSpec, cfg: Config) -> None:
+    """model.name=hf with tp > 1: the model's published plan, and the sizes it splits."""
+    from shardwise.models import build_model
+    from shardwise.models.tp_plans import checkpoint_plan
+
+    with torch.device("meta"):
+        checkpoint_plan(build_model(spec))
+    check_tensor_parallel(spec, cfg)
+
+
+def check_lora(spec: ModelSpec, cfg: Config) -> None:
+    """LoRA's keys, and its targets must name linear layers of this model (applied on meta
+    before launch)."""
+    from shardwise.finetune.lora import apply_lora, check
+    from shardwise.finetune.quant import quantise_base
+    from shardwise.models import build_model
+
+    check(cfg.finetune)
+    quant = cfg.finetune.base_quant
+    if quant != "none" and cfg.finetune.lora_rank == 0:
+        raise ConfigError(
+            f"finetune.base_quant={quant} freezes a quantised base under LoRA adapters, and "
+            "finetune.lora_rank=0 trains none. Fix: --finetune.lora_rank=16 (QLoRA)."
+        )
+    if cfg.finetune.lora_rank == 0:
+        return
+    with torch.device("meta"):
+        model = build_model(spec)
+        apply_lora(model, cfg.finetune)
+        quantise_base(model, quant)
+
+
+def check_custom(cfg: Config, tp: int) -> None:
+    if tp > 1:
+        raise ConfigError(
+            f"parallel.tp={tp}: tensor parallelism needs a plan of which layers to split, and "
+            f"model.name='{cfg.model.name}' has none here. Fix: --parallel.tp=1 (data "
+            "parallelism and ZeRO-1/2/3 shard any module)."
+        )
+
+
+def check_pipeline(cfg: Config, spec: ModelSpec, pp: int, dp: int, micro: int, m: int) -> None:
+    """Pipeline options: only with pp > 1, a transformer, ZeRO <= 1, a schedule that fits m,
+    and a split that covers the model (pipeline_split.plan_chunks)."""
+    p = cfg.parallel
+    if pp == 1:
+        for key, value, off in (
+            ("parallel.pp_schedule", p.pp_schedule, "1f1b"),
+            ("parallel.pp_virtual", p.pp_virtual, 1),
+            ("parallel.pp_split", p.pp_split, ""),
+        ):
+            if value != off:
+                raise ConfigError(
+                    f"{key}={value!r} has no effect with parallel.pp=1. Fix: --parallel.pp=2 "
+                    f"(or more), or leave {key} at its default."
+                )
+        return
+    if cfg.data.prefetch:
+        raise ConfigError(
+            f"data.prefetch={cfg.data.prefetch} loads micro-batches ahead in the plain loop; "
+            f"the pipeline schedule (parallel.pp={pp}) loads its own when a stage needs them. "
+            "Fix: --data.prefetch=0 with parallel.pp > 1."
+        )
+    if spec.arch == "hf" and spec.task == "causal_lm":  # cut as its base_model_pp_plan says
+        from shardwise.models.hf.auto import read_hf_config
+        from shardwise.parallel.pipeline_hf import check_hf_pipeline
+
+        check_hf_pipeline(read_hf_config(spec.source).model_type, spec.tie_embeddings, pp)
+    elif spec.arch.startswith("resnet") or spec.arch in (*HF_ARCHS, "custom", "hf"):
+        kind = {"custom": "your own module"}.get(spec.arch, "a Hugging Face model")
+        kind = "a ResNet" if spec.arch.startswith("resnet") else kind
+        raise ConfigError(
+            f"parallel.pp={pp}: pipeline parallelism cuts the blocks of shardwise's own "
+            f"decoders and model.name='{cfg.model.name}' is {kind}. Fix: --parallel.pp=1."
+        )
+    if p.zero >= 2:
+        raise ConfigError(
+            f"parallel.zero={p.zero} with parallel.pp={pp} is not supported: ZeRO-{p.zero} "
+            "would reduce-scatter every unit's gradients on every micro-batch of the "
+            "schedule. Fix: --parallel.zero=1 (optimizer state sharded over dp)."
+        )
+    interleaved = p.pp_schedule == "interleaved"
+    if interleaved != (p.pp_virtual > 1):
+        raise ConfigError(
+            f"parallel.pp_schedule='{p.pp_schedule}' with parallel.pp_virtual={p.pp_virtual}: "
+            "virtual chunks (pp_virtual >= 2) go with the interleaved schedule only. Fix: "
+            "--parallel.pp_schedule=interleaved --parallel.pp_virtual=2, or pp_virtual=1."
+        )
+    if interleaved and m % pp:
+        fewer = " is fewer than the stages and" if m < pp else ""
+        g = cfg.train.global_batch
+        fits = [b for b in range(g // dp, 0, -1) if (g // dp) % b == 0 and (g // dp // b) % pp == 0]
+        fix = f"--train.micro_batch={fits[0]}" if fits else f"--train.global_batch={dp * pp}"
+        raise ConfigError(
+            f"parallel.pp_schedule='interleaved' runs micro-batches in groups of pp({pp}), but "
+            f"m = global_batch({g}) / (micro_batch({micro}) * dp({dp})) = {m}{fewer} is not a "
+            f"multiple of pp. Fix: {fix}."
+        )
+    plan_chunks(spec, pp, p.pp_virtual, p.pp_split, cfg.data.seq_len)
+
+
+def check_tensor_parallel(spec: ModelSpec, cfg: Config) -> None:
+    """Every size that tensor (and sequence) parallelism splits, against t. The vocabulary
+    is padded instead (parallel/tensor.py), so it needs no check."""
+    tp, sp = cfg.parallel.tp, cfg.parallel.sp
+    if tp <= 1:  # (tp < 1 is reported by topology.degrees with the other degrees)
+        return
+    name = f"({cfg.model.name})"
+    if spec.n_heads % tp:
+        raise ConfigError(
+            f"model.n_heads={spec.n_heads} {name} is not divisible by parallel.tp={tp}. "
+            "Fix: choose tp dividing the number of heads."
+        )
+    kv = spec.n_kv_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(
+            f"model.n_kv_heads={kv} {name} and parallel.tp={tp}: tp must divide the kv heads "
+            f"(split) or be a multiple of them (replicated). Fix: change parallel.tp or "
+            "model.n_kv_heads."
+        )
+    if kv < tp and spec.arch == "hf-gpt2":
+        raise ConfigError(f"hf-gpt2 has no grouped-query attention: n_kv_heads={kv} < tp={tp}.")
+    if spec.ffn_dim % tp:
+        raise ConfigError(
+            f"model.ffn_dim={spec.ffn_dim} {name} is not divisible by parallel.tp={tp}. "
+            "Fix: choose tp dividing the MLP width, or --model.ffn_dim=<a multiple of tp>."
+        )
+    if sp and cfg.data.seq_len % tp:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={tp}: sequence "
+            f"parallelism splits the sequence over the tp ranks. Fix: a multiple of {tp}."
+        )
+    if sp and spec.arch in (*HF_ARCHS, "hf"):
+        raise ConfigError(
+            f"parallel.sp=true is not available for {cfg.model.name}: Hugging Face models build "
+            "positions and masks from the local sequence length. Fix: --parallel.sp=false."
+        )
