@@ -33,6 +33,7 @@ ZeRO-1/2 keep the whole quantised base on every rank, pipeline stages their own 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,12 @@ def _bnb(kind: str = "nf4"):
             "--finetune.base_quant=none."
         ) from None
     return bnb, bf
+
+
+def split_dims(dp: int, tp: int, zero: int) -> tuple[tuple[str, int], ...]:
+    """The (mesh dim, ranks) each quantised weight is split over, outer first: ZeRO-3's dp,
+    then tp; dims of one rank left out (the engine and the planner both ask here)."""
+    return tuple((d, n) for d, n in (("dp", dp if zero == 3 else 1), ("tp", tp)) if n > 1)
 
 
 def split_index(comm, dims: tuple[tuple[str, int], ...]) -> int:
@@ -162,10 +169,8 @@ class QuantLinear(nn.Module):
         stores the whole weight, bit for bit: nf4 `quantize_4bit(weight,
         compress_statistics=True)`, int8 `int8_vectorwise_quant(weight)`."""
         _, bf = _bnb(self.kind)
-        self.split = tuple((d, n) for d, n in split if n > 1)
-        n = 1
-        for _, size in self.split:
-            n *= size
+        self.split = tuple(split)
+        n = math.prod(size for _, size in self.split)
         self.shards = Shards(self.out_features, self.in_features, n, self.kind)
         self.comm = comm if self.split else None
         s, part = self.shards, part.float().reshape(-1)
@@ -320,7 +325,7 @@ def quantised_bytes(layers: list[QuantLinear]) -> int:
 
 
 def layer_bytes(out_features: int, in_features: int, shards: int = 1, kind: str = "nf4") -> int:
-    """Bytes one rank keeps for one quantised weight split over `shards` ranks (ZeRO-3): its
+    """Bytes one rank keeps for one quantised weight split over `shards` ranks: its
     share of the codes and block statistics (nf4: 4 bits per weight, an 8-bit absmax per 64;
     int8: a byte per weight, an fp32 absmax per row), and for nf4 on every rank the 16-entry
     NF4 map (fp32), an fp32 absmax per 256 blocks, the 256-entry map of the absmax
@@ -334,9 +339,7 @@ def layer_bytes(out_features: int, in_features: int, shards: int = 1, kind: str 
 def gather_steps(out_features: int, in_features: int, sizes, kind: str = "nf4") -> list[int]:
     """Bytes of the whole buffer each all-gather of one use makes, for a weight split over
     ranks of `sizes` (outer first), innermost first; none when it is whole here."""
-    n = 1
-    for size in sizes:
-        n *= size
+    n = math.prod(sizes)
     if n == 1:
         return []
     s = Shards(out_features, in_features, n, kind)
@@ -354,10 +357,7 @@ def transient_bytes(
     gathers, the codes and statistics cut out of the last, this rank's part sent, and the
     weight dequantised to `itemsize`-byte floats."""
     steps = gather_steps(out_features, in_features, sizes, kind)
-    n = 1
-    for size in sizes:
-        n *= size
-    held = sum(steps) + steps[-1] + steps[-1] // n if steps else 0
+    held = sum(steps) + steps[-1] + steps[-1] // math.prod(sizes) if steps else 0
     return held + out_features * in_features * itemsize
 
 
@@ -366,16 +366,12 @@ def materialise_quantised(
 ) -> None:
     """Quantise every QuantLinear's weight, one layer at a time on `device`, from the value an
     unquantised run gives it: the checkpoint's tensor (`source`, models/hf/weights) or the
-    (seed, name) init. `split` ((mesh dim, ranks), outer first: ZeRO-3's dp, tp): each rank
-    reads or cuts only its own blocks."""
+    (seed, name) init. `split` (`split_dims`): each rank reads or cuts only its own blocks."""
     from shardwise.models.init import canonical_name, find_spec, initial_value
 
     spec = find_spec(model)
-    split = tuple((d, n) for d, n in split if n > 1)
     rank = split_index(comm, split) if split else 0
-    shards = 1
-    for _, size in split:
-        shards *= size
+    shards = math.prod(size for _, size in split)
     for path, layer in quant_layers(model):
         name = canonical_name(f"{path}.weight", spec)
         start, stop = Shards(*layer.shape, shards, layer.kind).span(rank)

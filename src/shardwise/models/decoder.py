@@ -241,6 +241,9 @@ class Decoder(nn.Module):
         )
         self.norm: nn.Module | None = _norm(spec)
         self.head: nn.Linear | None = nn.Linear(spec.dim, spec.vocab_size, bias=False)
+        # every block's attention core, told each forward whether its rows are packed (the
+        # transformations after this wrap forwards, never replace the cores)
+        self._cores = [m for m in self.blocks.modules() if isinstance(m, AttentionCore)]
         if spec.tie_embeddings:  # one Parameter, seen once by .parameters() and optimizers
             self.head.weight = self.embed.weight
         self.embed_drop = LayoutFreeDropout(spec.dropout, "sequence")
@@ -260,9 +263,8 @@ class Decoder(nn.Module):
         packed = None
         if is_packed(tokens):
             tokens, packed = unpack(tokens, self.embed.weight.dtype)
-        for module in self.modules():  # the attention of every block reads them
-            if isinstance(module, AttentionCore):
-                module.packed = packed
+        for core in self._cores:
+            core.packed = packed
         h = self.embed_tokens(tokens, packed)
         blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
         for block in blocks:

@@ -34,17 +34,15 @@ def _partial(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def split_lora(s, path: str, w: nn.Module, kind: str, own_entry: bool) -> None:
     """Split the LoRA layer `w` at `path` whose base the plan marks `kind`; `s` is
-    parallel/tensor.py's sharder for this rank."""
+    parallel/tensor.py's sharder for this rank. A quantised base (finetune/quant) keeps its
+    storage split over the ranks and multiplies by its rows (column) or columns (row) of the
+    dequantised weight; the adapter splits alike over either base."""
     base, a, b = w.base_layer, w.lora_A[ADAPTER], w.lora_B[ADAPTER]
     peft_forward = type(w).forward
-    if isinstance(base, QuantLinear):
-        _split_quantised(s, path, w, kind, own_entry)
-        return
+    quantised = isinstance(base, QuantLinear)
     if kind == "column:kv":
-        heads = (
-            base.weight.shape[out_dim(base)]
-            // s.model.get_submodule(path.rpartition(".")[0]).head_dim
-        )
+        width = base.out_features if quantised else base.weight.shape[out_dim(base)]
+        heads = width // s.model.get_submodule(path.rpartition(".")[0]).head_dim
         if heads % s.t:
             raise ConfigError(
                 f"{path}: a LoRA adapter on a k/v projection with {heads} kv heads and "
@@ -53,10 +51,8 @@ def split_lora(s, path: str, w: nn.Module, kind: str, own_entry: bool) -> None:
             )
         kind = "column"
     if kind in ("column", "column:qkv"):
-        split = s.column if kind == "column" else s.column_qkv
-        split(f"{path}.base_layer", base, False)  # the entry is the wrapper's (below)
-        cut = s.new[id(base._parameters["weight"])].tp_slice
-        s.shard(f"{path}.lora_B.{ADAPTER}", b, "weight", 0, cut.ranges)
+        ranges = _split_column_base(s, f"{path}.base_layer", base, kind)
+        s.shard(f"{path}.lora_B.{ADAPTER}", b, "weight", 0, ranges)
         a.weight.tp_kind = "partial"
         w.tp_out = base.tp_out
         if own_entry:
@@ -69,15 +65,20 @@ def split_lora(s, path: str, w: nn.Module, kind: str, own_entry: bool) -> None:
             f"{path}: a LoRA adapter on a {kind} layer cannot be split over parallel.tp={s.t}. "
             "Fix: leave it out of finetune.lora_targets, or --parallel.tp=1."
         )
-    d = 1 - out_dim(base)
-    lo, hi = s.even(path, base, "input width", base.weight.shape[d])
-    s.shard(f"{path}.base_layer", base, "weight", d, [(lo, hi)])
+    if quantised:
+        lo, hi = s.even(path, base, "input width", base.in_features)
+        base.take = (1, lo, hi)
+        base.forward = base.product  # the bias after the reduction
+    else:
+        d = 1 - out_dim(base)
+        lo, hi = s.even(path, base, "input width", base.weight.shape[d])
+        s.shard(f"{path}.base_layer", base, "weight", d, [(lo, hi)])
+        base.forward = lambda x: _partial(base, x)
     s.shard(f"{path}.lora_A.{ADAPTER}", a, "weight", 1, [(lo, hi)])
     b.weight.tp_kind = "partial"
     dropout = w.lora_dropout[ADAPTER]
     if hasattr(dropout, "shard"):  # LayoutFreeDropout: the input's columns are this rank's
         dropout.shard = (s.r, s.t)
-    base.forward = lambda x: _partial(base, x)
 
     def forward(x):
         y = s.exit(peft_forward(w, x))
@@ -86,44 +87,20 @@ def split_lora(s, path: str, w: nn.Module, kind: str, own_entry: bool) -> None:
     w.forward = forward
 
 
-def _split_quantised(s, path: str, w: nn.Module, kind: str, own_entry: bool) -> None:
-    """A LoRA layer over a quantised base (finetune/quant): the base keeps its storage split
-    over the ranks and multiplies by its rows (column) or columns (row) of the dequantised
-    weight; the adapter splits as over a float base."""
-    base, a, b = w.base_layer, w.lora_A[ADAPTER], w.lora_B[ADAPTER]
-    peft_forward = type(w).forward
-    if (
-        kind == "column:kv"
-        and base.out_features // s.model.get_submodule(path.rpartition(".")[0]).head_dim % s.t == 0
-    ):
-        kind = "column"
-    if kind == "column":
-        lo, hi = s.even(path, base, "output width", base.out_features)
-        base.take, base.tp_out, w.tp_out = (0, lo, hi), hi - lo, hi - lo
-        if base.bias is not None:
-            s.shard(f"{path}.base_layer", base, "bias", 0, [(lo, hi)])
-        s.shard(f"{path}.lora_B.{ADAPTER}", b, "weight", 0, [(lo, hi)])
-        a.weight.tp_kind = "partial"
-        enter = s.enter if own_entry else (lambda x: x)
-        w.forward = lambda x: peft_forward(w, enter(x))
-        return
-    if kind != "row":
+def _split_column_base(s, path: str, base: nn.Module, kind: str) -> list[tuple[int, int]]:
+    """Split a column-parallel base (its output rows); the ranges of them this rank keeps."""
+    if not isinstance(base, QuantLinear):
+        split = s.column if kind == "column" else s.column_qkv
+        split(path, base, False)  # the entry is the LoRA wrapper's
+        return list(s.new[id(base._parameters["weight"])].tp_slice.ranges)
+    if kind != "column":
         raise ConfigError(
-            f"{path}: a quantised base (finetune.base_quant) on a {kind} layer cannot be split "
-            f"over parallel.tp={s.t}. Fix: leave it out of finetune.lora_targets, or "
-            "--parallel.tp=1."
+            f"{path}: a quantised base (finetune.base_quant) on a fused {kind} projection "
+            f"cannot be split over parallel.tp={s.t}. Fix: leave it out of "
+            "finetune.lora_targets, or --parallel.tp=1."
         )
-    lo, hi = s.even(path, base, "input width", base.in_features)
-    base.take = (1, lo, hi)
-    s.shard(f"{path}.lora_A.{ADAPTER}", a, "weight", 1, [(lo, hi)])
-    b.weight.tp_kind = "partial"
-    dropout = w.lora_dropout[ADAPTER]
-    if hasattr(dropout, "shard"):
-        dropout.shard = (s.r, s.t)
-    base.forward = base.product  # the bias after the reduction
-
-    def forward(x):
-        y = s.exit(peft_forward(w, x))
-        return y if base.bias is None else y + base.bias
-
-    w.forward = forward
+    lo, hi = s.even(path, base, "output width", base.out_features)
+    base.take, base.tp_out = (0, lo, hi), hi - lo
+    if base.bias is not None:
+        s.shard(path, base, "bias", 0, [(lo, hi)])
+    return [(lo, hi)]

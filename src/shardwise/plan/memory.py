@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from shardwise.finetune.quant import layer_bytes, transient_bytes
+from shardwise.finetune.quant import layer_bytes, split_dims, transient_bytes
 from shardwise.optim import QUANT_BLOCK
 from shardwise.plan import activations as act
 from shardwise.plan import compression
@@ -54,14 +54,15 @@ def quantised_layers(job: Job, layout: Layout, stage: int = 0) -> list[tuple[int
     return [(b, a) for tag, (a, b) in shapes.items() if tag in job.finetune.lora_targets] * layers
 
 
-def quantised_split(layout: Layout) -> tuple[int, ...]:
-    """The ranks each quantised weight is split over, outer first: ZeRO-3's dp, then tp."""
-    return tuple(n for n in (layout.dp if layout.zero == 3 else 1, layout.tp) if n > 1)
+def quantised_split(layout: Layout) -> tuple[tuple[str, int], ...]:
+    """The (mesh dim, ranks) each quantised weight is split over, as the engine splits it."""
+    return split_dims(layout.dp, layout.tp, layout.zero)
 
 
 def quantised_transient(job: Job, layout: Layout, stage: int = 0) -> float:
     """One quantised linear gathered and dequantised to compute dtype at a time."""
-    split, kind = quantised_split(layout), job.finetune.base_quant
+    split = [n for _, n in quantised_split(layout)]
+    kind = job.finetune.base_quant
     shapes = quantised_layers(job, layout, stage)
     return max((transient_bytes(a, b, split, job.bc, kind) for a, b in shapes), default=0)
 
@@ -342,7 +343,8 @@ def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
     per_stage = []
     for st in stages:
         us = stage_units(job, layout, st)
-        quantised, shards = quantised_layers(job, layout, st), math.prod(quantised_split(layout))
+        quantised = quantised_layers(job, layout, st)
+        shards = math.prod(n for _, n in quantised_split(layout))
         mem = model_states(us, job, layout.dp, layout.zero, layout.offload, quantised, shards)
         wire = compression.zero_wire_copy(layout)
         mem["buffers"] = zero_transient(us, job, layout.dp, layout.zero, wire)

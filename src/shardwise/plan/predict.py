@@ -217,19 +217,29 @@ def _stage_model(cfg: Config, derived, layout: Layout, stage: int):
     return (model, view, mine), model_units(model)
 
 
-def _hf_stage(cfg: Config, derived, job: Job, layout: Layout, stage: int) -> dict:
-    """`mem_bytes` of pipeline rank `stage` of a Hugging Face causal LM: its units' states,
-    and one micro-batch's saved bytes from a fake forward of its chunk (embedding, layers,
-    norm + head + loss as it holds them) times the micro-batches its schedule keeps."""
+def _buffers(us: list, job: Job, layout: Layout, module_buffers: int) -> float:
+    """`buffers` of a real model: ZeRO's transient units and gradient buffers, compression
+    state, and the module's own buffers."""
+    wire = compression.zero_wire_copy(layout)
+    return (
+        mem.zero_transient(us, job, layout.dp, layout.zero, wire)
+        + compression.state_bytes(job, layout, us)
+        + module_buffers
+    )
+
+
+def _hf_stage(cfg: Config, derived, job: Job, layout: Layout, stage: int) -> tuple[dict, list]:
+    """(`mem_bytes`, ZeRO units) of pipeline rank `stage` of a Hugging Face causal LM: its
+    units' states, and one micro-batch's saved bytes from a fake forward of its chunk
+    (embedding, layers, norm + head + loss as it holds them) times the micro-batches its
+    schedule keeps."""
     (model, view, mine), us = _stage_model(cfg, derived, layout, stage)
     quantised = [m.shape for _, m in quant_layers(model)]
     states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload, quantised)
-    wire = compression.zero_wire_copy(layout)
-    states["buffers"] = mem.zero_transient(us, job, layout.dp, layout.zero, wire)
     b, s = derived.micro_batch, cfg.data.seq_len
     with FakeTensorMode():
         _to_fake(model)
-        states["buffers"] += tensor_bytes(model.buffers())
+        states["buffers"] = _buffers(us, job, layout, tensor_bytes(model.buffers()))
         apply_recompute(model, derived.family, cfg.memory.recompute)
         cast_for_compute(model, dev.dtype_of(cfg.precision.compute))
         meter = ActivationMeter(model)
@@ -255,7 +265,7 @@ def _hf_stage(cfg: Config, derived, job: Job, layout: Layout, stage: int) -> dic
     one = layout.pp_schedule in ("1f1b", "interleaved")  # the last stage's loss: one at a time
     states["activations"] = (edge + blocks) * held + tail * (1.0 if one else held)
     states["total"] = sum(v for k, v in states.items() if not k.startswith(("host_", "disk_")))
-    return states
+    return states, us
 
 
 def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]:
@@ -273,7 +283,9 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
     with FakeTensorMode():
         _to_fake(model)
         module_buffers = tensor_bytes(model.buffers())
-        if not formula or quantised:  # which quantised linears backward uses, too
+        # the whole model's saved bytes (a pipeline measures each stage below), and which
+        # quantised linears backward uses
+        if (not formula and layout.pp == 1) or quantised:
             for _, layer in quant_layers(model):
                 layer.shape_only = True
             activations = _fake_activations(model, cfg, derived)
@@ -282,9 +294,9 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         job = dataclasses.replace(job, quantised_backward=backward)
     if not formula and layout.pp > 1:  # a Hugging Face causal LM cut into stages
         stages = [_hf_stage(cfg, derived, job, layout, r) for r in range(layout.pp)]
-        keys = list(stages[0])
-        states = {k: max(s.get(k, 0) for s in stages) for k in keys}
-        real = dataclasses.replace(job, frozen=tuple(_stage_model(cfg, derived, layout, 0)[1]))
+        keys = list(stages[0][0])
+        states = {k: max(s.get(k, 0) for s, _ in stages) for k in keys}
+        real = dataclasses.replace(job, frozen=tuple(stages[0][1]))
         return n, {
             **layout.record(),
             "mem_bytes": {k: int(v) for k, v in states.items()},
@@ -293,13 +305,8 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         }
     if not formula:  # states + the fake forward's bytes (unsharded models only)
         states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload)
-        wire = compression.zero_wire_copy(layout)
-        states["buffers"] = (
-            mem.zero_transient(us, job, layout.dp, layout.zero, wire)
-            + compression.state_bytes(job, layout, us)
-            + module_buffers
-            + (mem.quantised_transient(job, layout) if quantised else 0)
-        )
+        states["buffers"] = _buffers(us, job, layout, module_buffers)
+        states["buffers"] += mem.quantised_transient(job, layout) if quantised else 0
         states["activations"] = activations
         states["total"] = sum(v for k, v in states.items() if not k.startswith(("host_", "disk_")))
         # data-parallel traffic and calls from the real units (tp = pp = 1 for these models)

@@ -142,10 +142,8 @@ def _quant_uses(job: Job, layout: Layout) -> dict[str, list[int]]:
     """Per mesh dimension, the bytes of each all-gather of a split quantised linear per
     micro-batch (finetune/quant: over tp, then dp): per use, and a linear is used for its
     forward, a fully recomputed forward, and backward where its input needs a gradient."""
-    sizes = mem.quantised_split(layout)
-    dims = [
-        d for d, n in (("dp", layout.dp if layout.zero == 3 else 1), ("tp", layout.tp)) if n > 1
-    ]
+    split = mem.quantised_split(layout)
+    sizes, dims = [n for _, n in split], [d for d, _ in split]
     out = {"dp": [], "tp": []}
     shapes = mem.quantised_layers(job, layout)
     backward = job.quantised_backward if len(job.quantised_backward) == len(shapes) else ()
@@ -166,6 +164,7 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
     every = mem.stage_units(job, layout, 0)
     units = [u for u in every if any(e[1] for e in u.entries)]
     n_units, n_all = sum(u.count for u in units), sum(u.count for u in every)
+    quantised = _quant_uses(job, layout)  # a split base's gathers per micro-batch, by dim
     dp_calls = 0
     if dp > 1:  # ZeRO-0: one all-reduce per bucket; ZeRO-1/2/3: per unit, as in `traffic`
         dp_calls = {
@@ -177,7 +176,7 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
         if layout.zero == 3 and spec.tie_embeddings and p == 1:
             dp_calls += m  # the tied head's second gather
         if layout.zero == 3:  # a quantised linear's gathers (`traffic_by_kind`)
-            dp_calls += m * len(_quant_uses(job, layout)["dp"])
+            dp_calls += m * len(quantised["dp"])
     tp_calls = 0
     if t > 1:  # per layer 2 forward + 2 backward (sp: an all-gather/reduce-scatter pair for
         # each, 8); embedding, head and vocabulary-parallel loss 4 (sp: 6); full recompute
@@ -186,7 +185,7 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
         per_layer = (8 if layout.sp else 4) + (3 if layout.sp else 1) * (layout.recompute == "full")
         tp_calls = m * (per_layer * layers + (6 if layout.sp else 4))
         tp_calls += 1 if _tp_partial(spec, t, layout.sp) else 0
-        tp_calls += m * len(_quant_uses(job, layout)["tp"])
+        tp_calls += m * len(quantised["tp"])
     pp_calls = 0
     if p > 1:  # one send per micro-batch and chunk boundary (as `traffic`), plus the tied
         # embedding/head gradient all-reduce between the first and last stage

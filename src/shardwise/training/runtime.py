@@ -23,7 +23,7 @@ from shardwise.distributed.topology import Topology, build_topology
 from shardwise.distributed.watchdog import Watchdog, start_watchdog
 from shardwise.errors import ConfigError
 from shardwise.finetune.lora import apply_lora
-from shardwise.finetune.quant import materialise_quantised, quantise_base
+from shardwise.finetune.quant import materialise_quantised, quantise_base, split_dims
 from shardwise.models import build_model, init_weights, to_empty
 from shardwise.models.hf.auto import weights_for
 from shardwise.models.hf.weights import load_weights
@@ -322,7 +322,7 @@ def _build(
     if quantised:  # every rank quantises the values an unquantised run would start from
         source = weights_for(spec, cfg.model.init_from, model)
         # 1/dp each under ZeRO-3, and 1/tp each (dp outer: finetune/quant.split_index)
-        split = (("dp", topo.size("dp") if cfg.parallel.zero == 3 else 1), ("tp", topo.size("tp")))
+        split = split_dims(topo.size("dp"), topo.size("tp"), cfg.parallel.zero)
         materialise_quantised(model, source, cfg.train.seed, info.device, comm, split)
     if isinstance(reducer, ZeroEngine):
         targets, after = reducer.targets(), reducer.after_step
