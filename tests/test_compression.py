@@ -203,14 +203,16 @@ def test_compression_on_one_data_parallel_rank_says_it_does_nothing():
 
 def test_plan_ranks_the_asked_compression_beside_the_uncompressed_layouts():
     """`plan --parallel.grad_compression=K` searches ZeRO-0 layouts both ways (and ZeRO-1-3
-    uncompressed); on 8 A100 nodes with a 10x slower network PowerSGD's 1/50 of the bytes
-    wins for a data-parallel-heavy job, and its predicted dp bytes follow the formula."""
+    uncompressed); on 8 A100 nodes on 10 Gb/s Ethernet per GPU (a 20x slower network than
+    HDR InfiniBand: a ring's traffic crosses all 8 NICs of a node, so 10x no longer starves it)
+    PowerSGD's 1/50 of the bytes wins for a data-parallel-heavy job, and its predicted dp
+    bytes follow the formula."""
     from shardwise.plan.hardware import get_hardware
     from shardwise.plan.predict import job_from_config
     from shardwise.plan.search import search
 
     hw = get_hardware("a100-80gb", calibrate=False)
-    hw = hw.with_overrides(inter_bw=hw.inter_bw / 10)
+    hw = hw.with_overrides(inter_bw=hw.inter_bw / 20)
     args = ["--model.name=1b", "--data.seq_len=2048", "--train.global_batch=64"]
     plain = search(job_from_config(load_config(None, args), hw, 64))
     assert {c["compression"] for c in plain.candidates} == {"none"}

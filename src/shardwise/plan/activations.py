@@ -65,6 +65,36 @@ def paper_gpt_terms(s: int, b: int, h: int, a: int) -> list[Term]:
     ]
 
 
+def paper_block_terms(spec: ModelSpec, s: int, b: int, unfused: bool) -> tuple[Term, ...]:
+    """`paper_gpt_terms` generalised to the block a 16-bit framework (Megatron-LM, llm-foundry,
+    torchtitan) runs: the attention's s x s tensors only when it is unfused (FlashAttention
+    saves q, k, v, the output and row statistics only), dropout masks only with dropout,
+    grouped k/v heads, and a SwiGLU MLP's two activation inputs. Used for published runs of
+    other frameworks (`Job.block_memory = "paper"`); our engine's block is `block_terms`."""
+    sbh, sbf, as2b = s * b * spec.dim, s * b * spec.ffn_dim, spec.n_heads * s * s * b
+    kv = spec.n_kv_heads / spec.n_heads
+    out = [
+        Term("LayerNorm inputs", 4 * sbh, False, True),
+        Term("QKV input", 2 * sbh, False, True),
+        Term("Q, K", 2 * sbh * (1 + kv), True, True),
+        Term("V", 2 * sbh * kv, True, True),
+        Term("output projection input", 2 * sbh, True, True),
+        Term("MLP input", 2 * sbh, False, True),
+        Term("activation input", (4 if spec.arch == "decoder" else 2) * sbf, True, True),
+        Term("second linear input", 2 * sbf, True, True),
+    ]
+    if unfused or spec.attn_dropout:
+        out.append(Term("softmax output", 2 * as2b, True, True, "not_selective"))
+    if spec.attn_dropout:
+        out += [
+            Term("softmax dropout mask", as2b, True, True, "not_selective"),
+            Term("dropout output (attention over V)", 2 * as2b, True, True, "not_selective"),
+        ]
+    if spec.dropout:
+        out += [Term(f"{w} dropout mask", sbh, False, True) for w in ("attention", "MLP")]
+    return tuple(out)
+
+
 def norm_terms(spec: ModelSpec, s: int, b: int, c: int, where: str) -> list[Term]:
     """A norm computed in fp32 (models/decoder.py): its fp32 input, statistics, fp32 weight
     copies (16-bit compute only), the normalised value (RMSNorm) and the output in compute

@@ -52,6 +52,11 @@ class Hardware:
     # seconds every collective call costs whatever its size (the alpha of an alpha-beta
     # model): nccl-tests' small-message all-reduce inside a node is ~10-20 us; measured on CPUs
     latency: float = 2e-5
+    # seconds per step of a ring that spans nodes: an all-gather or reduce-scatter over n ranks
+    # takes n - 1 steps, an all-reduce 2(n - 1), each paying a network hop whatever the message
+    # size (NCCL's ring; InfiniBand's one-way latency is a few microseconds). An assumption, not
+    # fitted: the calibration rows run on one node
+    hop_s: float = 5e-6
     # cost per ring byte of a collective kind ("reduce_scatter", "all_gather", "send")
     # relative to an all-reduce's (absent = 1, the ring model's NCCL): gloo's reduce-scatter
     # and all-gather cost more per byte than its all-reduce, measured on CPUs (calibrate.py)
@@ -59,6 +64,10 @@ class Hardware:
     # CPU calibrated on the spot: time the real modules at each layout's shapes (kernels.py)
     # instead of dividing FLOPs by one rate
     measured_kernels: bool = False
+    # GPUs: price each kernel of a block (plan/gpu.py) with these; CPUs use one rate per block
+    kernel_model: bool = False
+    attn_eff: float = 0.5  # achieved / peak of a fused (flash) attention kernel
+    kernel_s: float = 5e-6  # fixed seconds per kernel: launch and the last partial wave
 
     def flops(self, precision: str) -> float:
         """Achieved FLOP/s of training compute in `precision` (peak x efficiency)."""
@@ -80,6 +89,7 @@ def _gpu(name, mem_gib, bf16, fp32, hbm_tbs, intra_gbs, inter_gbs, host_gbs, per
         host_bw=host_gbs * GB,
         per_node=per_node,
         host_memory=int(host_gib * GiB),
+        kernel_model=True,
     )
 
 
@@ -103,6 +113,26 @@ CATALOG: dict[str, Hardware] = {
         _gpu("mi300x", 192, 1307, 163.4, 5.3, 448, 50, 64, 8, 256),
     )
 }
+# The kernel model's parameters (plan/gpu.py) fitted on the published runs' calibration subset:
+# llm-foundry's single-node rows and Korthikanti et al.'s 22B rows, each source weighted the
+# same (`benchmarks/published_runs.py --calibrate`, 2026-11-26; every other published row is
+# held out). H100-PCIe and H200 are the H100's chip (GH100): its fit. Other GPUs keep the
+# data-sheet defaults.
+FITTED = {
+    "a100": dict(matmul_eff=0.70, attn_eff=0.30, mem_eff=0.80, kernel_s=3.3e-5),
+    "h100": dict(matmul_eff=0.56, attn_eff=0.18, mem_eff=0.54, kernel_s=2.0e-5),
+}
+_CHIP = {
+    "a100-40gb": "a100",
+    "a100-80gb": "a100",
+    "h100-sxm": "h100",
+    "h100-pcie": "h100",
+    "h200": "h100",
+}
+for _name, _chip in _CHIP.items():
+    CATALOG[_name] = CATALOG[_name].with_overrides(
+        **FITTED[_chip], calibrated=f"fitted to published runs ({_chip})"
+    )
 ALIASES = {
     "a100": "a100-80gb",
     "h100": "h100-sxm",

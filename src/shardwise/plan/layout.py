@@ -35,6 +35,29 @@ class FineTune:
 
 
 @dataclass(frozen=True)
+class Engine:
+    """Where training frameworks differ in what a layout costs. The planner's default is
+    shardwise itself; the published runs of other frameworks (benchmarks/published_runs.py)
+    set theirs from what their papers and code say."""
+
+    name: str = "shardwise"
+    # "engine": our block's saved tensors (activations.block_terms: fp32 norms); "paper":
+    # Korthikanti et al.'s 16-bit block (activations.paper_block_terms)
+    block_memory: str = "engine"
+    # attention materialises the s x s scores (Megatron-LM's fused softmax before
+    # FlashAttention, BLOOM); attention dropout implies it in our engine too
+    unfused_attention: bool = False
+    # gradient reduction overlaps backward (ours, DDP, FSDP: yes; Megatron-LM in 2021-22: no)
+    overlap_dp: bool = True
+    # pipeline sends without sp carry 1/tp of the activation, all-gathered over tp after
+    # (Megatron-LM's scatter/gather optimisation, Narayanan et al. 2021 §4.1)
+    pp_scatter_gather: bool = False
+
+
+SHARDWISE = Engine()
+
+
+@dataclass(frozen=True)
 class Job:
     spec: ModelSpec | None  # None: model states only, from `params`
     hardware: Hardware
@@ -65,6 +88,7 @@ class Job:
     # what the search may send ZeRO-0 gradients as: none, plus the config's grad_compression
     compressions: tuple[str, ...] = ("none",)
     nvme_chunk: int = 1 << 22  # memory.nvme_buffer_mb in fp32 elements (optimizer+nvme)
+    engine: Engine = field(default_factory=lambda: SHARDWISE)  # the framework that runs it
 
     @property
     def bc(self) -> int:

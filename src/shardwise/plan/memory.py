@@ -306,7 +306,7 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     if layout.recompute == "full":
         per_layer = act.full_recompute_bytes(spec, s, b, c, t, layout.sp)
     else:
-        terms = act.block_terms(spec, s, b, c, job.packed)
+        terms = _block_terms(job, b)
         if ft.lora:  # the base frozen, the adapters' own saved tensors
             terms = act.lora_terms(terms, spec, s, b, c, *lora)
         per_layer = act.layer_bytes(terms, t, layout.sp, layout.recompute == "selective")
@@ -326,13 +326,19 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     return per_layer * layers * held + edge * held_edge
 
 
+def _block_terms(job: Job, b: int) -> tuple:
+    if job.engine.block_memory == "paper":  # another framework's 16-bit block
+        return act.paper_block_terms(job.spec, job.seq_len, b, job.engine.unfused_attention)
+    return act.block_terms(job.spec, job.seq_len, b, job.bc, job.packed)
+
+
 def backward_transient(job: Job, layout: Layout) -> float:
     """Temporaries beyond the saved activations during backward (not in `total`, but in the
     fit check): the logits' gradient (fp32 + compute copy) and, under recomputation, one
     layer's recomputed activations."""
     spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
     logits = (4 + c) * s * b * spec.vocab_size / t
-    terms = act.block_terms(spec, s, b, c, job.packed)
+    terms = _block_terms(job, b)
     layer = act.layer_bytes(terms, t, layout.sp) if layout.recompute != "none" else 0.0
     return max(logits, layer)
 

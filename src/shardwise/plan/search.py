@@ -46,8 +46,8 @@ def invalid(job: Job, lay: Layout) -> str | None:
         return "heads or ffn not divisible by tp"
     if spec.n_kv_heads % lay.tp and lay.tp % spec.n_kv_heads:
         return "kv heads and tp do not divide"
-    if lay.pp > spec.n_layers or spec.n_layers % (lay.pp * lay.pp_virtual):
-        return "layers not divisible by pp*v"
+    if lay.pp * lay.pp_virtual > spec.n_layers:  # uneven cuts are balanced (pipeline_split)
+        return "more pipeline chunks than layers"
     if job.global_batch % (lay.dp * lay.micro_batch):
         return "global batch not divisible by dp*micro_batch"
     m = lay.micro_batches(job)

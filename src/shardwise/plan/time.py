@@ -10,7 +10,7 @@ call (the alpha-beta model, Hockney 1994), with calls counted as comm.py counts 
 from __future__ import annotations
 
 from shardwise.finetune.quant import gather_steps
-from shardwise.plan import compression, kernels
+from shardwise.plan import compression, gpu, kernels
 from shardwise.plan import memory as mem
 from shardwise.plan.compression import bucket_calls, sent_bytes, wire_bytes
 from shardwise.plan.layout import Job, Layout
@@ -124,7 +124,8 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     if p > 1:  # activations forward and their gradients backward, per micro-batch and chunk:
         # a rank sends forward from its v chunks (the last chunk's rank one fewer) and backward
         # likewise (the first chunk's rank one fewer); with p = 2 each rank is one of those
-        pp_bytes = m * act / (t if layout.sp else 1) * (2 * v - (1 if p == 2 else 0))
+        split = layout.sp or job.engine.pp_scatter_gather
+        pp_bytes = m * act / (t if split else 1) * (2 * v - (1 if p == 2 else 0))
     return {"dp": dp_kinds, "tp": tp_kinds, "pp": {"send": pp_bytes}}
 
 
@@ -248,6 +249,8 @@ def _micro_batch_seconds(job: Job, layout: Layout) -> float:
         head = kernels.head_seconds(spec.dim, spec.vocab_size // t, tokens_mb, job.precision)
         if block is not None and head is not None:
             return layers * block + head
+    if hw.kernel_model:  # a GPU: kernel by kernel (plan/gpu.py)
+        return gpu.micro_batch_seconds(hw, job, layout, layers)
     flops_mb = hardware_flops_per_token(job, layout) * tokens_mb / (t * p)
     # the efficiency covers a block's element-wise kernels (norms, softmax, casts) too (the
     # data-sheet default on GPUs), plus a fixed cost per layer (and one more for embedding,
@@ -281,18 +284,29 @@ def step_time(
     calls = collective_calls(job, layout) if calls is None else calls
     intra, inter = hw.intra_bw * hw.comm_eff, hw.inter_bw * hw.comm_eff
 
-    def comm_s(dim: str, ranks: int) -> float:
-        bw = intra if ranks <= hw.per_node else inter
+    def comm_s(dim: str, ranks: int, per_node: int = 1, steps: int = 0) -> float:
+        # a group spanning nodes runs one ring (NCCL channel) per NIC it has there: its
+        # `per_node` ranks in a node each send through their own NIC, so a node's data crosses
+        # per_node links at once (all-gathers, reduce-scatters and all-reduces); at most the
+        # links inside the node (NVLink), which every ring also crosses. Each call pays its
+        # ring's `steps` hops between nodes.
+        bw = intra if ranks <= hw.per_node else min(intra, inter * per_node)
         cost = sum(n * hw.collective_cost.get(k, 1.0) for k, n in kinds[dim].items())
-        return (cost / bw + calls[dim] * hw.latency) * slowdown
+        hops = steps * hw.hop_s if ranks > hw.per_node else 0.0
+        return (cost / bw + calls[dim] * (hw.latency + hops)) * slowdown
 
-    tp_s, pp_s, dp_s = comm_s("tp", t), comm_s("pp", t * dp * p), comm_s("dp", t * dp)
+    # tp is innermost in the mesh: a dp group has per_node / tp of its ranks in a node;
+    # pipeline sends go from one rank to one rank, each through its own NIC
+    dp_here = max(1, min(dp, hw.per_node // t))
+    tp_s, pp_s = comm_s("tp", t), comm_s("pp", t * dp * p)
+    dp_s = comm_s("dp", t * dp, dp_here, (dp - 1) * (2 if layout.zero == 0 else 1))
     # what can hide: gradient reduction behind backward (2/3 of compute) of the syncing
     # micro-batch (ZeRO-0/1) or of every micro-batch (ZeRO-2/3, which also prefetch gathers
     # behind forward); ZeRO-1/2's all-gather of updated slices runs after the step, exposed
     hideable = {0: 1.0, 1: job.br / (job.br + job.bc), 2: 1.0 - 1.0 / (m * job.br / job.bc + 1)}
     hide_window = (2 / 3 * t_mb) if layout.zero <= 1 else compute
-    hidden = min(dp_s * hideable.get(layout.zero, 1.0), hw.overlap * hide_window)
+    overlap = hw.overlap if job.engine.overlap_dp else 0.0
+    hidden = min(dp_s * hideable.get(layout.zero, 1.0), overlap * hide_window)
     dp_exposed = dp_s - hidden
     local = mem_bytes.get("master", 0) + mem_bytes.get("host_master", 0)
     elems = local / 4 if local else mem_bytes["optimizer"] / 8

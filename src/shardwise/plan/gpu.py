@@ -1,0 +1,124 @@
+"""A GPU's compute time for one micro-batch, kernel by kernel, instead of one flat efficiency.
+
+Every matrix multiply of a block (per tensor-parallel shard) is priced by a roofline: the
+larger of its FLOPs at the GEMM efficiency and its bytes at the achieved memory bandwidth
+(Williams et al. 2009), plus a fixed cost per kernel (launch and the last partial wave) that
+small shards and small micro-batches do not amortise. Attention is one fused kernel
+(FlashAttention-2, Dao 2023: causal masking skips half the score blocks; backward re-computes
+the scores, 2.5x the forward's FLOPs) unless the model has attention dropout, where it is the
+unfused Megatron-LM path: two batched GEMMs over the whole s x s square and the
+scale-mask-softmax and dropout kernels reading and writing it. Element-wise work (norms,
+residual adds, activations, dropout, RoPE) is memory-bound: its bytes at the achieved
+bandwidth. Backward moves about twice a forward's bytes and runs two GEMMs per forward one.
+
+Parameters (hardware.py): `matmul_eff` (large-GEMM efficiency), `attn_eff` (fused attention's
+efficiency), `mem_eff` (achieved / peak HBM bandwidth), `kernel_s` (fixed seconds per
+kernel); calibrated on published runs (benchmarks/published_runs.py).
+"""
+
+from __future__ import annotations
+
+from shardwise.plan.hardware import Hardware
+
+
+def _gemm(hw: Hardware, c: int, m: float, n: float, k: float, peak: float) -> float:
+    """Seconds of one (m x k) @ (k x n) multiply in `c`-byte elements."""
+    flops = 2.0 * m * n * k
+    moved = c * (m * k + k * n + m * n)
+    return max(flops / (peak * hw.matmul_eff), moved / (hw.hbm_bw * hw.mem_eff)) + hw.kernel_s
+
+
+def _gemms(spec, t: int, tokens: float) -> list[tuple[float, float, float]]:
+    """(m, n, k) of a block's linear layers on one tensor-parallel rank, in forward order."""
+    h, f, hd = spec.dim, spec.ffn_dim, spec.head_dim
+    qkv = (spec.n_heads + 2 * spec.n_kv_heads) * hd
+    attention = [(tokens, qkv / t, h), (tokens, h, h / t)]
+    if spec.arch == "decoder":  # SwiGLU: gate and up, then down
+        return [*attention, (tokens, f / t, h), (tokens, f / t, h), (tokens, h, f / t)]
+    return [*attention, (tokens, f / t, h), (tokens, h, f / t)]
+
+
+def _elementwise_elems(spec, t: int, tokens: float, sp: bool) -> tuple[float, int]:
+    """Elements read + written by a block's forward element-wise kernels, and their count.
+    Norms and residual adds act on the whole hidden state (1/t of it with sp), the MLP's
+    activation on this rank's 1/t of the width."""
+    h, f = spec.dim, spec.ffn_dim
+    hidden = tokens * h / (t if sp else 1)
+    elems = 2 * 2 * hidden  # two norms: read x, write y
+    elems += 2 * 3 * hidden  # two residual adds (with bias and dropout where the model has them)
+    if spec.dropout:
+        elems += 2 * 1.5 * hidden  # their dropout masks written and applied
+    kernels = 6
+    if spec.arch == "decoder":
+        elems += 3 * tokens * f / t  # silu(gate) * up: read 2, write 1
+        kv = spec.n_kv_heads / spec.n_heads
+        elems += 2 * tokens * h * (1 + kv) / t  # RoPE on q and k
+        kernels += 3
+    else:
+        elems += 2 * tokens * f / t  # bias + GELU
+        kernels += 1
+    return elems, kernels
+
+
+def _attention(hw: Hardware, spec, t, b, s, c, peak, unfused: bool) -> tuple:
+    """(forward, backward) seconds of the attention core on one tensor-parallel rank."""
+    heads, hd = spec.n_heads / t, spec.head_dim
+    if not (spec.attn_dropout or unfused):  # fused, causal: half of the 4·b·s²·d FLOPs per head
+        fwd_flops = 4.0 * b * heads * s * s * hd / 2
+        fwd = fwd_flops / (peak * hw.attn_eff) + hw.kernel_s
+        return fwd, 2.5 * (fwd - hw.kernel_s) + hw.kernel_s
+    # unfused (Megatron-LM's softmax path): QK^T and AV batched GEMMs over the whole square,
+    # the fused scale-mask-softmax (read + write) and dropout (read, write, 1-byte mask)
+    gemm = 2 * _gemm(hw, c, s, s, hd, peak) - 2 * hw.kernel_s
+    square = b * heads * s * s
+    bw = hw.hbm_bw * hw.mem_eff
+    fwd = b * heads * gemm + 2 * hw.kernel_s + square * (2 * c + 2 * c + 1) / bw + 2 * hw.kernel_s
+    # backward: 4 GEMMs; softmax and dropout backward read 2 and write 1 square each
+    bwd = 2 * b * heads * gemm + 4 * hw.kernel_s + square * (3 * c + 2 * c + 1) / bw
+    return fwd, bwd + 2 * hw.kernel_s
+
+
+def block_seconds(hw: Hardware, spec, t, b, s, c, sp: bool, peak: float, unfused: bool = False):
+    """(forward, backward, attention forward) seconds of one block for a micro-batch of `b`
+    sequences of `s` tokens on one tensor-parallel rank."""
+    tokens = b * s
+    gemm = sum(_gemm(hw, c, *g, peak) for g in _gemms(spec, t, tokens))
+    # backward: the input gradient and the weight gradient, each as big as the forward GEMM
+    gemm_bwd = sum(
+        _gemm(hw, c, m, k, n, peak) + _gemm(hw, c, k, n, m, peak)
+        for m, n, k in _gemms(spec, t, tokens)
+    )
+    elems, kernels = _elementwise_elems(spec, t, tokens, sp)
+    bw = hw.hbm_bw * hw.mem_eff
+    ew = c * elems / bw + kernels * hw.kernel_s
+    attn_f, attn_b = _attention(hw, spec, t, b, s, c, peak, unfused)
+    return gemm + ew + attn_f, gemm_bwd + 2 * ew + attn_b, attn_f
+
+
+def head_seconds(hw: Hardware, spec, t: int, tokens: float, c: int, peak: float) -> float:
+    """The output layer forward + backward and the (vocabulary-parallel) cross-entropy:
+    three GEMMs and the fp32 logits read and written a few times."""
+    v = -(-spec.vocab_size // t)
+    gemm = _gemm(hw, c, tokens, v, spec.dim, peak)
+    gemm += _gemm(hw, c, tokens, spec.dim, v, peak) + _gemm(hw, c, spec.dim, v, tokens, peak)
+    loss = tokens * v * (c + 4 * 4) / (hw.hbm_bw * hw.mem_eff) + 4 * hw.kernel_s
+    return gemm + loss
+
+
+def micro_batch_seconds(hw: Hardware, job, layout, layers: int) -> float:
+    """Forward + backward (+ recomputation) of one micro-batch on the busiest stage: its
+    `layers` blocks and the head with the loss."""
+    spec, s, b, t = job.spec, job.seq_len, layout.micro_batch, layout.tp
+    peak = hw.peak[job.precision]
+    fwd, bwd, attn = block_seconds(
+        hw, spec, t, b, s, job.bc, layout.sp, peak, job.engine.unfused_attention
+    )
+    redo = {"full": fwd, "selective": attn}.get(layout.recompute, 0.0)
+    per_layer = fwd + bwd + redo
+    if job.finetune.lora:  # frozen weights: no weight gradient (a third of the GEMM time)
+        per_layer -= _weight_grad(hw, spec, t, b * s, job.bc, peak)
+    return layers * per_layer + head_seconds(hw, spec, t, b * s, job.bc, peak)
+
+
+def _weight_grad(hw: Hardware, spec, t: int, tokens: float, c: int, peak: float) -> float:
+    return sum(_gemm(hw, c, k, n, m, peak) for m, n, k in _gemms(spec, t, tokens))
