@@ -7,9 +7,11 @@ planner error), the predicted and the measured step time (from the source's thro
 FLOP count and TFLOP/s), and the error. Then per source and GPU type: rows, MAPE, the worst
 row, and the Spearman rank correlation over all held-out rows. The GPU cost parameters
 (plan/gpu.py: GEMM, attention and memory efficiency, a fixed cost per kernel) were fitted on a
-named calibration subset (`CALIBRATION`: the single-node llm-foundry rows) with `--calibrate`
-and written into the hardware catalog; every other row is held out. Nothing is tuned per row;
-a row the planner cannot price says why (FP8, hardware not in the catalog, ...).
+named calibration subset (published_rows.calibration: llm-foundry's single-node rows and
+Korthikanti et al.'s 22B rows) with `--calibrate` and written into the hardware catalog; every
+other row is held out. Nothing is tuned per row; a row the planner cannot price says why (FP8,
+torch.compile, context parallelism, ...). Last, the orderings the publications measured, and
+`plan`'s own layout for GPT-3 175B on 1,024 A100s beside Megatron-LM's published run.
 
     .venv/bin/python benchmarks/published_runs.py [--rows] [--calibrate] [--smoke]
 """
@@ -18,18 +20,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-from dataclasses import dataclass
-from pathlib import Path
 
 from common import add_smoke, command_line
-from shardwise.models.presets import ModelSpec
+from published_rows import Case, calibration, load_rows, make_case, source, split_cases
+from shardwise.models.presets import preset
 from shardwise.plan import search
-from shardwise.plan.hardware import CATALOG, Hardware
-from shardwise.plan.layout import Engine, Job, Layout
+from shardwise.plan import time as tm
+from shardwise.plan.hardware import Hardware, get_hardware
+from shardwise.plan.layout import Job
 
-HERE = Path(__file__).resolve().parent / "published"
 FITTED = ("matmul_eff", "attn_eff", "mem_eff", "kernel_s")
 # physical ranges: an efficiency is a fraction of a peak; a kernel costs at least a launch
 # (~2 us) and less than a small GEMM
@@ -39,248 +39,7 @@ BOUNDS = {
     "mem_eff": (0.05, 1.0),
     "kernel_s": (2e-6, 1e-4),
 }
-# what each framework did where frameworks differ (plan/layout.Engine), from their papers:
-# llm-foundry (FSDP) and torchtitan (FSDP2): flash attention, overlapped reduction, their 16-bit
-# blocks; Megatron-LM 2021-22: unfused softmax, the all-reduce after backward, scatter/gather
-# pipeline sends; Megatron-DeepSpeed (BLOOM) the same; DeepSpeed ZeRO-3 prefetches (overlaps)
-FSDP = Engine("fsdp", block_memory="paper")
-MEGATRON = Engine("megatron-lm", "paper", True, False, True)
-DEEPSPEED_ZERO3 = Engine("deepspeed-zero3", "paper", True, True, False)
 CHIPS = {"a100-40gb": "a100", "a100-80gb": "a100", "h100-sxm": "h100"}
-
-
-@dataclass
-class Case:
-    row: dict
-    job: Job
-    layout: Layout
-    measured_s: float
-
-
-def source(row: dict) -> str:
-    return row["id"].split("-")[0]
-
-
-def calibration(row: dict) -> bool:
-    """The named calibration subset: llm-foundry's single-node (8-GPU) rows and Korthikanti et
-    al.'s 22B rows (8 GPUs, tp 8, the unfused-attention path)."""
-    if row["id"].startswith("korthikanti2022-t5-22b-"):
-        return True
-    return row["id"].startswith("foundry-") and row["hardware"]["n_gpus"] <= 8
-
-
-def _gpt(m: dict, dropout: float = 0.0) -> ModelSpec:
-    """A GPT block (LayerNorm, GELU MLP, learned positions, tied head) of the row's shape."""
-    return ModelSpec(
-        "gpt2", m["n_layers"], m["dim"], m["n_heads"], m["n_heads"], m["ffn_dim"],
-        m["vocab_size"], max_seq_len=m["seq_len"], tie_embeddings=True, dropout=dropout,
-        attn_dropout=dropout,
-    )  # fmt: skip
-
-
-def _llama(m: dict) -> ModelSpec:
-    """A Llama block (RMSNorm, SwiGLU, RoPE, grouped k/v heads, untied head)."""
-    return ModelSpec(
-        "decoder", m["n_layers"], m["dim"], m["n_heads"], m["n_kv_heads"] or m["n_heads"],
-        m["ffn_dim"], m["vocab_size"], max_seq_len=m["seq_len"],
-    )  # fmt: skip
-
-
-def _unsupported(row: dict) -> str | None:
-    """Why the planner cannot price this row, or None."""
-    lay = row["layout"]
-    if "fp8" in str(row["precision"]) or lay.get("float8"):
-        return "FP8 matmuls (the planner prices bf16/fp16 only)"
-    if lay.get("compile"):
-        return "torch.compile (the planner prices eager kernels)"
-    if lay.get("async_tp"):
-        return "asynchronous tp (its overlap of tp communication is not modelled)"
-    if (lay.get("cp") or 1) > 1:
-        return "context parallelism (not in the planner)"
-    return None
-
-
-def _best(job: Job, candidates: list[Layout]) -> Layout:
-    """For knobs the source does not state (micro-batch, interleaving depth): the planner's
-    fastest candidate that fits, as `plan` picks when those keys are not pinned."""
-    scored, why = [], set()
-    for lay in candidates:
-        if reason := search.invalid(job, lay):
-            why.add(reason)
-            continue
-        rec = search.evaluate(job, lay)
-        scored.append((search.fits(job, rec) is not None, rec["step_time_s"], lay))
-    if not scored:
-        raise ValueError(f"the layout is invalid for the planner: {', '.join(sorted(why))}")
-    return min(scored, key=lambda x: (x[0], x[1]))[2]
-
-
-def _layouts(row: dict, job: Job, zero: int, recompute: str) -> Layout:
-    lay = row["layout"]
-    tp, pp, dp = lay["tp"], lay["pp"], lay["dp"]
-    mbs = [lay["micro_batch"]] if lay.get("micro_batch") else [1, 2, 4, 8]
-    sched = str(lay.get("pp_schedule") or "").lower()
-    if pp == 1:
-        plans = [("1f1b", 1)]
-    elif "interleaved" in sched or "interleav" in sched:
-        vs = [lay["pp_virtual"]] if lay.get("pp_virtual") else [2, 3, 4, 6, 8]
-        plans = [("interleaved", v) for v in vs]
-    elif "1f1b" in sched:
-        plans = [("1f1b", 1)]
-    else:  # not stated: the planner's choice of 1F1B or interleaved
-        plans = [("1f1b", 1)] + [("interleaved", v) for v in (2, 3, 4, 6, 8)]
-    sp = bool(lay.get("sp")) and tp > 1
-    return _best(
-        job,
-        [Layout(tp, pp, dp, zero, sp, sc, v, mb, recompute) for (sc, v) in plans for mb in mbs],
-    )
-
-
-def _foundry(row: dict) -> Case | str:
-    """MosaicML llm-foundry's MPT benchmarks: FSDP (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP =
-    ZeRO-2) on every GPU, Flash/Triton attention, no dropout, a GELU MLP of 4d, learned
-    positions and a tied head (NumParams = 12Ld^2 + (V+S)d + 13Ld + 2d, checked per row)."""
-    if why := _unsupported(row):
-        return why
-    m, lay = row["model"], row["layout"]
-    n, s = row["hardware"]["n_gpus"], m["seq_len"]
-    zero = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2}[lay["sharding"]]
-    # amp_bf16 (fp32 sharded parameters, bf16 autocast) and pure bf16 both compute in bf16
-    hw = CATALOG[row["hardware"]["gpu"]]
-    job = Job(_gpt(m), hw, n, s, lay["global_batch"], "bf16", "bf16", engine=FSDP)
-    layout = Layout(
-        dp=n, zero=zero, micro_batch=lay["micro_batch"], recompute=lay["recompute"] or "none"
-    )
-    step = lay["global_batch_tokens"] / row["measured"]["tokens_per_s"]
-    return Case(row, job, layout, step)
-
-
-def megatron_flops(m: dict, batch: int) -> float:
-    """Narayanan et al. 2021 eq. 3: FLOPs of one iteration with full recomputation,
-    96·B·s·l·h²·(1 + s/6h + V/16lh)."""
-    b, s, layers, h, v = batch, m["seq_len"], m["n_layers"], m["dim"], m["vocab_size"]
-    return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
-
-
-def _megatron(row: dict) -> Case | str:
-    """Megatron-LM's GPT runs (Narayanan et al. 2021, Korthikanti et al. 2022) on Selene's
-    A100-80GB nodes: 16-bit mixed precision, unfused softmax attention with dropout 0.1 on
-    attention and hidden states (the block Korthikanti's activation formulas count), a tied
-    head; the data-parallel all-reduce runs after backward, not overlapped. ZeRO-3 rows
-    (DeepSpeed) prefetch and overlap. Full recomputation where the source does not say
-    (eq. 3, which gives the TFLOP/s, assumes it)."""
-    m, lay, meas = row["model"], row["layout"], row["measured"]
-    if lay.get("tp") is None:
-        return "the layout is not given (a prose data point)"
-    zero = 3 if lay.get("sharding") == "ZeRO-3" else 0
-    n = row["hardware"]["n_gpus"]
-    hw = CATALOG[row["hardware"]["gpu"]]
-    job = Job(
-        _gpt(m, 0.1), hw, n, m["seq_len"], lay["global_batch"], "fp16", "fp16",
-        engine=DEEPSPEED_ZERO3 if zero == 3 else MEGATRON,
-    )  # fmt: skip
-    if meas.get("step_time_s"):
-        step = meas["step_time_s"]
-    elif meas.get("tflops_per_gpu"):
-        step = megatron_flops(m, lay["global_batch"]) / (n * meas["tflops_per_gpu"] * 1e12)
-    else:
-        return "no step time or TFLOP/s given (a model-FLOPs utilisation only)"
-    return Case(row, job, _layouts(row, job, zero, lay.get("recompute") or "full"), step)
-
-
-def _torchtitan(row: dict) -> Case | str:
-    """torchtitan's Llama 3/3.1 runs: FSDP2 (ZeRO-3) with tp and pp as given, SDPA flash
-    attention, bf16. Its H100s are 96 GB HBM2e parts at 2.4 TB/s and 500 W (the doc's words):
-    memory and bandwidth overridden, the power cap not modelled."""
-    if why := _unsupported(row):
-        return why
-    m, lay, meas = row["model"], row["layout"], row["measured"]
-    if not meas.get("tokens_per_s_per_gpu"):
-        return "no throughput given"
-    n = row["hardware"]["n_gpus"]
-    hw = CATALOG[row["hardware"]["gpu"]]
-    if "96GB HBM2e" in row.get("notes", ""):
-        hw = hw.with_overrides(memory=96 * 2**30, hbm_bw=2.4e12)
-    gb = lay.get("global_batch") or lay["dp"] * lay["micro_batch"]
-    job = Job(_llama(m), hw, n, m["seq_len"], gb, "bf16", "bf16", engine=FSDP)
-    rc = str(lay.get("recompute") or "none")
-    rc = "selective" if rc.startswith("selective") else rc
-    step = gb * m["seq_len"] / (meas["tokens_per_s_per_gpu"] * n)
-    return Case(row, job, _layouts(row, job, 3, rc), step)
-
-
-def _bloom(row: dict) -> Case | str:
-    """BigScience's BLOOM runs on Jean Zay (Megatron-DeepSpeed): A100-80GB nodes whose NCCL
-    network is 4 Omni-Path links of 100 Gb/s per 8 GPUs (6.25 GB/s per GPU), ZeRO-1 (the
-    BF16 optimizer), the fused softmax (unfused attention), no dropout, full recomputation,
-    the data-parallel reduction after backward."""
-    m, lay, meas = row["model"], row["layout"], row["measured"]
-    if meas.get("oom"):
-        return "ran out of memory (checked by the memory report, not timed)"
-    if not m.get("vocab_size") or not m.get("n_layers"):
-        return "model shape not given (vocabulary or layers)"
-    if not meas.get("step_time_s"):
-        return "no step time given"
-    if row["precision"] not in ("bf16", "fp16"):
-        return f"precision not given ({row['precision']})"
-    hw = CATALOG[row["hardware"]["gpu"]].with_overrides(inter_bw=6.25e9)
-    zero = 1 if "ZeRO-1" in str(lay.get("sharding")) and lay["dp"] > 1 else 0
-    job = Job(
-        _gpt(m), hw, row["hardware"]["n_gpus"], m["seq_len"], lay["global_batch"],
-        row["precision"], row["precision"], engine=MEGATRON,
-    )  # fmt: skip
-    return Case(
-        row, job, _layouts(row, job, zero, lay.get("recompute") or "full"), meas["step_time_s"]
-    )
-
-
-def _megatron_readme(row: dict) -> Case | str:
-    """The Megatron-LM README's GPT-3 175B example on 1,024 A100s; its MFU/HFU table repeats
-    Korthikanti et al.'s rows (counted once, there)."""
-    if "sp-selrecompute" in row["id"]:
-        return "the same run as Korthikanti et al.'s Table 5 row (counted there)"
-    if row["layout"].get("tp") is None:
-        return "the layout is not given"
-    # the example's GPT-2 BPE padded as in all of Megatron-LM's GPT runs (the row's
-    # `assumed.model.vocab_size`: "All models use a vocabulary size of 51,200")
-    m = dict(row["model"], vocab_size=row["model"]["vocab_size"] or 51200)
-    return _megatron(dict(row, model=m))
-
-
-ADAPTERS = {
-    "bloom-": _bloom,
-    "megatron-readme-": _megatron_readme,
-    "foundry-": _foundry,
-    "narayanan2021-": _megatron,
-    "korthikanti2022-": _megatron,
-    "torchtitan-": _torchtitan,
-}
-
-
-def load_rows() -> list[dict]:
-    rows = []
-    for path in sorted(HERE.glob("*.jsonl")):
-        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows
-
-
-def make_case(row: dict) -> Case | str:
-    for prefix, adapter in ADAPTERS.items():
-        if row["id"].startswith(prefix):
-            return adapter(row)
-    return "no adapter for this source yet"
-
-
-def split_cases(rows: list[dict]) -> tuple[list[Case], list[tuple[str, str]]]:
-    """(the rows the planner prices, (id, why not) for the others)."""
-    cases, skipped = [], []
-    for row in rows:
-        try:
-            c = make_case(row)
-        except (KeyError, TypeError, ValueError) as exc:  # a field the adapter needs is absent
-            c = f"incomplete row ({type(exc).__name__}: {exc})"
-        (skipped.append((row["id"], c)) if isinstance(c, str) else cases.append(c))
-    return cases, skipped
 
 
 def with_params(case: Case, params: dict[str, dict[str, float]] | None) -> Case:
@@ -357,6 +116,88 @@ def fit(cases: list[Case]) -> dict[str, dict[str, float]]:
     return out
 
 
+def _ratio(pred: dict, meas: dict, slow: str, fast: str) -> tuple[float, float] | None:
+    if slow in pred and fast in pred:
+        return meas[slow] / meas[fast], pred[slow] / pred[fast]
+    return None
+
+
+def orderings(pred: dict[str, float], meas: dict[str, float], rows: dict[str, dict]) -> None:
+    """The comparisons the publications drew, measured beside predicted (time ratios)."""
+    print("\norderings the publications measured (measured -> predicted):")
+    k = "korthikanti2022-t5-"
+    for size in ("22b-8g", "175b-64g", "530b-280g", "1t-512g"):
+        if r := _ratio(pred, meas, f"{k}{size}-fullrecompute", f"{k}{size}-selective-sp"):
+            ok = 1.25 <= r[1] <= 1.35
+            print(
+                f"  Korthikanti {size}: full recompute without SP / selective + SP: "
+                f"x{r[0]:.2f} -> x{r[1]:.2f} ({'within' if ok else 'outside'} 25-35 % slower)"
+            )
+    n = "narayanan2021-t2-"
+    for z3, ptdp in (
+        ("175b-384g", "175b-384g"), ("175b-768g", "175b-768g"), ("175b-1536g", "175b-1536g"),
+        ("530b-640g", "530b-560g"), ("530b-1120g", "530b-1120g"), ("530b-2240g", "530b-2240g"),
+    ):  # fmt: skip
+        a, b = f"{n}{z3}-zero3", f"{n}{ptdp}-ptdp"
+        if a in pred and b in pred:  # per-GPU throughput ratio (the GPU counts may differ)
+            ga, gb = rows[a]["hardware"]["n_gpus"], rows[b]["hardware"]["n_gpus"]
+            m = meas[a] * ga / (meas[b] * gb)
+            p = pred[a] * ga / (pred[b] * gb)
+            print(
+                f"  Narayanan T2 ZeRO-3 {z3} vs PTD-P {ptdp}: per-GPU x{m:.2f} slower -> x{p:.2f}"
+            )
+    titan = [r for r in rows if r.startswith("torchtitan-llama3.1-405b-512g-fsdp8-tp8-pp8-")]
+    by = {}
+    for rid in titan:  # measured in FP8 with compile and async tp: priced in bf16, eager
+        row = rows[rid]
+        bf16 = dict(row, precision="bf16", layout=dict(row["layout"], float8=False))
+        bf16["layout"].update(compile=False, async_tp=False)
+        case = make_case(bf16)
+        if not isinstance(case, str):
+            by[rid.rsplit("-", 1)[1]] = (case, row["measured"]["tokens_per_s_per_gpu"])
+    if {"1f1b", "interleaved1f1b"} <= set(by):
+        (c1, m1), (ci, mi) = by["1f1b"], by["interleaved1f1b"]
+        p1, pi = search.evaluate(c1.job, c1.layout), search.evaluate(ci.job, ci.layout)
+        print(
+            f"  torchtitan 405B on 512 H100, interleaved 1F1B vs 1F1B: {mi / m1:.2f}x the "
+            f"tokens/s -> {p1['step_time_s'] / pi['step_time_s']:.2f}x (predicted in bf16, "
+            f"{ci.layout.short()})"
+        )
+    for model, mb in (("70b", 8), ("13b", 16), ("7b", 6)):
+        ids = [f"foundry-h100-sxm-{model}-{g}g-s2048-mb{mb}" for g in (128, 256, 512)]
+        if all(i in pred for i in ids):
+            tput = lambda d, i: 1 / d[i]  # noqa: E731 (same tokens per GPU per step)
+            m = [tput(meas, i) / tput(meas, ids[0]) for i in ids]
+            p = [tput(pred, i) / tput(pred, ids[0]) for i in ids]
+            print(
+                f"  llm-foundry {model} FSDP tokens/s per GPU at 128/256/512 H100s: "
+                f"{' '.join(f'{x:.3f}' for x in m)} -> {' '.join(f'{x:.3f}' for x in p)}"
+            )
+
+
+def gpt3_plan(pred: dict[str, float], meas: dict[str, float]) -> None:
+    """`plan`'s best layout for GPT-3 175B on 1,024 A100-80GB (global batch 1536, seq 2048,
+    bf16) beside Megatron-LM's published run of that job."""
+    hw = get_hardware("a100-80gb")
+    job = Job(preset("175b"), hw, 1024, seq_len=2048, global_batch=1536, precision="bf16")
+    best = search.search(job).candidates[0]
+    print(
+        f"\nGPT-3 175B on 1,024 A100-80GB, plan's top layout (shardwise, bf16): "
+        f"tp{best['tp']} pp{best['pp']} {best['pp_schedule']}x{best['pp_virtual']} "
+        f"dp{best['dp']} zero{best['zero']} mb{best['micro_batch']} rc={best['recompute']}: "
+        f"{best['step_time_s']:.1f} s a step, MFU {best['mfu']:.1%}, HFU {best['hfu']:.1%}"
+    )
+    rid = "megatron-readme-gpt3-175b-1024g-a100-tp8pp16dp8"
+    if rid in pred:
+        flops = tm.model_flops_per_token(job) * job.tokens_per_step
+        peak = 1024 * hw.peak["bf16"]
+        print(
+            f"  Megatron-LM's run (README: tp8 pp16, fp16, full recompute, unfused attention): "
+            f"measured {meas[rid]:.1f} s = MFU {flops / meas[rid] / peak:.1%}; the planner "
+            f"pricing that run as Megatron-LM ran it: {pred[rid]:.1f} s"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", action="store_true", help="print every row's prediction")
@@ -407,6 +248,11 @@ def main() -> int:
         )
     for rid, why in skipped:
         print(f"not predicted: {rid}: {why}")
+    pred = {r[0].row["id"]: r[1] for r in results}
+    meas = {r[0].row["id"]: r[0].measured_s for r in results}
+    orderings(pred, meas, {r["id"]: r for r in rows})
+    if not args.smoke:
+        gpt3_plan(pred, meas)
     return 0
 
 

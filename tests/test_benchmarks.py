@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-HELPERS = {"common.py", "smoke_all.py"}  # imported by the scripts / running them, not run
+HELPERS = {"common.py", "smoke_all.py", "published_rows.py"}  # imported, or running them
 # Smoke runs left to `make bench-smoke` (every script), not this suite, to keep it under 15
 # minutes on 2 cores: each launches `shardwise train` several times (fault_soak: a
 # reference, a signalled run and its rerun; cpu_malloc: two runs), ~30 s of the suite, and

@@ -101,6 +101,15 @@ def test_other_frameworks_costs_where_they_differ():
     t = search.evaluate(theirs, lay)["time"]
     assert t["dp_exposed_s"] == t["dp_comm_s"] > 0
     assert search.evaluate(ours, lay)["time"]["dp_exposed_s"] < t["dp_comm_s"]
+    # llm-foundry's fused cross entropy keeps 16-bit logits, its gradient written over them
+    from shardwise.plan import memory as mem
+
+    fused = dataclasses.replace(ours, engine=Engine("foundry", fused_loss=True))
+    one = Layout(dp=128, micro_batch=1)
+    logits = 2048 * spec.vocab_size
+    saved = mem.activation_bytes(ours, one, 0) - mem.activation_bytes(fused, one, 0)
+    assert saved == pytest.approx((4 - 2) * logits)
+    assert mem.backward_transient(fused, one) == 0 < mem.backward_transient(ours, one)
 
 
 def test_the_published_3d_runs_are_predicted_within_15_percent(runs):

@@ -52,6 +52,9 @@ class Engine:
     # pipeline sends without sp carry 1/tp of the activation, all-gathered over tp after
     # (Megatron-LM's scatter/gather optimisation, Narayanan et al. 2021 §4.1)
     pp_scatter_gather: bool = False
+    # the loss keeps the 16-bit logits and writes their gradient in place (flash-attn's fused
+    # cross entropy, llm-foundry's default) instead of an fp32 log-softmax and a new gradient
+    fused_loss: bool = False
 
 
 SHARDWISE = Engine()

@@ -11,6 +11,7 @@ counters and padding.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import lru_cache
 
@@ -317,6 +318,11 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
         edges = act.lora_terms(edges, spec, s, b, c, (), ft.lora_rank, False)
         if first and spec.arch == "decoder" and layout.recompute != "full":
             edges += act.lora_first_block(spec, s, b, ft.lora_targets, bool(ft.lora_dropout))
+    if job.engine.fused_loss:  # 16-bit logits instead of the fp32 log-softmax
+        edges = tuple(
+            dataclasses.replace(e, nbytes=e.nbytes * c / 4) if e.name == "log-softmax (fp32)" else e
+            for e in edges
+        )
     edge = act.layer_bytes(edges, t, layout.sp)
     # the loss and logits of the last stage: 1F1B and interleaved run each micro-batch's
     # backward right after its forward there (one held); GPipe runs all m forwards first and
@@ -337,7 +343,8 @@ def backward_transient(job: Job, layout: Layout) -> float:
     fit check): the logits' gradient (fp32 + compute copy) and, under recomputation, one
     layer's recomputed activations."""
     spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
-    logits = (4 + c) * s * b * spec.vocab_size / t
+    # (a fused loss writes the gradient over the logits it keeps: nothing new)
+    logits = 0.0 if job.engine.fused_loss else (4 + c) * s * b * spec.vocab_size / t
     terms = _block_terms(job, b)
     layer = act.layer_bytes(terms, t, layout.sp) if layout.recompute != "none" else 0.0
     return max(logits, layer)

@@ -1,0 +1,266 @@
+"""The published record as cases the planner prices: each row of `benchmarks/published/*.jsonl`
+(one measured GPU training run, with the source's own words in `quote`) turned into a planner
+`Job` and `Layout` and the step time the source measured, by an adapter per source that says
+what that framework did where frameworks differ (plan/layout.Engine). Knobs a source does not
+state (micro-batch, interleaving depth) are the planner's choice, as `plan` makes it when those
+keys are not pinned. A row the planner cannot price says why. Used by published_runs.py and
+tests/test_published.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardwise.models.presets import ModelSpec
+from shardwise.plan import search
+from shardwise.plan.hardware import CATALOG
+from shardwise.plan.layout import Engine, Job, Layout
+
+HERE = Path(__file__).resolve().parent / "published"
+# what each framework did where frameworks differ (plan/layout.Engine), from their papers:
+# llm-foundry (FSDP) and torchtitan (FSDP2): flash attention, overlapped reduction, their 16-bit
+# blocks; Megatron-LM 2021-22: unfused softmax, the all-reduce after backward, scatter/gather
+# pipeline sends; Megatron-DeepSpeed (BLOOM) the same; DeepSpeed ZeRO-3 prefetches (overlaps)
+FOUNDRY = Engine("llm-foundry", block_memory="paper", fused_loss=True)  # its loss_fn default
+TORCHTITAN = Engine("torchtitan", block_memory="paper")
+MEGATRON = Engine("megatron-lm", "paper", True, False, True)
+DEEPSPEED_ZERO3 = Engine("deepspeed-zero3", "paper", True, True, False)
+
+
+@dataclass
+class Case:
+    row: dict
+    job: Job
+    layout: Layout
+    measured_s: float
+
+
+def source(row: dict) -> str:
+    return row["id"].split("-")[0]
+
+
+def calibration(row: dict) -> bool:
+    """The named calibration subset: llm-foundry's single-node (8-GPU) rows and Korthikanti et
+    al.'s 22B rows (8 GPUs, tp 8, the unfused-attention path)."""
+    if row["id"].startswith("korthikanti2022-t5-22b-"):
+        return True
+    return row["id"].startswith("foundry-") and row["hardware"]["n_gpus"] <= 8
+
+
+def _gpt(m: dict, dropout: float = 0.0) -> ModelSpec:
+    """A GPT block (LayerNorm, GELU MLP, learned positions, tied head) of the row's shape."""
+    return ModelSpec(
+        "gpt2", m["n_layers"], m["dim"], m["n_heads"], m["n_heads"], m["ffn_dim"],
+        m["vocab_size"], max_seq_len=m["seq_len"], tie_embeddings=True, dropout=dropout,
+        attn_dropout=dropout,
+    )  # fmt: skip
+
+
+def _llama(m: dict) -> ModelSpec:
+    """A Llama block (RMSNorm, SwiGLU, RoPE, grouped k/v heads, untied head)."""
+    return ModelSpec(
+        "decoder", m["n_layers"], m["dim"], m["n_heads"], m["n_kv_heads"] or m["n_heads"],
+        m["ffn_dim"], m["vocab_size"], max_seq_len=m["seq_len"],
+    )  # fmt: skip
+
+
+def _unsupported(row: dict) -> str | None:
+    """Why the planner cannot price this row, or None."""
+    lay = row["layout"]
+    if "fp8" in str(row["precision"]) or lay.get("float8"):
+        return "FP8 matmuls (the planner prices bf16/fp16 only)"
+    if lay.get("compile"):
+        return "torch.compile (the planner prices eager kernels)"
+    if lay.get("async_tp"):
+        return "asynchronous tp (its overlap of tp communication is not modelled)"
+    if (lay.get("cp") or 1) > 1:
+        return "context parallelism (not in the planner)"
+    return None
+
+
+def _best(job: Job, candidates: list[Layout]) -> Layout:
+    """For knobs the source does not state (micro-batch, interleaving depth): the planner's
+    fastest candidate that fits, as `plan` picks when those keys are not pinned."""
+    scored, why = [], set()
+    for lay in candidates:
+        if reason := search.invalid(job, lay):
+            why.add(reason)
+            continue
+        rec = search.evaluate(job, lay)
+        scored.append((search.fits(job, rec) is not None, rec["step_time_s"], lay))
+    if not scored:
+        raise ValueError(f"the layout is invalid for the planner: {', '.join(sorted(why))}")
+    return min(scored, key=lambda x: (x[0], x[1]))[2]
+
+
+def _layouts(row: dict, job: Job, zero: int, recompute: str) -> Layout:
+    lay = row["layout"]
+    tp, pp, dp = lay["tp"], lay["pp"], lay["dp"]
+    mbs = [lay["micro_batch"]] if lay.get("micro_batch") else [1, 2, 4, 8]
+    sched = str(lay.get("pp_schedule") or "").lower()
+    if pp == 1:
+        plans = [("1f1b", 1)]
+    elif "interleaved" in sched or "interleav" in sched:
+        vs = [lay["pp_virtual"]] if lay.get("pp_virtual") else [2, 3, 4, 6, 8]
+        plans = [("interleaved", v) for v in vs]
+    elif "1f1b" in sched:
+        plans = [("1f1b", 1)]
+    else:  # not stated: the planner's choice of 1F1B or interleaved
+        plans = [("1f1b", 1)] + [("interleaved", v) for v in (2, 3, 4, 6, 8)]
+    sp = bool(lay.get("sp")) and tp > 1
+    return _best(
+        job,
+        [Layout(tp, pp, dp, zero, sp, sc, v, mb, recompute) for (sc, v) in plans for mb in mbs],
+    )
+
+
+def _foundry(row: dict) -> Case | str:
+    """MosaicML llm-foundry's MPT benchmarks: FSDP (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP =
+    ZeRO-2) on every GPU, Flash/Triton attention, no dropout, a GELU MLP of 4d, learned
+    positions and a tied head (NumParams = 12Ld^2 + (V+S)d + 13Ld + 2d, checked per row)."""
+    if why := _unsupported(row):
+        return why
+    m, lay = row["model"], row["layout"]
+    n, s = row["hardware"]["n_gpus"], m["seq_len"]
+    zero = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2}[lay["sharding"]]
+    # amp_bf16 (fp32 sharded parameters, bf16 autocast) and pure bf16 both compute in bf16
+    hw = CATALOG[row["hardware"]["gpu"]]
+    job = Job(_gpt(m), hw, n, s, lay["global_batch"], "bf16", "bf16", engine=FOUNDRY)
+    layout = Layout(
+        dp=n, zero=zero, micro_batch=lay["micro_batch"], recompute=lay["recompute"] or "none"
+    )
+    step = lay["global_batch_tokens"] / row["measured"]["tokens_per_s"]
+    return Case(row, job, layout, step)
+
+
+def megatron_flops(m: dict, batch: int) -> float:
+    """Narayanan et al. 2021 eq. 3: FLOPs of one iteration with full recomputation,
+    96·B·s·l·h²·(1 + s/6h + V/16lh)."""
+    b, s, layers, h, v = batch, m["seq_len"], m["n_layers"], m["dim"], m["vocab_size"]
+    return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+
+
+def _megatron(row: dict) -> Case | str:
+    """Megatron-LM's GPT runs (Narayanan et al. 2021, Korthikanti et al. 2022) on Selene's
+    A100-80GB nodes: 16-bit mixed precision, unfused softmax attention with dropout 0.1 on
+    attention and hidden states (the block Korthikanti's activation formulas count), a tied
+    head; the data-parallel all-reduce runs after backward, not overlapped. ZeRO-3 rows
+    (DeepSpeed) prefetch and overlap. Full recomputation where the source does not say
+    (eq. 3, which gives the TFLOP/s, assumes it)."""
+    m, lay, meas = row["model"], row["layout"], row["measured"]
+    if lay.get("tp") is None:
+        return "the layout is not given (a prose data point)"
+    zero = 3 if lay.get("sharding") == "ZeRO-3" else 0
+    n = row["hardware"]["n_gpus"]
+    hw = CATALOG[row["hardware"]["gpu"]]
+    job = Job(
+        _gpt(m, 0.1), hw, n, m["seq_len"], lay["global_batch"], "fp16", "fp16",
+        engine=DEEPSPEED_ZERO3 if zero == 3 else MEGATRON,
+    )  # fmt: skip
+    if meas.get("step_time_s"):
+        step = meas["step_time_s"]
+    elif meas.get("tflops_per_gpu"):
+        step = megatron_flops(m, lay["global_batch"]) / (n * meas["tflops_per_gpu"] * 1e12)
+    else:
+        return "no step time or TFLOP/s given (a model-FLOPs utilisation only)"
+    return Case(row, job, _layouts(row, job, zero, lay.get("recompute") or "full"), step)
+
+
+def _torchtitan(row: dict) -> Case | str:
+    """torchtitan's Llama 3/3.1 runs: FSDP2 (ZeRO-3) with tp and pp as given, SDPA flash
+    attention, bf16. Its H100s are 96 GB HBM2e parts at 2.4 TB/s and 500 W (the doc's words):
+    memory and bandwidth overridden, the power cap not modelled."""
+    if why := _unsupported(row):
+        return why
+    m, lay, meas = row["model"], row["layout"], row["measured"]
+    if not meas.get("tokens_per_s_per_gpu"):
+        return "no throughput given"
+    n = row["hardware"]["n_gpus"]
+    hw = CATALOG[row["hardware"]["gpu"]]
+    if "96GB HBM2e" in row.get("notes", ""):
+        hw = hw.with_overrides(memory=96 * 2**30, hbm_bw=2.4e12)
+    gb = lay.get("global_batch") or lay["dp"] * lay["micro_batch"]
+    job = Job(_llama(m), hw, n, m["seq_len"], gb, "bf16", "bf16", engine=TORCHTITAN)
+    rc = str(lay.get("recompute") or "none")
+    rc = "selective" if rc.startswith("selective") else rc
+    step = gb * m["seq_len"] / (meas["tokens_per_s_per_gpu"] * n)
+    # FSDP2 with pipeline stages keeps parameters gathered between micro-batches
+    # (reshard_after_forward off): the planner has no ZeRO-2/3 with pp, so ZeRO-1 prices it
+    zero = 3 if lay["pp"] == 1 else 1
+    return Case(row, job, _layouts(row, job, zero, rc), step)
+
+
+def _bloom(row: dict) -> Case | str:
+    """BigScience's BLOOM runs on Jean Zay (Megatron-DeepSpeed): A100-80GB nodes whose NCCL
+    network is 4 Omni-Path links of 100 Gb/s per 8 GPUs (6.25 GB/s per GPU), ZeRO-1 (the
+    BF16 optimizer), the fused softmax (unfused attention), no dropout, full recomputation,
+    the data-parallel reduction after backward."""
+    m, lay, meas = row["model"], row["layout"], row["measured"]
+    if meas.get("oom"):
+        return "ran out of memory (checked by the memory report, not timed)"
+    if not m.get("vocab_size") or not m.get("n_layers"):
+        return "model shape not given (vocabulary or layers)"
+    if not meas.get("step_time_s"):
+        return "no step time given"
+    if row["precision"] not in ("bf16", "fp16"):
+        return f"precision not given ({row['precision']})"
+    hw = CATALOG[row["hardware"]["gpu"]].with_overrides(inter_bw=6.25e9)
+    zero = 1 if "ZeRO-1" in str(lay.get("sharding")) and lay["dp"] > 1 else 0
+    job = Job(
+        _gpt(m), hw, row["hardware"]["n_gpus"], m["seq_len"], lay["global_batch"],
+        row["precision"], row["precision"], engine=MEGATRON,
+    )  # fmt: skip
+    return Case(
+        row, job, _layouts(row, job, zero, lay.get("recompute") or "full"), meas["step_time_s"]
+    )
+
+
+def _megatron_readme(row: dict) -> Case | str:
+    """The Megatron-LM README's GPT-3 175B example on 1,024 A100s; its MFU/HFU table repeats
+    Korthikanti et al.'s rows (counted once, there)."""
+    if "sp-selrecompute" in row["id"]:
+        return "the same run as Korthikanti et al.'s Table 5 row (counted there)"
+    if row["layout"].get("tp") is None:
+        return "the layout is not given"
+    # the example's GPT-2 BPE padded as in all of Megatron-LM's GPT runs (the row's
+    # `assumed.model.vocab_size`: "All models use a vocabulary size of 51,200")
+    m = dict(row["model"], vocab_size=row["model"]["vocab_size"] or 51200)
+    return _megatron(dict(row, model=m))
+
+
+ADAPTERS = {
+    "bloom-": _bloom,
+    "megatron-readme-": _megatron_readme,
+    "foundry-": _foundry,
+    "narayanan2021-": _megatron,
+    "korthikanti2022-": _megatron,
+    "torchtitan-": _torchtitan,
+}
+
+
+def load_rows() -> list[dict]:
+    rows = []
+    for path in sorted(HERE.glob("*.jsonl")):
+        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rows
+
+
+def make_case(row: dict) -> Case | str:
+    for prefix, adapter in ADAPTERS.items():
+        if row["id"].startswith(prefix):
+            return adapter(row)
+    return "no adapter for this source yet"
+
+
+def split_cases(rows: list[dict]) -> tuple[list[Case], list[tuple[str, str]]]:
+    """(the rows the planner prices, (id, why not) for the others)."""
+    cases, skipped = [], []
+    for row in rows:
+        try:
+            c = make_case(row)
+        except (KeyError, TypeError, ValueError) as exc:  # a field the adapter needs is absent
+            c = f"incomplete row ({type(exc).__name__}: {exc})"
+        (skipped.append((row["id"], c)) if isinstance(c, str) else cases.append(c))
+    return cases, skipped
