@@ -230,7 +230,15 @@ def _megatron_readme(row: dict) -> Case | str:
     return _megatron(dict(row, model=m))
 
 
+def _llama3(row: dict) -> str:
+    """Llama 3's Table 4 gives TFLOP/s per GPU and MFU, not the FLOPs per token behind them."""
+    if (row["layout"].get("cp") or 1) > 1:
+        return "context parallelism (not in the planner)"
+    return "the paper does not state its FLOPs per token, so TFLOP/s give no step time"
+
+
 ADAPTERS = {
+    "llama3-": _llama3,
     "bloom-": _bloom,
     "megatron-readme-": _megatron_readme,
     "foundry-": _foundry,

@@ -175,6 +175,19 @@ def orderings(pred: dict[str, float], meas: dict[str, float], rows: dict[str, di
             )
 
 
+def memory_report(results: list) -> None:
+    """Predicted peak per GPU beside the peak a source states (GiB)."""
+    print("\npeak memory per GPU where the source states it (stated -> predicted):")
+    for c, *_ in results:
+        meas = c.row["measured"]
+        stated = meas.get("mem_gib_per_gpu")
+        if stated is None and meas.get("mem_gb_per_gpu_max"):
+            stated = meas["mem_gb_per_gpu_max"] * 1e9 / 2**30
+        if stated:
+            peak = search.evaluate(c.job, c.layout)["peak_bytes"] / 2**30
+            print(f"  {c.row['id']}: {stated:.1f} -> {peak:.1f} GiB ({peak / stated - 1:+.0%})")
+
+
 def gpt3_plan(pred: dict[str, float], meas: dict[str, float]) -> None:
     """`plan`'s best layout for GPT-3 175B on 1,024 A100-80GB (global batch 1536, seq 2048,
     bf16) beside Megatron-LM's published run of that job."""
@@ -250,6 +263,7 @@ def main() -> int:
         print(f"not predicted: {rid}: {why}")
     pred = {r[0].row["id"]: r[1] for r in results}
     meas = {r[0].row["id"]: r[0].measured_s for r in results}
+    memory_report(results)
     orderings(pred, meas, {r["id"]: r for r in rows})
     if not args.smoke:
         gpt3_plan(pred, meas)
