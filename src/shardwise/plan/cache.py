@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-_VERSION = 8
+_VERSION = 9
 
 
 def cache_file(name: str) -> Path:

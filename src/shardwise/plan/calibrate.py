@@ -101,7 +101,39 @@ def _gloo_ops(group, nbytes: int, reps: int, calls: int) -> dict[str, float]:
             op().wait()
             times.append(time.perf_counter() - t0)
         out[name] = sorted(times)[len(times) // 2]
+    out["sync"] = _loaded_sync(group)
     return out
+
+
+def _loaded_sync(group, segments: int = 20, rounds: int = 5, work: int = 60) -> float:
+    """What a synchronising call costs when the ranks arrive from compute, as training ranks
+    do: both run `segments` pieces of `work` 160x160 matmuls (~5 ms on one core: a layer's
+    share of a small model's step between two tensor-parallel all-reduces), once with a
+    one-element all-reduce after each piece and once without; the median over `rounds` of the
+    difference per call: the wake-up of the rank that waits and the skew between the two
+    ranks' pieces, which an idle ping-pong does not see (and which varied 0.2-3.9 ms between
+    runs on the same host where this varied 0.3-0.9 ms)."""
+    a = torch.randn(160, 160)
+
+    def piece() -> None:
+        for _ in range(work):
+            torch.mm(a, a)
+
+    one = torch.ones(1)
+    extra = []
+    for _ in range(rounds):
+        group.allreduce([one]).wait()  # start both loops together
+        t0 = time.perf_counter()
+        for _ in range(segments):
+            piece()
+        alone = time.perf_counter() - t0
+        group.allreduce([one]).wait()
+        t0 = time.perf_counter()
+        for _ in range(segments):
+            piece()
+            group.allreduce([one]).wait()
+        extra.append((time.perf_counter() - t0 - alone) / segments)
+    return max(0.0, sorted(extra)[len(extra) // 2])
 
 
 def _gloo_peer(port: int, nbytes: int, reps: int, calls: int) -> None:
@@ -163,6 +195,7 @@ def _gloo(nbytes: int = 4 * 2**20, reps: int = 9, calls: int = 100) -> dict[str,
     return {
         "gloo_bw": bw,
         "gloo_latency": latency,
+        "gloo_sync": t.get("sync", latency),
         "gloo_rs_cost": 2 * t["reduce_scatter"] / t["all_reduce"],
         "gloo_ag_cost": 2 * t["all_gather"] / t["all_reduce"],
     }

@@ -215,7 +215,8 @@ def cpu_hardware(measure: bool = True, refresh: bool = False) -> Hardware:
         matmul_eff=eff["fp32"],
         eff=eff,
         block_overhead=c.get("block_overhead", 1e-3),
-        latency=c.get("gloo_latency", 1e-4),
+        # a call's cost as the ranks meet it, arriving from compute (calibrate._loaded_sync)
+        latency=c.get("gloo_sync", c.get("gloo_latency", 1e-4)),
         collective_cost={
             "reduce_scatter": c.get("gloo_rs_cost", 1.0),
             "all_gather": c.get("gloo_ag_cost", 1.0),
