@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-_VERSION = 9
+_VERSION = 10
 
 
 def cache_file(name: str) -> Path:

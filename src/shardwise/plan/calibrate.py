@@ -105,20 +105,16 @@ def _gloo_ops(group, nbytes: int, reps: int, calls: int) -> dict[str, float]:
     return out
 
 
-def _loaded_sync(group, segments: int = 20, rounds: int = 5, work: int = 60) -> float:
+def _loaded_sync(group, segments: int = 16, rounds: int = 5) -> float:
     """What a synchronising call costs when the ranks arrive from compute, as training ranks
-    do: both run `segments` pieces of `work` 160x160 matmuls (~5 ms on one core: a layer's
-    share of a small model's step between two tensor-parallel all-reduces), once with a
-    one-element all-reduce after each piece and once without; the median over `rounds` of the
-    difference per call: the wake-up of the rank that waits and the skew between the two
-    ranks' pieces, which an idle ping-pong does not see (and which varied 0.2-3.9 ms between
-    runs on the same host where this varied 0.3-0.9 ms)."""
-    a = torch.randn(160, 160)
-
-    def piece() -> None:
-        for _ in range(work):
-            torch.mm(a, a)
-
+    do: both run `segments` forward + backward passes of a small decoder block (~10 ms on one
+    core: what a rank computes between two tensor-parallel all-reduces of a small model),
+    once with a one-element all-reduce after each and once without; the median over `rounds`
+    of the difference per call: the wake-up of the rank that waits and the skew between the
+    two ranks' passes, which an idle ping-pong does not see (it varied 0.2-3.9 ms between
+    runs on one host where this varied 0.5-2 ms)."""
+    piece, _ = _block(256, 4, 704, 1, 128, "fp32")
+    piece()
     one = torch.ones(1)
     extra = []
     for _ in range(rounds):
