@@ -20,7 +20,7 @@ from shardwise.plan.layout import FineTune, Job, Layout
 from shardwise.plan.memory import NF4_BYTES, predict_memory
 from shardwise.plan.predict import model_units
 from shardwise.plan.search import search
-from shardwise.plan.shapes import units
+from shardwise.plan.shapes import non_embedding_params, units
 from shardwise.training.memory import ActivationMeter
 from shardwise.training.runtime import cast_for_compute
 
@@ -308,6 +308,12 @@ def test_explain_predicts_a_pinned_layout_on_catalog_hardware(capsys):
     assert (rec["tp"], rec["pp"], rec["dp"], rec["micro_batch"]) == (8, 2, 4, 1)
     assert rec["hfu"] > rec["mfu"] > 0  # full recomputation executes the forward twice
     assert "6N + 12·L·h·s" in rec["flop_convention"]
+    # the causal convention halves only the attention term: 7B at s = 2048 spends ~8 % of
+    # its model FLOPs on the s x s products, so halving them lowers MFU by ~4 %
+    spec = preset("7b")
+    n6 = 6 * non_embedding_params(spec)
+    attn = 12 * spec.n_layers * spec.dim * 2048
+    assert rec["mfu_causal"] / rec["mfu"] == pytest.approx((n6 + attn / 2) / (n6 + attn))
     slow = _explain(capsys, *PINNED_7B, "--hardware.inter_bw=1e9")
     assert slow["time"]["dp_comm_s"] > 10 * rec["time"]["dp_comm_s"]  # 25 GB/s -> 1 GB/s
     assert slow["time"]["tp_comm_s"] == rec["time"]["tp_comm_s"]  # tp stays on NVLink

@@ -58,7 +58,15 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
         record["disk_bytes_per_step"] = 2 * mem_b.get("disk_optimizer", 0) + gathers * mem_b.get(
             "disk_params", 0
         )
-    for key in ("step_time_s", "tokens_per_s", "mfu", "hfu", "flop_convention", "time"):
+    for key in (
+        "step_time_s",
+        "tokens_per_s",
+        "mfu",
+        "mfu_causal",
+        "hfu",
+        "flop_convention",
+        "time",
+    ):
         if key in pred:
             record[key] = pred[key]
     warnings = [cpu_precision_warning(cfg.precision.compute, hw)]

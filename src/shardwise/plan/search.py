@@ -98,6 +98,7 @@ def evaluate(job: Job, lay: Layout) -> dict:
         "tokens_per_s": tokens,
         "mfu": mfu,
         "hfu": hfu,
+        "mfu_causal": tm.model_flops_per_token(job, causal=True) * tokens / peak_flops,
         "flop_convention": tm.FLOP_CONVENTION,
         "time": parts,
         "comm_bytes": tm.traffic_totals(kinds),

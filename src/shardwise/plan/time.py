@@ -24,17 +24,19 @@ ADAM_BYTES = 28
 FLOP_CONVENTION = (
     "MFU: model FLOPs per token 6N + 12·L·h·s (PaLM, Chowdhery et al. 2022, app. B; N the "
     "non-embedding parameters, a tied head counted; attention's QK^T and AV over the whole "
-    "s x s square, not halved for causal masking; LoRA: 4N). HFU: the FLOPs executed, "
-    "recomputation included (full: + 2N + 4·L·h·s, selective: + 4·L·h·s)."
+    "s x s square, not halved for causal masking; LoRA: 4N). mfu_causal: the same with the "
+    "attention term halved (6N + 6·L·h·s: the score blocks a causal kernel computes). HFU: "
+    "the FLOPs executed, recomputation included (full: + 2N + 4·L·h·s, selective: + 4·L·h·s)."
 )
 
 
-def model_flops_per_token(job: Job) -> float:
-    """6N + 12·L·h·s (PaLM, Chowdhery et al. 2022, app. B): the MFU numerator. With LoRA the
-    frozen weights need no weight gradient: 4N (adapters are negligible)."""
+def model_flops_per_token(job: Job, causal: bool = False) -> float:
+    """6N + 12·L·h·s (PaLM, Chowdhery et al. 2022, app. B): the MFU numerator; `causal`
+    halves the attention term (6·L·h·s). With LoRA the frozen weights need no weight
+    gradient: 4N (adapters are negligible)."""
     spec = job.spec
     n = (job.matmul_params or non_embedding_params(spec)) * (4.0 if job.finetune.lora else 6.0)
-    return n + 12.0 * spec.n_layers * spec.dim * job.seq_len
+    return n + (6.0 if causal else 12.0) * spec.n_layers * spec.dim * job.seq_len
 
 
 def hardware_flops_per_token(job: Job, layout: Layout) -> float:
