@@ -19,14 +19,18 @@ from shardwise.plan.hardware import CATALOG
 from shardwise.plan.layout import Engine, Job, Layout
 
 HERE = Path(__file__).resolve().parent / "published"
-# what each framework did where frameworks differ (plan/layout.Engine), from their papers:
-# llm-foundry (FSDP) and torchtitan (FSDP2): flash attention, overlapped reduction, their 16-bit
-# blocks; Megatron-LM 2021-22: unfused softmax, the all-reduce after backward, scatter/gather
-# pipeline sends; Megatron-DeepSpeed (BLOOM) the same; DeepSpeed ZeRO-3 prefetches (overlaps)
+# what each framework did where frameworks differ (plan/layout.Engine), from their papers and
+# code: llm-foundry (FSDP) and torchtitan (FSDP2): flash attention, overlapped reduction, their
+# 16-bit blocks (llm-foundry's fused cross entropy); Megatron-LM 2021-22: unfused softmax, the
+# all-reduce after backward, scatter/gather pipeline sends; Megatron-DeepSpeed (BLOOM) the same
 FOUNDRY = Engine("llm-foundry", block_memory="paper", fused_loss=True)  # its loss_fn default
 TORCHTITAN = Engine("torchtitan", block_memory="paper")
 MEGATRON = Engine("megatron-lm", "paper", True, False, True)
-DEEPSPEED_ZERO3 = Engine("deepspeed-zero3", "paper", True, True, False)
+# DeepSpeed's ZeRO-3 in 2021 (Narayanan et al.'s Table 2): a blocking all-gather per parameter
+# (DeepSpeed issue #1069, fixed after the paper by PR #1188, June 2021): nothing overlaps
+DEEPSPEED_ZERO3 = Engine(
+    "deepspeed-zero3-2021", "paper", True, overlap_dp=False, zero3_per_tensor=True
+)
 
 
 @dataclass

@@ -55,6 +55,10 @@ class Engine:
     # the loss keeps the 16-bit logits and writes their gradient in place (flash-attn's fused
     # cross entropy, llm-foundry's default) instead of an fp32 log-softmax and a new gradient
     fused_loss: bool = False
+    # ZeRO-3 gathers and reduces parameter by parameter, each call blocking (DeepSpeed in
+    # 2021: one all-gather per parameter with a device synchronisation each, DeepSpeed issue
+    # #1069 and PR #1188), instead of one call per unit (ours, FSDP)
+    zero3_per_tensor: bool = False
 
 
 SHARDWISE = Engine()

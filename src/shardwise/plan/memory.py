@@ -173,7 +173,11 @@ def _model_states(us, dp, stage, offload, bc, br, master, eight, chunk) -> tuple
 
 def zero_transient(us: list[Unit], job: Job, dp: int, stage: int, wire: int = 0) -> float:
     """`_zero_transient` for `job`; `wire`: bytes per element of a 16-bit copy each
-    reduce-scatter sends (parallel.grad_compression=bf16/fp16), 0 without."""
+    reduce-scatter sends (parallel.grad_compression=bf16/fp16), 0 without. An engine that
+    gathers parameter by parameter (layout.Engine.zero3_per_tensor) holds one tensor, not a
+    unit."""
+    if job.engine.zero3_per_tensor:
+        us = [Unit(f"{u.name}.{i}", (e,), u.count) for u in us for i, e in enumerate(u.entries)]
     return _zero_transient(tuple(us), dp, stage, job.bc, job.br, align_of(job), wire)
 
 

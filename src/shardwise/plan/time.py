@@ -167,6 +167,9 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
     every = mem.stage_units(job, layout, 0)
     units = [u for u in every if any(e[1] for e in u.entries)]
     n_units, n_all = sum(u.count for u in units), sum(u.count for u in every)
+    if job.engine.zero3_per_tensor and layout.zero == 3:  # a call per parameter tensor
+        n_units = sum(u.count * sum(1 for e in u.entries if e[1]) for u in units)
+        n_all = sum(u.count * len(u.entries) for u in every)
     quantised = _quant_uses(job, layout)  # a split base's gathers per micro-batch, by dim
     dp_calls = 0
     if dp > 1:  # ZeRO-0: one all-reduce per bucket; ZeRO-1/2/3: per unit, as in `traffic`
