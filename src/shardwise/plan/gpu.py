@@ -68,14 +68,17 @@ def _attention(hw: Hardware, spec, t, b, s, c, peak, unfused: bool) -> tuple:
         fwd = fwd_flops / (peak * hw.attn_eff) + hw.kernel_s
         return fwd, 2.5 * (fwd - hw.kernel_s) + hw.kernel_s
     # unfused (Megatron-LM's softmax path): QK^T and AV batched GEMMs over the whole square,
-    # the fused scale-mask-softmax (read + write) and dropout (read, write, 1-byte mask)
+    # the fused scale-mask-softmax (read + write) and, with attention dropout, the dropout
+    # (read, write, a 1-byte mask)
     gemm = 2 * _gemm(hw, c, s, s, hd, peak) - 2 * hw.kernel_s
     square = b * heads * s * s
     bw = hw.hbm_bw * hw.mem_eff
-    fwd = b * heads * gemm + 2 * hw.kernel_s + square * (2 * c + 2 * c + 1) / bw + 2 * hw.kernel_s
-    # backward: 4 GEMMs; softmax and dropout backward read 2 and write 1 square each
-    bwd = 2 * b * heads * gemm + 4 * hw.kernel_s + square * (3 * c + 2 * c + 1) / bw
-    return fwd, bwd + 2 * hw.kernel_s
+    drop = 1 if spec.attn_dropout else 0
+    fwd = b * heads * gemm + square * (2 * c + drop * (2 * c + 1)) / bw
+    # backward: 4 GEMMs; softmax backward reads 2 squares and writes 1, dropout's 1 and a mask
+    bwd = 2 * b * heads * gemm + square * (3 * c + drop * (2 * c + 1)) / bw
+    kernels = 3 + drop  # the two batched GEMMs, the softmax (and the dropout)
+    return fwd + kernels * hw.kernel_s, bwd + (4 + 1 + drop) * hw.kernel_s
 
 
 def block_seconds(hw: Hardware, spec, t, b, s, c, sp: bool, peak: float, unfused: bool = False):
