@@ -151,6 +151,43 @@ def _meta_model(cfg: Config, spec):
     return model
 
 
+class _PlanTopology:
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+
+    def size(self, dim: str) -> int:
+        return self.tp if dim == "tp" else 1
+
+    def coord(self, dim: str) -> int:
+        return 0
+
+
+class _PlanComm:
+    """A tp group of `tp` ranks for the planner's meta and fake models: the sharder reads its
+    size and this rank's place (rank 0); the collectives of a fake forward leave their
+    outputs as allocated (fake tensors hold no values, only shapes)."""
+
+    def __init__(self, tp: int) -> None:
+        self.topo = _PlanTopology(tp)
+
+    def all_reduce(self, *args, **kwargs) -> None:
+        return None
+
+    all_gather = reduce_scatter = all_reduce
+
+
+def _split_tp(model: torch.nn.Module, cfg: Config, derived) -> None:
+    """Cut the meta model to tp rank 0's shard of every planned layer, as training does
+    (parallel/tensor.apply_tensor_parallel with the model's published plan)."""
+    if derived.tp == 1:
+        return
+    from shardwise.models.tp_plans import plan_for
+    from shardwise.parallel.tensor import apply_tensor_parallel
+
+    plan = plan_for(model, derived.spec.arch)
+    apply_tensor_parallel(model, _PlanComm(derived.tp), plan, cfg.parallel.sp)
+
+
 def real_model(cfg: Config, spec) -> tuple[list, int, int]:
     """(ZeRO units, module buffer bytes, matmul parameters) of `spec`'s real model
     (plan/real.py): every parameter but lookup tables costs matmul FLOPs."""
@@ -214,6 +251,7 @@ def _stage_model(cfg: Config, derived, layout: Layout, stage: int):
     p, v = layout.pp, layout.pp_virtual
     chunks = plan_chunks(derived.spec, p, v, cfg.parallel.pp_split, cfg.data.seq_len)
     mine, view = prune_to_stage(model, chunks, stage, p, derived.spec)
+    _split_tp(model, cfg, derived)
     return (model, view, mine), model_units(model)
 
 
@@ -275,8 +313,10 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
     formula = derived.spec.arch in ("decoder", "gpt2")  # our blocks: activations by formula
     model = _meta_model(cfg, derived.spec)  # as training builds it
     n = count_params(model)
-    us = model_units(model)
     quantised = [m.shape for _, m in quant_layers(model)]
+    if not formula:  # a real model's units and fake forward: rank 0's tp shard of it
+        _split_tp(model, cfg, derived)
+    us = model_units(model)
     if quantised:  # the NF4 base: bitsandbytes' bytes per layer, outside the ZeRO units
         n += sum(a * b for a, b in quantised)
         job = dataclasses.replace(job, quantised_shapes=tuple(quantised))
@@ -309,7 +349,7 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         states["buffers"] += mem.quantised_transient(job, layout) if quantised else 0
         states["activations"] = activations
         states["total"] = sum(v for k, v in states.items() if not k.startswith(("host_", "disk_")))
-        # data-parallel traffic and calls from the real units (tp = pp = 1 for these models)
+        # data-parallel traffic and calls from the real units (of tp rank 0's shard)
         real = dataclasses.replace(job, frozen=tuple(us))
         return n, {
             **layout.record(),
