@@ -291,8 +291,11 @@ def test_explain_predicts_the_lora_job(worlds, name):
     extra = {"z3": LAYOUTS["z3"], "tp2": LAYOUTS["tp2"], "z2_drop": [*DROP, *LAYOUTS["z2"]]}
     extra["tp2_drop"] = [*DROP, *LAYOUTS["tp2"]]
     cfg = load_config(None, case(*LORA, *extra[name])["overrides"])
-    pred = explain_record(cfg, 2, get_hardware("cpu", calibrate=False))["mem_bytes"]
-    got = worlds[2][name][0]["records"][-1]["mem_bytes"]
+    record = explain_record(cfg, 2, get_hardware("cpu", calibrate=False))
+    last = worlds[2][name][0]["records"][-1]
+    pred, got = record["mem_bytes"], last["mem_bytes"]
+    for key in ("comm_bytes", "comm_calls"):  # tp: the first block's input needs no gradient
+        assert record[key] == last[key], (key, record[key], last[key])
     for key in ("params", "grads", "master", "optimizer"):
         assert pred[key] == got[key], (key, pred, got)
     for key in ("activations", "total"):

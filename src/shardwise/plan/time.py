@@ -14,7 +14,7 @@ from shardwise.plan import compression, gpu, kernels
 from shardwise.plan import memory as mem
 from shardwise.plan.compression import bucket_calls, sent_bytes, wire_bytes
 from shardwise.plan.layout import Job, Layout
-from shardwise.plan.shapes import non_embedding_params
+from shardwise.plan.shapes import linear_shapes, non_embedding_params
 
 # bytes per element of one fused AdamW step: reads param, grad, 2 moments (fp32), writes 3
 ADAM_BYTES = 28
@@ -116,9 +116,12 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
         tp_kinds["all_gather"] = tp_kinds["reduce_scatter"] = blocks / 2
     else:
         tp_kinds["all_reduce"] += blocks
+    if _skips_first_entry(job):  # its backward: a reduce-scatter (sp) or an all-reduce
+        kind = "reduce_scatter" if layout.sp else "all_reduce"
+        tp_kinds[kind] -= _ring(t) * m * act * (1 if layout.sp else 2)
     if t > 1:  # gradients of parameters replicated over tp ranks that each saw part of them,
         # summed in fp32 (the optimizer's master gradients) once per step
-        tp_kinds["all_reduce"] += 2 * _ring(t) * _tp_partial(spec, t, layout.sp) * 4
+        tp_kinds["all_reduce"] += 2 * _ring(t) * _tp_partial(spec, t, layout.sp, job) * 4
     if quantised["tp"]:
         tp_kinds["all_gather"] = tp_kinds.get("all_gather", 0.0)
         tp_kinds["all_gather"] += _ring(t) * m * sum(quantised["tp"])
@@ -189,8 +192,8 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
         # repeats 1 (sp 3) per layer; the partial gradients' all-reduce once per step
         layers = -(-spec.n_layers // p)
         per_layer = (8 if layout.sp else 4) + (3 if layout.sp else 1) * (layout.recompute == "full")
-        tp_calls = m * (per_layer * layers + (6 if layout.sp else 4))
-        tp_calls += 1 if _tp_partial(spec, t, layout.sp) else 0
+        tp_calls = m * (per_layer * layers + (6 if layout.sp else 4) - _skips_first_entry(job))
+        tp_calls += 1 if _tp_partial(spec, t, layout.sp, job) else 0
         tp_calls += m * len(quantised["tp"])
     pp_calls = 0
     if p > 1:  # one send per micro-batch and chunk boundary (as `traffic`), plus the tied
@@ -216,11 +219,30 @@ def _buckets(units, nbytes: int, cap_mb: float) -> list[list[tuple]]:
     return out
 
 
-def _tp_partial(spec, t: int, sp: bool) -> int:
+def _skips_first_entry(job: Job) -> bool:
+    """LoRA with an adapter on a q/k/v projection: nothing before the first block's attention
+    needs a gradient (the embedding is frozen), so the backward of its tp entry (the input
+    gradient's reduction) does not run."""
+    ft = job.finetune
+    return ft.lora and any(tag in ft.lora_targets for tag in ("wq", "wk", "wv"))
+
+
+# models/tp_plans: the output projections are row-parallel (their input split), the rest column
+_ROW_PARALLEL = ("wo", "w2")
+
+
+def _tp_partial(spec, t: int, sp: bool, job: Job | None = None) -> int:
     """Elements of replicated parameters whose gradients are all-reduced over tp: with sp the
     norms (and GPT-2's row-layer biases and positions) saw only a sequence chunk; kv heads
-    shared by several ranks' query heads (t > kv) always."""
+    shared by several ranks' query heads (t > kv) always; LoRA adapters whole on every rank
+    (parallel/tensor_lora: A of a column-parallel target, B of a row-parallel one)."""
     out = 0
+    ft = job.finetune if job is not None else None
+    if ft is not None and ft.lora:
+        shapes = linear_shapes(spec, 1)
+        for tag in ft.lora_targets:
+            fan_in, fan_out = shapes.get(tag, (0, 0))
+            out += spec.n_layers * ft.lora_rank * (fan_out if tag in _ROW_PARALLEL else fan_in)
     if sp:
         norms = (2 * spec.n_layers + 1) * spec.dim
         out += norms * (2 if spec.arch == "gpt2" else 1)
