@@ -143,8 +143,15 @@ def orderings(pred: dict[str, float], meas: dict[str, float], rows: dict[str, di
             ga, gb = rows[a]["hardware"]["n_gpus"], rows[b]["hardware"]["n_gpus"]
             m = meas[a] * ga / (meas[b] * gb)
             p = pred[a] * ga / (pred[b] * gb)
+            # the paper: close at the smallest counts, about 3x slower at 1,536-2,240 GPUs
+            verdict = ""
+            if ga < 700 or ga > 1500:
+                ok = p < 1.25 if ga < 700 else p > 2.5
+                claim = "close, < x1.25" if ga < 700 else "about x3, > x2.5"
+                verdict = f" ({claim}: {'yes' if ok else 'no'})"
             print(
-                f"  Narayanan T2 ZeRO-3 {z3} vs PTD-P {ptdp}: per-GPU x{m:.2f} slower -> x{p:.2f}"
+                f"  Narayanan T2 ZeRO-3 {z3} vs PTD-P {ptdp}: per-GPU x{m:.2f} slower -> "
+                f"x{p:.2f}{verdict}"
             )
     titan = [r for r in rows if r.startswith("torchtitan-llama3.1-405b-512g-fsdp8-tp8-pp8-")]
     by = {}
@@ -158,10 +165,11 @@ def orderings(pred: dict[str, float], meas: dict[str, float], rows: dict[str, di
     if {"1f1b", "interleaved1f1b"} <= set(by):
         (c1, m1), (ci, mi) = by["1f1b"], by["interleaved1f1b"]
         p1, pi = search.evaluate(c1.job, c1.layout), search.evaluate(ci.job, ci.layout)
+        gain = p1["step_time_s"] / pi["step_time_s"]
         print(
             f"  torchtitan 405B on 512 H100, interleaved 1F1B vs 1F1B: {mi / m1:.2f}x the "
-            f"tokens/s -> {p1['step_time_s'] / pi['step_time_s']:.2f}x (predicted in bf16, "
-            f"{ci.layout.short()})"
+            f"tokens/s -> {gain:.2f}x (faster: {'yes' if gain > 1 else 'no'}; predicted in "
+            f"bf16, {ci.layout.short()})"
         )
     for model, mb in (("70b", 8), ("13b", 16), ("7b", 6)):
         ids = [f"foundry-h100-sxm-{model}-{g}g-s2048-mb{mb}" for g in (128, 256, 512)]
@@ -171,7 +179,8 @@ def orderings(pred: dict[str, float], meas: dict[str, float], rows: dict[str, di
             p = [tput(pred, i) / tput(pred, ids[0]) for i in ids]
             print(
                 f"  llm-foundry {model} FSDP tokens/s per GPU at 128/256/512 H100s: "
-                f"{' '.join(f'{x:.3f}' for x in m)} -> {' '.join(f'{x:.3f}' for x in p)}"
+                f"{' '.join(f'{x:.3f}' for x in m)} -> {' '.join(f'{x:.3f}' for x in p)} "
+                f"(falling: {'yes' if p[0] > p[1] > p[2] else 'no'})"
             )
 
 
