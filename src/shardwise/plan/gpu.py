@@ -5,9 +5,10 @@ larger of its FLOPs at the GEMM efficiency and its bytes at the achieved memory 
 (Williams et al. 2009), plus a fixed cost per kernel (launch and the last partial wave) that
 small shards and small micro-batches do not amortise. Attention is one fused kernel
 (FlashAttention-2, Dao 2023: causal masking skips half the score blocks; backward re-computes
-the scores, 2.5x the forward's FLOPs) unless the model has attention dropout, where it is the
-unfused Megatron-LM path: two batched GEMMs over the whole s x s square and the
-scale-mask-softmax and dropout kernels reading and writing it. Element-wise work (norms,
+the scores, 2.5x the forward's FLOPs) unless the model has attention dropout or the framework
+that runs it does not fuse attention (layout.Engine.unfused_attention): then it is Megatron-LM's
+path, two batched GEMMs over the whole s x s square and the scale-mask-softmax (and dropout)
+kernels reading and writing it. Element-wise work (norms,
 residual adds, activations, dropout, RoPE) is memory-bound: its bytes at the achieved
 bandwidth. Backward moves about twice a forward's bytes and runs two GEMMs per forward one.
 
