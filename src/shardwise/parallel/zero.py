@@ -200,6 +200,10 @@ class ZeroEngine:
                 if done.n_trainable == 0 and done.root > unit.root:
                     self._free(done)
         self._ensure(unit)
+        if direction > 0 and unit.forward_calls > 1:
+            # a second use in this forward (a tied head): the next unit already ran, and
+            # gathering it now would hold its parameters through the whole backward
+            return
         i = self.units.index(unit) + direction
         if 0 <= i < len(self.units) and not (direction < 0 and self.units[i].done):
             self._gather(self.units[i], async_op=True)

@@ -171,14 +171,17 @@ def _model_states(us, dp, stage, offload, bc, br, master, eight, chunk) -> tuple
     return tuple(states.items())
 
 
-def zero_transient(us: list[Unit], job: Job, dp: int, stage: int, wire: int = 0) -> float:
+def zero_transient(
+    us: list[Unit], job: Job, dp: int, stage: int, wire: int = 0, tied: bool = False
+) -> float:
     """`_zero_transient` for `job`; `wire`: bytes per element of a 16-bit copy each
     reduce-scatter sends (parallel.grad_compression=bf16/fp16), 0 without. An engine that
     gathers parameter by parameter (layout.Engine.zero3_per_tensor) holds one tensor, not a
-    unit."""
+    unit. `tied`: the first root's units are used again by the last root (a head tied to the
+    embedding)."""
     if job.engine.zero3_per_tensor:
         us = [Unit(f"{u.name}.{i}", (e,), u.count) for u in us for i, e in enumerate(u.entries)]
-    return _zero_transient(tuple(us), dp, stage, job.bc, job.br, align_of(job), wire)
+    return _zero_transient(tuple(us), dp, stage, job.bc, job.br, align_of(job), wire, tied)
 
 
 def _roots(us: tuple) -> list[list[Unit]]:
@@ -197,14 +200,16 @@ def _roots(us: tuple) -> list[list[Unit]]:
 
 @lru_cache(maxsize=8192)
 def _zero_transient(
-    us: tuple, dp: int, stage: int, bc: int, br: int, align: int = 1, wire: int = 0
+    us: tuple, dp: int, stage: int, bc: int, br: int, align: int = 1, wire: int = 0, tied=False
 ) -> float:
     """Peak bytes of ZeRO's temporary buffers, replaying the engine's schedule (zero.py): ZeRO-3
     holds the root it runs plus the prefetched next unit (backward: the previous root's last
     unit); ZeRO-2/3 reduce-scatter each trainable unit's gradients from a fresh flat buffer, at
     most three in flight (two pending, one launching). Backward visits roots in reverse; at root
     k: F_k + F_last(k-1) + G_k + G_k+1 + G_k+2 (a frozen unit has no G). A 16-bit wire adds
-    its copy to each G (ZeRO-1: G is only that copy; its flat buffer is persistent)."""
+    its copy to each G (ZeRO-1: G is only that copy; its flat buffer is persistent). A tied
+    head gathers the first root's units again before backward, and they stay gathered until
+    their gradients (both uses') are reduced, after the first root's backward: + F_0."""
     if stage < 2 and not (stage == 1 and wire):
         return 0.0
     roots = _roots(us)
@@ -220,6 +225,7 @@ def _zero_transient(
         peak = max(peak, sum(full[k]) + (full[k + 1][0] if k + 1 < n else 0))
     for k in range(n - 1, -1, -1):
         gathered = sum(full[k]) + (full[k - 1][-1] if k > 0 else 0)
+        gathered += sum(full[0]) if tied and k > 0 else 0
         peak = max(peak, gathered + sum(grad[k : k + 3]))
     return peak
 
@@ -364,7 +370,9 @@ def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
         shards = math.prod(n for _, n in quantised_split(layout))
         mem = model_states(us, job, layout.dp, layout.zero, layout.offload, quantised, shards)
         wire = compression.zero_wire_copy(layout)
-        mem["buffers"] = zero_transient(us, job, layout.dp, layout.zero, wire)
+        _, first, last = job_split(job, layout)[st]
+        tied = job.spec.tie_embeddings and first and last  # the head re-gathers the embedding
+        mem["buffers"] = zero_transient(us, job, layout.dp, layout.zero, wire, tied)
         mem["buffers"] += compression.state_bytes(job, layout, us)
         mem["buffers"] += quantised_transient(job, layout, st) + job.buffer_bytes
         mem["activations"] = activation_bytes(job, layout, st)

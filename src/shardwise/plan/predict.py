@@ -188,16 +188,17 @@ def _split_tp(model: torch.nn.Module, cfg: Config, derived) -> None:
     apply_tensor_parallel(model, _PlanComm(derived.tp), plan, cfg.parallel.sp)
 
 
-def real_model(cfg: Config, spec) -> tuple[list, int, int]:
-    """(ZeRO units, module buffer bytes, matmul parameters) of `spec`'s real model
-    (plan/real.py): every parameter but lookup tables costs matmul FLOPs."""
+def real_model(cfg: Config, spec) -> tuple[list, int, int, bool]:
+    """(ZeRO units, module buffer bytes, matmul parameters, whether its head is tied to the
+    embedding) of `spec`'s real model (plan/real.py): every parameter but lookup tables
+    costs matmul FLOPs."""
     model = _meta_model(cfg, spec)
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     lookups -= {id(head.weight)} if head is not None else set()
     matmul = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return model_units(model), buffers, matmul
+    return model_units(model), buffers, matmul, _tied_first(model)
 
 
 def measure_activations(cfg: Config, spec, recompute: str, micro_batch: int) -> int:
@@ -255,12 +256,18 @@ def _stage_model(cfg: Config, derived, layout: Layout, stage: int):
     return (model, view, mine), model_units(model)
 
 
-def _buffers(us: list, job: Job, layout: Layout, module_buffers: int) -> float:
+def _tied_first(model: torch.nn.Module) -> bool:
+    """Whether another root module uses the first ZeRO unit's parameters (a tied head)."""
+    roots = unit_roots(model)
+    return bool(roots) and len(roots[0][2]) > 1
+
+
+def _buffers(us: list, job: Job, layout: Layout, module_buffers: int, tied: bool = False) -> float:
     """`buffers` of a real model: ZeRO's transient units and gradient buffers, compression
     state, and the module's own buffers."""
     wire = compression.zero_wire_copy(layout)
     return (
-        mem.zero_transient(us, job, layout.dp, layout.zero, wire)
+        mem.zero_transient(us, job, layout.dp, layout.zero, wire, tied)
         + compression.state_bytes(job, layout, us)
         + module_buffers
     )
@@ -332,6 +339,8 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
     if quantised:
         backward = tuple(m.input_needs_grad for _, m in quant_layers(model))
         job = dataclasses.replace(job, quantised_backward=backward)
+    if not formula and _tied_first(model):  # the head gathers the embedding's unit again
+        job = dataclasses.replace(job, spec=dataclasses.replace(job.spec, tie_embeddings=True))
     if not formula and layout.pp > 1:  # a Hugging Face causal LM cut into stages
         stages = [_hf_stage(cfg, derived, job, layout, r) for r in range(layout.pp)]
         keys = list(stages[0][0])
@@ -345,7 +354,7 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         }
     if not formula:  # states + the fake forward's bytes (unsharded models only)
         states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload)
-        states["buffers"] = _buffers(us, job, layout, module_buffers)
+        states["buffers"] = _buffers(us, job, layout, module_buffers, _tied_first(model))
         states["buffers"] += mem.quantised_transient(job, layout) if quantised else 0
         states["activations"] = activations
         states["total"] = sum(v for k, v in states.items() if not k.startswith(("host_", "disk_")))

@@ -24,7 +24,8 @@ from shardwise.plan.predict import measure_activations, real_model
 def real_job(job: Job, cfg) -> Job:
     """`job` with the real model's units, module buffers, matmul parameters and activation
     lines (intercept, slope per sample) per recomputation mode."""
-    units, buffers, matmul = real_model(cfg, job.spec)
+    units, buffers, matmul, tied = real_model(cfg, job.spec)
+    spec = dataclasses.replace(job.spec, tie_embeddings=tied)  # a tied head's second gathers
     lines = []
     for mode in ("none", "selective", "full"):
         try:
@@ -34,6 +35,7 @@ def real_job(job: Job, cfg) -> Job:
         lines.append((mode, (2 * one - two, two - one)))
     return dataclasses.replace(
         job,
+        spec=spec,
         frozen=tuple(units),
         buffer_bytes=buffers,
         matmul_params=matmul,
