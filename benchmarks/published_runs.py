@@ -27,10 +27,10 @@ from published_rows import Case, calibration, load_rows, make_case, source, spli
 from shardwise.models.presets import preset
 from shardwise.plan import search
 from shardwise.plan import time as tm
-from shardwise.plan.hardware import Hardware, get_hardware
+from shardwise.plan.hardware import CHIP, FITTED, Hardware, get_hardware
 from shardwise.plan.layout import Job
 
-FITTED = ("matmul_eff", "attn_eff", "mem_eff", "kernel_s")
+FITTED_KEYS = tuple(FITTED["a100"])  # matmul_eff, attn_eff, mem_eff, kernel_s
 # physical ranges: an efficiency is a fraction of a peak; a kernel costs at least a launch
 # (~2 us) and less than a small GEMM
 BOUNDS = {
@@ -39,14 +39,13 @@ BOUNDS = {
     "mem_eff": (0.05, 1.0),
     "kernel_s": (2e-6, 1e-4),
 }
-CHIPS = {"a100-40gb": "a100", "a100-80gb": "a100", "h100-sxm": "h100"}
 
 
 def with_params(case: Case, params: dict[str, dict[str, float]] | None) -> Case:
     if not params:
         return case
     hw = case.job.hardware
-    hw = hw.with_overrides(**params[CHIPS[hw.name]])
+    hw = hw.with_overrides(**params[CHIP[hw.name]])
     return dataclasses.replace(case, job=dataclasses.replace(case.job, hardware=hw))
 
 
@@ -54,11 +53,6 @@ def predict(case: Case) -> tuple[float, str | None]:
     """(predicted step seconds, why it does not fit or None)."""
     rec = search.evaluate(case.job, case.layout)
     return rec["step_time_s"], search.fits(case.job, rec)
-
-
-def step_only(case: Case) -> float:
-    rec = search.evaluate(case.job, case.layout)
-    return rec["step_time_s"]
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -83,25 +77,25 @@ def fit(cases: list[Case]) -> dict[str, dict[str, float]]:
     calibration rows (each source's mean, averaged): coordinate search in log space, the
     step shrinking from x2."""
     out = {}
-    for chip in sorted(set(CHIPS.values())):
-        mine = [c for c in cases if CHIPS[c.job.hardware.name] == chip]
+    for chip in sorted(set(CHIP.values())):
+        mine = [c for c in cases if CHIP.get(c.job.hardware.name) == chip]
         if not mine:
             continue
         hw: Hardware = mine[0].job.hardware
-        params = {k: getattr(hw, k) for k in FITTED}
+        params = {k: getattr(hw, k) for k in FITTED_KEYS}
 
         def loss(p, mine=mine, chip=chip):
             # each source weighs the same, however many rows it has
             errs: dict[str, list[float]] = {}
             for c in mine:
-                err = abs(math.log(step_only(with_params(c, {chip: p})) / c.measured_s))
+                err = abs(math.log(predict(with_params(c, {chip: p}))[0] / c.measured_s))
                 errs.setdefault(source(c.row), []).append(err)
             return sum(sum(e) / len(e) for e in errs.values()) / len(errs)
 
         best, step = loss(params), 2.0
         while step > 1.01:
             moved = False
-            for k in FITTED:
+            for k in FITTED_KEYS:
                 for f in (step, 1 / step):
                     trial = dict(params, **{k: params[k] * f})
                     if not BOUNDS[k][0] <= trial[k] <= BOUNDS[k][1]:

@@ -70,7 +70,8 @@ def paper_block_terms(spec: ModelSpec, s: int, b: int, unfused: bool) -> tuple[T
     torchtitan) runs: the attention's s x s tensors only when it is unfused (FlashAttention
     saves q, k, v, the output and row statistics only), dropout masks only with dropout,
     grouped k/v heads, and a SwiGLU MLP's two activation inputs. Used for published runs of
-    other frameworks (`Job.block_memory = "paper"`); our engine's block is `block_terms`."""
+    other frameworks (`Job.engine.block_memory = "paper"`); our engine's block is
+    `block_terms`."""
     sbh, sbf, as2b = s * b * spec.dim, s * b * spec.ffn_dim, spec.n_heads * s * s * b
     kv = spec.n_kv_heads / spec.n_heads
     out = [
@@ -227,6 +228,7 @@ def edge_terms(
     last: bool,
     tp: int = 1,
     packed: bool = False,
+    fused_loss: bool = False,
 ) -> tuple[Term, ...]:
     """Outside the blocks: token ids (a view of the (b, s+1) window the loader reads, shared
     with the targets), learned positions, the final norm, fp32 log-softmax of the logits
@@ -252,7 +254,10 @@ def edge_terms(
     if last:
         out += norm_terms(spec, s, b, c, "final norm")
         v = -(-spec.vocab_size // tp) * tp  # padded to a multiple of tp
-        out.append(Term("log-softmax (fp32)", 4 * s * b * v, True, False))
+        if fused_loss:  # flash-attn's cross entropy keeps the 16-bit logits (layout.Engine)
+            out.append(Term("logits (fused loss)", c * s * b * v, True, False))
+        else:
+            out.append(Term("log-softmax (fp32)", 4 * s * b * v, True, False))
         if tp == 1:
             # targets are a view of the loader's (b, s+1) window: flattening copies it, except
             # for one sample, where the flat view keeps the window itself (already held as the

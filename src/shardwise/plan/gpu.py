@@ -8,9 +8,9 @@ small shards and small micro-batches do not amortise. Attention is one fused ker
 the scores, 2.5x the forward's FLOPs) unless the model has attention dropout or the framework
 that runs it does not fuse attention (layout.Engine.unfused_attention): then it is Megatron-LM's
 path, two batched GEMMs over the whole s x s square and the scale-mask-softmax (and dropout)
-kernels reading and writing it. Element-wise work (norms,
-residual adds, activations, dropout, RoPE) is memory-bound: its bytes at the achieved
-bandwidth. Backward moves about twice a forward's bytes and runs two GEMMs per forward one.
+kernels reading and writing it. Element-wise work (norms, residual adds, activations, dropout,
+RoPE) is memory-bound: its bytes at the achieved bandwidth. Backward moves about twice a
+forward's bytes and runs two GEMMs per forward one.
 
 Parameters (hardware.py): `matmul_eff` (large-GEMM efficiency), `attn_eff` (fused attention's
 efficiency), `mem_eff` (achieved / peak HBM bandwidth), `kernel_s` (fixed seconds per
@@ -88,10 +88,8 @@ def block_seconds(hw: Hardware, spec, t, b, s, c, sp: bool, peak: float, unfused
     tokens = b * s
     gemm = sum(_gemm(hw, c, *g, peak) for g in _gemms(spec, t, tokens))
     # backward: the input gradient and the weight gradient, each as big as the forward GEMM
-    gemm_bwd = sum(
-        _gemm(hw, c, m, k, n, peak) + _gemm(hw, c, k, n, m, peak)
-        for m, n, k in _gemms(spec, t, tokens)
-    )
+    gemm_bwd = sum(_gemm(hw, c, m, k, n, peak) for m, n, k in _gemms(spec, t, tokens))
+    gemm_bwd += _weight_grad(hw, spec, t, tokens, c, peak)
     elems, kernels = _elementwise_elems(spec, t, tokens, sp)
     bw = hw.hbm_bw * hw.mem_eff
     ew = c * elems / bw + kernels * hw.kernel_s
@@ -125,4 +123,5 @@ def micro_batch_seconds(hw: Hardware, job, layout, layers: int) -> float:
 
 
 def _weight_grad(hw: Hardware, spec, t: int, tokens: float, c: int, peak: float) -> float:
+    """Seconds of a block's weight-gradient GEMMs (what frozen weights skip)."""
     return sum(_gemm(hw, c, k, n, m, peak) for m, n, k in _gemms(spec, t, tokens))

@@ -122,14 +122,14 @@ FITTED = {
     "a100": dict(matmul_eff=0.70, attn_eff=0.30, mem_eff=0.80, kernel_s=3.3e-5),
     "h100": dict(matmul_eff=0.56, attn_eff=0.18, mem_eff=0.54, kernel_s=2.0e-5),
 }
-_CHIP = {
+CHIP = {  # catalog entry -> the fit it uses
     "a100-40gb": "a100",
     "a100-80gb": "a100",
     "h100-sxm": "h100",
     "h100-pcie": "h100",
     "h200": "h100",
 }
-for _name, _chip in _CHIP.items():
+for _name, _chip in CHIP.items():
     CATALOG[_name] = CATALOG[_name].with_overrides(
         **FITTED[_chip], calibrated=f"fitted to published runs ({_chip})"
     )

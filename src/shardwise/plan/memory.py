@@ -11,7 +11,6 @@ counters and padding.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from functools import lru_cache
 
@@ -323,16 +322,11 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
         per_layer = act.layer_bytes(terms, t, layout.sp, layout.recompute == "selective")
     m = layout.micro_batches(job)
     held = act.in_flight(layout.pp_schedule, p, m, layout.pp_virtual, stage)
-    edges = act.edge_terms(spec, s, b, c, first, last, t, job.packed)
+    edges = act.edge_terms(spec, s, b, c, first, last, t, job.packed, job.engine.fused_loss)
     if ft.lora:  # the frozen head and final norm; the first block's input needs no gradient
         edges = act.lora_terms(edges, spec, s, b, c, (), ft.lora_rank, False)
         if first and spec.arch == "decoder" and layout.recompute != "full":
             edges += act.lora_first_block(spec, s, b, ft.lora_targets, bool(ft.lora_dropout))
-    if job.engine.fused_loss:  # 16-bit logits instead of the fp32 log-softmax
-        edges = tuple(
-            dataclasses.replace(e, nbytes=e.nbytes * c / 4) if e.name == "log-softmax (fp32)" else e
-            for e in edges
-        )
     edge = act.layer_bytes(edges, t, layout.sp)
     # the loss and logits of the last stage: 1F1B and interleaved run each micro-batch's
     # backward right after its forward there (one held); GPipe runs all m forwards first and

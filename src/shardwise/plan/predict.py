@@ -262,10 +262,12 @@ def _tied_first(model: torch.nn.Module) -> bool:
     return bool(roots) and len(roots[0][2]) > 1
 
 
-def _buffers(us: list, job: Job, layout: Layout, module_buffers: int, tied: bool = False) -> float:
-    """`buffers` of a real model: ZeRO's transient units and gradient buffers, compression
-    state, and the module's own buffers."""
+def _buffers(us: list, job: Job, layout: Layout, module_buffers: int) -> float:
+    """`buffers` of a real model: ZeRO's transient units and gradient buffers (a tied head,
+    `job.spec.tie_embeddings`, re-gathers the first unit), compression state, and the
+    module's own buffers."""
     wire = compression.zero_wire_copy(layout)
+    tied = job.spec.tie_embeddings
     return (
         mem.zero_transient(us, job, layout.dp, layout.zero, wire, tied)
         + compression.state_bytes(job, layout, us)
@@ -354,7 +356,7 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         }
     if not formula:  # states + the fake forward's bytes (unsharded models only)
         states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload)
-        states["buffers"] = _buffers(us, job, layout, module_buffers, _tied_first(model))
+        states["buffers"] = _buffers(us, job, layout, module_buffers)
         states["buffers"] += mem.quantised_transient(job, layout) if quantised else 0
         states["activations"] = activations
         states["total"] = sum(v for k, v in states.items() if not k.startswith(("host_", "disk_")))

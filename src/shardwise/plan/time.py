@@ -121,7 +121,7 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
         tp_kinds[kind] -= _ring(t) * m * act * (1 if layout.sp else 2)
     if t > 1:  # gradients of parameters replicated over tp ranks that each saw part of them,
         # summed in fp32 (the optimizer's master gradients) once per step
-        tp_kinds["all_reduce"] += 2 * _ring(t) * _tp_partial(spec, t, layout.sp, job) * 4
+        tp_kinds["all_reduce"] += 2 * _ring(t) * _tp_partial(job, t, layout.sp) * 4
     if quantised["tp"]:
         tp_kinds["all_gather"] = tp_kinds.get("all_gather", 0.0)
         tp_kinds["all_gather"] += _ring(t) * m * sum(quantised["tp"])
@@ -193,7 +193,7 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
         layers = -(-spec.n_layers // p)
         per_layer = (8 if layout.sp else 4) + (3 if layout.sp else 1) * (layout.recompute == "full")
         tp_calls = m * (per_layer * layers + (6 if layout.sp else 4) - _skips_first_entry(job))
-        tp_calls += 1 if _tp_partial(spec, t, layout.sp, job) else 0
+        tp_calls += 1 if _tp_partial(job, t, layout.sp) else 0
         tp_calls += m * len(quantised["tp"])
     pp_calls = 0
     if p > 1:  # one send per micro-batch and chunk boundary (as `traffic`), plus the tied
@@ -231,14 +231,13 @@ def _skips_first_entry(job: Job) -> bool:
 _ROW_PARALLEL = ("wo", "w2")
 
 
-def _tp_partial(spec, t: int, sp: bool, job: Job | None = None) -> int:
+def _tp_partial(job: Job, t: int, sp: bool) -> int:
     """Elements of replicated parameters whose gradients are all-reduced over tp: with sp the
     norms (and GPT-2's row-layer biases and positions) saw only a sequence chunk; kv heads
     shared by several ranks' query heads (t > kv) always; LoRA adapters whole on every rank
     (parallel/tensor_lora: A of a column-parallel target, B of a row-parallel one)."""
-    out = 0
-    ft = job.finetune if job is not None else None
-    if ft is not None and ft.lora:
+    spec, ft, out = job.spec, job.finetune, 0
+    if ft.lora:
         shapes = linear_shapes(spec, 1)
         for tag in ft.lora_targets:
             fan_in, fan_out = shapes.get(tag, (0, 0))
