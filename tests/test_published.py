@@ -4,13 +4,25 @@ published runs it is checked against (benchmarks/published/, benchmarks/publishe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from shardwise.models.presets import ModelSpec, preset
+from shardwise.plan import activations as act
 from shardwise.plan import gpu, search
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import get_hardware
@@ -136,3 +148,137 @@ def test_the_published_3d_runs_are_predicted_within_15_percent(runs):
         pred, unfit = runs.predict(c)
         assert unfit is None, c.row["id"]
         assert abs(pred / c.measured_s - 1) <= 0.15, (c.row["id"], pred, c.measured_s)
+
+
+class _LivePeak(TorchDispatchMode):
+    """Bytes of the tensors made inside it that are alive at once, at the worst moment (a
+    storage counts from the op that made it until Python frees it; views of earlier tensors
+    count nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.counted: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}  # fmt: skip
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            if key in inputs or key in self.counted or st.nbytes() == 0:
+                continue
+            self.counted.add(key)
+            self.live += st.nbytes()
+            weakref.finalize(st, self._free, key, st.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.counted.discard(key)
+        self.live -= nbytes
+
+
+def _norm(x):
+    """torchtitan's RMSNorm (its weight left out: ones): computed in fp32, cast back."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x)
+
+
+class _TitanBlock(torch.nn.Module):
+    """torchtitan's Llama block in miniature: fp32 RMSNorm, q/k/v/o projections with grouped
+    k/v heads repeated for SDPA, SwiGLU MLP, in that forward order."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, f, hd = spec.dim, spec.ffn_dim, spec.head_dim
+        self.spec = spec
+        shapes = {name: (k, n) for name, k, n, _ in act.linears(spec)}
+        for name, (k, n) in shapes.items():
+            setattr(self, name, torch.nn.Linear(k, n, bias=False))
+        assert hd * spec.n_heads == h and f
+
+    def forward(self, x):
+        sp, (b, s, _) = self.spec, x.shape
+        y = _norm(x)
+        q = self.wq(y).view(b, s, sp.n_heads, -1).transpose(1, 2)
+        rep = sp.n_heads // sp.n_kv_heads
+        k = self.wk(y).view(b, s, sp.n_kv_heads, -1).transpose(1, 2).repeat_interleave(rep, 1)
+        v = self.wv(y).view(b, s, sp.n_kv_heads, -1).transpose(1, 2).repeat_interleave(rep, 1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(a.transpose(1, 2).reshape(b, s, -1))
+        z = _norm(x)
+        return x + self.w2(F.silu(self.w1(z)) * self.w3(z))
+
+
+def _op_policy(meta, ctx, func, *args, **kwargs):
+    """torchtitan's per-op policy: save matmuls except every second one, and the fused
+    attention (on the CPU, its flash kernel)."""
+    mm = torch.ops.aten.mm.default
+    save = {mm, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    key = f"{'recompute' if ctx.is_recompute else 'forward'}_mm_count"
+    if func == mm:
+        meta[key] += 1
+    keep = func in save and not (func == mm and meta[key] % 2 == 0)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_per_op_selective_checkpointing_saves_what_torch_keeps():
+    """activations.op_sac_terms against PyTorch's own selective checkpointing run with
+    torchtitan's policy on its block: three blocks keep exactly three blocks' terms (the first
+    block's input is made outside, the last block's output counted instead), in bf16."""
+    spec = ModelSpec("decoder", 3, 64, 4, 2, 160, 100)
+    s, b = 32, 2
+    torch.manual_seed(0)
+    blocks = [_TitanBlock(spec).to(torch.bfloat16) for _ in range(3)]
+    x = torch.randn(b, s, spec.dim, dtype=torch.bfloat16, requires_grad=True)
+
+    def context():  # a fresh count per block, as torchtitan's context_fn makes
+        counts = {"forward_mm_count": 0, "recompute_mm_count": 0}
+        return create_selective_checkpoint_contexts(functools.partial(_op_policy, counts))
+
+    with _LivePeak() as meter:
+        y = x
+        for block in blocks:
+            y = checkpoint(
+                block, y, use_reentrant=False, context_fn=context, preserve_rng_state=False
+            )
+        kept = meter.live
+        y.float().sum().backward()
+    assert kept == 3 * act.layer_bytes(act.op_sac_terms(spec, s, b, 2))
+    # what it recomputes: every second matmul and the element-wise work, less than a forward
+    job = Job(spec, A100, 8, seq_len=s, global_batch=8)
+    titan = dataclasses.replace(job, engine=Engine("titan", selective_ops=True))
+    lay = Layout(dp=8, micro_batch=1, recompute="selective")
+    fwd, _, attn = gpu.block_seconds(A100, spec, 1, 1, s, 2, False, A100.peak["bf16"])
+    redo = gpu.op_recompute_seconds(A100, spec, 1, 1, s, 2, False, A100.peak["bf16"])
+    assert attn < redo < fwd
+    again = 2 * spec.n_layers * sum(k * n for _, k, n, _ in act.linears(spec)[1::2])
+    base = tm.hardware_flops_per_token(titan, dataclasses.replace(lay, recompute="none"))
+    assert tm.hardware_flops_per_token(titan, lay) == pytest.approx(base + again)
+
+
+def test_an_upcast_loss_holds_two_fp32_logit_gradients():
+    """torchtitan's loss, F.cross_entropy on the logits cast to fp32: log-softmax keeps its
+    fp32 output, and its backward makes a new fp32 gradient while the loss's own is alive,
+    8 bytes per logit over the kept 4 (ours: the fp32 gradient and a 16-bit copy, 4 + 2)."""
+    from shardwise.plan import memory as mem
+
+    n, v, h = 256, 2048, 32
+    w = torch.randn(v, h, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(n, h, dtype=torch.bfloat16, requires_grad=True)
+    with _LivePeak() as meter:
+        logits = x @ w.t()
+        loss = F.cross_entropy(logits.float(), torch.randint(0, v, (n,)))
+        del logits
+        loss.backward()
+    assert meter.peak == 12 * n * v + 2 * 4  # and two fp32 scalars: the loss, its gradient
+    spec = ModelSpec("decoder", 1, h, 4, 4, 64, v)
+    job = Job(spec, A100, 1, seq_len=n, global_batch=1)
+    titan = dataclasses.replace(job, engine=Engine("titan", loss_upcast=True))
+    one = Layout(micro_batch=1)
+    assert mem.backward_transient(titan, one) == 8 * n * v
+    assert mem.backward_transient(job, one) == (4 + 2) * n * v

@@ -96,6 +96,33 @@ def paper_block_terms(spec: ModelSpec, s: int, b: int, unfused: bool) -> tuple[T
     return tuple(out)
 
 
+def linears(spec: ModelSpec) -> list[tuple[str, int, int, bool]]:
+    """(name, fan-in, fan-out, column-parallel) of a block's linear layers in forward order
+    (Llama: q, k, v, the output projection, gate, up, down; GPT: no gate)."""
+    h, f = spec.dim, spec.ffn_dim
+    q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    out = [("wq", h, q, True), ("wk", h, kv, True), ("wv", h, kv, True), ("wo", q, h, False)]
+    if spec.arch == "decoder":
+        return [*out, ("w1", h, f, True), ("w3", h, f, True), ("w2", f, h, False)]
+    return [*out, ("w1", h, f, True), ("w2", f, h, False)]
+
+
+def op_sac_terms(spec: ModelSpec, s: int, b: int, c: int) -> tuple[Term, ...]:
+    """A block under torchtitan's per-op selective checkpointing (its `_apply_ac_to_transformer
+    _block` with selective_ac_option "op", the llama3 configs' default): the checkpoint keeps
+    the block's input and the outputs of the ops on its save list, every other matmul (the
+    1st, 3rd, ... in forward order, a count restarted per block) and the fused attention
+    (output and log-sum-exp); everything else is recomputed in backward. A row-parallel
+    output (before its all-reduce) is whole on every tp rank."""
+    sb = s * b
+    out = [Term("block input", c * sb * spec.dim, False, True)]
+    for name, _, width, column in linears(spec)[::2]:
+        out.append(Term(f"{name} output", c * sb * width, column, False))
+    out.append(Term("attention output", c * sb * spec.n_heads * spec.head_dim, True, False))
+    out.append(Term("attention log-sum-exp", 4 * sb * spec.n_heads, True, False))
+    return tuple(out)
+
+
 def norm_terms(spec: ModelSpec, s: int, b: int, c: int, where: str) -> list[Term]:
     """A norm computed in fp32 (models/decoder.py): its fp32 input, statistics, fp32 weight
     copies (16-bit compute only), the normalised value (RMSNorm) and the output in compute

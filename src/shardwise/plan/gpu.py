@@ -19,6 +19,7 @@ kernel); calibrated on published runs (benchmarks/published_runs.py).
 
 from __future__ import annotations
 
+from shardwise.plan import activations as act
 from shardwise.plan.hardware import Hardware
 
 
@@ -97,6 +98,18 @@ def block_seconds(hw: Hardware, spec, t, b, s, c, sp: bool, peak: float, unfused
     return gemm + ew + attn_f, gemm_bwd + 2 * ew + attn_b, attn_f
 
 
+def op_recompute_seconds(hw: Hardware, spec, t, b, s, c, sp: bool, peak: float) -> float:
+    """What per-op selective checkpointing (activations.op_sac_terms) runs again in backward:
+    the matmuls it did not keep (every second one) and the forward's element-wise kernels."""
+    tokens = b * s
+    redo = sum(
+        _gemm(hw, c, tokens, n / t if column else n, k if column else k / t, peak)
+        for _, k, n, column in act.linears(spec)[1::2]
+    )
+    elems, kernels = _elementwise_elems(spec, t, tokens, sp)
+    return redo + c * elems / (hw.hbm_bw * hw.mem_eff) + kernels * hw.kernel_s
+
+
 def head_seconds(hw: Hardware, spec, t: int, tokens: float, c: int, peak: float) -> float:
     """The output layer forward + backward and the (vocabulary-parallel) cross-entropy:
     three GEMMs and the fp32 logits read and written a few times."""
@@ -116,6 +129,8 @@ def micro_batch_seconds(hw: Hardware, job, layout, layers: int) -> float:
         hw, spec, t, b, s, job.bc, layout.sp, peak, job.engine.unfused_attention
     )
     redo = {"full": fwd, "selective": attn}.get(layout.recompute, 0.0)
+    if layout.recompute == "selective" and job.engine.selective_ops:
+        redo = op_recompute_seconds(hw, spec, t, b, s, job.bc, layout.sp, peak)
     per_layer = fwd + bwd + redo
     if job.finetune.lora:  # frozen weights: no weight gradient (a third of the GEMM time)
         per_layer -= _weight_grad(hw, spec, t, b * s, job.bc, peak)

@@ -59,6 +59,13 @@ class Engine:
     # 2021: one all-gather per parameter with a device synchronisation each, DeepSpeed issue
     # #1069 and PR #1188), instead of one call per unit (ours, FSDP)
     zero3_per_tensor: bool = False
+    # selective recomputation keeps every other matmul's output and the fused attention's
+    # (torchtitan's per-op policy, selective_ac_option "op": activations.op_sac_terms)
+    # instead of recomputing the attention core only (Korthikanti et al. 2022 §5; ours)
+    selective_ops: bool = False
+    # the loss casts the 16-bit logits to fp32 for PyTorch's cross entropy (torchtitan): in
+    # backward the loss's gradient and log-softmax's input gradient, both fp32, live at once
+    loss_upcast: bool = False
 
 
 SHARDWISE = Engine()

@@ -315,6 +315,8 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     layers, first, last = job_split(job, layout)[stage]
     if layout.recompute == "full":
         per_layer = act.full_recompute_bytes(spec, s, b, c, t, layout.sp)
+    elif layout.recompute == "selective" and job.engine.selective_ops:
+        per_layer = act.layer_bytes(act.op_sac_terms(spec, s, b, c), t, layout.sp)
     else:
         terms = _block_terms(job, b)
         if ft.lora:  # the base frozen, the adapters' own saved tensors
@@ -347,8 +349,10 @@ def backward_transient(job: Job, layout: Layout) -> float:
     fit check): the logits' gradient (fp32 + compute copy) and, under recomputation, one
     layer's recomputed activations."""
     spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
-    # (a fused loss writes the gradient over the logits it keeps: nothing new)
-    logits = 0.0 if job.engine.fused_loss else (4 + c) * s * b * spec.vocab_size / t
+    # (a fused loss writes the gradient over the logits it keeps: nothing new; an upcast
+    # loss holds two fp32 gradients of the logits while log-softmax's backward runs)
+    per_logit = 0.0 if job.engine.fused_loss else 8.0 if job.engine.loss_upcast else 4.0 + c
+    logits = per_logit * s * b * spec.vocab_size / t
     terms = _block_terms(job, b)
     layer = act.layer_bytes(terms, t, layout.sp) if layout.recompute != "none" else 0.0
     return max(logits, layer)

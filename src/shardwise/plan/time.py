@@ -10,6 +10,7 @@ call (the alpha-beta model, Hockney 1994), with calls counted as comm.py counts 
 from __future__ import annotations
 
 from shardwise.finetune.quant import gather_steps
+from shardwise.plan import activations as act
 from shardwise.plan import compression, gpu, kernels
 from shardwise.plan import memory as mem
 from shardwise.plan.compression import bucket_calls, sent_bytes, wire_bytes
@@ -51,6 +52,10 @@ def hardware_flops_per_token(job: Job, layout: Layout) -> float:
         flops -= 2.0 * n
     if layout.recompute == "full":
         flops += 2.0 * n + attn / 3
+    elif layout.recompute == "selective" and job.engine.selective_ops:
+        # every second matmul again (activations.op_sac_terms): 2 FLOPs per weight
+        again = sum(k * n for _, k, n, _ in act.linears(spec)[1::2])
+        flops += 2.0 * spec.n_layers * again
     elif layout.recompute == "selective":
         flops += attn / 3
     return flops
