@@ -30,10 +30,12 @@ FOUNDRY = Engine("llm-foundry", block_memory="paper", fused_loss=True)  # its lo
 TORCHTITAN = Engine("torchtitan", "paper", selective_ops=True, loss_upcast=True)
 MEGATRON = Engine("megatron-lm", "paper", True, False, True)
 # DeepSpeed's ZeRO-3 in 2021 (Narayanan et al.'s Table 2): a blocking all-gather per parameter
-# (DeepSpeed issue #1069, fixed after the paper by PR #1188, June 2021): nothing overlaps
+# (DeepSpeed issue #1069, fixed after the paper by PR #1188, June 2021): nothing overlaps; each
+# into a list of per-rank views (its `_allgather_param`: torch.distributed.all_gather)
 DEEPSPEED_ZERO3 = Engine(
-    "deepspeed-zero3-2021", "paper", True, overlap_dp=False, zero3_per_tensor=True
-)
+    "deepspeed-zero3-2021", "paper", True, overlap_dp=False, zero3_per_tensor=True,
+    list_all_gather=True,
+)  # fmt: skip
 
 
 @dataclass

@@ -282,3 +282,34 @@ def test_an_upcast_loss_holds_two_fp32_logit_gradients():
     one = Layout(micro_batch=1)
     assert mem.backward_transient(titan, one) == 8 * n * v
     assert mem.backward_transient(job, one) == (4 + 2) * n * v
+
+
+def test_deepspeed_2021_gathers_into_a_list_of_per_rank_views():
+    """DeepSpeed's 2021 ZeRO-3 (`_allgather_param`: torch.distributed.all_gather into a list
+    of dp views): c10d copies the gathered tensor out slice by slice, a launch per rank per
+    gather, so its cost grows with the data-parallel degree; its blocking calls hold only the
+    tensor being gathered (twice: c10d's flat buffer) or used with its gradient."""
+    from shardwise.plan import memory as mem
+
+    spec = preset("175b")
+    blocking = Engine("ds", "paper", True, overlap_dp=False, zero3_per_tensor=True)
+    listed = dataclasses.replace(blocking, list_all_gather=True)
+    extra = {}
+    for dp in (384, 1536):
+        job = Job(spec, A100, dp, seq_len=2048, global_batch=1536, engine=blocking)
+        lay = Layout(dp=dp, zero=3, micro_batch=1536 // dp, recompute="full")
+        t_block = search.evaluate(job, lay)["time"]["dp_comm_s"]
+        t_list = search.evaluate(dataclasses.replace(job, engine=listed), lay)["time"]
+        launches = tm.zero3_gathers(job, lay) * dp * A100.launch_s
+        assert t_list["dp_comm_s"] - t_block > launches
+        extra[dp] = t_list["dp_comm_s"] - t_block
+        ag = tm.traffic_by_kind(job, lay)["dp"]["all_gather"] * dp / (dp - 1)
+        assert extra[dp] == pytest.approx(launches + 2 * ag / (A100.hbm_bw * A100.mem_eff))
+    assert extra[1536] > 3 * extra[384]  # the copies' launches grow with the ranks
+    # memory: the largest weight (the embedding here, 50,304 x h), gathered twice over or
+    # held with its gradient
+    job = Job(spec, A100, 384, seq_len=2048, global_batch=1536, engine=listed)
+    lay = Layout(dp=384, zero=3, micro_batch=4, recompute="full")
+    assert spec.vocab_size * spec.dim > spec.ffn_dim * spec.dim
+    largest = -(-spec.vocab_size * spec.dim // 384) * 384 * 2
+    assert mem.predict_memory(job, lay)["buffers"] == pytest.approx(2 * largest, rel=1e-3)

@@ -57,6 +57,10 @@ class Hardware:
     # size (NCCL's ring; InfiniBand's one-way latency is a few microseconds). An assumption, not
     # fitted: the calibration rows run on one node
     hop_s: float = 5e-6
+    # host seconds to launch one small kernel from eager PyTorch (dispatch + cudaLaunchKernel),
+    # where a framework launches one per rank (layout.Engine.list_all_gather): ~5 us, the same
+    # figure as `block_overhead`'s; an assumption, not fitted
+    launch_s: float = 5e-6
     # cost per ring byte of a collective kind ("reduce_scatter", "all_gather", "send")
     # relative to an all-reduce's (absent = 1, the ring model's NCCL): gloo's reduce-scatter
     # and all-gather cost more per byte than its all-reduce, measured on CPUs (calibrate.py)

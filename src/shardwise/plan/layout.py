@@ -59,6 +59,10 @@ class Engine:
     # 2021: one all-gather per parameter with a device synchronisation each, DeepSpeed issue
     # #1069 and PR #1188), instead of one call per unit (ours, FSDP)
     zero3_per_tensor: bool = False
+    # ZeRO-3 gathers into a list of dp views (torch.distributed.all_gather, DeepSpeed 2021's
+    # `_allgather_param`): c10d gathers into a fresh flat buffer, then copies it out slice by
+    # slice, a copy kernel per rank (PyTorch's `_all_gather_base`, 1.9+, made it one call)
+    list_all_gather: bool = False
     # selective recomputation keeps every other matmul's output and the fused attention's
     # (torchtitan's per-op policy, selective_ac_option "op": activations.op_sac_terms)
     # instead of recomputing the attention core only (Korthikanti et al. 2022 §5; ours)

@@ -178,9 +178,23 @@ def zero_transient(
     gathers parameter by parameter (layout.Engine.zero3_per_tensor) holds one tensor, not a
     unit. `tied`: the first root's units are used again by the last root (a head tied to the
     embedding)."""
-    if job.engine.zero3_per_tensor:
-        us = [Unit(f"{u.name}.{i}", (e,), u.count) for u in us for i, e in enumerate(u.entries)]
+    if job.engine.zero3_per_tensor and stage == 3:
+        return _blocking_transient(us, job, dp)
     return _zero_transient(tuple(us), dp, stage, job.bc, job.br, align_of(job), wire, tied)
+
+
+def _blocking_transient(us: list[Unit], job: Job, dp: int) -> float:
+    """ZeRO-3 gathering and reducing parameter by parameter, each call blocking (DeepSpeed
+    2021): nothing is prefetched and no reduction is left in flight, so the peak is the
+    largest tensor gathered and its gradient; a gather into a list of per-rank views
+    (Engine.list_all_gather) also holds c10d's flat buffer of it until copied out."""
+    align, peak = align_of(job), 0.0
+    for u in us:
+        for e in u.entries:
+            full = padded_numel(Unit(u.name, (e,), 1), dp, align)
+            gather = full * job.bc * (2 if job.engine.list_all_gather else 1)
+            peak = max(peak, gather, full * job.bc + (full * job.br if e[1] else 0))
+    return peak
 
 
 def _roots(us: tuple) -> list[list[Unit]]:

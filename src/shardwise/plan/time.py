@@ -174,10 +174,9 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
     m, dp, t, p, v = layout.micro_batches(job), layout.dp, layout.tp, layout.pp, layout.pp_virtual
     every = mem.stage_units(job, layout, 0)
     units = [u for u in every if any(e[1] for e in u.entries)]
-    n_units, n_all = sum(u.count for u in units), sum(u.count for u in every)
+    n_units = sum(u.count for u in units)
     if job.engine.zero3_per_tensor and layout.zero == 3:  # a call per parameter tensor
         n_units = sum(u.count * sum(1 for e in u.entries if e[1]) for u in units)
-        n_all = sum(u.count * len(u.entries) for u in every)
     quantised = _quant_uses(job, layout)  # a split base's gathers per micro-batch, by dim
     dp_calls = 0
     if dp > 1:  # ZeRO-0: one all-reduce per bucket; ZeRO-1/2/3: per unit, as in `traffic`
@@ -185,10 +184,8 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
             0: sum(bucket_calls(job, layout, b) for b in _buckets(units, job.br, job.bucket_mb)),
             1: 2 * n_units,
             2: (m + 1) * n_units,
-            3: m * n_units + 2 * m * n_all - m * sum(u.count for u in _leading_frozen(every)),
+            3: m * n_units + zero3_gathers(job, layout),
         }[layout.zero]
-        if layout.zero == 3 and spec.tie_embeddings and p == 1:
-            dp_calls += m  # the tied head's second gather
         if layout.zero == 3:  # a quantised linear's gathers (`traffic_by_kind`)
             dp_calls += m * len(quantised["dp"])
     tp_calls = 0
@@ -205,6 +202,17 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
         # embedding/head gradient all-reduce between the first and last stage
         pp_calls = m * (2 * v - (1 if p == 2 else 0)) + (1 if spec.tie_embeddings else 0)
     return {"dp": dp_calls, "tp": tp_calls, "pp": pp_calls}
+
+
+def zero3_gathers(job: Job, layout: Layout) -> int:
+    """ZeRO-3's parameter all-gathers per rank per step: every unit (a tensor, for an engine
+    that gathers parameter by parameter) before its forward and its backward, but none for the
+    backward of the leading frozen units; a tied head gathers the embedding again."""
+    m, every = layout.micro_batches(job), mem.stage_units(job, layout, 0)
+    per = (lambda u: len(u.entries)) if job.engine.zero3_per_tensor else (lambda u: 1)
+    calls = 2 * m * sum(u.count * per(u) for u in every)
+    calls -= m * sum(u.count * per(u) for u in _leading_frozen(every))
+    return calls + (m if job.spec.tie_embeddings and layout.pp == 1 else 0)
 
 
 def _buckets(units, nbytes: int, cap_mb: float) -> list[list[tuple]]:
@@ -331,6 +339,12 @@ def step_time(
     dp_here = max(1, min(dp, hw.per_node // t))
     tp_s, pp_s = comm_s("tp", t), comm_s("pp", t * dp * p)
     dp_s = comm_s("dp", t * dp, dp_here, (dp - 1) * (2 if layout.zero == 0 else 1))
+    if layout.zero == 3 and dp > 1 and job.engine.list_all_gather:  # dp copies per gather,
+        # each launched from the host, and the gathered bytes read and written once more
+        copied = 2 * kinds["dp"].get("all_gather", 0.0) * dp / (dp - 1)
+        dp_s += slowdown * (
+            zero3_gathers(job, layout) * dp * hw.launch_s + copied / (hw.hbm_bw * hw.mem_eff)
+        )
     # what can hide: gradient reduction behind backward (2/3 of compute) of the syncing
     # micro-batch (ZeRO-0/1) or of every micro-batch (ZeRO-2/3, which also prefetch gathers
     # behind forward); ZeRO-1/2's all-gather of updated slices runs after the step, exposed
