@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from shardwise.distributed.comm import TraceEntry
 from shardwise.distributed.hangreport import compose, disagreements, groups
 from shardwise.distributed.watchdog import Watchdog
 from shardwise.testing.compare import SMALL
@@ -261,6 +262,43 @@ def test_a_rank_that_stops_sending_heartbeats_is_reported(tmp_path: Path) -> Non
     report = (tmp_path / "hang_report.txt").read_text()
     assert "rank 1 sent no heartbeat for" in report.splitlines()[0]
     assert "rank 1: SILENT: sent no dump" in report
+
+
+class _GoneStore:
+    """A store whose host has died: every call fails as a TCPStore's does then."""
+
+    def __getattr__(self, name: str):
+        def gone(*args, **kwargs):
+            raise RuntimeError("Broken pipe")
+
+        return gone
+
+
+def test_a_rank_blocked_when_the_store_dies_exits_after_the_grace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The store went with the rank that held it while this rank waits in a collective: the
+    watchdog ends the process once it has waited grace_s (it used to stop watching, leaving
+    the wait to the launcher's SIGKILL); a rank that is not blocked is left alone."""
+    comm = _Comm(1)
+    dog = _Stopped(comm, dist.HashStore(), timeout_s=60.0, run_dir=str(tmp_path), poll_s=0.05)
+    dog.store, dog.grace_s = _GoneStore(), 0.3
+    entry = TraceEntry(7, "all_reduce", "dp", (4,), "torch.float32", "loop.py:1")
+    comm.blocked = (entry, time.monotonic())
+    start = time.monotonic()
+    dog.thread.start()
+    dog.thread.join(timeout=30)
+    assert not dog.thread.is_alive() and 0.3 < time.monotonic() - start < 10
+    err = capsys.readouterr().err
+    assert "stopped: Broken pipe" in err and "the job's store is gone (Broken pipe)" in err
+    assert "all_reduce" in err and "exiting" in err
+    idle = _Stopped(_Comm(1), dist.HashStore(), timeout_s=60.0, run_dir=str(tmp_path), poll_s=0.05)
+    idle.store, idle.grace_s = _GoneStore(), 0.3
+    idle.thread.start()
+    time.sleep(1.0)
+    assert idle.thread.is_alive()  # not blocked: nothing to end
+    idle.stop()
+    assert not idle.thread.is_alive()
 
 
 def test_text_read_off_the_store_cannot_drive_the_terminal() -> None:

@@ -133,6 +133,26 @@ class Watchdog:
                     self._stop_job(reason)
         except Exception as exc:  # the store went away: nothing left to coordinate with
             print(f"shardwise watchdog (rank {self.rank}) stopped: {exc}", file=sys.stderr)
+            self._orphaned(exc)
+
+    def _orphaned(self, exc: Exception) -> None:
+        """The store is gone with the process that held it (rank 0 or the agent): no peer
+        can be asked any more. A collective this rank is blocked in has then lost a peer
+        (gloo may never notice): once it has waited `grace_s`, end the process, instead of
+        holding the restart until the launcher's SIGKILL (30 s after its SIGTERM, which the
+        blocked main thread cannot act on) or the collective's own timeout."""
+        while not self._stop.wait(self.poll_s):
+            blocked = self.comm.blocked
+            if blocked is None or time.monotonic() - blocked[1] <= self.grace_s:
+                continue
+            waited = time.monotonic() - blocked[1]
+            print(
+                f"shardwise watchdog (rank {self.rank}): the job's store is gone ({exc}) and "
+                f"this rank has waited {waited:.1f} s in {_describe(blocked[0])}: a peer "
+                "has stopped; exiting (the last complete checkpoint stays valid)",
+                file=sys.stderr,
+            )
+            self._exit()
 
     def _explained_by_failed_peer(self) -> bool:
         """A peer that left training with an error explains why this rank waits: its error is
