@@ -4,7 +4,8 @@ Each script runs as `python SCRIPT --smoke` would (as `__main__`, with that argv
 another; what matters for the suite's time is that they share one interpreter, one torch
 import and one warm forkserver for their worlds instead of paying for them per script. Per
 script one JSON line on stdout at the end: name, exit status, the tail of what the script
-printed and of its error. A benchmark that fails is reported, and the next one still runs.
+printed and of its error, its seconds. A benchmark that fails is reported, and the next one
+still runs.
 
     .venv/bin/python benchmarks/smoke_all.py recompute.py zb_split.py
 """
@@ -16,6 +17,7 @@ import io
 import json
 import runpy
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -24,7 +26,7 @@ TAIL = 3000
 
 
 def run_one(name: str) -> dict:
-    out, err, code = io.StringIO(), io.StringIO(), 0
+    out, err, code, start = io.StringIO(), io.StringIO(), 0, time.monotonic()
     argv = sys.argv
     sys.argv = [str(HERE / name), "--smoke"]
     try:
@@ -42,6 +44,7 @@ def run_one(name: str) -> dict:
         "rc": code,
         "stdout": out.getvalue()[-TAIL:],
         "stderr": err.getvalue()[-TAIL:],
+        "secs": round(time.monotonic() - start, 1),
     }
 
 

@@ -14,11 +14,12 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 HELPERS = {"common.py", "smoke_all.py", "published_rows.py"}  # imported, or running them
 # Smoke runs left to `make bench-smoke` (every script), not this suite, to keep it under 15
-# minutes on 2 cores: each launches `shardwise train` several times (fault_soak: a
-# reference, a signalled run and its rerun; cpu_malloc: two runs), ~30 s of the suite, and
-# what they drive is tested here: the signal/restart path and the chaos helper
-# (tests/test_preempt.py, tests/test_checkpoint.py), the malloc setting (tests/test_device.py).
-ELSEWHERE = {"fault_soak.py", "cpu_malloc.py"}
+# minutes on 2 cores: each launches `shardwise train` (fault_soak: a reference, a signalled
+# run and its rerun; cpu_malloc: two runs; default_job: the default job, ~10 s), ~40 s of the
+# suite, and what they drive is tested here: the signal/restart path and the chaos helper
+# (tests/test_preempt.py, tests/test_checkpoint.py), the malloc setting (tests/test_device.py),
+# the default job's start, plan line and training (tests/test_default_job.py).
+ELSEWHERE = {"fault_soak.py", "cpu_malloc.py", "default_job.py"}
 # the slowest smoke runs first, dealt alternately to the two runners so both finish together
 SLOW_FIRST = ["minilm_classify.py", "lora_finetune.py", "grad_compression.py"]
 TIMEOUT_S = 300
