@@ -23,7 +23,15 @@ import dataclasses
 import math
 
 from common import add_smoke, command_line
-from published_rows import Case, calibration, load_rows, make_case, source, split_cases
+from published_rows import (
+    Case,
+    calibration,
+    load_rows,
+    make_case,
+    oom_cases,
+    source,
+    split_cases,
+)
 from shardwise.models.presets import preset
 from shardwise.plan import search
 from shardwise.plan import time as tm
@@ -178,6 +186,23 @@ def orderings(pred: dict[str, float], meas: dict[str, float], rows: dict[str, di
             )
 
 
+def oom_report(rows: list[dict]) -> None:
+    """Whether the planner rejects the runs a source says ran out of memory (a run it
+    accepts is a planner error, as a rejected run that happened is)."""
+    cases, skipped = oom_cases(rows)
+    print("\nruns the source says ran out of memory (predicted peak of the device's memory):")
+    for c in cases:
+        rec = search.evaluate(c.job, c.layout)
+        why = search.fits(c.job, rec)
+        print(
+            f"  {c.row['id']}: {c.layout.short()}: {rec['peak_bytes'] / 2**30:.1f} of "
+            f"{c.job.hardware.memory / 2**30:.0f} GiB -> "
+            + ("rejected: yes" if why else "rejected: no (a planner error)")
+        )
+    for rid, why in skipped:
+        print(f"  {rid}: not checked: {why}")
+
+
 def memory_report(results: list) -> None:
     """Predicted peak per GPU beside the peak a source states (GiB)."""
     print("\npeak memory per GPU where the source states it (stated -> predicted):")
@@ -267,6 +292,7 @@ def main() -> int:
     pred = {r[0].row["id"]: r[1] for r in results}
     meas = {r[0].row["id"]: r[0].measured_s for r in results}
     memory_report(results)
+    oom_report(rows)
     orderings(pred, meas, {r["id"]: r for r in rows})
     if not args.smoke:
         gpt3_plan(pred, meas)

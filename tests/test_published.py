@@ -313,3 +313,31 @@ def test_deepspeed_2021_gathers_into_a_list_of_per_rank_views():
     assert spec.vocab_size * spec.dim > spec.ffn_dim * spec.dim
     largest = -(-spec.vocab_size * spec.dim // 384) * 384 * 2
     assert mem.predict_memory(job, lay)["buffers"] == pytest.approx(2 * largest, rel=1e-3)
+
+
+def test_a_bf16_optimizer_keeps_an_fp32_gradient_of_every_parameter_it_holds(runs):
+    """DeepSpeed's BF16_Optimizer (BLOOM from 2022-02-28) accumulates gradients in fp32 beside
+    the 16-bit ones: 4 bytes per parameter of the rank's tp shard, not split over dp. The
+    runs a source says ran out of memory are built for the memory report, never timed."""
+    from shardwise.plan import memory as mem
+
+    spec = preset("175b")
+    job = Job(spec, A100, 64, seq_len=2048, global_batch=64, engine=Engine("megatron"))
+    bf16 = dataclasses.replace(job, engine=Engine("ds-bf16", fp32_grads=True))
+    lay = Layout(tp=8, dp=8, zero=1, micro_batch=1, recompute="full")
+
+    def numel(layout: Layout) -> int:
+        us = mem.stage_units(job, layout, 0)
+        return sum(u.count * sum(e[0] for e in u.entries if e[1]) for u in us)
+
+    held = numel(lay)  # the tp shard: 1/8 of the model but its replicated norms and biases
+    assert held == pytest.approx(numel(Layout(dp=64)) / 8, rel=0.01)
+    extra = mem.predict_memory(bf16, lay)["grads"] - mem.predict_memory(job, lay)["grads"]
+    assert extra == 4 * held
+    rows = runs.load_rows()
+    ooms, _ = runs.oom_cases(rows)
+    timed, skipped = runs.split_cases(rows)
+    assert len(ooms) >= 4 and all(c.oom and c.measured_s != c.measured_s for c in ooms)
+    assert not {c.row["id"] for c in ooms} & {c.row["id"] for c in timed}
+    reasons = dict(skipped)
+    assert all(reasons[c.row["id"]].startswith("ran out of memory") for c in ooms)

@@ -70,6 +70,9 @@ class Engine:
     # the loss casts the 16-bit logits to fp32 for PyTorch's cross entropy (torchtitan): in
     # backward the loss's gradient and log-softmax's input gradient, both fp32, live at once
     loss_upcast: bool = False
+    # the optimizer accumulates gradients into an fp32 buffer of every parameter the rank
+    # holds, beside the 16-bit ones (DeepSpeed's BF16_Optimizer, BLOOM from 2022-02-28)
+    fp32_grads: bool = False
 
 
 SHARDWISE = Engine()

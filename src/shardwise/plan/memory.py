@@ -381,6 +381,8 @@ def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
         quantised = quantised_layers(job, layout, st)
         shards = math.prod(n for _, n in quantised_split(layout))
         mem = model_states(us, job, layout.dp, layout.zero, layout.offload, quantised, shards)
+        if job.engine.fp32_grads:  # (layout.Engine) not sharded over dp
+            mem["grads"] += 4 * sum(u.count * sum(e[0] for e in u.entries if e[1]) for u in us)
         wire = compression.zero_wire_copy(layout)
         _, first, last = job_split(job, layout)[st]
         tied = job.spec.tie_embeddings and first and last  # the head re-gathers the embedding
