@@ -18,6 +18,7 @@ from shardwise.finetune.quant import layer_bytes, split_dims, transient_bytes
 from shardwise.optim import QUANT_BLOCK
 from shardwise.plan import activations as act
 from shardwise.plan import compression
+from shardwise.plan.buffers import up, zero_transient
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.shapes import Unit, linear_shapes, split_trainable, units
 
@@ -30,15 +31,6 @@ QUANT_BYTES = {"nf4": NF4_BYTES, "int8": INT8_BYTES}
 
 def _entry_bytes(e: tuple, bc: int) -> float:
     return e[3] if len(e) > 3 else bc
-
-
-def _up(x: int, k: int) -> int:
-    return -(-x // k) * k
-
-
-def align_of(job: Job) -> int:
-    """Elements ZeRO aligns parameters and shards to (optim.QUANT_BLOCK for 8-bit Adam)."""
-    return QUANT_BLOCK if job.finetune.optim_8bit else 1
 
 
 def quantised_layers(job: Job, layout: Layout, stage: int = 0) -> list[tuple[int, int]]:
@@ -67,15 +59,6 @@ def quantised_transient(job: Job, layout: Layout, stage: int = 0) -> float:
     return max((transient_bytes(a, b, split, job.bc, kind) for a, b in shapes), default=0)
 
 
-def padded_numel(u: Unit, dp: int, align: int = 1) -> int:
-    """A unit's flat buffer over dp ranks: parameters on multiples of `align`, padded to dp
-    equal shards of a multiple of it (zero_units.Unit)."""
-    end = 0
-    for e in u.entries:
-        end = _up(end + e[0], align)
-    return _up(-(-end // dp), align) * dp
-
-
 @lru_cache(maxsize=4096)
 def _unit_states(unit: Unit, dp: int, stage: int, bc: int, br: int, align: int = 1) -> tuple:
     """(params, grads, and per rank: master elements, pieces, 8-bit quantisation blocks) of one
@@ -91,8 +74,8 @@ def _unit_states(unit: Unit, dp: int, stage: int, bc: int, br: int, align: int =
     offsets, end = [], 0
     for e in unit.entries:
         offsets.append(end)
-        end = _up(end + e[0], align)
-    shard = _up(-(-end // dp), align)
+        end = up(end + e[0], align)
+    shard = up(-(-end // dp), align)
     own, pieces, blocks = [0] * dp, [0] * dp, [0] * dp
     for e, off in zip(unit.entries, offsets, strict=True):
         if not e[1]:
@@ -168,79 +151,6 @@ def _model_states(us, dp, stage, offload, bc, br, master, eight, chunk) -> tuple
         states["host_master"], states["host_optimizer"] = 4.0 * slot * slots, 8.0 * slot * slots
         states["disk_optimizer"] = 12.0 * n
     return tuple(states.items())
-
-
-def zero_transient(
-    us: list[Unit], job: Job, dp: int, stage: int, wire: int = 0, tied: bool = False
-) -> float:
-    """`_zero_transient` for `job`; `wire`: bytes per element of a 16-bit copy each
-    reduce-scatter sends (parallel.grad_compression=bf16/fp16), 0 without. An engine that
-    gathers parameter by parameter (layout.Engine.zero3_per_tensor) holds one tensor, not a
-    unit. `tied`: the first root's units are used again by the last root (a head tied to the
-    embedding)."""
-    if job.engine.zero3_per_tensor and stage == 3:
-        return _blocking_transient(us, job, dp)
-    return _zero_transient(tuple(us), dp, stage, job.bc, job.br, align_of(job), wire, tied)
-
-
-def _blocking_transient(us: list[Unit], job: Job, dp: int) -> float:
-    """ZeRO-3 gathering and reducing parameter by parameter, each call blocking (DeepSpeed
-    2021): nothing is prefetched and no reduction is left in flight, so the peak is the
-    largest tensor gathered and its gradient; a gather into a list of per-rank views
-    (Engine.list_all_gather) also holds c10d's flat buffer of it until copied out."""
-    align, peak = align_of(job), 0.0
-    for u in us:
-        for e in u.entries:
-            full = padded_numel(Unit(u.name, (e,), 1), dp, align)
-            gather = full * job.bc * (2 if job.engine.list_all_gather else 1)
-            peak = max(peak, gather, full * job.bc + (full * job.br if e[1] else 0))
-    return peak
-
-
-def _roots(us: tuple) -> list[list[Unit]]:
-    """The units of each root module in forward order (a root's trainable unit and its
-    `[frozen]` sibling together; repeated blocks expanded)."""
-    out, i = [], 0
-    while i < len(us):
-        group = [us[i]]
-        if i + 1 < len(us) and us[i + 1].name == f"{us[i].name}[frozen]":
-            group.append(us[i + 1])
-            i += 1
-        out += [group] * us[i].count
-        i += 1
-    return out
-
-
-@lru_cache(maxsize=8192)
-def _zero_transient(
-    us: tuple, dp: int, stage: int, bc: int, br: int, align: int = 1, wire: int = 0, tied=False
-) -> float:
-    """Peak bytes of ZeRO's temporary buffers, replaying the engine's schedule (zero.py): ZeRO-3
-    holds the root it runs plus the prefetched next unit (backward: the previous root's last
-    unit); ZeRO-2/3 reduce-scatter each trainable unit's gradients from a fresh flat buffer, at
-    most three in flight (two pending, one launching). Backward visits roots in reverse; at root
-    k: F_k + F_last(k-1) + G_k + G_k+1 + G_k+2 (a frozen unit has no G). A 16-bit wire adds
-    its copy to each G (ZeRO-1: G is only that copy; its flat buffer is persistent). A tied
-    head gathers the first root's units again before backward, and they stay gathered until
-    their gradients (both uses') are reduced, after the first root's backward: + F_0."""
-    if stage < 2 and not (stage == 1 and wire):
-        return 0.0
-    roots = _roots(us)
-
-    def size(u: Unit, nbytes: int) -> int:
-        return padded_numel(u, dp, align) * nbytes
-
-    full = [[size(u, bc) if stage == 3 else 0 for u in r] for r in roots]
-    per = (br if stage >= 2 else 0) + wire
-    grad = [sum(size(u, per) for u in r if any(e[1] for e in u.entries)) for r in roots]
-    n, peak = len(roots), 0.0
-    for k in range(n):  # forward: the running root + the next root's first unit, prefetched
-        peak = max(peak, sum(full[k]) + (full[k + 1][0] if k + 1 < n else 0))
-    for k in range(n - 1, -1, -1):
-        gathered = sum(full[k]) + (full[k - 1][-1] if k > 0 else 0)
-        gathered += sum(full[0]) if tied and k > 0 else 0
-        peak = max(peak, gathered + sum(grad[k : k + 3]))
-    return peak
 
 
 @lru_cache(maxsize=4096)

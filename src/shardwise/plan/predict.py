@@ -32,6 +32,7 @@ from shardwise.plan import activations as act
 from shardwise.plan import compression
 from shardwise.plan import memory as mem
 from shardwise.plan import time as tm
+from shardwise.plan.buffers import zero_transient
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import FineTune, Job, Layout
 from shardwise.plan.search import evaluate
@@ -269,7 +270,7 @@ def _buffers(us: list, job: Job, layout: Layout, module_buffers: int) -> float:
     wire = compression.zero_wire_copy(layout)
     tied = job.spec.tie_embeddings
     return (
-        mem.zero_transient(us, job, layout.dp, layout.zero, wire, tied)
+        zero_transient(us, job, layout.dp, layout.zero, wire, tied)
         + compression.state_bytes(job, layout, us)
         + module_buffers
     )

@@ -13,6 +13,7 @@ from shardwise.finetune.quant import gather_steps
 from shardwise.plan import activations as act
 from shardwise.plan import compression, gpu, kernels
 from shardwise.plan import memory as mem
+from shardwise.plan.buffers import align_of, padded_numel
 from shardwise.plan.compression import bucket_calls, sent_bytes, wire_bytes
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.shapes import linear_shapes, non_embedding_params
@@ -80,12 +81,10 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     mesh dimension: the kinds cost differently per byte on some transports (gloo)."""
     spec, s, b = job.spec, job.seq_len, layout.micro_batch
     m, dp, t, p, v = layout.micro_batches(job), layout.dp, layout.tp, layout.pp, layout.pp_virtual
-    us, align = mem.stage_units(job, layout, 0), mem.align_of(job)
-    padded = sum(mem.padded_numel(u, dp, align) * u.count for u in us)
+    us, align = mem.stage_units(job, layout, 0), align_of(job)
+    padded = sum(padded_numel(u, dp, align) * u.count for u in us)
     # frozen units (their own, parallel/zero.py) are neither reduced nor re-published
-    reduced = sum(
-        mem.padded_numel(u, dp, align) * u.count for u in us if any(e[1] for e in u.entries)
-    )
+    reduced = sum(padded_numel(u, dp, align) * u.count for u in us if any(e[1] for e in u.entries))
     bc, ring = job.bc, _ring(dp)
     # ZeRO-0: one all-reduce of every gradient per step; ZeRO-1: a reduce-scatter once and an
     # all-gather of the updated slices; ZeRO-2: reduce-scatter every micro-batch; ZeRO-3: and
@@ -99,7 +98,7 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     }
     if layout.zero == 3:  # frozen units before the first trainable one: backward does not
         # reach them (nothing before them needs a gradient), so no gather for it
-        lead = sum(mem.padded_numel(u, dp, align) * u.count for u in _leading_frozen(us))
+        lead = sum(padded_numel(u, dp, align) * u.count for u in _leading_frozen(us))
         dp_kinds["all_gather"] -= ring * lead * bc * m
     if layout.zero == 3 and spec.tie_embeddings and p == 1:
         # the tied head is a second root of the embedding's unit: it is gathered again for

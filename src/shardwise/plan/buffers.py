@@ -1,0 +1,104 @@
+"""ZeRO's flat buffers before launch: how a unit's parameters pad and align into dp equal
+shards (parallel/zero_units.Unit), and the temporary buffers a step holds beside the model
+states (gathered units, gradients being reduced; `zero_transient`), replaying the engine's
+schedule (parallel/zero.py) or, for another framework's blocking per-parameter calls
+(layout.Engine.zero3_per_tensor), one tensor at a time."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from shardwise.optim import QUANT_BLOCK
+from shardwise.plan.layout import Job
+from shardwise.plan.shapes import Unit
+
+
+def up(x: int, k: int) -> int:
+    return -(-x // k) * k
+
+
+def align_of(job: Job) -> int:
+    """Elements ZeRO aligns parameters and shards to (optim.QUANT_BLOCK for 8-bit Adam)."""
+    return QUANT_BLOCK if job.finetune.optim_8bit else 1
+
+
+def padded_numel(u: Unit, dp: int, align: int = 1) -> int:
+    """A unit's flat buffer over dp ranks: parameters on multiples of `align`, padded to dp
+    equal shards of a multiple of it (zero_units.Unit)."""
+    end = 0
+    for e in u.entries:
+        end = up(end + e[0], align)
+    return up(-(-end // dp), align) * dp
+
+
+def zero_transient(
+    us: list[Unit], job: Job, dp: int, stage: int, wire: int = 0, tied: bool = False
+) -> float:
+    """`_zero_transient` for `job`; `wire`: bytes per element of a 16-bit copy each
+    reduce-scatter sends (parallel.grad_compression=bf16/fp16), 0 without. An engine that
+    gathers parameter by parameter (layout.Engine.zero3_per_tensor) holds one tensor, not a
+    unit. `tied`: the first root's units are used again by the last root (a head tied to the
+    embedding)."""
+    if job.engine.zero3_per_tensor and stage == 3:
+        return _blocking_transient(us, job, dp)
+    return _zero_transient(tuple(us), dp, stage, job.bc, job.br, align_of(job), wire, tied)
+
+
+def _blocking_transient(us: list[Unit], job: Job, dp: int) -> float:
+    """ZeRO-3 gathering and reducing parameter by parameter, each call blocking (DeepSpeed
+    2021): nothing is prefetched and no reduction is left in flight, so the peak is the
+    largest tensor gathered and its gradient; a gather into a list of per-rank views
+    (Engine.list_all_gather) also holds c10d's flat buffer of it until copied out."""
+    align, peak = align_of(job), 0.0
+    for u in us:
+        for e in u.entries:
+            full = padded_numel(Unit(u.name, (e,), 1), dp, align)
+            gather = full * job.bc * (2 if job.engine.list_all_gather else 1)
+            peak = max(peak, gather, full * job.bc + (full * job.br if e[1] else 0))
+    return peak
+
+
+def _roots(us: tuple) -> list[list[Unit]]:
+    """The units of each root module in forward order (a root's trainable unit and its
+    `[frozen]` sibling together; repeated blocks expanded)."""
+    out, i = [], 0
+    while i < len(us):
+        group = [us[i]]
+        if i + 1 < len(us) and us[i + 1].name == f"{us[i].name}[frozen]":
+            group.append(us[i + 1])
+            i += 1
+        out += [group] * us[i].count
+        i += 1
+    return out
+
+
+@lru_cache(maxsize=8192)
+def _zero_transient(
+    us: tuple, dp: int, stage: int, bc: int, br: int, align: int = 1, wire: int = 0, tied=False
+) -> float:
+    """Peak bytes of ZeRO's temporary buffers, replaying the engine's schedule (zero.py): ZeRO-3
+    holds the root it runs plus the prefetched next unit (backward: the previous root's last
+    unit); ZeRO-2/3 reduce-scatter each trainable unit's gradients from a fresh flat buffer, at
+    most three in flight (two pending, one launching). Backward visits roots in reverse; at root
+    k: F_k + F_last(k-1) + G_k + G_k+1 + G_k+2 (a frozen unit has no G). A 16-bit wire adds
+    its copy to each G (ZeRO-1: G is only that copy; its flat buffer is persistent). A tied
+    head gathers the first root's units again before backward, and they stay gathered until
+    their gradients (both uses') are reduced, after the first root's backward: + F_0."""
+    if stage < 2 and not (stage == 1 and wire):
+        return 0.0
+    roots = _roots(us)
+
+    def size(u: Unit, nbytes: int) -> int:
+        return padded_numel(u, dp, align) * nbytes
+
+    full = [[size(u, bc) if stage == 3 else 0 for u in r] for r in roots]
+    per = (br if stage >= 2 else 0) + wire
+    grad = [sum(size(u, per) for u in r if any(e[1] for e in u.entries)) for r in roots]
+    n, peak = len(roots), 0.0
+    for k in range(n):  # forward: the running root + the next root's first unit, prefetched
+        peak = max(peak, sum(full[k]) + (full[k + 1][0] if k + 1 < n else 0))
+    for k in range(n - 1, -1, -1):
+        gathered = sum(full[k]) + (full[k - 1][-1] if k > 0 else 0)
+        gathered += sum(full[0]) if tied and k > 0 else 0
+        peak = max(peak, gathered + sum(grad[k : k + 3]))
+    return peak
