@@ -26,7 +26,8 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q --timeout=600 -n 2 --dist loadfile $(SERIAL:%=--ignore=%) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --timeout=600 -n 2 --dist loadfile --no-loadscope-reorder \
+		$(SERIAL:%=--ignore=%) $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q --timeout=600 $(SERIAL) $(PYTEST_ARGS)
 
 lint: $(STAMP)
