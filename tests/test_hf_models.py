@@ -149,6 +149,7 @@ def lm_runs(world):
     gpipe_z1 = ["--parallel.pp_schedule=gpipe", "--parallel.zero=1", "--memory.recompute=full"]
     worlds[2]["pp2_llama_gpipe_z1"] = {"overrides": _lm(world, "llama", *STEPS, *PP2, *gpipe_z1)}
     worlds[1]["llama4"] = {"overrides": _lm(world, "llama4", *STEPS)}
+    worlds[2]["pp2_llama_qlora"] = {"overrides": _lm(world, "llama", *STEPS, *PP2, *QLORA)}
     worlds[2]["pp2_llama4_interleaved"] = {"overrides": _lm(world, "llama4", *STEPS, *INTERLEAVED)}
     lora = ["--finetune.lora_rank=4", "--finetune.lora_alpha=8"]
     worlds[1]["llama_lora"] = {"overrides": _lm(world, "llama", *STEPS, *lora)}
@@ -176,6 +177,27 @@ def test_pp2_from_the_published_stages_reproduces_one_process(lm_runs, name):
     merged = {k: v for r in ranks for k, v in r["params"].items()}
     assert max_param_diff(merged, one["params"]) <= 1e-5
     assert ranks[0]["records"][-1]["comm_bytes"]["pp"] > 0
+
+
+QLORA = [
+    "--finetune.lora_rank=4", "--finetune.lora_alpha=8", "--finetune.base_quant=nf4",
+    "--precision.compute=bf16",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_pipeline_over_an_nf4_base_is_predicted_to_the_byte(world, lm_runs):
+    """QLoRA on a checkpoint cut into pipeline stages: it trains (the start-up prediction
+    used to run the stage's quantised linears before they held any codes, and stopped the
+    job), and explain predicts every category of each stage exactly, the dequantised
+    weight's transient included."""
+    ranks = lm_runs[2]["pp2_llama_qlora"]
+    losses = ranks[0]["losses"]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    cfg = load_config(None, _lm(world, "llama", *STEPS, *PP2, *QLORA))
+    pred = explain_record(cfg, 2, get_hardware("cpu", calibrate=False))["mem_bytes"]
+    got = {k: max(r["records"][-1]["mem_bytes"][k] for r in ranks) for k in pred}
+    assert pred == got
 
 
 INTERLEAVED = [

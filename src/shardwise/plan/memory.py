@@ -51,11 +51,12 @@ def quantised_split(layout: Layout) -> tuple[tuple[str, int], ...]:
     return split_dims(layout.dp, layout.tp, layout.zero)
 
 
-def quantised_transient(job: Job, layout: Layout, stage: int = 0) -> float:
-    """One quantised linear gathered and dequantised to compute dtype at a time."""
+def quantised_transient(job: Job, layout: Layout, stage: int = 0, shapes=None) -> float:
+    """One quantised linear gathered and dequantised to compute dtype at a time; `shapes`:
+    the (out, in) of the stage's quantised linears (default: `quantised_layers`)."""
     split = [n for _, n in quantised_split(layout)]
     kind = job.finetune.base_quant
-    shapes = quantised_layers(job, layout, stage)
+    shapes = quantised_layers(job, layout, stage) if shapes is None else shapes
     return max((transient_bytes(a, b, split, job.bc, kind) for a, b in shapes), default=0)
 
 

@@ -287,7 +287,10 @@ def _hf_stage(cfg: Config, derived, job: Job, layout: Layout, stage: int) -> tup
     b, s = derived.micro_batch, cfg.data.seq_len
     with FakeTensorMode():
         _to_fake(model)
+        for _, layer in quant_layers(model):  # a weight of the right shape, no codes
+            layer.shape_only = True
         states["buffers"] = _buffers(us, job, layout, tensor_bytes(model.buffers()))
+        states["buffers"] += mem.quantised_transient(job, layout, stage, quantised)
         apply_recompute(model, derived.family, cfg.memory.recompute)
         cast_for_compute(model, dev.dtype_of(cfg.precision.compute))
         meter = ActivationMeter(model)
