@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import sys
 from collections.abc import Iterator
 from unittest import mock
@@ -283,7 +284,8 @@ def _hf_stage(cfg: Config, derived, job: Job, layout: Layout, stage: int) -> tup
     schedule keeps."""
     (model, view, mine), us = _stage_model(cfg, derived, layout, stage)
     quantised = [m.shape for _, m in quant_layers(model)]
-    states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload, quantised)
+    shards = math.prod(n for _, n in mem.quantised_split(layout))
+    states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload, quantised, shards)
     b, s = derived.micro_batch, cfg.data.seq_len
     with FakeTensorMode():
         _to_fake(model)
@@ -359,7 +361,9 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
             "comm_calls": tm.collective_calls(real, layout),
         }
     if not formula:  # states + the fake forward's bytes (unsharded models only)
-        states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload)
+        # a quantised base is split over tp (and dp under ZeRO-3) as the engine splits it
+        shards = math.prod(n for _, n in mem.quantised_split(layout))
+        states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload, None, shards)
         states["buffers"] = _buffers(us, job, layout, module_buffers)
         states["buffers"] += mem.quantised_transient(job, layout) if quantised else 0
         states["activations"] = activations
