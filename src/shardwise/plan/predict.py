@@ -347,8 +347,10 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
     if quantised:
         backward = tuple(m.input_needs_grad for _, m in quant_layers(model))
         job = dataclasses.replace(job, quantised_backward=backward)
-    if not formula and _tied_first(model):  # the head gathers the embedding's unit again
-        job = dataclasses.replace(job, spec=dataclasses.replace(job.spec, tie_embeddings=True))
+    if not formula:  # whether a head gathers the embedding's unit again: the real module's
+        # sharing, not the config's flag (a BERT classifier's config ties; it has no LM head)
+        spec = dataclasses.replace(job.spec, tie_embeddings=_tied_first(model))
+        job = dataclasses.replace(job, spec=spec)
     if not formula and layout.pp > 1:  # a Hugging Face causal LM cut into stages
         stages = [_hf_stage(cfg, derived, job, layout, r) for r in range(layout.pp)]
         keys = list(stages[0][0])
