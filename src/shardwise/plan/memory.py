@@ -51,6 +51,11 @@ def quantised_split(layout: Layout) -> tuple[tuple[str, int], ...]:
     return split_dims(layout.dp, layout.tp, layout.zero)
 
 
+def quantised_shards(layout: Layout) -> int:
+    """Ranks each quantised weight is split over (the product of `quantised_split`)."""
+    return math.prod(n for _, n in quantised_split(layout))
+
+
 def quantised_transient(job: Job, layout: Layout, stage: int = 0, shapes=None) -> float:
     """One quantised linear gathered and dequantised to compute dtype at a time; `shapes`:
     the (out, in) of the stage's quantised linears (default: `quantised_layers`)."""
@@ -290,7 +295,7 @@ def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
     for st in stages:
         us = stage_units(job, layout, st)
         quantised = quantised_layers(job, layout, st)
-        shards = math.prod(n for _, n in quantised_split(layout))
+        shards = quantised_shards(layout)
         mem = model_states(us, job, layout.dp, layout.zero, layout.offload, quantised, shards)
         if job.engine.fp32_grads:  # (layout.Engine) not sharded over dp
             mem["grads"] += 4 * sum(u.count * sum(e[0] for e in u.entries if e[1]) for u in us)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import sys
 from collections.abc import Iterator
 from unittest import mock
@@ -114,7 +113,10 @@ def model_units(model: torch.nn.Module) -> list[Unit]:
 
 def _to_fake(model: torch.nn.Module) -> None:
     """Meta parameters and buffers -> fake tensors of the active FakeTensorMode, assigned in
-    place (Module.to_empty would swap them, which fake tensors refuse); a tied weight once."""
+    place (Module.to_empty would swap them, which fake tensors refuse); a tied weight once.
+    A quantised linear holds no codes here: it multiplies by a weight of its shape only."""
+    for _, layer in quant_layers(model):
+        layer.shape_only = True
     done: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for store in (module._parameters, module._buffers):
@@ -211,8 +213,6 @@ def measure_activations(cfg: Config, spec, recompute: str, micro_batch: int) -> 
     model = _meta_model(cfg, spec)
     with FakeTensorMode():
         _to_fake(model)
-        for _, layer in quant_layers(model):
-            layer.shape_only = True
         return _fake_activations(model, cfg, derived, recompute)
 
 
@@ -284,13 +284,11 @@ def _hf_stage(cfg: Config, derived, job: Job, layout: Layout, stage: int) -> tup
     schedule keeps."""
     (model, view, mine), us = _stage_model(cfg, derived, layout, stage)
     quantised = [m.shape for _, m in quant_layers(model)]
-    shards = math.prod(n for _, n in mem.quantised_split(layout))
+    shards = mem.quantised_shards(layout)
     states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload, quantised, shards)
     b, s = derived.micro_batch, cfg.data.seq_len
     with FakeTensorMode():
         _to_fake(model)
-        for _, layer in quant_layers(model):  # a weight of the right shape, no codes
-            layer.shape_only = True
         states["buffers"] = _buffers(us, job, layout, tensor_bytes(model.buffers()))
         states["buffers"] += mem.quantised_transient(job, layout, stage, quantised)
         apply_recompute(model, derived.family, cfg.memory.recompute)
@@ -341,8 +339,6 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         # the whole model's saved bytes (a pipeline measures each stage below), and which
         # quantised linears backward uses
         if (not formula and layout.pp == 1) or quantised:
-            for _, layer in quant_layers(model):
-                layer.shape_only = True
             activations = _fake_activations(model, cfg, derived)
     if quantised:
         backward = tuple(m.input_needs_grad for _, m in quant_layers(model))
@@ -364,7 +360,7 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         }
     if not formula:  # states + the fake forward's bytes (unsharded models only)
         # a quantised base is split over tp (and dp under ZeRO-3) as the engine splits it
-        shards = math.prod(n for _, n in mem.quantised_split(layout))
+        shards = mem.quantised_shards(layout)
         states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload, None, shards)
         states["buffers"] = _buffers(us, job, layout, module_buffers)
         states["buffers"] += mem.quantised_transient(job, layout) if quantised else 0
