@@ -40,10 +40,10 @@ def _gemms(spec, t: int, tokens: float) -> list[tuple[float, float, float]]:
     return [*attention, (tokens, f / t, h), (tokens, h, f / t)]
 
 
-def _elementwise_elems(spec, t: int, tokens: float, sp: bool) -> tuple[float, int]:
-    """Elements read + written by a block's forward element-wise kernels, and their count.
-    Norms and residual adds act on the whole hidden state (1/t of it with sp), the MLP's
-    activation on this rank's 1/t of the width."""
+def _elementwise_seconds(hw: Hardware, spec, t: int, tokens: float, c: int, sp: bool) -> float:
+    """Seconds of a block's forward element-wise kernels: the elements they read + write at
+    the achieved bandwidth, and a fixed cost each. Norms and residual adds act on the whole
+    hidden state (1/t of it with sp), the MLP's activation on this rank's 1/t of the width."""
     h, f = spec.dim, spec.ffn_dim
     hidden = tokens * h / (t if sp else 1)
     elems = 2 * 2 * hidden  # two norms: read x, write y
@@ -59,7 +59,7 @@ def _elementwise_elems(spec, t: int, tokens: float, sp: bool) -> tuple[float, in
     else:
         elems += 2 * tokens * f / t  # bias + GELU
         kernels += 1
-    return elems, kernels
+    return c * elems / (hw.hbm_bw * hw.mem_eff) + kernels * hw.kernel_s
 
 
 def _attention(hw: Hardware, spec, t, b, s, c, peak, unfused: bool) -> tuple:
@@ -91,9 +91,7 @@ def block_seconds(hw: Hardware, spec, t, b, s, c, sp: bool, peak: float, unfused
     # backward: the input gradient and the weight gradient, each as big as the forward GEMM
     gemm_bwd = sum(_gemm(hw, c, m, k, n, peak) for m, n, k in _gemms(spec, t, tokens))
     gemm_bwd += _weight_grad(hw, spec, t, tokens, c, peak)
-    elems, kernels = _elementwise_elems(spec, t, tokens, sp)
-    bw = hw.hbm_bw * hw.mem_eff
-    ew = c * elems / bw + kernels * hw.kernel_s
+    ew = _elementwise_seconds(hw, spec, t, tokens, c, sp)
     attn_f, attn_b = _attention(hw, spec, t, b, s, c, peak, unfused)
     return gemm + ew + attn_f, gemm_bwd + 2 * ew + attn_b, attn_f
 
@@ -106,8 +104,7 @@ def op_recompute_seconds(hw: Hardware, spec, t, b, s, c, sp: bool, peak: float) 
         _gemm(hw, c, tokens, n / t if column else n, k if column else k / t, peak)
         for _, k, n, column in act.linears(spec)[1::2]
     )
-    elems, kernels = _elementwise_elems(spec, t, tokens, sp)
-    return redo + c * elems / (hw.hbm_bw * hw.mem_eff) + kernels * hw.kernel_s
+    return redo + _elementwise_seconds(hw, spec, t, tokens, c, sp)
 
 
 def head_seconds(hw: Hardware, spec, t: int, tokens: float, c: int, peak: float) -> float:
