@@ -229,7 +229,10 @@ def _bloom(row: dict) -> Case | str:
     # the chronicles, 02-28: "from now on the testing is happening with BF16 optimizer that
     # was just written to accumulate gradients in fp32, so it is more memory heavy"
     bf16_optimizer = row["precision"] == "bf16" and ("-0228" in row["id"] or "-tr11-" in row["id"])
-    engine = dataclasses.replace(MEGATRON, fp32_grads=True) if bf16_optimizer else MEGATRON
+    # before it, DeepSpeed's ZeRO optimizer: its step copies the rank's gradient share twice
+    engine = dataclasses.replace(
+        MEGATRON, fp32_grads=bf16_optimizer, step_grad_copies=not bf16_optimizer
+    )
     job = Job(
         _gpt(m), hw, row["hardware"]["n_gpus"], m["seq_len"], lay["global_batch"],
         row["precision"], row["precision"], engine=engine,

@@ -173,14 +173,17 @@ def orderings(pred: dict[str, float], meas: dict[str, float], rows: dict[str, di
             f"tokens/s -> {gain:.2f}x (faster: {'yes' if gain > 1 else 'no'}; predicted in "
             f"bf16, {ci.layout.short()})"
         )
-    for model, mb in (("70b", 8), ("13b", 16), ("7b", 6)):
+    # every size the large-scale table has at 128, 256 and 512 GPUs (same micro-batch)
+    sizes = (("70b", 8), ("30b", 8), ("13b", 16), ("7b", 6), ("3b", 8), ("1b", 12))
+    for model, mb in sizes:
         ids = [f"foundry-h100-sxm-{model}-{g}g-s2048-mb{mb}" for g in (128, 256, 512)]
         if all(i in pred for i in ids):
             tput = lambda d, i: 1 / d[i]  # noqa: E731 (same tokens per GPU per step)
             m = [tput(meas, i) / tput(meas, ids[0]) for i in ids]
             p = [tput(pred, i) / tput(pred, ids[0]) for i in ids]
+            sharding = rows[ids[0]]["layout"]["sharding"]
             print(
-                f"  llm-foundry {model} FSDP tokens/s per GPU at 128/256/512 H100s: "
+                f"  llm-foundry {model} {sharding} tokens/s per GPU at 128/256/512 H100s: "
                 f"{' '.join(f'{x:.3f}' for x in m)} -> {' '.join(f'{x:.3f}' for x in p)} "
                 f"(falling: {'yes' if p[0] > p[1] > p[2] else 'no'})"
             )

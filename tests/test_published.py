@@ -7,14 +7,11 @@ import dataclasses
 import functools
 import json
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -27,6 +24,7 @@ from shardwise.plan import gpu, search
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import get_hardware
 from shardwise.plan.layout import Engine, Job, Layout
+from shardwise.testing.livepeak import LivePeak
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 A100 = get_hardware("a100-80gb")
@@ -150,38 +148,6 @@ def test_the_published_3d_runs_are_predicted_within_15_percent(runs):
         assert abs(pred / c.measured_s - 1) <= 0.15, (c.row["id"], pred, c.measured_s)
 
 
-class _LivePeak(TorchDispatchMode):
-    """Bytes of the tensors made inside it that are alive at once, at the worst moment (a
-    storage counts from the op that made it until Python frees it; views of earlier tensors
-    count nothing)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self.counted: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}  # fmt: skip
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            st = t.untyped_storage()
-            key = st.data_ptr()
-            if key in inputs or key in self.counted or st.nbytes() == 0:
-                continue
-            self.counted.add(key)
-            self.live += st.nbytes()
-            weakref.finalize(st, self._free, key, st.nbytes())
-        self.peak = max(self.peak, self.live)
-        return out
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self.counted.discard(key)
-        self.live -= nbytes
-
-
 def _norm(x):
     """torchtitan's RMSNorm (its weight left out: ones): computed in fp32, cast back."""
     x32 = x.float()
@@ -240,7 +206,7 @@ def test_per_op_selective_checkpointing_saves_what_torch_keeps():
         counts = {"forward_mm_count": 0, "recompute_mm_count": 0}
         return create_selective_checkpoint_contexts(functools.partial(_op_policy, counts))
 
-    with _LivePeak() as meter:
+    with LivePeak() as meter:
         y = x
         for block in blocks:
             y = checkpoint(
@@ -270,7 +236,7 @@ def test_an_upcast_loss_holds_two_fp32_logit_gradients():
     n, v, h = 256, 2048, 32
     w = torch.randn(v, h, dtype=torch.bfloat16, requires_grad=True)
     x = torch.randn(n, h, dtype=torch.bfloat16, requires_grad=True)
-    with _LivePeak() as meter:
+    with LivePeak() as meter:
         logits = x @ w.t()
         loss = F.cross_entropy(logits.float(), torch.randint(0, v, (n,)))
         del logits
@@ -341,3 +307,28 @@ def test_a_bf16_optimizer_keeps_an_fp32_gradient_of_every_parameter_it_holds(run
     assert not {c.row["id"] for c in ooms} & {c.row["id"] for c in timed}
     reasons = dict(skipped)
     assert all(reasons[c.row["id"]].startswith("ran out of memory") for c in ooms)
+
+
+def test_a_zero1_step_that_copies_gradients_can_set_the_peak():
+    """DeepSpeed's ZeRO-1/2 step (`Engine.step_grad_copies`; measured against DeepSpeed itself
+    in test_zero_peers): the other ranks' 16-bit gradients freed, the rank's share copied to a
+    16-bit flat buffer and to fp32. With the model states dominating (BLOOM's 02-17 runs) that
+    moment, not backward, is the device's peak; shardwise's own step allocates none of it."""
+    from shardwise.plan import memory as mem
+
+    job = Job(preset("175b"), A100, 64, seq_len=2048, global_batch=64, engine=Engine("mg"))
+    ds = dataclasses.replace(job, engine=Engine("ds", step_grad_copies=True))
+    for dp in (1, 8):
+        lay = Layout(tp=8, dp=dp, zero=1 if dp > 1 else 0, micro_batch=1, recompute="full")
+        us = mem.stage_units(job, lay, 0)
+        held = sum(u.count * sum(e[0] for e in u.entries if e[1]) for u in us)
+        states = {k: v for k, v in mem.predict_memory(job, lay).items() if k != "activations"}
+        states.pop("total")
+        step = mem.step_peak(ds, lay)
+        assert step == sum(states.values()) - 2 * held + 2 * held / dp + 6 * held / dp
+        assert mem.step_peak(job, lay) == 0.0
+        plain, copies = search.evaluate(job, lay), search.evaluate(ds, lay)
+        assert copies["peak_bytes"] == max(plain["peak_bytes"], int(step + A100.reserve))
+        if dp == 1:  # 22 bytes a parameter at the step
+            assert copies["peak_bytes"] > plain["peak_bytes"]
+    assert copies["peak_bytes"] == plain["peak_bytes"]  # dp 8: backward's peak is higher

@@ -14,7 +14,7 @@ communication backend then JIT-compiles a shared-memory op (2.5-4 min on 2 cores
 import pytest
 
 from shardwise.testing import run_world
-from shardwise.testing.compare import case, max_param_diff, max_rel
+from shardwise.testing.compare import SMALL, case, max_param_diff, max_rel
 from shardwise.testing.zero_peers import deepspeed_available
 
 pytestmark = pytest.mark.slow
@@ -31,6 +31,9 @@ def _cases() -> dict:
             zero = f"--parallel.zero={stage}"
             cases.setdefault(f"z{stage}", case(zero))
             cases[f"ds{stage}"] = case(zero, peer=f"{PEERS}:deepspeed_peer")
+        for stage in (1, 2):  # bf16: what its optimizer step allocates (BLOOM's engine)
+            bf16 = (f"--parallel.zero={stage}", "--precision.compute=bf16")
+            cases[f"ds{stage}_bf16"] = case(*bf16, peer=f"{PEERS}:deepspeed_peer")
     return cases
 
 
@@ -74,3 +77,35 @@ def test_fsdp2_and_ours_hold_zero3_model_states(world):
 def test_deepspeed_matches_ours(world, stage):
     pytest.importorskip("deepspeed", reason=INSTALL)
     _agree(world[f"ds{stage}"], world[f"z{stage}"])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_step_allocates_as_planned(world, stage):
+    """DeepSpeed's ZeRO-1/2 optimizer step flattens the rank's share of the 16-bit gradients
+    and casts it to fp32 (the planner's `Engine.step_grad_copies`, with which it prices
+    BLOOM's pre-BF16-optimizer runs): measured at the dispatcher, byte for byte up to
+    DeepSpeed's alignment of a group to 2 x dp elements. Today's DeepSpeed steps one param
+    group at a time, freeing a group's copies before the next: the peak is the matrices'
+    group, the planner's share less the vectors (norm weights, biases) of the no-decay group."""
+    pytest.importorskip("deepspeed", reason=INSTALL)
+    import dataclasses
+
+    from shardwise.config import load_config
+    from shardwise.plan import memory as mem
+    from shardwise.plan.hardware import get_hardware
+    from shardwise.plan.layout import Engine
+    from shardwise.plan.predict import job_from_config, layout_from_config
+    from shardwise.training.validate import derive
+
+    cfg = load_config(None, [*SMALL, f"--parallel.zero={stage}", "--precision.compute=bf16"])
+    d = derive(cfg, 2)
+    job = job_from_config(cfg, get_hardware("a100-80gb"), 2)
+    job = dataclasses.replace(job, engine=Engine("deepspeed", step_grad_copies=True))
+    lay = layout_from_config(cfg, d)
+    predicted = mem.step_copies(job, lay, mem.stage_units(job, lay, 0))
+    assert predicted > 0
+    vectors = sum(t.numel() for t in world[f"ds{stage}_bf16"][0]["params"].values() if t.ndim < 2)
+    assert 0 < vectors < predicted / 100
+    for r in world[f"ds{stage}_bf16"]:
+        got = r["state_bytes"]["step_alloc"]
+        assert abs(got - (predicted - (2 + 4) * vectors / 2)) <= (2 + 4) * 4, (got, predicted)

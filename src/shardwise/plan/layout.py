@@ -73,6 +73,11 @@ class Engine:
     # the optimizer accumulates gradients into an fp32 buffer of every parameter the rank
     # holds, beside the 16-bit ones (DeepSpeed's BF16_Optimizer, BLOOM from 2022-02-28)
     fp32_grads: bool = False
+    # the optimizer step flattens the rank's share of the gradients into a new 16-bit buffer
+    # and casts that to a new fp32 one, both alive beside the model states (DeepSpeed's ZeRO-1/2
+    # `step`: `self.flatten(self.averaged_gradients[i]).to(fp32)`, in its code since 2020 and
+    # measured in 0.19.8 by tests/test_zero_peers.py)
+    step_grad_copies: bool = False
 
 
 SHARDWISE = Engine()

@@ -288,17 +288,54 @@ def backward_transient(job: Job, layout: Layout) -> float:
     return max(logits, layer)
 
 
+def _trainable(units) -> int:
+    return sum(u.count * sum(e[0] for e in u.entries if e[1]) for u in units)
+
+
+def _stage_states(job: Job, layout: Layout, st: int) -> tuple[list, dict[str, float]]:
+    """A pipeline stage's ZeRO units and its ranks' model states (params, grads, master,
+    optimizer and their host/disk parts)."""
+    us = stage_units(job, layout, st)
+    quantised = quantised_layers(job, layout, st)
+    shards = quantised_shards(layout)
+    mem = model_states(us, job, layout.dp, layout.zero, layout.offload, quantised, shards)
+    if job.engine.fp32_grads:  # (layout.Engine) not sharded over dp
+        mem["grads"] += 4 * _trainable(us)
+    return us, mem
+
+
+def step_peak(job: Job, layout: Layout) -> float:
+    """Device bytes at the optimizer step of an engine that copies gradients there
+    (`Engine.step_grad_copies`), the worst stage; 0 for one that does not. DeepSpeed frees the
+    16-bit gradients of the parameters other ranks update, then flattens its own share into a
+    new 16-bit buffer and casts that to a new fp32 one: its share three times (2 + 2 + 4 bytes
+    an element in bf16/fp16) beside the other model states; the activations are gone by then."""
+    if not job.engine.step_grad_copies:
+        return 0.0
+    worst = 0.0
+    for st in stage_ranks(job, layout):
+        us, mem = _stage_states(job, layout, st)
+        states = sum(v for k, v in mem.items() if not k.startswith(("host_", "disk_", "grads")))
+        kept = job.bc * _trainable(us) / (layout.dp if layout.zero >= 1 else 1)
+        worst = max(worst, states + kept + step_copies(job, layout, us))
+    return worst
+
+
+def step_copies(job: Job, layout: Layout, units: list) -> float:
+    """What `Engine.step_grad_copies` allocates at the step on a rank holding `units`: its
+    share of their gradients (1/dp under ZeRO-1/2) flattened, then cast to fp32. DeepSpeed of
+    2021-22 (BLOOM's) kept every param group's fp32 copy until one optimizer step; since it
+    steps group by group, freeing each group's copies first, the peak is its largest group
+    (the matrices': less by the norm weights and biases, ~0.1 % of a transformer)."""
+    return (job.bc + 4) * _trainable(units) / (layout.dp if layout.zero >= 1 else 1)
+
+
 def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
     """`mem_bytes` per rank: max over ranks per category, `total` the largest rank's sum."""
     stages = stage_ranks(job, layout)
     per_stage = []
     for st in stages:
-        us = stage_units(job, layout, st)
-        quantised = quantised_layers(job, layout, st)
-        shards = quantised_shards(layout)
-        mem = model_states(us, job, layout.dp, layout.zero, layout.offload, quantised, shards)
-        if job.engine.fp32_grads:  # (layout.Engine) not sharded over dp
-            mem["grads"] += 4 * sum(u.count * sum(e[0] for e in u.entries if e[1]) for u in us)
+        us, mem = _stage_states(job, layout, st)
         wire = compression.zero_wire_copy(layout)
         _, first, last = job_split(job, layout)[st]
         tied = job.spec.tie_embeddings and first and last  # the head re-gathers the embedding

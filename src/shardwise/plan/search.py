@@ -81,7 +81,7 @@ def evaluate(job: Job, lay: Layout) -> dict:
     kinds, calls = tm.traffic_by_kind(job, lay), tm.collective_calls(job, lay)
     parts = tm.step_time(job, lay, mb, kinds, calls)
     transient = mem.backward_transient(job, lay)
-    peak = mb["total"] + transient + hw.reserve
+    peak = max(mb["total"] + transient, mem.step_peak(job, lay)) + hw.reserve
     host = sum(v for k, v in mb.items() if k.startswith("host_"))
     step = parts["step_s"]
     tokens = job.tokens_per_step / step

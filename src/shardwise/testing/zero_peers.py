@@ -34,6 +34,7 @@ from torch import nn
 from shardwise.config import Config
 from shardwise.distributed import device as dev
 from shardwise.testing.collectives import count_collectives, patch_deepspeed_backend
+from shardwise.testing.livepeak import LivePeak
 from shardwise.testing.peer_loop import (
     loss_sum,
     optimizer_state_bytes,
@@ -216,6 +217,10 @@ def _deepspeed_peer(cfg: Config, strict: bool) -> dict:
             engine.backward(loss)
             if i == n - 1 and engine.global_steps == last:
                 state.update(_deepspeed_grad_bytes(engine))  # gradients exist now
+                with LivePeak() as meter:  # what its optimizer step allocates (our AdamW
+                    engine.step()  # is fused: nothing of its own)
+                state["step_alloc"] = meter.peak
+                return loss.detach() / n
             engine.step()  # after every backward: it counts micro-batches, steps on the last
             return loss.detach() / n
 
