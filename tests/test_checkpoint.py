@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -32,6 +33,12 @@ EXACT = {
     "z3": ["--parallel.zero=3"],
     "dp_fp16_accum": [*FP16, "--train.micro_batch=2"],
     "tp2": ["--parallel.tp=2"],
+    # PowerSGD's per-rank error memory, warm-start Q and random stream (a fresh Q each step)
+    "powersgd": ["--parallel.grad_compression=powersgd"],
+    "powersgd_cold": [
+        "--parallel.grad_compression=powersgd",
+        "--parallel.powersgd_warm_start=false",
+    ],
     "z3_bf16_offload_accum": [
         "--parallel.zero=3",
         "--precision.compute=bf16",
@@ -58,6 +65,7 @@ def _worlds(root: Path) -> tuple[dict, dict]:
     world4 = {
         "dp4_z3": _ckpt(root, "dp4_z3", "--parallel.zero=3"),
         "dp2_tp2_z1": _ckpt(root, "dp2_tp2_z1", "--parallel.tp=2", "--parallel.zero=1"),
+        "powersgd_dp4": _ckpt(root, "powersgd_dp4", *EXACT["powersgd"]),
     }
     world2 = {}
     for name, extra in EXACT.items():
@@ -69,6 +77,9 @@ def _worlds(root: Path) -> tuple[dict, dict]:
     world2["z2_to_z3"] = _ckpt(root, "z2_to_z3", "--parallel.zero=3", resume=f"z2/{HALF}")
     world2["tp2_to_tp1"] = _ckpt(root, "tp2_to_tp1", resume=f"tp2/{HALF}")
     world2["dp2_tp2_z1_to_dp2"] = _ckpt(root, "2d_to_dp2", resume=f"dp2_tp2_z1/{HALF}")
+    world2["powersgd_dp4_to_dp2"] = _ckpt(
+        root, "psgd_dp4_to_dp2", *EXACT["powersgd"], resume=f"powersgd_dp4/{HALF}"
+    )
     world2["z3_async"] = _ckpt(root, "z3_async", "--parallel.zero=3", "--checkpoint.async=true")
     return world4, world2
 
@@ -187,6 +198,20 @@ def test_resume_in_another_layout_continues_the_run(runs: dict, name: str, refer
     assert [r["step"] for r in got["records"]] == [5, 6, 7, 8]
     assert max_rel(got["losses"], ref["losses"][4:]) <= 1e-5
     assert max_param_diff(got["params"], ref["params"]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_per_rank_state_restarts_in_another_layout(runs: dict) -> None:
+    """PowerSGD's error memory and Q belong to a rank of the layout that saved them: dp4's
+    checkpoint resumed as dp2 restarts them (and says so) instead of reading ranks 0-1's, the
+    parameters and Adam state continue; the same layout restores them (no note)."""
+    got = runs["powersgd_dp4_to_dp2"]
+    assert [r["step"] for r in got["records"]] == [5, 6, 7, 8]
+    assert all(math.isfinite(x) for x in got["losses"])
+    assert "start afresh" in got["resume_note"] and "world 4 dp 4" in got["resume_note"]
+    assert runs["powersgd_resumed"]["resume_note"] is None
+    index = io.read_index(runs["root"] / "powersgd_dp4" / HALF)
+    assert {f"powersgd_rng/rank{r}" for r in range(4)} <= set(index["tensors"])
 
 
 def test_slices_reassemble_across_tensor_parallel_and_zero_cuts(tmp_path: Path) -> None:

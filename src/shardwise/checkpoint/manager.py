@@ -158,7 +158,7 @@ class Checkpointer:
                 "which would change the data order. Fix: --train.global_batch="
                 f"{data['global_batch']} --train.seed={data['seed']}."
             )
-        load_state(self.run, path, index, self.channel)
+        note = self.run.resume_note = load_state(self.run, path, index, self.channel)
         self.record = index.get("record")
         scaler, saved = self.run.optimizer.scaler, index["loop"]["loss_scaler"]
         if scaler.enabled and saved["enabled"]:
@@ -171,7 +171,7 @@ class Checkpointer:
             here += str(self.run.cfg.parallel.zero)
             print(
                 f"resumed{after} from {path} at step {index['step']} (saved with {saved}; "
-                f"now {here})",
+                f"now {here})" + (f"; {note}" if note else ""),
                 flush=True,
             )
         return index["step"]

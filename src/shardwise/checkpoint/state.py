@@ -26,6 +26,7 @@ from shardwise.distributed.comm import ControlChannel
 from shardwise.errors import CheckpointError
 from shardwise.models.init import canonical_name, find_spec
 from shardwise.optim import MixedPrecisionAdamW, lr_at
+from shardwise.parallel.compress import PowerSGD
 from shardwise.parallel.zero import ZeroEngine
 
 
@@ -126,7 +127,35 @@ def local_state(run) -> list[Local]:
             if b is not None and leaf not in module._non_persistent_buffers_set:
                 name = f"{prefix}.{leaf}" if prefix else leaf
                 out += slices_of(f"buffer/{name}", b, (0, b.numel()), _flat(b))
+    return out + _per_rank(run)
+
+
+def _whole(key: str, t: torch.Tensor, after_load=None) -> Local:
+    piece = io.Piece(
+        key, tuple(t.shape), io.dtype_name(t.dtype), io.full_box(t.shape), (0, t.numel())
+    )
+    return Local(piece, _flat(t), after_load=after_load)
+
+
+def _per_rank(run) -> list[Local]:
+    """State that belongs to this rank, not to the model (PowerSGD's error memory, warm-start
+    Q and random stream): one tensor per rank, keyed `<kind>/rank<r>/...`, restored only into
+    the layout that saved it (`_restorable`)."""
+    compression = getattr(run.reducer, "compression", None)
+    if not isinstance(compression, PowerSGD):
+        return []
+    names = {id(p): n for n, p in run.model.named_parameters()}
+    tag = f"rank{run.topo.rank}"
+    out = [
+        _whole(f"powersgd_{kind}/{tag}/{names[id(p)]}", t)
+        for kind, p, t in compression.per_rank_state(run.reducer.buckets)
+    ]
+    rng = compression.generator.get_state()
+    out.append(_whole(f"{PER_RANK[-1]}/{tag}", rng, lambda: compression.generator.set_state(rng)))
     return out
+
+
+PER_RANK = ("powersgd_error", "powersgd_q", "powersgd_rng")
 
 
 def adam_step(opt: MixedPrecisionAdamW) -> int:
@@ -256,16 +285,40 @@ def _mismatch_message(path: Path, problems: list[tuple[str, str]]) -> str:
     )
 
 
+def _restorable(index: dict, run, own: list[Local]) -> bool:
+    """Whether this rank's own state (`_per_rank`) can be read back: saved by the same layout
+    (rank r then is the same place in the mesh) with the same shapes."""
+    d, was = run.derived, index["layout"]
+    same = all(was[k] == getattr(d, k) for k in ("world", "dp", "tp", "pp"))
+    return bool(own) and same and not _fit_problems(index, own)
+
+
 @torch.no_grad()
-def load_state(run, path: Path, index: dict, channel: ControlChannel) -> None:
+def load_state(run, path: Path, index: dict, channel: ControlChannel) -> str | None:
     """Fill this rank's slices (in its current layout) from the checkpoint at `path`; every
-    rank raises the same one message if tensors are missing, extra or of another shape."""
+    rank raises the same one message if tensors are missing, extra or of another shape.
+    Returns a note when per-rank state (PowerSGD's) restarts instead of being restored."""
     adam = index["loop"]["optimizer"]["adam_step"]
     if adam:
         run.optimizer.fresh_state(adam)
     locals_ = local_state(run)
+    own = [lo for lo in locals_ if lo.piece.key.startswith(PER_RANK)]
+    locals_ = [lo for lo in locals_ if not lo.piece.key.startswith(PER_RANK)]
     names = {lo.piece.key for lo in locals_ if lo.piece.key.startswith("param/")}
-    gathered = channel.all_gather((_fit_problems(index, locals_), names))
+    gathered = channel.all_gather(
+        (_fit_problems(index, locals_), names, _restorable(index, run, own), bool(own))
+    )
+    note = None
+    if all(g[2] for g in gathered):
+        locals_ += own
+    elif any(g[3] for g in gathered):
+        was = index["layout"]
+        note = (
+            "PowerSGD's error memory and warm-start Q start afresh: they are per-rank state, "
+            "kept only for a resume in the layout that saved them (world "
+            f"{was['world']} dp {was['dp']} tp {was['tp']} pp {was['pp']}; a checkpoint from "
+            "before they were saved has none)"
+        )
     problems = [p for g in gathered for p in g[0]]
     needed = set().union(*(g[1] for g in gathered))
     problems += [
@@ -287,3 +340,4 @@ def load_state(run, path: Path, index: dict, channel: ControlChannel) -> None:
         reader.close()
     if isinstance(run.reducer, ZeroEngine):
         run.reducer.after_step()  # ZeRO-1/2: publish the loaded slices to every replica
+    return note

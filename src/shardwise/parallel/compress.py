@@ -15,9 +15,10 @@ compression); only what crosses the wire is smaller:
   gradient becomes P Qᵀ. Bytes on the wire: r·(m+n) per compressed matrix plus every
   uncompressed element, fp32. Each rank keeps E = M - P Qᵀ / n_dp (its share of what the
   low-rank sum missed), and Q is reused as the next step's start (warm start) unless
-  `parallel.powersgd_warm_start` is off. The error memory and Q are per-rank state that
-  checkpoints do not hold: a resumed run restarts them (zero error, fresh Q), as DDP's hook
-  does unless its state is saved by hand.
+  `parallel.powersgd_warm_start` is off. The error memory, Q and the random stream are
+  per-rank state: a checkpoint keeps them under keys naming the rank (`per_rank_state`), and a
+  run resumed in the same layout restores them, so it continues bit for bit; in another
+  layout they restart (zero error, fresh Q), as DDP's hook does unless saved by hand.
 
 The loss is normalised by the global token count, so the reduction is a sum (no division),
 as in `parallel/data.py`.
@@ -126,6 +127,17 @@ class PowerSGD:
             for t in [*st.error, *st.q, st.first, st.second]:
                 total += t.numel() * t.element_size()
         return total
+
+    def per_rank_state(self, buckets) -> list[tuple[str, torch.nn.Parameter, torch.Tensor]]:
+        """What the next step depends on besides the model: (kind, parameter, tensor) for each
+        compressed matrix's error memory ("error") and warm-start Q ("q"), bucket by bucket.
+        Before the first step they are made now, with the draws that step would make."""
+        out = []
+        for index, bucket in enumerate(buckets):
+            st = self._matrices(index, bucket.params)
+            for (p, _), err, q in zip(st.big, st.error, st.q, strict=True):
+                out += [("error", p, err), ("q", p, q)]
+        return out
 
     def _matrices(self, index: int, params) -> _Matrices:
         if index not in self._state:

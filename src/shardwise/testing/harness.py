@@ -87,6 +87,7 @@ def _train_case(case: dict, run, fit) -> dict:
         "params": params,
         "scales": [r["loss_scale"] for r in records],
         "skipped": [r["skipped"] for r in records],
+        "resume_note": run.resume_note,
     }
 
 

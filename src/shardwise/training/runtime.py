@@ -126,6 +126,7 @@ class Run:
     watchdog: Watchdog | None = None
     user_loss: Callable | None = None  # train.loss=module:fn
     locks: list = dataclasses.field(default_factory=list)  # run.dir / checkpoint.dir (lock.py)
+    resume_note: str | None = None  # what a resume could not restore (checkpoint/state.py)
 
     def close(self, error: BaseException | None = None) -> None:
         """Leave training (finished, or failed with `error`): stop the hang watchdog (this
