@@ -135,6 +135,15 @@ def orderings(pred: dict[str, float], meas: dict[str, float], rows: dict[str, di
                 f"  Korthikanti {size}: full recompute without SP / selective + SP: "
                 f"x{r[0]:.2f} -> x{r[1]:.2f} ({'within' if ok else 'outside'} 25-35 % slower)"
             )
+    # BLOOM 02-20 ("tile and wave quantization"): one layout at two widths
+    b = "bloom-prequel-{}-320g-tp8pp10dp4-mbs{}-gbs2048-nh64-0220"
+    for mbs in (1, 2, 4, 8):
+        wide, narrow = b.format("200b-h14400l80", mbs), b.format("187b-h13824l80", mbs)
+        if r := _ratio(pred, meas, wide, narrow):
+            print(
+                f"  BLOOM 02-20 NHIDDEN 14400 / 13824 (tp8 pp10 dp4 mbs{mbs}, x1.08 the FLOPs): "
+                f"x{r[0]:.2f} -> x{r[1]:.2f}"
+            )
     n = "narayanan2021-t2-"
     for z3, ptdp in (
         ("175b-384g", "175b-384g"), ("175b-768g", "175b-768g"), ("175b-1536g", "175b-1536g"),
