@@ -332,3 +332,28 @@ def test_a_zero1_step_that_copies_gradients_can_set_the_peak():
         if dp == 1:  # 22 bytes a parameter at the step
             assert copies["peak_bytes"] > plain["peak_bytes"]
     assert copies["peak_bytes"] == plain["peak_bytes"]  # dp 8: backward's peak is higher
+
+
+def test_misaligned_gemm_dimensions_are_flagged_on_gpus():
+    """The planner prices GEMMs by size, not alignment, and BLOOM's 14400-wide runs (head
+    dims 450, 225, 150) are its held-out worst: `explain`/`plan` warn on a GPU when a 16-bit
+    GEMM dimension is not a multiple of 8, with heads that fix it; not on the CPU, not in fp32,
+    not for 13824 x 64 heads."""
+    from shardwise.config import load_config
+    from shardwise.plan.explain import alignment_warning, explain_record
+
+    def spec(dim: int, heads: int) -> ModelSpec:
+        return ModelSpec("decoder", 2, dim, heads, vocab_size=512, ffn_dim=4 * dim)
+
+    a100, cpu = get_hardware("a100-80gb"), get_hardware("cpu")
+    line = alignment_warning(spec(14400, 32), "bf16", a100, tp=8)
+    assert "head dim 450" in line and "--model.n_heads=30 (head dim 480)" in line
+    assert alignment_warning(spec(13824, 64), "bf16", a100, tp=8) is None
+    assert alignment_warning(spec(14400, 32), "bf16", cpu) is None
+    assert alignment_warning(spec(14400, 32), "fp32", a100) is None
+    only_tp = alignment_warning(spec(8288, 28), "bf16", a100, tp=8)  # head dim 296
+    assert only_tp.startswith("warning: width per tp rank 1036:") and "Fix" not in only_tp
+    args = ["--model.dim=1800", "--model.n_heads=4", "--model.n_layers=1"]
+    cfg = load_config(None, [*args, "--model.vocab_size=512", "--precision.compute=bf16"])
+    (shown,) = explain_record(cfg, 2, a100)["warnings"]  # head dim 450 again
+    assert shown.startswith("warning: head dim 450")

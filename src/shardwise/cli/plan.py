@@ -204,11 +204,14 @@ def run(argv: list[str], overrides: list[str]) -> int:
         f"({hw.memory / 1e9:.0f} GB, {hw.calibrated}); seq_len {job.seq_len}, global batch "
         f"{job.global_batch}, {job.precision}; {len(result.candidates):,} layouts fit"
     )
-    from shardwise.plan.explain import cpu_precision_warning
+    from shardwise.plan.explain import alignment_warning, cpu_precision_warning
 
-    slow = cpu_precision_warning(job.precision, hw)
-    if slow:
-        print(slow)
+    for warning in (
+        cpu_precision_warning(job.precision, hw),
+        alignment_warning(job.spec, job.precision, hw),
+    ):
+        if warning:
+            print(warning)
     print(report.table(result.candidates, args.top))
     print(report.rejected_lines(dict(result.rejected)))
     if args.misses:
