@@ -357,3 +357,28 @@ def test_misaligned_gemm_dimensions_are_flagged_on_gpus():
     cfg = load_config(None, [*args, "--model.vocab_size=512", "--precision.compute=bf16"])
     (shown,) = explain_record(cfg, 2, a100)["warnings"]  # head dim 450 again
     assert shown.startswith("warning: head dim 450")
+
+
+def test_a_misaligned_head_dim_slows_the_unfused_attention_gemms_only(runs):
+    """`Hardware.misaligned_slowdown` multiplies the unfused attention's 16-bit batched GEMMs
+    when the head dim is off the 8-element alignment, nothing else; the A100's value is what
+    `fit_misaligned` returns on the named pair (13824 wide, 128 heads vs 96, one layout)."""
+    hw = get_hardware("a100-80gb")
+    assert hw.misaligned_slowdown > 1
+    plain = hw.with_overrides(misaligned_slowdown=1.0)
+    peak = hw.peak["bf16"]
+
+    def attn(h: ModelSpec, hw, c=2, unfused=True) -> float:
+        return sum(gpu._attention(hw, h, 8, 4, 2048, c, peak, unfused))
+
+    odd = ModelSpec("gpt2", 2, 13824, 128, 128, 4 * 13824, 512)  # head dim 108
+    even = ModelSpec("gpt2", 2, 13824, 96, 96, 4 * 13824, 512)  # 144
+    gemms = 6 * 4 * (128 / 8) * (gpu._gemm(hw, 2, 2048, 2048, 108, peak) - hw.kernel_s)
+    extra = attn(odd, hw) - attn(odd, plain)
+    assert extra == pytest.approx((hw.misaligned_slowdown - 1) * gemms, rel=1e-9)
+    for spec, kw in ((even, {}), (odd, {"unfused": False}), (odd, {"c": 4})):
+        assert attn(spec, hw, **kw) == attn(spec, plain, **kw)
+    rows = {r["id"]: r for r in runs.load_rows()}
+    pair = [runs.make_case(rows[rid]) for rid in runs.MISALIGNED_PAIR]
+    fitted = runs.fit_misaligned(pair, None)
+    assert fitted == pytest.approx(hw.misaligned_slowdown, abs=0.05)

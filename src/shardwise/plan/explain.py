@@ -132,10 +132,10 @@ def alignment_warning(spec, precision: str, hw: Hardware, tp: int = 1) -> str | 
         best = min(heads, key=lambda h: (abs(h - spec.n_heads), h))
         fix = f" Fix: e.g. --model.n_heads={best} (head dim {spec.dim // best})."
     return (
-        f"warning: {shown}: not a multiple of 8, so {precision} GEMMs on {hw.name} run further from "
-        "peak than the planner prices (it knows sizes, not alignment; BLOOM measured "
-        "NHIDDEN=14400 with head dim 225 x1.38 slower a step than 13824 on one layout, for "
-        f"x1.08 the FLOPs).{fix}"
+        f"warning: {shown}: not a multiple of 8, so {precision} GEMMs on {hw.name} run off "
+        "the Tensor Cores' alignment. BLOOM's steps with such head dims took x1.30-1.51 those "
+        "of aligned ones; the planner prices it only for the unfused attention's GEMMs, where "
+        f"a source measured it (Hardware.misaligned_slowdown), not elsewhere.{fix}"
     )
 
 

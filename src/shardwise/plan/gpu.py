@@ -73,6 +73,8 @@ def _attention(hw: Hardware, spec, t, b, s, c, peak, unfused: bool) -> tuple:
     # the fused scale-mask-softmax (read + write) and, with attention dropout, the dropout
     # (read, write, a 1-byte mask)
     gemm = 2 * _gemm(hw, c, s, s, hd, peak) - 2 * hw.kernel_s
+    if c == 2 and hd % 8:  # a head dim off the 16-bit Tensor Cores' 8-element alignment
+        gemm *= hw.misaligned_slowdown
     square = b * heads * s * s
     bw = hw.hbm_bw * hw.mem_eff
     drop = 1 if spec.attn_dropout else 0
