@@ -29,6 +29,10 @@ from shardwise.optim import MixedPrecisionAdamW, lr_at
 from shardwise.parallel.compress import PowerSGD
 from shardwise.parallel.zero import ZeroEngine
 
+# kinds of state that belong to one rank, not to the model (`_per_rank`): keyed
+# `<kind>/rank<r>/...`, restored only into the layout that saved them
+PER_RANK = ("powersgd_error", "powersgd_q", "powersgd_rng")
+
 
 @dataclass
 class Local:
@@ -153,9 +157,6 @@ def _per_rank(run) -> list[Local]:
     rng = compression.generator.get_state()
     out.append(_whole(f"{PER_RANK[-1]}/{tag}", rng, lambda: compression.generator.set_state(rng)))
     return out
-
-
-PER_RANK = ("powersgd_error", "powersgd_q", "powersgd_rng")
 
 
 def adam_step(opt: MixedPrecisionAdamW) -> int:
