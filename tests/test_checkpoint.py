@@ -77,6 +77,9 @@ def _worlds(root: Path) -> tuple[dict, dict]:
     world2["z2_to_z3"] = _ckpt(root, "z2_to_z3", "--parallel.zero=3", resume=f"z2/{HALF}")
     world2["tp2_to_tp1"] = _ckpt(root, "tp2_to_tp1", resume=f"tp2/{HALF}")
     world2["dp2_tp2_z1_to_dp2"] = _ckpt(root, "2d_to_dp2", resume=f"dp2_tp2_z1/{HALF}")
+    world2["powersgd_off"] = _ckpt(
+        root, "powersgd_off", *EXACT["powersgd"], "--checkpoint.per_rank_state=false"
+    )
     world2["powersgd_dp4_to_dp2"] = _ckpt(
         root, "psgd_dp4_to_dp2", *EXACT["powersgd"], resume=f"powersgd_dp4/{HALF}"
     )
@@ -204,7 +207,8 @@ def test_resume_in_another_layout_continues_the_run(runs: dict, name: str, refer
 def test_per_rank_state_restarts_in_another_layout(runs: dict) -> None:
     """PowerSGD's error memory and Q belong to a rank of the layout that saved them: dp4's
     checkpoint resumed as dp2 restarts them (and says so) instead of reading ranks 0-1's, the
-    parameters and Adam state continue; the same layout restores them (no note)."""
+    parameters and Adam state continue; the same layout restores them (no note); with
+    checkpoint.per_rank_state=false they are not saved."""
     got = runs["powersgd_dp4_to_dp2"]
     assert [r["step"] for r in got["records"]] == [5, 6, 7, 8]
     assert all(math.isfinite(x) for x in got["losses"])
@@ -212,6 +216,25 @@ def test_per_rank_state_restarts_in_another_layout(runs: dict) -> None:
     assert runs["powersgd_resumed"]["resume_note"] is None
     index = io.read_index(runs["root"] / "powersgd_dp4" / HALF)
     assert {f"powersgd_rng/rank{r}" for r in range(4)} <= set(index["tensors"])
+    # checkpoint.per_rank_state=false: the model's state only, the same training
+    off = io.read_index(runs["root"] / "powersgd_off" / HALF)
+    assert not any(k.startswith("powersgd") for k in off["tensors"])
+    assert runs["powersgd_off"]["losses"] == runs["powersgd"]["losses"]
+
+
+def test_explain_counts_per_rank_state_in_the_checkpoint_size() -> None:
+    """The disk check before training (check_room) sizes a checkpoint with every rank's
+    PowerSGD state when it is kept: at most the fp32 size of the gradients each rank reduces."""
+    from shardwise.config import load_config
+    from shardwise.plan.explain import checkpoint_bytes, explain_record
+
+    args = ["--parallel.grad_compression=powersgd", "--model.n_layers=2"]
+    kept = explain_record(load_config(None, args), 2)
+    off = explain_record(load_config(None, [*args, "--checkpoint.per_rank_state=false"]), 2)
+    per_rank = kept["checkpoint_per_rank_bytes"]
+    assert per_rank == kept["mem_bytes"]["grads"]  # fp32 buffers: 4 bytes an element
+    assert "checkpoint_per_rank_bytes" not in off
+    assert checkpoint_bytes(kept) == checkpoint_bytes(off) + 2 * per_rank
 
 
 def test_slices_reassemble_across_tensor_parallel_and_zero_cuts(tmp_path: Path) -> None:

@@ -105,6 +105,7 @@ GOLDEN_KEYS = [
     "checkpoint.resume",
     "checkpoint.on_signal",
     "checkpoint.async",
+    "checkpoint.per_rank_state",
     "log.every",
     "log.tensorboard",
     "log.progress",

@@ -60,3 +60,28 @@ def test_a_local_run_listens_on_loopback_only(tmp_path, extra):
     # the rendezvous store and gloo's pairs at least (torch's own stores listen on '::')
     assert len(seen) >= 2, seen
     assert all(is_loopback(addr) for addr, _ in seen), sorted(seen)
+
+
+def test_a_store_port_held_for_a_moment_is_tried_again():
+    """Rank 0 binds MASTER_PORT after its peers may already be dialling it; a peer on the same
+    host whose ephemeral source port is that port connects to itself and holds it until it
+    gives up. The store's bind waits that out (bounded) instead of failing the job; a port
+    held for good is still an error after the wait."""
+    import errno
+    import socket
+    import threading
+
+    from shardwise.distributed.comm import _bound
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    threading.Timer(0.6, holder.close).start()
+    t0 = time.monotonic()
+    sock = _bound("127.0.0.1", port, timeout_s=10)
+    assert sock.getsockname()[1] == port and time.monotonic() - t0 >= 0.5
+    with pytest.raises(OSError) as busy:
+        _bound("127.0.0.1", port, timeout_s=0.5)  # `sock` holds it now
+    assert busy.value.errno == errno.EADDRINUSE
+    sock.close()

@@ -306,6 +306,13 @@ class CheckpointConfig:
         "Snapshot shards to host memory and write them in a background thread while "
         "training continues.",
     )
+    per_rank_state: bool = opt(
+        True,
+        "Also save state that belongs to each rank, not to the model (PowerSGD's error memory, "
+        "warm-start Q and random stream: about the compressed gradients' fp32 size per dp "
+        "rank), so a resume in the same layout continues bit for bit; false: the model's state "
+        "only, a resume restarts them.",
+    )
 
 
 @dataclass

@@ -146,7 +146,7 @@ def _per_rank(run) -> list[Local]:
     Q and random stream): one tensor per rank, keyed `<kind>/rank<r>/...`, restored only into
     the layout that saved it (`_restorable`)."""
     compression = getattr(run.reducer, "compression", None)
-    if not isinstance(compression, PowerSGD):
+    if not isinstance(compression, PowerSGD) or not run.cfg.checkpoint.per_rank_state:
         return []
     names = {id(p): n for n, p in run.model.named_parameters()}
     tag = f"rank{run.topo.rank}"
@@ -316,9 +316,9 @@ def load_state(run, path: Path, index: dict, channel: ControlChannel) -> str | N
         was = index["layout"]
         note = (
             "PowerSGD's error memory and warm-start Q start afresh: they are per-rank state, "
-            "kept only for a resume in the layout that saved them (world "
-            f"{was['world']} dp {was['dp']} tp {was['tp']} pp {was['pp']}; a checkpoint from "
-            "before they were saved has none)"
+            "restored only into the layout that saved them (world "
+            f"{was['world']} dp {was['dp']} tp {was['tp']} pp {was['pp']}) from a checkpoint "
+            "that has them (checkpoint.per_rank_state=true, the default, from 2026-11-26 on)"
         )
     problems = [p for g in gathered for p in g[0]]
     needed = set().union(*(g[1] for g in gathered))

@@ -305,15 +305,7 @@ def listening_store(
     `world`, it returns once `world - 1` clients have joined (or raises after `timeout_s`)."""
     import datetime
 
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-        sock.listen(1024)
-    except OSError:
-        sock.close()
-        raise
+    sock = _bound(host, port, timeout_s)
     return dist.TCPStore(
         host,
         sock.getsockname()[1],
@@ -324,6 +316,29 @@ def listening_store(
         wait_for_workers=world is not None,
         master_listen_fd=sock.detach(),
     )
+
+
+def _bound(host: str, port: int, timeout_s: float) -> socket.socket:
+    """A socket listening on host:port. A port its clients already try to reach can be taken
+    for a moment: a client on the same host whose ephemeral source port happens to be the
+    port connects to itself (TCP's simultaneous open) until it gives up; so a busy port is
+    tried again for up to `timeout_s` (at most 30 s) before it is an error."""
+    import errno
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    deadline = time.monotonic() + min(timeout_s, 30.0)
+    while True:
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+            sock.listen(1024)
+            return sock
+        except OSError as exc:
+            sock.close()
+            if exc.errno != errno.EADDRINUSE or not port or time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
 
 
 def free_port() -> int:

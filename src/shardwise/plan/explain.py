@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from shardwise.config import Config
 from shardwise.plan.hardware import Hardware, detect_hardware
+from shardwise.plan.layout import BYTES
 from shardwise.plan.predict import predict_config
 from shardwise.training.metrics import human_bytes
 from shardwise.training.validate import derive
@@ -69,6 +70,11 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
     ):
         if key in pred:
             record[key] = pred[key]
+    # PowerSGD's per-rank state in each checkpoint (checkpoint/state.py): its error memory is
+    # at most the fp32 size of the gradients this rank reduces, Q and the stream are small
+    if cfg.parallel.grad_compression == "powersgd" and d.dp > 1 and cfg.checkpoint.per_rank_state:
+        elements = mem_b.get("grads", 0) / BYTES[cfg.precision.reduce]
+        record["checkpoint_per_rank_bytes"] = int(4 * elements)
     warnings = [
         cpu_precision_warning(cfg.precision.compute, hw),
         alignment_warning(d.spec, cfg.precision.compute, hw, d.tp),
@@ -144,7 +150,7 @@ def checkpoint_bytes(r: dict) -> int:
     stored once (replicated copies, over dp, are written by one rank)."""
     mem, shards = r["mem_bytes"], r["tp"] * r["pp"]
     zero = r["zero"]
-    total = 0
+    total = r.get("checkpoint_per_rank_bytes", 0) * r["world"]  # written by every rank
     for key, sharded in (("params", zero >= 3), ("master", zero >= 1), ("optimizer", zero >= 1)):
         for name in (key, f"host_{key}"):
             total += mem.get(name, 0) * shards * (r["dp"] if sharded else 1)
