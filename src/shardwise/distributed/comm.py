@@ -13,6 +13,7 @@ shardwise.distributed.watchdog). At degree 1 every collective is a no-op and cos
 
 from __future__ import annotations
 
+import errno
 import socket
 import sys
 import time
@@ -323,8 +324,6 @@ def _bound(host: str, port: int, timeout_s: float) -> socket.socket:
     for a moment: a client on the same host whose ephemeral source port happens to be the
     port connects to itself (TCP's simultaneous open) until it gives up; so a busy port is
     tried again for up to `timeout_s` (at most 30 s) before it is an error."""
-    import errno
-
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     deadline = time.monotonic() + min(timeout_s, 30.0)
     while True:

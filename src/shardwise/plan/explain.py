@@ -10,6 +10,7 @@ this CPU calibrated on the spot)."""
 from __future__ import annotations
 
 from shardwise.config import Config
+from shardwise.plan.gpu import ALIGN, misaligned
 from shardwise.plan.hardware import Hardware, detect_hardware
 from shardwise.plan.layout import BYTES
 from shardwise.plan.predict import predict_config
@@ -111,20 +112,6 @@ def cpu_precision_warning(precision: str, hw: Hardware) -> str | None:
     )
 
 
-def misaligned(spec, tp: int = 1) -> dict[str, int]:
-    """A transformer's GEMM dimensions on one tp rank that are not multiples of 8 elements,
-    by name: 16-bit Tensor Cores want 16-byte multiples (NVIDIA, "Matrix Multiplication
-    Background", Tensor Core requirements); cuBLAS runs the others on slower paths."""
-    if spec.arch in ("resnet18", "resnet50", "custom") or not (spec.dim and spec.n_heads):
-        return {}
-    dims = {
-        "head dim": spec.dim // spec.n_heads,
-        "width per tp rank": spec.dim // tp,
-        "ffn per tp rank": spec.ffn_dim // tp,
-    }
-    return {name: n for name, n in dims.items() if n % 8}
-
-
 def alignment_warning(spec, precision: str, hw: Hardware, tp: int = 1) -> str | None:
     """One line when a GPU's 16-bit GEMMs would run misaligned: the planner prices GEMMs by
     size, not alignment, so its step time is optimistic there."""
@@ -132,13 +119,15 @@ def alignment_warning(spec, precision: str, hw: Hardware, tp: int = 1) -> str | 
     if hw.name == "cpu" or precision == "fp32" or not bad:
         return None
     shown = ", ".join(f"{name} {n}" for name, n in bad.items())
-    heads = [h for h in range(1, spec.dim + 1) if spec.dim % h == 0 and (spec.dim // h) % 8 == 0]
     fix = ""
-    if "head dim" in bad and heads:
-        best = min(heads, key=lambda h: (abs(h - spec.n_heads), h))
-        fix = f" Fix: e.g. --model.n_heads={best} (head dim {spec.dim // best})."
+    if "head dim" in bad:
+        dim = spec.dim
+        heads = [h for h in range(1, dim + 1) if dim % h == 0 and (dim // h) % ALIGN == 0]
+        if heads:
+            best = min(heads, key=lambda h: (abs(h - spec.n_heads), h))
+            fix = f" Fix: e.g. --model.n_heads={best} (head dim {dim // best})."
     return (
-        f"warning: {shown}: not a multiple of 8, so {precision} GEMMs on {hw.name} run off "
+        f"warning: {shown}: not a multiple of {ALIGN}, so {precision} GEMMs on {hw.name} run off "
         "the Tensor Cores' alignment. BLOOM's steps with such head dims took x1.30-1.51 those "
         "of aligned ones; the planner prices it only for the unfused attention's GEMMs, where "
         f"a source measured it (Hardware.misaligned_slowdown), not elsewhere.{fix}"

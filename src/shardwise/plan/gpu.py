@@ -22,6 +22,23 @@ from __future__ import annotations
 from shardwise.plan import activations as act
 from shardwise.plan.hardware import Hardware
 
+# 16-bit Tensor Cores want every GEMM dimension a multiple of 16 bytes (NVIDIA, "Matrix
+# Multiplication Background", Tensor Core requirements); cuBLAS runs the others on slower paths
+ALIGN = 8  # elements of 2 bytes
+
+
+def misaligned(spec, tp: int = 1) -> dict[str, int]:
+    """A transformer's GEMM dimensions on one tp rank that are not multiples of ALIGN, by
+    name (the unfused attention prices its head dim's: `_attention`)."""
+    if spec.arch in ("resnet18", "resnet50", "custom") or not (spec.dim and spec.n_heads):
+        return {}
+    dims = {
+        "head dim": spec.head_dim,
+        "width per tp rank": spec.dim // tp,
+        "ffn per tp rank": spec.ffn_dim // tp,
+    }
+    return {name: n for name, n in dims.items() if n % ALIGN}
+
 
 def _gemm(hw: Hardware, c: int, m: float, n: float, k: float, peak: float) -> float:
     """Seconds of one (m x k) @ (k x n) multiply in `c`-byte elements."""
@@ -73,7 +90,7 @@ def _attention(hw: Hardware, spec, t, b, s, c, peak, unfused: bool) -> tuple:
     # the fused scale-mask-softmax (read + write) and, with attention dropout, the dropout
     # (read, write, a 1-byte mask)
     gemm = 2 * _gemm(hw, c, s, s, hd, peak) - 2 * hw.kernel_s
-    if c == 2 and hd % 8:  # a head dim off the 16-bit Tensor Cores' 8-element alignment
+    if c == 2 and hd % ALIGN:  # a head dim off the 16-bit Tensor Cores' alignment
         gemm *= hw.misaligned_slowdown
     square = b * heads * s * s
     bw = hw.hbm_bw * hw.mem_eff
