@@ -37,7 +37,7 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) runs .pytest_cache
 
-# every benchmark's --smoke run, the two the test suite leaves out included
+# every benchmark's --smoke run, the nine the test suite leaves out included (tests/test_benchmarks.py)
 bench-smoke: $(STAMP)
 	cd benchmarks && for f in *.py; do case $$f in common.py|smoke_all.py) ;; \
 	*) echo "== $$f"; ../$(BIN)/python $$f --smoke > /dev/null || exit 1;; esac; done

@@ -18,16 +18,19 @@ HELPERS = {"common.py", "smoke_all.py", "published_rows.py"}  # imported, or run
 # run and its rerun; cpu_malloc: two runs; default_job: the default job, ~10 s), ~40 s of the
 # suite, and what they drive is tested here: the signal/restart path and the chaos helper
 # (tests/test_preempt.py, tests/test_checkpoint.py), the malloc setting (tests/test_device.py),
-# the default job's start, plan line and training (tests/test_default_job.py). Three more
-# (7-8 s each) call shardwise only through `testing.run_world`, the harness every multi-rank
-# test uses, on what tests run too: ResNet and DDP parity (tests/test_parity.py), the async
-# checkpoint (tests/test_checkpoint.py).
+# the default job's start, plan line and training (tests/test_default_job.py). Six more
+# (7-11 s each) call shardwise only through the test harness (`testing.run_world`,
+# `run_here`), which every multi-rank test uses, on what tests run too: ResNet and DDP parity
+# (tests/test_parity.py), the async checkpoint (tests/test_checkpoint.py), the MiniLM
+# classifier (tests/test_hf_models.py), LoRA (tests/test_lora.py), gradient compression
+# (tests/test_compression.py).
 ELSEWHERE = {
     "fault_soak.py", "cpu_malloc.py", "default_job.py",
     "resnet_dp.py", "ddp_vs_torch.py", "checkpoint_async.py",
+    "minilm_classify.py", "lora_finetune.py", "grad_compression.py",
 }  # fmt: skip
 # the slowest smoke runs first, dealt alternately to the two runners so both finish together
-SLOW_FIRST = ["minilm_classify.py", "lora_finetune.py", "grad_compression.py"]
+SLOW_FIRST = ["zero_vs_peers.py", "profile_remedies.py", "pipeline_bubble.py", "pp_vs_torch.py"]
 TIMEOUT_S = 300
 
 
