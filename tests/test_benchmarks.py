@@ -23,9 +23,10 @@ HELPERS = {"common.py", "smoke_all.py", "published_rows.py"}  # imported, or run
 # `run_here`), which every multi-rank test uses, on what tests run too: ResNet and DDP parity
 # (tests/test_parity.py), the async checkpoint (tests/test_checkpoint.py), the MiniLM
 # classifier (tests/test_hf_models.py), LoRA (tests/test_lora.py), gradient compression
-# (tests/test_compression.py).
+# (tests/test_compression.py). cuda_profile.py measures on a GPU; its CPU smoke (~30 s: a
+# profile, the peer loop, four short trains) drives what tests/test_profile.py tests.
 ELSEWHERE = {
-    "fault_soak.py", "cpu_malloc.py", "default_job.py",
+    "fault_soak.py", "cpu_malloc.py", "default_job.py", "cuda_profile.py",
     "resnet_dp.py", "ddp_vs_torch.py", "checkpoint_async.py",
     "minilm_classify.py", "lora_finetune.py", "grad_compression.py",
 }  # fmt: skip

@@ -17,6 +17,7 @@ import pytest
 from shardwise.config import load_config
 from shardwise.distributed.clock import Clock
 from shardwise.profile.analyze import split_stragglers
+from shardwise.profile.kernels import device_ledger
 from shardwise.profile.ledger import build, total
 from shardwise.testing import run_world
 from shardwise.testing.profile_cases import BASE, CAUSES
@@ -128,6 +129,11 @@ def test_the_files_open_traces_timeline_report_and_pictures(profiled):
         trace = json.loads((folder / f"trace_rank{rank}.json").read_text())
         timed = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
         assert timed and all({"name", "ts", "dur", "pid"} <= set(e) for e in timed)
+    # the traced step and the clock's regions are profiler ranges (the device ledger's key);
+    # a CPU trace has no kernels, so no device ledger
+    names = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation"}
+    assert {"sw:step", "sw:forward", "sw:backward", "sw:comm:dp"} <= names
+    assert device_ledger(trace) is None and "device_ledger" not in summary["ranks"][0]
     merged = json.loads((folder / "timeline.json").read_text())
     timed = [e for e in merged["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in timed} == {0, 1}
@@ -184,6 +190,75 @@ def test_the_clock_charges_nested_time_to_the_innermost_region():
     with clk.phase("forward"):
         pass
     assert "forward" not in clk.take()[1]
+
+
+def _kernel_trace() -> dict:
+    """One traced step of 1000 us: host ranges on the loop's thread (1) and autograd's (2),
+    launches matched to device work by correlation id."""
+    ranges = [
+        ("step", 0, 1000, 1),
+        ("data", 0, 100, 1),
+        ("forward", 100, 300, 1),
+        ("backward", 300, 700, 1),
+        ("comm:dp", 600, 650, 2),  # a bucket's all-reduce issued from autograd's thread
+        ("optimizer", 700, 900, 1),
+    ]
+    device = [  # (correlation, launch at, name, category, start, end)
+        (5, 50, "Memcpy HtoD", "gpu_memcpy", 60, 90),
+        (1, 110, "gemm", "kernel", 150, 350),  # runs past its region's end: still forward
+        (2, 310, "gemm", "kernel", 350, 600),
+        (3, 610, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "kernel", 620, 800),
+        (4, 710, "multi_tensor_apply_kernel", "kernel", 720, 760),  # under the all-reduce
+        (6, 950, "elementwise", "kernel", 980, 1100),  # after the step: clipped
+    ]
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": f"sw:{n}", "ts": a, "dur": b - a, "tid": t}
+        for n, a, b, t in ranges
+    ]
+    for corr, at, name, cat, a, b in device:
+        launch = {"correlation": corr}
+        events.append({"ph": "X", "cat": "cuda_runtime", "ts": at, "dur": 5, "args": launch})
+        events.append({"ph": "X", "cat": cat, "name": name, "ts": a, "dur": b - a, "args": launch})
+    return {"traceEvents": events}
+
+
+def test_the_device_ledger_charges_each_instant_by_what_the_gpu_ran():
+    led = device_ledger(_kernel_trace())
+    ms = lambda us: us / 1e6  # noqa: E731
+    assert led["forward_s"] == ms(200) and led["backward_s"] == ms(250)
+    assert led["compute_s"] == ms(450)
+    # the copy (30) and the idle device while the host fetched (70)
+    assert led["data_s"] == ms(100)
+    # idle while the host was in the all-reduce's call (20) + NCCL alone (100 + 40)
+    assert led["comm_exposed_s"] == {"dp": ms(160), "tp": 0.0, "pp": 0.0}
+    assert led["comm_overlapped_s"]["dp"] == ms(40)  # under the optimizer's kernel: not added
+    assert led["optimizer_s"] == ms(40)
+    # idle inside forward (100-150) and the optimizer region (800-900): waiting for launches
+    assert led["launch_bound_s"] == ms(150)
+    assert led["other_s"] == ms(100)  # after the optimizer: idle 80 + the clipped kernel 20
+    assert abs(total(led) + led["launch_bound_s"] - led["step_s"]) < 1e-9
+    assert led["step_s"] == ms(1000)
+    no_kernels = _kernel_trace()
+    no_kernels["traceEvents"] = [e for e in no_kernels["traceEvents"] if e["cat"] != "kernel"]
+    no_kernels["traceEvents"] = [e for e in no_kernels["traceEvents"] if e["cat"] != "gpu_memcpy"]
+    assert device_ledger(no_kernels) is None
+
+
+def test_findings_on_cuda_are_priced_from_the_devices_split():
+    from shardwise.profile.analyze import device_view, mean_ledger
+
+    led = device_ledger(_kernel_trace())  # 1 ms traced
+    host = {**led, "forward_s": 0.0009, "backward_s": 0.0001, "straggler_wait_s": 0.0001}
+    host["step_s"] = 0.0021  # measured steps: 2.1 ms, 0.1 of it waiting for a late rank
+    ranks = [{"rank": 0, "steps": [host], "device_ledger": led}]
+    view = device_view(mean_ledger(ranks), ranks)
+    assert view["source"] == "device" and view["straggler_wait_s"] == 0.0001
+    assert view["forward_s"] == pytest.approx(2 * led["forward_s"])  # scaled to 2.0 ms
+    assert view["comm_exposed_s"]["dp"] == pytest.approx(2 * led["comm_exposed_s"]["dp"])
+    parts = total(view) + view["launch_bound_s"]
+    assert parts == pytest.approx(view["step_s"])
+    cpu = [{"rank": 0, "steps": [host]}]
+    assert device_view(mean_ledger(cpu), cpu) == mean_ledger(cpu)
 
 
 def test_waiting_for_a_late_rank_is_split_off_and_attributed_to_it():

@@ -91,13 +91,19 @@ def summarise(pcfg: Config, world: int) -> dict:
     from shardwise.plan.hardware import detect_hardware
     from shardwise.plan.remedy import findings
     from shardwise.profile.analyze import (
+        device_view,
         load_parts,
         mean_ledger,
         split_stragglers,
         summary_ranks,
         timeline,
     )
-    from shardwise.profile.report import findings_text, ledger_table, write_report
+    from shardwise.profile.report import (
+        device_table,
+        findings_text,
+        ledger_table,
+        write_report,
+    )
 
     folder = Path(pcfg.run.dir)
     parts, problems = load_parts(folder, world)
@@ -109,12 +115,16 @@ def summarise(pcfg: Config, world: int) -> dict:
         for key in ("comm_calls", "comm_bytes")
     }
     trace = timeline(parts)
+    priced = device_view(mean_ledger(ranks), ranks)
     summary = {
         "world": world,
         "warmup": pcfg.profile.warmup,
         "measured_steps": pcfg.profile.steps,
         "ranks": ranks,
-        "findings": findings(pcfg, world, mean_ledger(ranks), ranks, comm, detect_hardware()),
+        # priced from the device's split where there is one (CUDA: profile/kernels.py)
+        "findings": findings(pcfg, world, priced, ranks, comm, detect_hardware()),
+        "findings_from": priced.get("source", "host"),
+        "mfu": _mfu(folder / "metrics.jsonl", {s["step"] for s in parts[0]["steps"]}),
         "traces": [p["trace"] for p in parts if p["trace"]],
         "problems": problems,
         "timeline": trace,
@@ -124,9 +134,21 @@ def summarise(pcfg: Config, world: int) -> dict:
     del summary["timeline"]
     (folder / "summary.json").write_text(json.dumps(summary, indent=1))
     print(ledger_table(summary))
+    if device_table(summary):
+        print(device_table(summary))
     print(findings_text(summary["findings"], top=3))
     print(f"profile: {folder}/summary.json, report.md, timeline.json, trace_rank*.json")
     return summary
+
+
+def _mfu(metrics: Path, steps: set[int]) -> float | None:
+    """The median MFU of the measured steps (None where the peak FLOP/s is unknown)."""
+    try:
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    except (OSError, ValueError):
+        return None
+    values = [r["mfu"] for r in records if r.get("step") in steps and r.get("mfu")]
+    return statistics.median(values) if values else None
 
 
 def step_s(summary: dict) -> float:

@@ -37,6 +37,9 @@ class Clock:
         # straggler analysis
         self.events: list[tuple[str, float, float]] | None = None
         self.calls: list[tuple[str, int, bool, float]] | None = None
+        # while a profile traces a step: each region also opened as a torch.profiler range
+        # named `sw:<category>`, so the device ledger can tell which region launched a kernel
+        self.ranges: list[tuple[int, object]] | None = None
 
     def _charge(self, now: float) -> None:
         top = self.stack[-1]
@@ -49,11 +52,21 @@ class Clock:
         self._charge(time.perf_counter())
         self.stack.append(category)
         self.entered += 1
+        if self.ranges is not None:
+            self.ranges.append((len(self.stack), _open_range(category)))
 
     def exit(self) -> None:
         self._charge(time.perf_counter())
         if len(self.stack) > 1:
+            if self.ranges and self.ranges[-1][0] == len(self.stack):  # opened as a range
+                self.ranges.pop()[1].__exit__(None, None, None)
             self.stack.pop()
+
+    def annotate(self, on: bool) -> None:
+        """Open every region from now on as a profiler range too (off: close those open)."""
+        while self.ranges:
+            self.ranges.pop()[1].__exit__(None, None, None)
+        self.ranges = [] if on else None
 
     @contextlib.contextmanager
     def _phase(self, category: str):
@@ -112,6 +125,14 @@ class Clock:
         self.totals.clear()
         self.overlapped.clear()
         return out
+
+
+def _open_range(category: str):
+    import torch
+
+    rng = torch.autograd.profiler.record_function(f"sw:{category}")
+    rng.__enter__()
+    return rng
 
 
 _CLOCK = Clock()

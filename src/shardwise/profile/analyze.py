@@ -105,6 +105,8 @@ def summary_ranks(parts: list[dict]) -> list[dict]:
             "rank": p["rank"],
             "coords": p["coords"],
             "steps": [{"step": s["step"], **s["ledger"]} for s in p["steps"]],
+            # the traced step from the device's kernels (CUDA; profile/kernels.py)
+            **({"device_ledger": p["device_ledger"]} if p.get("device_ledger") else {}),
         }
         for p in parts
     ]
@@ -151,3 +153,29 @@ def timeline(parts: list[dict]) -> dict:
                 }
             )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+# the parts the device ledger (kernels, CUDA) gives for a step; straggler waits stay the host's
+_DEVICE_PARTS = (
+    "compute_s", "forward_s", "backward_s", "recompute_s", "bubble_s", "data_s",
+    "optimizer_s", "checkpoint_s", "eval_s", "launch_bound_s", "other_s",
+)  # fmt: skip
+
+
+def device_view(mean: dict, ranks: list[dict]) -> dict:
+    """The mean ledger the findings are priced from. On CUDA the host runs ahead of its
+    kernels, so the host's split follows launches (a replayed forward costs the host little
+    and the device much): there the device's split of the traced step (mean over ranks),
+    scaled to the measured steps' mean, replaces the host's; straggler waits stay the host's
+    (only matching calls across ranks finds them). Without kernels (CPU): `mean` itself."""
+    device = [r["device_ledger"] for r in ranks if r.get("device_ledger")]
+    if not device:
+        return mean
+    avg = mean_ledger([{"steps": device}])
+    scale = (mean["step_s"] - mean["straggler_wait_s"]) / avg["step_s"]
+    out = {**mean, "source": "device"}
+    for key in _DEVICE_PARTS:
+        out[key] = avg[key] * scale
+    for key in ("comm_exposed_s", "comm_overlapped_s"):
+        out[key] = {d: v * scale for d, v in avg[key].items()}
+    return out

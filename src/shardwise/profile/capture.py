@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from shardwise.distributed.clock import clock
+from shardwise.profile.kernels import device_ledger
 
 
 class _Off:
@@ -66,6 +67,8 @@ class Capture:
         self.traced_ledger: dict | None = None
         self.profiler = None
         self.error: str | None = None
+        self.step_range = None  # the traced step as a profiler range (`sw:step`)
+        self.device_ledger: dict | None = None  # the traced step from its kernels (CUDA)
 
     def _barrier(self) -> float:
         self.run.comm.all_reduce_world(torch.zeros(1, device=self.run.info.device))
@@ -77,6 +80,9 @@ class Capture:
         if step == self.traced:
             clk.events = clk.calls = None
             self.profiler = _start_profiler(self.run.info.device)
+            clk.annotate(True)  # regions become ranges: which one launched each kernel
+            self.step_range = torch.autograd.profiler.record_function("sw:step")
+            self.step_range.__enter__()
         if step != self.first:
             return False
         self.sync = self._barrier()  # all ranks leave it together: the timeline's zero
@@ -95,7 +101,8 @@ class Capture:
             self.traced_ledger = record.get("ledger")
             prof = self.stop()
             try:  # a trace that cannot be written must not stop the job
-                _export(prof, self.dir / trace_name(self.run.topo.rank), self.cap)
+                trace = _export(prof, self.dir / trace_name(self.run.topo.rank), self.cap)
+                self.device_ledger = device_ledger(trace)
             except Exception as exc:  # (any failure: reported in the rank's file)
                 self.error = f"trace not written: {exc}"
 
@@ -107,6 +114,10 @@ class Capture:
         """Stop recording (idempotent); returns the stopped profiler, if one ran."""
         clk = clock()
         clk.events = clk.calls = None
+        clk.annotate(False)
+        if self.step_range is not None:
+            self.step_range.__exit__(None, None, None)
+            self.step_range = None
         prof, self.profiler = self.profiler, None
         if prof is not None:
             with _quiet_stderr():
@@ -123,6 +134,7 @@ class Capture:
             "sync_wall": time.time() - (time.perf_counter() - self.sync),
             "steps": self.steps,
             "traced_ledger": self.traced_ledger,
+            "device_ledger": self.device_ledger,
             "events": [
                 (c, round(a - self.sync, 7), round(b - self.sync, 7)) for c, a, b in self.events
             ],
@@ -162,8 +174,9 @@ def _quiet_stderr():
         os.close(saved)
 
 
-def _export(prof, path: Path, cap: int) -> None:
-    """The Chrome/Perfetto trace, bounded to the `cap` longest events (metadata kept)."""
+def _export(prof, path: Path, cap: int) -> dict:
+    """Write the Chrome/Perfetto trace, bounded to the `cap` longest events (metadata kept);
+    returns it whole."""
     tmp = path.with_name(path.name + ".tmp")
     prof.export_chrome_trace(str(tmp))
     trace = json.loads(tmp.read_text())
@@ -172,7 +185,8 @@ def _export(prof, path: Path, cap: int) -> None:
     timed = [e for e in events if e.get("ph") != "M"]
     if len(timed) > cap:
         timed.sort(key=lambda e: -float(e.get("dur", 0)))
-        trace["traceEvents"] = meta + timed[:cap]
-        trace["shardwise_dropped_events"] = len(timed) - cap
-        tmp.write_text(json.dumps(trace))
+        bounded = {**trace, "traceEvents": meta + timed[:cap]}
+        bounded["shardwise_dropped_events"] = len(timed) - cap
+        tmp.write_text(json.dumps(bounded))
     os.replace(tmp, path)
+    return trace

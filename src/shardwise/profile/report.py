@@ -50,16 +50,38 @@ def per_rank(summary: dict) -> list[tuple[int, dict]]:
 
 
 def ledger_table(summary: dict) -> str:
-    """Mean ms per step by category, one row per rank."""
-    head = ["rank", "step", *(name for name, _ in COLUMNS)]
-    rows = [head]
-    for rank, m in per_rank(summary):
-        rows.append(
-            [str(rank), f"{m['step_s'] * 1e3:.1f}"] + [f"{f(m) * 1e3:.1f}" for _, f in COLUMNS]
+    """Mean ms per step by category, one row per rank (and the MFU, where known)."""
+    mfu = summary.get("mfu")
+    title = "mean ms per measured step" + (f" (MFU {100 * mfu:.1f}%)" if mfu else "")
+    return title + "\n" + _table(COLUMNS, per_rank(summary))
+
+
+# the device ledger (kernels, CUDA) has no straggler split and adds the launch-bound time
+DEVICE_COLUMNS = (
+    *(c for c in COLUMNS if c[0] not in ("straggler", "other")),
+    ("launch-bound", lambda s: s["launch_bound_s"]),
+    ("other", lambda s: s["other_s"]),
+)
+
+
+def device_table(summary: dict) -> str | None:
+    """The traced step of every rank as its device ran it (None without GPU kernels)."""
+    rows = [(r["rank"], r["device_ledger"]) for r in summary["ranks"] if r.get("device_ledger")]
+    if not rows:
+        return None
+    title = "ms of the traced step by what the device ran (CUDA kernels; see docs/profile.md)"
+    return title + "\n" + _table(DEVICE_COLUMNS, rows)
+
+
+def _table(columns, rows: list[tuple[int, dict]]) -> str:
+    head = ["rank", "step", *(name for name, _ in columns)]
+    out = [head]
+    for rank, m in rows:
+        out.append(
+            [str(rank), f"{m['step_s'] * 1e3:.1f}"] + [f"{f(m) * 1e3:.1f}" for _, f in columns]
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "mean ms per measured step\n" + "\n".join(lines)
+    widths = [max(len(r[i]) for r in out) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in out)
 
 
 def findings_text(findings: list[dict], top: int | None = None) -> str:
@@ -94,6 +116,7 @@ def write_report(folder: Path, summary: dict, problems: list[str]) -> None:
         "",
         "![ledger](ledger.png)",
         "",
+        *_device_section(summary),
         "## Findings",
         "",
         findings_text(summary["findings"]),
@@ -103,6 +126,13 @@ def write_report(folder: Path, summary: dict, problems: list[str]) -> None:
     if problems:
         lines += ["", "## Problems", ""] + [f"- {p}" for p in problems]
     (folder / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _device_section(summary: dict) -> list[str]:
+    table = device_table(summary)
+    if table is None:
+        return []
+    return ["## The device's view", "", "```", table, "```", ""]
 
 
 def _plot_ledger(summary: dict, path: Path) -> None:

@@ -171,6 +171,7 @@ def _steps(
             **comm,  # comm_bytes, comm_calls, comm_wait_s
             "skipped": result.skipped,
             "loss_scale": scale,
+            "time": time.time(),  # when the step ended (unix s): gaps between steps show
         }
         if result.skipped:  # which tensors / ranks (the guard pools every rank's view)
             record["nonfinite"] = guard.diagnose(local_loss, result.nonfinite)

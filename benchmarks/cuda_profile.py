@@ -1,0 +1,229 @@
+"""One GPU: `shardwise profile` of a bf16 decoder beside the planner and plain PyTorch AMP.
+
+What it measures (issue 22's CUDA item): on one CUDA device, `shardwise profile` of a
+decoder (default the 1b preset, seq 2048, bf16) exactly as a user runs it; printed: the host
+ledger of the measured steps, the device's ledger of the traced step (from its CUDA kernels,
+profile/kernels.py), the MFU, the allocator's peak (`max_memory_allocated`) and the planner's
+prediction for the same config on the detected hardware (`shardwise explain --json`). Then,
+in this process, the peer: the same model (same module, init, data order) trained by a plain
+PyTorch loop with `torch.autocast(bf16)` over fp32 parameters and fused AdamW, the standard
+recipe; its median step, MFU and peak beside ours, with the ratio ours / peer.
+`--ledger-rounds R` then measures the always-on ledger's cost (`log.ledger`) on the device:
+`shardwise train` of a small decoder (125m, seq 1024, one micro-batch of 8: the most host
+work per kernel, so the most exposed clock) with the ledger on and off, in alternating order
+(on, off; off, on; ...), the median period between consecutive steps' ends (metrics'
+`time`: bookkeeping and log line included) after 5 warm-up steps per run, and the ratio.
+`--ledger-only` skips the profile. `--smoke` runs the tiny preset a few steps on whatever
+device there is (CPU here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common import add_smoke, preamble, table
+
+CLI = "import sys; from shardwise.cli.main import main; sys.exit(main())"
+
+
+def overrides(a: argparse.Namespace, folder: Path) -> list[str]:
+    return [
+        f"--model.name={a.model}",
+        f"--data.seq_len={a.seq}",
+        f"--train.global_batch={a.global_batch}",
+        f"--train.micro_batch={a.micro}",
+        f"--precision.compute={a.precision}",
+        "--train.eval_batches=0",
+        f"--run.dir={folder}",
+    ]
+
+
+def shardwise(args: list[str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-c", CLI, *args], capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"shardwise {args[0]} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
+    return proc
+
+
+def ours(a: argparse.Namespace, folder: Path) -> tuple[dict, list[dict], str]:
+    """The profile's summary, its metrics records and what it printed."""
+    steps = [f"--steps={a.steps}", f"--profile.warmup={a.warmup}"]
+    proc = shardwise(["profile", *overrides(a, folder), "--nproc=1", *steps])
+    out = folder / "profile"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "summary.json").read_text()), records, proc.stdout
+
+
+def predicted(a: argparse.Namespace, folder: Path) -> dict:
+    proc = shardwise(["explain", *overrides(a, folder), "--nproc=1", "--json"])
+    return json.loads(proc.stdout)
+
+
+def peer(a: argparse.Namespace, folder: Path, n_steps: int) -> dict:
+    """Plain PyTorch AMP on the same model, data order and AdamW settings."""
+    from shardwise.config import load_config
+    from shardwise.data import GlobalSampler, load_data, split_for_rank
+    from shardwise.distributed import device as dev
+    from shardwise.models import build_model, init_weights
+    from shardwise.training.metrics import flops_per_token
+    from shardwise.training.runtime import data_spec
+    from shardwise.training.validate import derive
+
+    cfg = load_config(None, overrides(a, folder))
+    d = derive(cfg, 1)
+    info = dev.detect(cfg.run.device)
+    data = load_data(data_spec(cfg, d.spec.vocab_size), "train")
+    with torch.device(info.device):
+        model = build_model(d.spec)
+    init_weights(model, cfg.train.seed)
+    fused = info.type == "cuda"
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.train.lr, weight_decay=cfg.optim.weight_decay, fused=fused
+    )
+    sampler = GlobalSampler(len(data), cfg.train.global_batch, cfg.train.seed)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.compute)
+    count = cfg.train.global_batch * d.tokens_per_sample
+    times = []
+    dev.reset_peak_memory(info)
+    for step in range(n_steps):
+        t0 = time.perf_counter()
+        for micro in split_for_rank(sampler.global_indices(step), 0, 1, d.micro_batch):
+            x, y = (t.to(info.device) for t in data.get_batch(micro))
+            with torch.autocast(info.type, dtype=dtype or torch.float32, enabled=bool(dtype)):
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), reduction="sum")
+            (loss / count).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dev.synchronize(info)
+        times.append(time.perf_counter() - t0)
+    with torch.device("meta"):
+        flops = flops_per_token(build_model(d.spec), d) * d.tokens_per_step
+    step = statistics.median(times[a.warmup :])
+    peak = info.peak_flops(cfg.precision.compute)
+    return {
+        "step_s": step,
+        "mfu": flops / step / peak if peak else None,
+        "peak_bytes": dev.peak_memory(info),
+        "device": info.name,
+    }
+
+
+def ledger_cost(a: argparse.Namespace, folder: Path) -> None:
+    """`shardwise train` with `log.ledger` on and off, alternating; median steps, ratios."""
+    model, seq = ("tiny", 64) if a.smoke else ("125m", 1024)
+    base = [
+        f"--model.name={model}",
+        f"--data.seq_len={seq}",
+        "--train.global_batch=8",
+        f"--precision.compute={a.precision}",
+        f"--train.steps={a.ledger_steps}",
+        "--train.eval_batches=0",
+        "--log.tensorboard=false",
+        "--nproc=1",
+    ]
+    print(f"ledger cost: shardwise train {' '.join(base)} --log.ledger=true|false")
+    medians: dict[str, list[float]] = {"on": [], "off": []}
+    for r in range(a.ledger_rounds):
+        for side in ("on", "off") if r % 2 == 0 else ("off", "on"):
+            run = folder / f"ledger-{side}-{r}"
+            flag = f"--log.ledger={'true' if side == 'on' else 'false'}"
+            shardwise(["train", *base, flag, f"--run.dir={run}"])
+            lines = (run / "metrics.jsonl").read_text().splitlines()
+            ended = [json.loads(line)["time"] for line in lines][5:]
+            # the whole period from one step's end to the next: the ledger's bookkeeping and
+            # the log line included (step_time_s stops at the optimizer's sync)
+            medians[side].append(statistics.median(b - a for a, b in itertools.pairwise(ended)))
+    rows = [
+        [f"round {r + 1}", f"{on * 1e3:.2f}", f"{off * 1e3:.2f}", f"{on / off:.4f}"]
+        for r, (on, off) in enumerate(zip(medians["on"], medians["off"], strict=True))
+    ]
+    print(table(["round", "ledger on ms", "ledger off ms", "on / off"], rows))
+    on, off = statistics.median(medians["on"]), statistics.median(medians["off"])
+    print(f"ledger on / off (medians over rounds): {on / off:.4f} (bar: <= 1.02)")
+
+
+def _pct(x: float | None) -> str:
+    return f"{100 * x:.1f}%" if x else "-"
+
+
+def _gb(x: float | None) -> str:
+    return f"{x / 2**30:.2f} GiB" if x else "-"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="1b")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--precision", default="bf16")
+    p.add_argument("--steps", type=int, default=5, help="measured steps")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--ledger-rounds", type=int, default=0, help="rounds of the ledger A/B")
+    p.add_argument("--ledger-steps", type=int, default=30, help="steps per ledger run")
+    p.add_argument("--ledger-only", action="store_true", help="skip the profile and the peer")
+    add_smoke(p)
+    a = p.parse_args()
+    if a.smoke:
+        a.model, a.seq, a.micro, a.global_batch, a.steps, a.warmup = "tiny", 64, 2, 4, 2, 1
+        a.ledger_rounds, a.ledger_steps = 2, 7
+    elif not torch.cuda.is_available():
+        sys.exit("benchmarks/cuda_profile.py needs a CUDA device (or --smoke).")
+    preamble()
+    folder = Path(tempfile.mkdtemp(prefix="cuda-profile-"))
+    if not a.ledger_only:
+        profile_and_peer(a, folder)
+    if a.ledger_rounds:
+        ledger_cost(a, folder)
+    return 0
+
+
+def profile_and_peer(a: argparse.Namespace, folder: Path) -> None:
+    summary, records, printed = ours(a, folder)
+    print(printed)
+    plan = predicted(a, folder / "explain")
+    measured = [r for r in records if r["step"] > a.warmup][: a.steps]
+    step = statistics.median(r["step_time_s"] for r in measured)
+    peak = max(r["mem_bytes"].get("device_peak", 0) for r in measured) or None
+    them = peer(a, folder / "peer", a.warmup + a.steps)
+    print(f"device: {them['device']}; model {a.model}, seq {a.seq}, micro {a.micro}, "
+          f"global batch {a.global_batch}, {a.precision}")  # fmt: skip
+    rows = [
+        ["shardwise (measured)", f"{step * 1e3:.1f}", _pct(summary.get("mfu")), _gb(peak)],
+        [
+            "planner (explain)",
+            f"{plan['step_time_s'] * 1e3:.1f}",
+            _pct(plan.get("mfu")),
+            _gb(plan["mem_bytes"]["total"]),
+        ],
+        [
+            "PyTorch AMP (peer)",
+            f"{them['step_s'] * 1e3:.1f}",
+            _pct(them["mfu"]),
+            _gb(them["peak_bytes"]),
+        ],
+    ]
+    print(table(["run", "step ms", "MFU", "peak memory"], rows))
+    print(f"ours / peer step time: {step / them['step_s']:.3f}")
+    print(f"planner / measured step time: {plan['step_time_s'] / step:.3f}")
+    if peak:
+        print(f"planner / measured peak memory: {plan['mem_bytes']['total'] / peak:.3f}")
+    for r in summary["ranks"]:
+        if r.get("device_ledger"):
+            print("device ledger (traced step):", json.dumps(r["device_ledger"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

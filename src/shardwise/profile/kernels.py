@@ -1,0 +1,141 @@
+"""The traced step's ledger as the device saw it: from the GPU kernels in the torch.profiler
+trace, not from the host's clock.
+
+On CUDA the host runs ahead of the kernels, so the host ledger's split between forward,
+backward and communication follows the launches. Here every instant of the traced step (the
+`sw:step` range) is charged by what the device was doing:
+
+- a compute kernel (or copy/memset) ran: the clock region that launched it (its launch call,
+  matched by correlation id, lies inside the innermost `sw:<region>` range open then; the
+  backward's kernels are launched from autograd's thread while the loop waits in `backward`);
+- only communication kernels (NCCL) ran: exposed communication over the dimension of the
+  `comm:<dim>` region that launched them (`comm_overlapped_s` counts NCCL time under compute:
+  shown, not added);
+- nothing ran: what the host was doing then (waiting for data, a pipeline neighbour, a
+  collective) or, inside compute and optimizer regions, `launch_bound_s`: the device waited
+  for the host's next launch.
+
+The parts add up to the traced step's wall time exactly. A trace without kernels (CPU) has
+no device ledger.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from shardwise.profile.ledger import DIMS
+
+_DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+_LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
+_COMPUTE = ("forward", "backward", "recompute")
+_BUSY_HOST = {*_COMPUTE, "optimizer"}  # host regions where an idle device waits on its launches
+
+
+def device_ledger(trace: dict) -> dict | None:
+    """The ledger of the trace's `sw:step` range from its device events, or None when the
+    trace has no step range or no kernels in it."""
+    events = trace.get("traceEvents", [])
+    ranges = [
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"][3:])
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") == "user_annotation"
+        and str(e.get("name", "")).startswith("sw:")
+    ]
+    steps = [r for r in ranges if r[2] == "step"]
+    if not steps:
+        return None
+    lo, hi, _ = steps[-1]
+    regions = [r for r in ranges if r[2] != "step"]
+    launched = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in events
+        if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})
+    }
+    kernels = []
+    for e in events:
+        if e.get("cat") not in _DEVICE_CATS or e.get("ph") != "X":
+            continue
+        a = max(lo, float(e["ts"]))
+        b = min(hi, float(e["ts"]) + float(e.get("dur", 0)))
+        if b <= a:
+            continue
+        at = launched.get(e.get("args", {}).get("correlation"))
+        region = _innermost(regions, at) if at is not None else "other"
+        comm = str(e.get("name", "")).lower().startswith("nccl")
+        kernels.append((a, b, comm, region))
+    if not kernels:
+        return None
+    return _sweep(lo, hi, kernels, regions)
+
+
+def _innermost(regions: list[tuple[float, float, str]], t: float) -> str:
+    """The region open at host time `t` that began last (regions nest in time)."""
+    best, start = "other", float("-inf")
+    for a, b, name in regions:
+        if a <= t < b and a >= start:
+            best, start = name, a
+    return best
+
+
+def _sweep(lo: float, hi: float, kernels: list, regions: list) -> dict:
+    """Charge every elementary interval of [lo, hi) once (times in microseconds)."""
+    charged: dict[str, float] = {}
+    overlapped = dict.fromkeys(DIMS, 0.0)
+    marks = sorted(
+        {lo, hi}
+        | {t for k in kernels for t in k[:2]}
+        | {t for r in regions for t in r[:2] if lo < t < hi}
+    )
+    order = sorted(range(len(kernels)), key=lambda i: kernels[i][0])
+    active: list[tuple[float, int]] = []  # (end, index) of kernels started by now
+    nxt = 0
+    for a, b in itertools.pairwise(marks):
+        while nxt < len(order) and kernels[order[nxt]][0] <= a:
+            heapq.heappush(active, (kernels[order[nxt]][1], order[nxt]))
+            nxt += 1
+        while active and active[0][0] <= a:
+            heapq.heappop(active)
+        running = [kernels[i] for _, i in active]
+        compute = [k for k in running if not k[2]]
+        comm = [k for k in running if k[2]]
+        if compute:
+            key = min(compute)[3]  # the earliest-started one's region
+            for k in comm:
+                dim = _dim(k[3])
+                if dim:
+                    overlapped[dim] += b - a
+        elif comm:
+            dim = _dim(min(comm)[3])
+            key = f"comm:{dim}" if dim else "other"
+        else:
+            host = _innermost(regions, (a + b) / 2)
+            key = "launch_bound" if host in _BUSY_HOST else host
+        charged[key] = charged.get(key, 0.0) + (b - a)
+    return _ledger((hi - lo) / 1e6, {k: v / 1e6 for k, v in charged.items()}, overlapped)
+
+
+def _dim(region: str) -> str | None:
+    dim = region.removeprefix("comm:")
+    return dim if region.startswith("comm:") and dim in DIMS else None
+
+
+def _ledger(step_s: float, charged: dict[str, float], overlapped: dict[str, float]) -> dict:
+    r = lambda x: round(x, 6)  # noqa: E731
+    parts = {f"{k}_s": r(charged.pop(k, 0.0)) for k in _COMPUTE}
+    exposed = {d: r(charged.pop(f"comm:{d}", 0.0)) for d in DIMS}
+    own = {
+        f"{k}_s": r(charged.pop(k, 0.0))
+        for k in ("bubble", "data", "optimizer", "checkpoint", "eval", "launch_bound")
+    }
+    return {
+        "step_s": r(step_s),
+        "compute_s": r(sum(parts.values())),
+        **parts,
+        "comm_exposed_s": exposed,
+        "comm_overlapped_s": {d: r(overlapped[d] / 1e6) for d in DIMS},
+        **own,
+        "straggler_wait_s": 0.0,
+        "other_s": r(sum(charged.values())),  # comm:world, unclaimed regions
+    }
