@@ -165,17 +165,32 @@ _DEVICE_PARTS = (
 def device_view(mean: dict, ranks: list[dict]) -> dict:
     """The mean ledger the findings are priced from. On CUDA the host runs ahead of its
     kernels, so the host's split follows launches (a replayed forward costs the host little
-    and the device much): there the device's split of the traced step (mean over ranks),
-    scaled to the measured steps' mean, replaces the host's; straggler waits stay the host's
-    (only matching calls across ranks finds them). Without kernels (CPU): `mean` itself."""
+    and the device much): there the device's split of the traced step (mean over ranks)
+    replaces the host's. Fitted to the measured steps' mean: kernel time as traced, the idle
+    device scaled (the profiler slows the host, not the kernels, so the traced step idles
+    more); straggler waits stay the host's (only matching calls across ranks finds them).
+    Without kernels (CPU): `mean` itself."""
     device = [r["device_ledger"] for r in ranks if r.get("device_ledger")]
     if not device:
         return mean
     avg = mean_ledger([{"steps": device}])
-    scale = (mean["step_s"] - mean["straggler_wait_s"]) / avg["step_s"]
+    idle = avg.get("idle_s", {})
+    idle_total = sum(idle.values())
+    busy = avg["step_s"] - idle_total
+    target = mean["step_s"] - mean["straggler_wait_s"]
+    if idle_total > 0 and target >= busy:
+        f_busy, f_idle = 1.0, (target - busy) / idle_total
+    else:  # (faster than its kernels as traced: scale all alike)
+        f_busy = f_idle = target / avg["step_s"]
+
+    def fit(value: float, key: str) -> float:
+        return (value - idle.get(key, 0.0)) * f_busy + idle.get(key, 0.0) * f_idle
+
     out = {**mean, "source": "device"}
     for key in _DEVICE_PARTS:
-        out[key] = avg[key] * scale
-    for key in ("comm_exposed_s", "comm_overlapped_s"):
-        out[key] = {d: v * scale for d, v in avg[key].items()}
+        out[key] = fit(avg[key], key)
+    out["comm_exposed_s"] = {
+        d: fit(v, f"comm_exposed_s.{d}") for d, v in avg["comm_exposed_s"].items()
+    }
+    out["comm_overlapped_s"] = {d: v * f_busy for d, v in avg["comm_overlapped_s"].items()}
     return out

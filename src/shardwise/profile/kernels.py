@@ -82,6 +82,7 @@ def _innermost(regions: list[tuple[float, float, str]], t: float) -> str:
 def _sweep(lo: float, hi: float, kernels: list, regions: list) -> dict:
     """Charge every elementary interval of [lo, hi) once (times in microseconds)."""
     charged: dict[str, float] = {}
+    idle: dict[str, float] = {}  # the part of `charged` when no kernel ran
     overlapped = dict.fromkeys(DIMS, 0.0)
     marks = sorted(
         {lo, hi}
@@ -112,8 +113,23 @@ def _sweep(lo: float, hi: float, kernels: list, regions: list) -> dict:
         else:
             host = _innermost(regions, (a + b) / 2)
             key = "launch_bound" if host in _BUSY_HOST else host
+            idle[key] = idle.get(key, 0.0) + (b - a)
         charged[key] = charged.get(key, 0.0) + (b - a)
-    return _ledger((hi - lo) / 1e6, {k: v / 1e6 for k, v in charged.items()}, overlapped)
+    ledger = _ledger((hi - lo) / 1e6, _seconds(charged), overlapped)
+    # which of it the device sat idle (per part; comm dims as `comm_exposed_s.<dim>`): a
+    # profiled step's host runs slower than an unprofiled one, which the device sees as idle
+    idle_parts = _ledger(0.0, _seconds(idle), dict.fromkeys(DIMS, 0.0))
+    ledger["idle_s"] = {
+        **{k: v for k, v in idle_parts.items() if k.endswith("_s") and isinstance(v, float)},
+        **{f"comm_exposed_s.{d}": v for d, v in idle_parts["comm_exposed_s"].items()},
+    }
+    for key in ("step_s", "compute_s", "forward_s", "backward_s", "recompute_s"):
+        del ledger["idle_s"][key]  # a compute region's idle device is launch-bound
+    return ledger
+
+
+def _seconds(us: dict[str, float]) -> dict[str, float]:
+    return {k: v / 1e6 for k, v in us.items()}
 
 
 def _dim(region: str) -> str | None:
