@@ -269,6 +269,40 @@ def test_findings_on_cuda_are_priced_from_the_devices_split():
     assert parts == pytest.approx(view["step_s"])
     cpu = [{"rank": 0, "steps": [host]}]
     assert device_view(mean_ledger(cpu), cpu) == mean_ledger(cpu)
+    # the device's stall in the data waits measured (events) in the measured steps: 50 us,
+    # taken as it is; the other idle (250 us traced) fills the rest of the 2.0 ms
+    host["device_stall_s"] = {"data": 50e-6}
+    view = device_view(mean_ledger(ranks), ranks)
+    f = (2000 - 680 - 50) / 250
+    assert view["data_s"] == pytest.approx((30 + 50) / 1e6)
+    assert view["launch_bound_s"] == pytest.approx(150 * f / 1e6)
+    assert view["other_s"] == pytest.approx((20 + 80 * f) / 1e6)
+    assert total(view) + view["launch_bound_s"] == pytest.approx(view["step_s"])
+
+
+def test_the_clock_marks_the_devices_stall_in_each_host_wait():
+    import time
+
+    clk, marks = Clock(), []
+
+    def marker():  # stands in for a CUDA event: its time on the device
+        marks.append(time.perf_counter())
+        return marks[-1]
+
+    clk.mark_stalls(marker)
+    with clk.phase("data"):  # a wait: marked at entry and exit
+        time.sleep(0.01)
+        with clk.phase("forward"):  # (nested work is not a wait)
+            pass
+    with clk.phase("forward"):
+        pass
+    stalls = clk.take_stalls(lambda a, b: b - a)
+    assert len(marks) == 2 and set(stalls) == {"data"} and stalls["data"] >= 0.01
+    assert clk.take_stalls(lambda a, b: b - a) == {}
+    clk.mark_stalls(None)
+    with clk.phase("data"):
+        pass
+    assert len(marks) == 2 and clk.stalls == []
 
 
 def test_waiting_for_a_late_rank_is_split_off_and_attributed_to_it():

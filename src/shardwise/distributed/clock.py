@@ -17,6 +17,9 @@ import time
 from collections import defaultdict
 
 BASE = "other"
+# host waits whose cost to the device a profile measures on CUDA (the host's own time is a
+# wait; the device may go on with queued work meanwhile)
+STALLS = frozenset({"data"})
 _NULL = contextlib.nullcontext()
 
 
@@ -40,6 +43,12 @@ class Clock:
         # while a profile traces a step: each region also opened as a torch.profiler range
         # named `sw:<category>`, so the device ledger can tell which region launched a kernel
         self.ranges: list[tuple[int, object]] | None = None
+        # while a profile measures steps on CUDA: a device mark (distributed/device.py
+        # stall_marker) at each entry and exit of a host wait (`STALLS`); (category, start,
+        # end) per wait in `stalls`: how long the device sat idle because of it
+        self.marker = None
+        self.stalls: list[tuple[str, object, object]] = []
+        self._marks: list[tuple[int, object]] = []
 
     def _charge(self, now: float) -> None:
         top = self.stack[-1]
@@ -54,13 +63,31 @@ class Clock:
         self.entered += 1
         if self.ranges is not None:
             self.ranges.append((len(self.stack), _open_range(category)))
+        if self.marker is not None and category in STALLS:
+            self._marks.append((len(self.stack), self.marker()))
 
     def exit(self) -> None:
         self._charge(time.perf_counter())
         if len(self.stack) > 1:
             if self.ranges and self.ranges[-1][0] == len(self.stack):  # opened as a range
                 self.ranges.pop()[1].__exit__(None, None, None)
+            if self._marks and self._marks[-1][0] == len(self.stack) and self.marker:
+                start = self._marks.pop()[1]
+                self.stalls.append((self.stack[-1], start, self.marker()))
             self.stack.pop()
+
+    def mark_stalls(self, marker) -> None:
+        """Mark every host wait with `marker` from now on (None: stop); forgets earlier marks."""
+        self.marker, self.stalls, self._marks = marker, [], []
+
+    def take_stalls(self, elapsed) -> dict[str, float]:
+        """Seconds the device stalled per wait category since the last take (the marks must
+        have completed: after the step's synchronize); `elapsed(start, end)` reads a pair."""
+        out: dict[str, float] = {}
+        for category, start, end in self.stalls:
+            out[category] = out.get(category, 0.0) + elapsed(start, end)
+        self.stalls = []
+        return out
 
     def annotate(self, on: bool) -> None:
         """Open every region from now on as a profiler range too (off: close those open)."""

@@ -66,6 +66,28 @@ def synchronize(info: DeviceInfo) -> None:
         torch.cuda.synchronize(info.device)
 
 
+def stall_marker(info: DeviceInfo):
+    """A function that records a timing event on the device's stream and returns it (CUDA),
+    or None (CPU: host time is the device's). Two such events around a host wait measure how
+    long the device sat idle because of it: the first completes when the work queued before
+    the wait is done, the second when the host queued it after the wait (or later)."""
+    if info.type != "cuda":
+        return None
+
+    def mark() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    return mark
+
+
+def stalled_s(start, end) -> float:
+    """Seconds between two marks on the device."""
+    end.synchronize()  # (done already when the step synchronised)
+    return max(0.0, start.elapsed_time(end) / 1e3)
+
+
 def reset_peak_memory(info: DeviceInfo) -> None:
     if info.type == "cuda":
         torch.cuda.reset_peak_memory_stats(info.device)

@@ -104,7 +104,15 @@ def summary_ranks(parts: list[dict]) -> list[dict]:
         {
             "rank": p["rank"],
             "coords": p["coords"],
-            "steps": [{"step": s["step"], **s["ledger"]} for s in p["steps"]],
+            "steps": [
+                {
+                    "step": s["step"],
+                    **s["ledger"],
+                    # CUDA: seconds the device sat idle in each host wait (device events)
+                    **({"device_stall_s": s["device_stall_s"]} if "device_stall_s" in s else {}),
+                }
+                for s in p["steps"]
+            ],
             # the traced step from the device's kernels (CUDA; profile/kernels.py)
             **({"device_ledger": p["device_ledger"]} if p.get("device_ledger") else {}),
         }
@@ -117,7 +125,7 @@ def mean_ledger(ranks: list[dict]) -> dict:
     rows = [s for r in ranks for s in r["steps"]]
     out: dict = {}
     for key, value in rows[0].items():
-        if key in ("step", "waited_for"):
+        if key in ("step", "waited_for", "device_stall_s"):
             continue
         if key == "straggler_by_dim":
             dims = {d for row in rows for d in row[key]}
@@ -166,25 +174,32 @@ def device_view(mean: dict, ranks: list[dict]) -> dict:
     """The mean ledger the findings are priced from. On CUDA the host runs ahead of its
     kernels, so the host's split follows launches (a replayed forward costs the host little
     and the device much): there the device's split of the traced step (mean over ranks)
-    replaces the host's. Fitted to the measured steps' mean: kernel time as traced, the idle
-    device scaled (the profiler slows the host, not the kernels, so the traced step idles
-    more); straggler waits stay the host's (only matching calls across ranks finds them).
-    Without kernels (CPU): `mean` itself."""
+    replaces the host's, fitted to the measured steps' mean: kernel time as traced; the
+    device's stalls in host waits as measured in the measured steps (`device_stall_s`, from
+    device events: the traced step's host, slowed by the profiler, is less far ahead when it
+    waits); the rest of the idle device scaled to fill the step. Straggler waits stay the
+    host's (only matching calls across ranks finds them). Without kernels (CPU): `mean`."""
     device = [r["device_ledger"] for r in ranks if r.get("device_ledger")]
     if not device:
         return mean
     avg = mean_ledger([{"steps": device}])
-    idle = avg.get("idle_s", {})
-    idle_total = sum(idle.values())
-    busy = avg["step_s"] - idle_total
+    idle = dict(avg.get("idle_s", {}))
+    busy = avg["step_s"] - sum(idle.values())
     target = mean["step_s"] - mean["straggler_wait_s"]
-    if idle_total > 0 and target >= busy:
-        f_busy, f_idle = 1.0, (target - busy) / idle_total
+    stalls = _mean_stalls(ranks)
+    rest = target - busy - sum(stalls.values())
+    scaled = sum(v for k, v in idle.items() if k not in stalls)
+    if rest >= 0 and (scaled > 0 or rest == 0):
+        f_busy, f_idle = 1.0, rest / scaled if scaled else 0.0
+        idle.update(stalls)  # measured: taken as they are
     else:  # (faster than its kernels as traced: scale all alike)
         f_busy = f_idle = target / avg["step_s"]
+        stalls = {}
 
     def fit(value: float, key: str) -> float:
-        return (value - idle.get(key, 0.0)) * f_busy + idle.get(key, 0.0) * f_idle
+        own = idle.get(key, 0.0)
+        traced = avg.get("idle_s", {}).get(key, 0.0)
+        return (value - traced) * f_busy + (own if key in stalls else own * f_idle)
 
     out = {**mean, "source": "device"}
     for key in _DEVICE_PARTS:
@@ -194,3 +209,15 @@ def device_view(mean: dict, ranks: list[dict]) -> dict:
     }
     out["comm_overlapped_s"] = {d: v * f_busy for d, v in avg["comm_overlapped_s"].items()}
     return out
+
+
+def _mean_stalls(ranks: list[dict]) -> dict[str, float]:
+    """Mean seconds per step the device stalled in each host wait (`data_s`: ...), over the
+    measured steps of every rank that measured them (CUDA)."""
+    steps = [s for r in ranks for s in r["steps"] if "device_stall_s" in s]
+    if not steps:
+        return {}
+    cats = {c for s in steps for c in s["device_stall_s"]}
+    return {
+        f"{c}_s": sum(s["device_stall_s"].get(c, 0.0) for s in steps) / len(steps) for c in cats
+    }

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from shardwise.distributed import device as dev
 from shardwise.distributed.clock import clock
 from shardwise.profile.kernels import device_ledger
 
@@ -79,6 +80,7 @@ class Capture:
         clk = clock()
         if step == self.traced:
             clk.events = clk.calls = None
+            clk.mark_stalls(None)  # (the profiler's own overhead would count as stalls)
             self.profiler = _start_profiler(self.run.info.device)
             clk.annotate(True)  # regions become ranges: which one launched each kernel
             self.step_range = torch.autograd.profiler.record_function("sw:step")
@@ -87,6 +89,7 @@ class Capture:
             return False
         self.sync = self._barrier()  # all ranks leave it together: the timeline's zero
         clk.events, clk.calls = self.events, []
+        clk.mark_stalls(dev.stall_marker(self.run.info))  # CUDA: the device's idle per wait
         return True
 
     def step_ends(self, step: int, record: dict) -> None:
@@ -96,6 +99,8 @@ class Capture:
             self.steps.append(
                 {"step": step + 1, "ledger": record["ledger"], "waits": clk.calls, **comm}
             )
+            if clk.marker is not None:
+                self.steps[-1]["device_stall_s"] = clk.take_stalls(dev.stalled_s)
             clk.calls = []
         elif step == self.traced:
             self.traced_ledger = record.get("ledger")
@@ -115,6 +120,7 @@ class Capture:
         clk = clock()
         clk.events = clk.calls = None
         clk.annotate(False)
+        clk.mark_stalls(None)
         if self.step_range is not None:
             self.step_range.__exit__(None, None, None)
             self.step_range = None
