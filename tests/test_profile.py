@@ -20,7 +20,7 @@ from shardwise.profile.analyze import split_stragglers
 from shardwise.profile.kernels import device_ledger
 from shardwise.profile.ledger import build, total
 from shardwise.testing import run_world
-from shardwise.testing.profile_cases import BASE, CAUSES
+from shardwise.testing.profile_cases import BASE, CAUSES, HOOKS
 
 SMALL = BASE
 WARMUP, MEASURED = 1, 3
@@ -164,6 +164,35 @@ def test_a_trace_the_profiler_cannot_write_leaves_a_note_not_a_failure(tmp_path,
     part = json.loads((run / "rank0.json").read_text())
     assert part["trace"] is None and "disk full" in part["error"]
     assert len(part["steps"]) == MEASURED
+
+
+def test_the_devices_stalls_are_measured_per_step_and_a_failure_is_a_note(tmp_path, monkeypatch):
+    """The CUDA path of the stall marks, on CPU with host time standing in for device events:
+    a 40 ms data wait per micro-batch (1 rank: 8 samples in micro-batches of 4) is measured
+    in every measured step; a marker that fails leaves a note, not a failed job."""
+    import time
+
+    from shardwise.distributed import device as dev
+    from shardwise.testing.harness import run_here
+
+    monkeypatch.setattr(dev, "stall_marker", lambda info: time.perf_counter)
+    monkeypatch.setattr(dev, "stalled_s", lambda a, b: b - a)
+    case = {"overrides": [*SMALL, *PROFILE, "--train.micro_batch=4"], "hook": HOOKS + "slow_data"}
+    run_here(case, str(tmp_path / "ok"))
+    part = json.loads((tmp_path / "ok" / "rank0.json").read_text())
+    assert len(part["steps"]) == MEASURED and part["error"] is None
+    for s in part["steps"]:
+        stall = s["device_stall_s"]["data"]  # the host's wait itself, here
+        assert stall >= 0.08 and stall == pytest.approx(s["ledger"]["data_s"], abs=1e-3)
+
+    def broken(a, b):
+        raise RuntimeError("no timing")
+
+    monkeypatch.setattr(dev, "stalled_s", broken)
+    run_here(case, str(tmp_path / "broken"))
+    part = json.loads((tmp_path / "broken" / "rank0.json").read_text())
+    assert "no timing" in part["error"] and len(part["steps"]) == MEASURED
+    assert part["trace"] is not None  # the traced step still ran
 
 
 # -- the clock and the straggler split, without processes --------------------------------------

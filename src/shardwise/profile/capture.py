@@ -100,7 +100,11 @@ class Capture:
                 {"step": step + 1, "ledger": record["ledger"], "waits": clk.calls, **comm}
             )
             if clk.marker is not None:
-                self.steps[-1]["device_stall_s"] = clk.take_stalls(dev.stalled_s)
+                try:  # measuring the device's stalls must not stop the job either
+                    self.steps[-1]["device_stall_s"] = clk.take_stalls(dev.stalled_s)
+                except Exception as exc:  # (any failure: reported in the rank's file)
+                    clk.mark_stalls(None)
+                    self.error = f"device stalls not measured: {exc}"
             clk.calls = []
         elif step == self.traced:
             self.traced_ledger = record.get("ledger")
