@@ -57,7 +57,8 @@ def preamble() -> None:
 
     print(f"shardwise commit {commit()}")
     print(f"$ {command_line()}")
-    print(f"date: {datetime.date.today()}; load average at the start: {load()} (2 cores)")
+    cores = os.cpu_count()
+    print(f"date: {datetime.date.today()}; load average at the start: {load()} ({cores} cores)")
 
 
 def load() -> str:

@@ -13,8 +13,11 @@ recipe; its median step, MFU and peak beside ours, with the ratio ours / peer.
 work per kernel, so the most exposed clock) with the ledger on and off, in alternating order
 (on, off; off, on; ...), the median period between consecutive steps' ends (metrics'
 `time`: bookkeeping and log line included) after 5 warm-up steps per run, and the ratio.
-`--ledger-only` skips the profile. `--smoke` runs the tiny preset a few steps on whatever
-device there is (CPU here).
+`--verify CAUSE` (data_wait: a 40 ms sleep per micro-batch load, the profile tests' hook;
+recompute: memory.recompute=full) profiles the decoder with that cause injected, then with
+its finding's remedy, and prints predicted against measured gain (`shardwise profile
+--verify-remedy`). `--ledger-only` skips the profile. `--smoke` runs the tiny preset a few
+steps on whatever device there is (CPU here).
 """
 
 from __future__ import annotations
@@ -154,6 +157,17 @@ def ledger_cost(a: argparse.Namespace, folder: Path) -> None:
     print(f"ledger on / off (medians over rounds): {on / off:.4f} (bar: <= 1.02)")
 
 
+def verify_cause(a: argparse.Namespace, folder: Path) -> None:
+    """`--verify-remedy` of the injected cause's finding (the hook needs this process)."""
+    from shardwise.cli.profile import verify
+    from shardwise.config import load_config
+
+    extra = ["--memory.recompute=full"] if a.verify == "recompute" else []
+    hook = "shardwise.testing.hooks:slow_data" if a.verify == "data_wait" else None
+    cfg = load_config(None, [*overrides(a, folder), *extra, f"--profile.warmup={a.warmup}"])
+    verify(cfg, 1, folder / "profile", a.steps, 1, hook=hook, cause=a.verify)
+
+
 def _pct(x: float | None) -> str:
     return f"{100 * x:.1f}%" if x else "-"
 
@@ -174,6 +188,7 @@ def main() -> int:
     p.add_argument("--ledger-rounds", type=int, default=0, help="rounds of the ledger A/B")
     p.add_argument("--ledger-steps", type=int, default=30, help="steps per ledger run")
     p.add_argument("--ledger-only", action="store_true", help="skip the profile and the peer")
+    p.add_argument("--verify", choices=["data_wait", "recompute"], help="inject, then remedy")
     add_smoke(p)
     a = p.parse_args()
     if a.smoke:
@@ -183,7 +198,9 @@ def main() -> int:
         sys.exit("benchmarks/cuda_profile.py needs a CUDA device (or --smoke).")
     preamble()
     folder = Path(tempfile.mkdtemp(prefix="cuda-profile-"))
-    if not a.ledger_only:
+    if a.verify:
+        verify_cause(a, folder)
+    elif not a.ledger_only:
         profile_and_peer(a, folder)
     if a.ledger_rounds:
         ledger_cost(a, folder)
