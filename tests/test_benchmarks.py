@@ -23,12 +23,16 @@ HELPERS = {"common.py", "smoke_all.py", "published_rows.py"}  # imported, or run
 # `run_here`), which every multi-rank test uses, on what tests run too: ResNet and DDP parity
 # (tests/test_parity.py), the async checkpoint (tests/test_checkpoint.py), the MiniLM
 # classifier (tests/test_hf_models.py), LoRA (tests/test_lora.py), gradient compression
-# (tests/test_compression.py). cuda_profile.py measures on a GPU; its CPU smoke (~30 s: a
+# (tests/test_compression.py); four more (7-11 s each, the same way) on packing
+# (tests/test_packing.py), the ZeRO stages (tests/test_zero.py), recomputation
+# (tests/test_parity.py, test_plan_measured.py) and DTensor's tensor parallelism, the peer
+# tests/test_tensor.py runs. cuda_profile.py measures on a GPU; its CPU smoke (~30 s: a
 # profile, the peer loop, four short trains) drives what tests/test_profile.py tests.
 ELSEWHERE = {
     "fault_soak.py", "cpu_malloc.py", "default_job.py", "cuda_profile.py",
     "resnet_dp.py", "ddp_vs_torch.py", "checkpoint_async.py",
     "minilm_classify.py", "lora_finetune.py", "grad_compression.py",
+    "packing.py", "zero_stages.py", "recompute.py", "tp_vs_dtensor.py",
 }  # fmt: skip
 # the slowest smoke runs first, dealt alternately to the two runners so both finish together
 SLOW_FIRST = ["zero_vs_peers.py", "profile_remedies.py", "pipeline_bubble.py", "pp_vs_torch.py"]
