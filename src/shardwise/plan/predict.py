@@ -180,16 +180,24 @@ class _PlanComm:
     all_gather = reduce_scatter = all_reduce
 
 
-def _split_tp(model: torch.nn.Module, cfg: Config, derived) -> None:
+def _split_tp(model: torch.nn.Module, cfg: Config, derived):
     """Cut the meta model to tp rank 0's shard of every planned layer, as training does
-    (parallel/tensor.apply_tensor_parallel with the model's published plan)."""
+    (parallel/tensor.apply_tensor_parallel with the model's published plan); returns the
+    transformation (its loss: vocabulary-parallel when the head is split), None at tp = 1."""
     if derived.tp == 1:
-        return
+        return None
     from shardwise.models.tp_plans import plan_for
     from shardwise.parallel.tensor import apply_tensor_parallel
 
     plan = plan_for(model, derived.spec.arch)
-    apply_tensor_parallel(model, _PlanComm(derived.tp), plan, cfg.parallel.sp)
+    return apply_tensor_parallel(model, _PlanComm(derived.tp), plan, cfg.parallel.sp)
+
+
+def _loss(tp, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed loss as training computes it (runtime.Run.loss_sum): the tp shard's own."""
+    if tp is not None:
+        return tp.loss_sum(logits, targets)
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
 
 
 def real_model(cfg: Config, spec) -> tuple[list, int, int, bool]:
@@ -216,9 +224,10 @@ def measure_activations(cfg: Config, spec, recompute: str, micro_batch: int) -> 
         return _fake_activations(model, cfg, derived, recompute)
 
 
-def _fake_activations(model, cfg: Config, derived, recompute: str | None = None) -> int:
+def _fake_activations(model, cfg: Config, derived, recompute: str | None = None, tp=None) -> int:
     """Bytes saved for backward by one micro-batch's forward and loss, on fake tensors (for
-    models without a formula: image models and Hugging Face definitions)."""
+    models without a formula: image models and Hugging Face definitions); `tp`: the shard's
+    tensor parallelism (`_split_tp`)."""
     apply_recompute(model, derived.family, recompute or cfg.memory.recompute)
     cast_for_compute(model, dev.dtype_of(cfg.precision.compute))
     meter = ActivationMeter(model)
@@ -241,7 +250,7 @@ def _fake_activations(model, cfg: Config, derived, recompute: str | None = None)
     with meter.measure(), _as_in_training():
         logits = model(inputs)
         logits = getattr(logits, "logits", logits)  # a Hugging Face output object
-        F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
+        _loss(tp, logits, targets)
     return meter.take_peak()
 
 
@@ -254,8 +263,8 @@ def _stage_model(cfg: Config, derived, layout: Layout, stage: int):
     p, v = layout.pp, layout.pp_virtual
     chunks = plan_chunks(derived.spec, p, v, cfg.parallel.pp_split, cfg.data.seq_len)
     mine, view = prune_to_stage(model, chunks, stage, p, derived.spec)
-    _split_tp(model, cfg, derived)
-    return (model, view, mine), model_units(model)
+    tp = _split_tp(model, cfg, derived)
+    return (model, view, mine, tp), model_units(model)
 
 
 def _tied_first(model: torch.nn.Module) -> bool:
@@ -282,7 +291,7 @@ def _hf_stage(cfg: Config, derived, job: Job, layout: Layout, stage: int) -> tup
     units' states, and one micro-batch's saved bytes from a fake forward of its chunk
     (embedding, layers, norm + head + loss as it holds them) times the micro-batches its
     schedule keeps."""
-    (model, view, mine), us = _stage_model(cfg, derived, layout, stage)
+    (model, view, mine, tp), us = _stage_model(cfg, derived, layout, stage)
     quantised = [m.shape for _, m in quant_layers(model)]
     shards = mem.quantised_shards(layout)
     states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload, quantised, shards)
@@ -308,8 +317,7 @@ def _hf_stage(cfg: Config, derived, job: Job, layout: Layout, stage: int) -> tup
             blocks = meter.current - edge
             if last:
                 logits = view.output(h)
-                targets = torch.zeros(b, s, dtype=torch.long)
-                F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum")
+                _loss(tp, logits, torch.zeros(b, s, dtype=torch.long))
             tail = meter.current - edge - blocks
     m = layout.micro_batches(job)
     held = act.in_flight(layout.pp_schedule, layout.pp, m, layout.pp_virtual, stage)
@@ -327,8 +335,9 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
     model = _meta_model(cfg, derived.spec)  # as training builds it
     n = count_params(model)
     quantised = [m.shape for _, m in quant_layers(model)]
+    tp = None
     if not formula:  # a real model's units and fake forward: rank 0's tp shard of it
-        _split_tp(model, cfg, derived)
+        tp = _split_tp(model, cfg, derived)
     us = model_units(model)
     if quantised:  # the NF4 base: bitsandbytes' bytes per layer, outside the ZeRO units
         n += sum(a * b for a, b in quantised)
@@ -339,7 +348,7 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         # the whole model's saved bytes (a pipeline measures each stage below), and which
         # quantised linears backward uses
         if (not formula and layout.pp == 1) or quantised:
-            activations = _fake_activations(model, cfg, derived)
+            activations = _fake_activations(model, cfg, derived, tp=tp)
     if quantised:
         backward = tuple(m.input_needs_grad for _, m in quant_layers(model))
         job = dataclasses.replace(job, quantised_backward=backward)
