@@ -124,6 +124,7 @@ def summarise(pcfg: Config, world: int) -> dict:
         # priced from the device's split where there is one (CUDA: profile/kernels.py)
         "findings": findings(pcfg, world, priced, ranks, comm, detect_hardware()),
         "findings_from": priced.get("source", "host"),
+        "findings_ledger": priced,  # the mean ledger they were priced from
         "mfu": _mfu(folder / "metrics.jsonl", {s["step"] for s in parts[0]["steps"]}),
         "traces": [p["trace"] for p in parts if p["trace"]],
         "problems": problems,

@@ -49,6 +49,7 @@ class Clock:
         self.marker = None
         self.stalls: list[tuple[str, object, object]] = []
         self._marks: list[tuple[int, object]] = []
+        self.problem: str | None = None  # why those were turned off (see `_profiled`)
 
     def _charge(self, now: float) -> None:
         top = self.stack[-1]
@@ -61,20 +62,37 @@ class Clock:
         self._charge(time.perf_counter())
         self.stack.append(category)
         self.entered += 1
+        if self.ranges is not None or self.marker is not None:
+            self._profiled(self._open, category)
+
+    def exit(self) -> None:
+        self._charge(time.perf_counter())
+        if len(self.stack) > 1:
+            if self.ranges or self._marks:
+                self._profiled(self._close, self.stack[-1])
+            self.stack.pop()
+
+    def _open(self, category: str) -> None:
         if self.ranges is not None:
             self.ranges.append((len(self.stack), _open_range(category)))
         if self.marker is not None and category in STALLS:
             self._marks.append((len(self.stack), self.marker()))
 
-    def exit(self) -> None:
-        self._charge(time.perf_counter())
-        if len(self.stack) > 1:
-            if self.ranges and self.ranges[-1][0] == len(self.stack):  # opened as a range
-                self.ranges.pop()[1].__exit__(None, None, None)
-            if self._marks and self._marks[-1][0] == len(self.stack) and self.marker:
-                start = self._marks.pop()[1]
-                self.stalls.append((self.stack[-1], start, self.marker()))
-            self.stack.pop()
+    def _close(self, category: str) -> None:
+        if self.ranges and self.ranges[-1][0] == len(self.stack):  # opened as a range
+            self.ranges.pop()[1].__exit__(None, None, None)
+        if self._marks and self._marks[-1][0] == len(self.stack) and self.marker:
+            start = self._marks.pop()[1]
+            self.stalls.append((category, start, self.marker()))
+
+    def _profiled(self, step, category: str) -> None:
+        """A profile's extra work at a region's edge; a failure turns it off and is kept in
+        `problem` (the profile reports it), never stops the job or unbalances the stack."""
+        try:
+            step(category)
+        except Exception as exc:  # (any failure of the profiler or the device's events)
+            self.problem = f"profile ranges/device marks turned off: {exc}"
+            self.ranges, self.marker, self._marks = None, None, []
 
     def mark_stalls(self, marker) -> None:
         """Mark every host wait with `marker` from now on (None: stop); forgets earlier marks."""

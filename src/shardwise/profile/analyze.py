@@ -175,31 +175,35 @@ def device_view(mean: dict, ranks: list[dict]) -> dict:
     kernels, so the host's split follows launches (a replayed forward costs the host little
     and the device much): there the device's split of the traced step (mean over ranks)
     replaces the host's, fitted to the measured steps' mean: kernel time as traced; the
-    device's stalls in host waits as measured in the measured steps (`device_stall_s`, from
+    device's stall in each host wait as measured in the measured steps (`device_stall_s`,
     device events: the traced step's host, slowed by the profiler, is less far ahead when it
-    waits); the rest of the idle device scaled to fill the step. Straggler waits stay the
-    host's (only matching calls across ranks finds them). Without kernels (CPU): `mean`."""
+    waits); evaluation and checkpoint as the host measured them (the traced step is the run's
+    last, which evaluates and may save; the measured ones need not); the rest of the idle
+    device scaled to fill the step. Straggler waits stay the host's (only matching calls
+    across ranks finds them; on CUDA a late rank's wait is also inside the NCCL kernels
+    kept as traced, so several ranks' slack is counted twice there). Without kernels (CPU):
+    `mean` itself."""
     device = [r["device_ledger"] for r in ranks if r.get("device_ledger")]
     if not device:
         return mean
     avg = mean_ledger([{"steps": device}])
-    idle = dict(avg.get("idle_s", {}))
-    busy = avg["step_s"] - sum(idle.values())
-    target = mean["step_s"] - mean["straggler_wait_s"]
-    stalls = _mean_stalls(ranks)
-    rest = target - busy - sum(stalls.values())
-    scaled = sum(v for k, v in idle.items() if k not in stalls)
+    traced_idle = avg.get("idle_s", {})
+    given = {k: mean[k] for k in ("eval_s", "checkpoint_s")} | _mean_stalls(ranks)
+    idle = {k: v for k, v in traced_idle.items() if k not in given}
+    own = avg["step_s"] - sum(avg[k] for k in given)  # the traced parts that are fitted
+    busy = own - sum(idle.values())
+    target = mean["step_s"] - mean["straggler_wait_s"] - sum(given.values())
+    rest, scaled = target - busy, sum(idle.values())
     if rest >= 0 and (scaled > 0 or rest == 0):
         f_busy, f_idle = 1.0, rest / scaled if scaled else 0.0
-        idle.update(stalls)  # measured: taken as they are
     else:  # (faster than its kernels as traced: scale all alike)
-        f_busy = f_idle = target / avg["step_s"]
-        stalls = {}
+        f_busy = f_idle = max(0.0, target) / own if own > 0 else 0.0
 
     def fit(value: float, key: str) -> float:
-        own = idle.get(key, 0.0)
-        traced = avg.get("idle_s", {}).get(key, 0.0)
-        return (value - traced) * f_busy + (own if key in stalls else own * f_idle)
+        if key in given:
+            return given[key]
+        spent_idle = idle.get(key, 0.0)
+        return (value - spent_idle) * f_busy + spent_idle * f_idle
 
     out = {**mean, "source": "device"}
     for key in _DEVICE_PARTS:
@@ -212,8 +216,8 @@ def device_view(mean: dict, ranks: list[dict]) -> dict:
 
 
 def _mean_stalls(ranks: list[dict]) -> dict[str, float]:
-    """Mean seconds per step the device stalled in each host wait (`data_s`: ...), over the
-    measured steps of every rank that measured them (CUDA)."""
+    """Mean seconds per step the device stalled in each host wait, as ledger parts
+    (`data_s`), over the measured steps of every rank that measured them (CUDA)."""
     steps = [s for r in ranks for s in r["steps"] if "device_stall_s" in s]
     if not steps:
         return {}

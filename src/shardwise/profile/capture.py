@@ -68,6 +68,7 @@ class Capture:
         self.traced_ledger: dict | None = None
         self.profiler = None
         self.error: str | None = None
+        clock().problem = None  # (process state: a failure of an earlier run is not ours)
         self.step_range = None  # the traced step as a profiler range (`sw:step`)
         self.device_ledger: dict | None = None  # the traced step from its kernels (CUDA)
 
@@ -111,9 +112,13 @@ class Capture:
             prof = self.stop()
             try:  # a trace that cannot be written must not stop the job
                 trace = _export(prof, self.dir / trace_name(self.run.topo.rank), self.cap)
-                self.device_ledger = device_ledger(trace)
             except Exception as exc:  # (any failure: reported in the rank's file)
                 self.error = f"trace not written: {exc}"
+                return
+            try:
+                self.device_ledger = device_ledger(trace)
+            except Exception as exc:  # (a trace it cannot read: the host ledger stays)
+                self.error = f"device ledger not built: {exc}"
 
     @property
     def cap(self) -> int:
@@ -137,6 +142,8 @@ class Capture:
     def close(self) -> None:
         """Write this rank's file, then wait until every rank has written its own."""
         topo, rank = self.run.topo, self.run.topo.rank
+        if clock().problem:  # ranges or device marks that failed (and were turned off)
+            self.error = "; ".join(e for e in (self.error, clock().problem) if e)
         part = {
             "rank": rank,
             "world": topo.world,

@@ -9,8 +9,9 @@ backward and communication follows the launches. Here every instant of the trace
   matched by correlation id, lies inside the innermost `sw:<region>` range open then; the
   backward's kernels are launched from autograd's thread while the loop waits in `backward`);
 - only communication kernels (NCCL) ran: exposed communication over the dimension of the
-  `comm:<dim>` region that launched them (`comm_overlapped_s` counts NCCL time under compute:
-  shown, not added);
+  `comm:<dim>` region that launched them; a pipeline send/receive (or a collective launched
+  inside a pipeline wait) is the stage waiting for its neighbours, `bubble` as in the host
+  ledger (`comm_overlapped_s` counts NCCL time under compute: shown, not added);
 - nothing ran: what the host was doing then (waiting for data, a pipeline neighbour, a
   collective) or, inside compute and optimizer regions, `launch_bound_s`: the device waited
   for the host's next launch.
@@ -53,30 +54,52 @@ def device_ledger(trace: dict) -> dict | None:
         for e in events
         if e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})
     }
-    kernels = []
+    device = []  # (start, end, name, launch time or None), clipped to the step
     for e in events:
         if e.get("cat") not in _DEVICE_CATS or e.get("ph") != "X":
             continue
         a = max(lo, float(e["ts"]))
         b = min(hi, float(e["ts"]) + float(e.get("dur", 0)))
-        if b <= a:
-            continue
-        at = launched.get(e.get("args", {}).get("correlation"))
-        region = _innermost(regions, at) if at is not None else "other"
-        comm = str(e.get("name", "")).lower().startswith("nccl")
-        kernels.append((a, b, comm, region))
-    if not kernels:
+        if b > a:
+            at = launched.get(e.get("args", {}).get("correlation"))
+            device.append((a, b, str(e.get("name", "")), at))
+    if not device:
         return None
+    # the region that launched each one (none found: `other`)
+    found = _innermost(regions, [at if at is not None else float("-inf") for *_, at in device])
+    kernels = [
+        (a, b, _kind(name), region) for (a, b, name, _), region in zip(device, found, strict=True)
+    ]
     return _sweep(lo, hi, kernels, regions)
 
 
-def _innermost(regions: list[tuple[float, float, str]], t: float) -> str:
-    """The region open at host time `t` that began last (regions nest in time)."""
-    best, start = "other", float("-inf")
-    for a, b, name in regions:
-        if a <= t < b and a >= start:
-            best, start = name, a
-    return best
+def _kind(name: str) -> str:
+    """compute, nccl (a collective) or p2p (NCCL's send/receive: the pipeline's)."""
+    low = name.lower()
+    if not low.startswith("nccl"):
+        return "compute"
+    return "p2p" if "send" in low or "recv" in low else "nccl"
+
+
+def _innermost(regions: list[tuple[float, float, str]], times: list[float]) -> list[str]:
+    """For each host time, the region open then that began last (regions nest in time;
+    `other` where none is open): one sweep over both, sorted."""
+    order = sorted(range(len(times)), key=times.__getitem__)
+    starts = sorted(regions)
+    out = ["other"] * len(times)
+    open_: list[tuple[float, float, str]] = []  # (-start, end, name): the latest start on top
+    nxt = 0
+    for i in order:
+        t = times[i]
+        while nxt < len(starts) and starts[nxt][0] <= t:
+            a, b, name = starts[nxt]
+            heapq.heappush(open_, (-a, b, name))
+            nxt += 1
+        while open_ and open_[0][1] <= t:  # ended (and stays so: times only grow)
+            heapq.heappop(open_)
+        if open_:
+            out[i] = open_[0][2]
+    return out
 
 
 def _sweep(lo: float, hi: float, kernels: list, regions: list) -> dict:
@@ -89,29 +112,27 @@ def _sweep(lo: float, hi: float, kernels: list, regions: list) -> dict:
         | {t for k in kernels for t in k[:2]}
         | {t for r in regions for t in r[:2] if lo < t < hi}
     )
+    pairs = list(itertools.pairwise(marks))
+    hosts = _innermost(regions, [(a + b) / 2 for a, b in pairs])
     order = sorted(range(len(kernels)), key=lambda i: kernels[i][0])
     active: list[tuple[float, int]] = []  # (end, index) of kernels started by now
     nxt = 0
-    for a, b in itertools.pairwise(marks):
+    for (a, b), host in zip(pairs, hosts, strict=True):
         while nxt < len(order) and kernels[order[nxt]][0] <= a:
             heapq.heappush(active, (kernels[order[nxt]][1], order[nxt]))
             nxt += 1
         while active and active[0][0] <= a:
             heapq.heappop(active)
         running = [kernels[i] for _, i in active]
-        compute = [k for k in running if not k[2]]
-        comm = [k for k in running if k[2]]
+        compute = [k for k in running if k[2] == "compute"]
+        comm = [k for k in running if k[2] != "compute"]
         if compute:
             key = min(compute)[3]  # the earliest-started one's region
-            for k in comm:
-                dim = _dim(k[3])
-                if dim:
-                    overlapped[dim] += b - a
+            for dim in {_dim(k[3]) for k in comm} - {None}:
+                overlapped[dim] += b - a
         elif comm:
-            dim = _dim(min(comm)[3])
-            key = f"comm:{dim}" if dim else "other"
+            key = _comm_key(min(comm))
         else:
-            host = _innermost(regions, (a + b) / 2)
             key = "launch_bound" if host in _BUSY_HOST else host
             idle[key] = idle.get(key, 0.0) + (b - a)
         charged[key] = charged.get(key, 0.0) + (b - a)
@@ -126,6 +147,18 @@ def _sweep(lo: float, hi: float, kernels: list, regions: list) -> dict:
     for key in ("step_s", "compute_s", "forward_s", "backward_s", "recompute_s"):
         del ledger["idle_s"][key]  # a compute region's idle device is launch-bound
     return ledger
+
+
+def _comm_key(kernel: tuple) -> str:
+    """Where communication alone on the device goes: the dimension of the `comm:<dim>`
+    region that launched it; a pipeline send/receive, or a collective launched inside a
+    pipeline wait (the stage's start alignment, the loss all-reduce), is the stage waiting
+    for its neighbours (`bubble`, as in the host ledger); else `other`."""
+    _, _, kind, region = kernel
+    dim = _dim(region)
+    if dim is not None:
+        return f"comm:{dim}"
+    return "bubble" if kind == "p2p" or region == "bubble" else "other"
 
 
 def _seconds(us: dict[str, float]) -> dict[str, float]:

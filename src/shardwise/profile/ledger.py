@@ -45,8 +45,9 @@ def build(step_s: float, totals: dict[str, float], overlapped: dict[str, float])
 
 
 def total(ledger: dict) -> float:
-    """The sum of a ledger's added parts (equal to its step_s when nothing is missed)."""
-    out = 0.0
+    """The sum of a ledger's added parts (equal to its step_s when nothing is missed); a
+    device ledger's `launch_bound_s` (profile/kernels.py) is one of them."""
+    out = ledger.get("launch_bound_s", 0.0)
     for key in PARTS:
         value = ledger[key]
         out += sum(value.values()) if isinstance(value, dict) else value
