@@ -2,6 +2,7 @@
 engine's saved-tensor accounting, analytic units against the real model, search speed, the
 JSON contract and bad input. (Measured runs: tests/test_plan_measured.py.)"""
 
+import dataclasses
 import json
 import time
 
@@ -347,3 +348,31 @@ def test_bad_hardware_overrides_are_refused(capsys, args, needle):
 def test_train_refuses_hardware(capsys):
     assert main(["train", "--hardware", "a100-80gb", "--nproc", "1"]) == 2
     assert "train runs on the hardware it finds" in capsys.readouterr().err
+
+
+NVME_CASE = [
+    "--hardware", "rtx4090", "--devices", "1", "--model", "1b", "--precision.compute=bf16",
+    "--data.seq_len=1024", "--train.global_batch=8", "--hardware.host_memory=8e9",
+    "--hardware.memory=1.6e10",
+]  # fmt: skip
+
+
+def test_nvme_offload_is_planned_where_a_disk_is_declared_and_priced_by_it(capsys):
+    """16 GB of device and 8 GB of host memory per device cannot hold a 1.3B model's Adam
+    states (16 GB); declared local disk can (optim/nvme.py), at the disk's speed. Without a
+    declared disk the search leaves NVMe out and the error names the key."""
+    code, _, err = _plan(capsys, *NVME_CASE)
+    assert code == 2 and "--hardware.nvme_bytes" in err
+    code, out, _ = _plan(capsys, *NVME_CASE, "--hardware.nvme_bytes=1e11", "--json", "--top", "50")
+    candidates = json.loads(out)["candidates"]
+    assert code == 0 and {c["offload"] for c in candidates} <= {"optimizer+nvme", "params+nvme"}
+    best = candidates[0]
+    assert 0 < best["mem_bytes"]["disk_optimizer"] <= 1e11
+    assert best["time"]["disk_s"] > 0.5 * best["step_time_s"]  # 1 GB/s per device: the disk
+    # a disk too small for the states: every NVMe layout rejected as over its budget
+    hw = dataclasses.replace(
+        get_hardware("rtx4090"), memory=int(1.6e10), host_memory=int(8e9), nvme_bytes=int(5e9)
+    )
+    result = search(Job(preset("1b"), hw, 1, seq_len=1024, global_batch=8))
+    assert not result.candidates
+    assert result.rejected["NVMe over budget (--hardware.nvme_bytes)"] > 0

@@ -37,6 +37,9 @@ class Hardware:
     # bytes/s of local disk per device for optimizer+nvme: an assumption, not measured (one
     # PCIe 4 NVMe drive's ~6-7 GB/s shared by the 8 devices of a node, rounded down)
     disk_bw: float = 1e9
+    # bytes of local disk (NVMe) per device that optimizer+nvme / params+nvme may fill: none
+    # unless declared (--hardware.nvme_bytes=...), and the search then leaves them out
+    nvme_bytes: int = 0
     matmul_eff: float = 0.7  # achieved / peak for a training step's compute
     comm_eff: float = 0.8  # achieved / peak link bandwidth for ring collectives
     mem_eff: float = 0.8  # achieved / peak memory bandwidth for element-wise kernels

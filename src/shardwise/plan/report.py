@@ -23,6 +23,7 @@ def why(rec: dict) -> str:
         "exposed dp comm": t["dp_exposed_s"],
         "optimizer": t["optimizer_s"],
         "offload": t["offload_s"],
+        "NVMe": t.get("disk_s", 0.0),
         "compression": t.get("compression_s", 0.0),
     }
     step = rec["step_time_s"]

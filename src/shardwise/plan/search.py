@@ -17,6 +17,7 @@ from shardwise.plan.layout import Job, Layout
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb")
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "optimizer", "optimizer+params")
+NVME = ("optimizer+nvme", "params+nvme")  # searched where the hardware declares a disk
 
 
 def _divisors(n: int) -> list[int]:
@@ -59,7 +60,7 @@ def invalid(job: Job, lay: Layout) -> str | None:
         return "zero>=2 with pp (gradients reduce-scattered every micro-batch)"
     if lay.offload != "none" and lay.zero == 0:
         return "offload needs zero>=1"
-    if lay.offload == "optimizer+params" and lay.zero != 3:
+    if lay.offload in ("optimizer+params", "params+nvme") and lay.zero != 3:
         return "parameter offload needs zero=3"
     if lay.zero > 0 and lay.dp == 1 and lay.offload == "none":
         return "zero with dp=1 shards nothing"
@@ -118,6 +119,9 @@ def fits(job: Job, rec: dict) -> str | None:
         return "memory over budget"
     if host_total > hw.host_memory * min(job.devices, hw.per_node):
         return "host memory over budget"
+    disk = sum(v for k, v in rec["mem_bytes"].items() if k.startswith("disk_"))
+    if disk > hw.nvme_bytes:
+        return "NVMe over budget (--hardware.nvme_bytes)"
     return None
 
 
@@ -135,12 +139,20 @@ def layouts(job: Job):
             # communication volume (Korthikanti et al. 2022 §4.2.2)
             # gradient compression over dp > 1 (PowerSGD: ZeRO-0 only): none, and what is asked
             for (sched, v), mb, zero, rc, off in itertools.product(
-                scheds, mbs, range(4), RECOMPUTE, OFFLOAD
+                scheds, mbs, range(4), RECOMPUTE, _offloads(job)
             ):
                 wires = [w for w in job.compressions if dp > 1 and (zero == 0 or w != "powersgd")]
                 wires = wires or ["none"]
                 for wire in wires:
                     yield Layout(tp, pp, dp, zero, tp > 1, sched, v, mb, rc, off, wire)
+
+
+def _offloads(job: Job) -> tuple[str, ...]:
+    """Where states may go: NVMe too when the hardware declares a disk, or a config pins it
+    (then rejected as over budget without one: never silently dropped)."""
+    pinned = dict(job.pinned).get("offload")
+    nvme = job.hardware.nvme_bytes > 0 or pinned in NVME
+    return OFFLOAD + NVME if nvme else OFFLOAD
 
 
 def search(job: Job) -> Result:
@@ -187,8 +199,13 @@ def nothing_fits(job: Job, result: Result) -> ConfigError:
         f"no layout of {job.spec.n_layers}-layer, {job.spec.dim}-wide model fits on "
         f"{job.devices} x {job.hardware.name} (seq_len {job.seq_len}, global batch "
         f"{job.global_batch}).{need}{more} Fix: more devices, a device with more memory, "
-        "a smaller micro-batch or sequence, or fine-tuning options (--finetune.lora_rank=16, "
-        "--finetune.base_quant=nf4)."
+        "a smaller micro-batch or sequence, fine-tuning options (--finetune.lora_rank=16, "
+        "--finetune.base_quant=nf4)"
+        + (
+            ", or NVMe offload: declare the local disk per device (--hardware.nvme_bytes=2e12)."
+            if not hw.nvme_bytes
+            else "."
+        )
     )
 
 
