@@ -509,3 +509,15 @@ def test_train_refuses_profile_steps_and_names_the_command(capsys):
 
     assert main(["train", "--profile.steps=3", "--model.name=tiny"]) == 2
     assert "Fix: shardwise profile --steps 3" in capsys.readouterr().err
+
+
+def test_a_run_on_nvme_is_offered_less_recomputation_when_it_fits():
+    """The recompute remedy's memory check counts the run's own disk state as room (it is
+    using it), whatever local disk the planner's hardware declares."""
+    from shardwise.plan.hardware import get_hardware
+    from shardwise.plan.remedy import _recompute
+
+    nvme = ["--memory.offload=optimizer+nvme", "--parallel.zero=1", "--memory.recompute=full"]
+    cfg = load_config(None, [*SMALL, *nvme])
+    found = _recompute(cfg, 2, {"recompute_s": 0.3}, get_hardware("cpu", calibrate=False), 1.0)
+    assert found["remedy"] == ["--memory.recompute=none"], found["evidence"]

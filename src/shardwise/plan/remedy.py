@@ -156,6 +156,11 @@ def _recompute(cfg: Config, world: int, mean: dict, hw: Hardware, step: float) -
         _, rec = predict_config(other, d, hw)
         rec.setdefault("peak_bytes", rec["mem_bytes"]["total"] + hw.reserve)
         rec.setdefault("host_bytes", 0)
+        # the run's own disk state (memory.offload=...+nvme) fits: the job is using it
+        disk = sum(v for k, v in rec["mem_bytes"].items() if k.startswith("disk_"))
+        job = dataclasses.replace(
+            job, hardware=dataclasses.replace(hw, nvme_bytes=max(hw.nvme_bytes, int(disk)))
+        )
         if fits(job, rec) is None:
             # none: the replayed forwards go; selective keeps the planner's share of them
             lay = layout_from_config(other, d)

@@ -111,15 +111,15 @@ def fits(job: Job, rec: dict) -> str | None:
     hw = job.hardware
     share = min(job.devices, hw.per_node) if hw.memory_shared else 1
     host_total = rec["host_bytes"] * (min(job.devices, hw.per_node) if not hw.memory_shared else 0)
+    disk = sum(v for k, v in rec["mem_bytes"].items() if k.startswith("disk_"))
     if hw.memory_shared:  # CPU: every rank's device and host bytes share the RAM
         if (rec["peak_bytes"] + rec["host_bytes"]) * share > hw.memory:
             return "memory over budget"
-        return None
-    if rec["peak_bytes"] > hw.memory:
-        return "memory over budget"
-    if host_total > hw.host_memory * min(job.devices, hw.per_node):
-        return "host memory over budget"
-    disk = sum(v for k, v in rec["mem_bytes"].items() if k.startswith("disk_"))
+    else:
+        if rec["peak_bytes"] > hw.memory:
+            return "memory over budget"
+        if host_total > hw.host_memory * min(job.devices, hw.per_node):
+            return "host memory over budget"
     if disk > hw.nvme_bytes:
         return "NVMe over budget (--hardware.nvme_bytes)"
     return None
