@@ -135,8 +135,9 @@ def summarise(pcfg: Config, world: int) -> dict:
     del summary["timeline"]
     (folder / "summary.json").write_text(json.dumps(summary, indent=1))
     print(ledger_table(summary))
-    if device_table(summary):
-        print(device_table(summary))
+    device = device_table(summary)
+    if device:
+        print(device)
     print(findings_text(summary["findings"], top=3))
     print(f"profile: {folder}/summary.json, report.md, timeline.json, trace_rank*.json")
     return summary

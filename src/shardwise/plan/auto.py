@@ -7,6 +7,7 @@ import copy
 from shardwise.config import Config
 from shardwise.errors import ConfigError, NotYetSupportedError
 from shardwise.plan.hardware import GB, detect_hardware
+from shardwise.plan.memory import kept_in
 from shardwise.plan.predict import job_from_config
 from shardwise.plan.search import nothing_fits, search
 
@@ -87,7 +88,7 @@ def refuse_if_too_big(cfg: Config, record: dict, nproc: int) -> None:
 
     hw = detect_hardware()
     mem = record["mem_bytes"]
-    host = sum(v for k, v in mem.items() if k.startswith("host_"))
+    host = kept_in(mem, "host")
     per_rank = mem["total"] + hw.reserve + (host if hw.memory_shared else 0)
     ranks = nproc if hw.memory_shared else 1
     if per_rank * ranks <= hw.memory:

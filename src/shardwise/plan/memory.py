@@ -29,6 +29,12 @@ INT8_BYTES = 1 + 4 / 4096
 QUANT_BYTES = {"nf4": NF4_BYTES, "int8": INT8_BYTES}
 
 
+def kept_in(mem_bytes: dict, where: str) -> float:
+    """Bytes a prediction keeps off the device: in host memory (`host`: the `host_*`
+    categories) or on local disk (`disk`: `disk_*`, NVMe offload)."""
+    return sum(v for k, v in mem_bytes.items() if k.startswith(f"{where}_"))
+
+
 def _entry_bytes(e: tuple, bc: int) -> float:
     return e[3] if len(e) > 3 else bc
 

@@ -15,6 +15,7 @@ import dataclasses
 from shardwise.config import Config, with_overrides
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import Hardware
+from shardwise.plan.memory import kept_in
 from shardwise.plan.predict import job_from_config, layout_from_config, predict_config
 from shardwise.plan.search import fits
 from shardwise.training.validate import derive
@@ -157,9 +158,9 @@ def _recompute(cfg: Config, world: int, mean: dict, hw: Hardware, step: float) -
         rec.setdefault("peak_bytes", rec["mem_bytes"]["total"] + hw.reserve)
         rec.setdefault("host_bytes", 0)
         # the run's own disk state (memory.offload=...+nvme) fits: the job is using it
-        disk = sum(v for k, v in rec["mem_bytes"].items() if k.startswith("disk_"))
+        disk = int(kept_in(rec["mem_bytes"], "disk"))
         job = dataclasses.replace(
-            job, hardware=dataclasses.replace(hw, nvme_bytes=max(hw.nvme_bytes, int(disk)))
+            job, hardware=dataclasses.replace(hw, nvme_bytes=max(hw.nvme_bytes, disk))
         )
         if fits(job, rec) is None:
             # none: the replayed forwards go; selective keeps the planner's share of them

@@ -83,7 +83,7 @@ def evaluate(job: Job, lay: Layout) -> dict:
     parts = tm.step_time(job, lay, mb, kinds, calls)
     transient = mem.backward_transient(job, lay)
     peak = max(mb["total"] + transient, mem.step_peak(job, lay)) + hw.reserve
-    host = sum(v for k, v in mb.items() if k.startswith("host_"))
+    host = mem.kept_in(mb, "host")
     step = parts["step_s"]
     tokens = job.tokens_per_step / step
     peak_flops = job.devices * hw.peak[job.precision]
@@ -111,7 +111,7 @@ def fits(job: Job, rec: dict) -> str | None:
     hw = job.hardware
     share = min(job.devices, hw.per_node) if hw.memory_shared else 1
     host_total = rec["host_bytes"] * (min(job.devices, hw.per_node) if not hw.memory_shared else 0)
-    disk = sum(v for k, v in rec["mem_bytes"].items() if k.startswith("disk_"))
+    disk = mem.kept_in(rec["mem_bytes"], "disk")
     if hw.memory_shared:  # CPU: every rank's device and host bytes share the RAM
         if (rec["peak_bytes"] + rec["host_bytes"]) * share > hw.memory:
             return "memory over budget"
