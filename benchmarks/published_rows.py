@@ -241,10 +241,12 @@ def _bloom(row: dict) -> Case | str:
     # the chronicles, 02-28: "from now on the testing is happening with BF16 optimizer that
     # was just written to accumulate gradients in fp32, so it is more memory heavy"
     bf16_optimizer = row["precision"] == "bf16" and ("-0228" in row["id"] or "-tr11-" in row["id"])
-    # before it, DeepSpeed's ZeRO optimizer: its step copies the rank's gradient share twice
+    # before it, DeepSpeed's ZeRO optimizer: its step copies the rank's gradient share twice;
+    # DeepSpeed's pipeline engine keeps each stage's received and sent hidden states
     engine = dataclasses.replace(
-        MEGATRON, fp32_grads=bf16_optimizer, step_grad_copies=not bf16_optimizer
-    )
+        MEGATRON, fp32_grads=bf16_optimizer, step_grad_copies=not bf16_optimizer,
+        pp_stage_copies=True,
+    )  # fmt: skip
     job = Job(
         _gpt(m), hw, row["hardware"]["n_gpus"], m["seq_len"], lay["global_batch"],
         row["precision"], row["precision"], engine=engine,

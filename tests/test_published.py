@@ -334,6 +334,36 @@ def test_a_zero1_step_that_copies_gradients_can_set_the_peak():
     assert copies["peak_bytes"] == plain["peak_bytes"]  # dp 8: backward's peak is higher
 
 
+def test_deepspeeds_pipeline_stages_keep_the_hidden_states_they_received_and_sent():
+    """DeepSpeed's PipelineEngine (BLOOM's runs; `Engine.pp_stage_copies`) keeps per micro-batch
+    in flight the hidden state a stage received and the one it sent, beside the block inputs
+    full recomputation saves: one more 16-bit s x b x h tensor on the first stage (what it
+    sent), two on a middle one, one on the last (what it received). Model states and the
+    step's time do not change."""
+    from shardwise.plan import memory as mem
+
+    job = Job(preset("175b"), A100, 64, seq_len=2048, global_batch=64, engine=Engine("mg"))
+    ds = dataclasses.replace(job, engine=Engine("ds", pp_stage_copies=True))
+    lay = Layout(tp=8, pp=4, pp_schedule="1f1b", dp=2, zero=1, micro_batch=2, recompute="full")
+    hidden = 2 * 2048 * 2 * job.spec.dim  # one bf16 hidden state of the micro-batch
+    for stage, kept in ((0, 1), (1, 2), (2, 2), (3, 1)):
+        extra = mem.activation_bytes(ds, lay, stage) - mem.activation_bytes(job, lay, stage)
+        assert extra == kept * hidden * (4 - stage)  # 1F1B: p - stage micro-batches in flight
+    one = dataclasses.replace(lay, pp=1, pp_schedule="1f1b", dp=8)
+    assert mem.activation_bytes(ds, one, 0) == mem.activation_bytes(job, one, 0)
+    a, b = search.evaluate(job, lay), search.evaluate(ds, lay)
+    assert a["step_time_s"] == b["step_time_s"]
+    # the second stage holds the most where stages are short (p > L/p + 2): 24 stages of 3
+    many = dataclasses.replace(lay, tp=2, pp=24, dp=1, zero=0, micro_batch=1)
+    job72 = dataclasses.replace(ds, spec=dataclasses.replace(job.spec, n_layers=72))
+    per_stage = [mem.activation_bytes(job72, many, st) for st in range(24)]
+    assert max(per_stage) == per_stage[1] > per_stage[0]
+    assert mem.predict_memory(job72, many)["activations"] == per_stage[1]
+    assert {k: v for k, v in a["mem_bytes"].items() if k not in ("activations", "total")} == {
+        k: v for k, v in b["mem_bytes"].items() if k not in ("activations", "total")
+    }
+
+
 def test_misaligned_gemm_dimensions_are_flagged_on_gpus():
     """The planner prices GEMMs by size, not alignment, and BLOOM's 14400-wide runs (head
     dims 450, 225, 150) are its held-out worst: `explain`/`plan` warn on a GPU when a 16-bit

@@ -78,6 +78,12 @@ class Engine:
     # `step`: `self.flatten(self.averaged_gradients[i]).to(fp32)`, in its code since 2020 and
     # measured in 0.19.8 by tests/test_zero_peers.py)
     step_grad_copies: bool = False
+    # a pipeline stage keeps, per micro-batch in flight, the hidden state it received (the
+    # engine's receive buffer, cloned again as its blocks' input) and the one it sent (held
+    # to run backward from): DeepSpeed's PipelineEngine (`pipe_buffers["inputs"]` and
+    # `["outputs"]`, freed after that micro-batch's backward), beside each block's input that
+    # full recomputation saves; ours hands the received tensor to its first block
+    pp_stage_copies: bool = False
 
 
 SHARDWISE = Engine()

@@ -202,10 +202,13 @@ def job_split(job: Job, layout: Layout) -> tuple[tuple[int, bool, bool], ...]:
 
 
 def stage_ranks(job: Job, layout: Layout) -> list[int]:
-    """The pipeline ranks whose memory can be the largest: first, last, most blocks."""
+    """The pipeline ranks whose memory can be the largest: first, last, most blocks (and the
+    second, which keeps two hidden states per micro-batch in flight where the engine keeps
+    what a stage received and sent: `Engine.pp_stage_copies`)."""
     split = job_split(job, layout)
     most = max(range(len(split)), key=lambda r: split[r][0])
-    return sorted({0, layout.pp - 1, most})
+    second = {1} if job.engine.pp_stage_copies and layout.pp > 2 else set()
+    return sorted({0, layout.pp - 1, most} | second)
 
 
 def stage_units(job: Job, layout: Layout, stage: int) -> list[Unit]:
@@ -271,7 +274,11 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     # zero bubble keeps them, with the rest of the micro-batch, until its weight pass
     one = layout.pp_schedule in ("1f1b", "interleaved")
     held_edge = 1.0 if (last and p > 1 and one) else held
-    return per_layer * layers * held + edge * held_edge
+    copies = 0.0
+    if job.engine.pp_stage_copies and p > 1:  # (layout.Engine) received and sent hidden states
+        kept = (0 if first else 1) + (0 if last else 1)
+        copies = kept * act.full_recompute_bytes(spec, s, b, c, t, layout.sp) * held
+    return per_layer * layers * held + edge * held_edge + copies
 
 
 def _block_terms(job: Job, b: int) -> tuple:
