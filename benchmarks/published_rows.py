@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.models.presets import ModelSpec
+from shardwise.models.presets import ModelSpec, preset
 from shardwise.plan import search
 from shardwise.plan.hardware import CATALOG
 from shardwise.plan.layout import Engine, Job, Layout
@@ -63,10 +63,12 @@ MISALIGNED_PAIR = tuple(
 
 
 def calibration(row: dict) -> bool:
-    """The named calibration subset: llm-foundry's single-node (8-GPU) rows and Korthikanti et
-    al.'s 22B rows (8 GPUs, tp 8, the unfused-attention path) for the kernel parameters, and
-    MISALIGNED_PAIR for the misaligned-head slowdown."""
-    if row["id"].startswith("korthikanti2022-t5-22b-") or row["id"] in MISALIGNED_PAIR:
+    """The named calibration subset: llm-foundry's single-node (8-GPU) rows, Korthikanti et
+    al.'s 22B rows (8 GPUs, tp 8, the unfused-attention path) and shardwise's own H200 run for
+    the kernel parameters, and MISALIGNED_PAIR for the misaligned-head slowdown."""
+    if row["id"].startswith(("korthikanti2022-t5-22b-", "shardwise-")):
+        return True
+    if row["id"] in MISALIGNED_PAIR:
         return True
     return row["id"].startswith("foundry-") and row["hardware"]["n_gpus"] <= 8
 
@@ -277,7 +279,20 @@ def _llama3(row: dict) -> str:
     return "the paper does not state its FLOPs per token, so TFLOP/s give no step time"
 
 
+def _shardwise(row: dict) -> Case | str:
+    """shardwise's own runs on a GPU (benchmarks/cuda_profile.py): a preset model, priced as
+    `explain` prices it (our engine, the catalog's entry for the card)."""
+    m, lay = row["model"], row["layout"]
+    job = Job(
+        preset(m["preset"]), CATALOG[row["hardware"]["gpu"]], row["hardware"]["n_gpus"],
+        m["seq_len"], lay["global_batch"], row["precision"], row["precision"],
+    )  # fmt: skip
+    layout = Layout(dp=lay["dp"], micro_batch=lay["micro_batch"], recompute=lay["recompute"])
+    return Case(row, job, layout, row["measured"]["step_time_s"])
+
+
 ADAPTERS = {
+    "shardwise-": _shardwise,
     "llama3-": _llama3,
     "bloom-": _bloom,
     "megatron-readme-": _megatron_readme,

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 
 from common import add_smoke, command_line
 from published_rows import (
+    HERE,
     MISALIGNED_PAIR,
     Case,
     calibration,
@@ -34,7 +36,7 @@ from published_rows import (
     split_cases,
 )
 from shardwise.models.presets import preset
-from shardwise.plan import search
+from shardwise.plan import gpu, search
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import CHIP, Hardware, get_hardware
 from shardwise.plan.layout import Job
@@ -238,6 +240,33 @@ def memory_report(results: list) -> None:
             print(f"  {c.row['id']}: {stated:.1f} -> {peak:.1f} GiB ({peak / stated - 1:+.0%})")
 
 
+def layer_table(rows: list[dict]) -> None:
+    """Korthikanti et al.'s Table 4 (one layer of the 22B model, forward + backward, by
+    recomputation and sp) beside the planner's layer: its kernels (plan/gpu.py) and the
+    layer's share of the step's tp communication. The overheads are what the step-level
+    ordering (full recompute without sp against selective + sp) is made of."""
+    table = json.loads((HERE / "korthikanti2022_table4.json").read_text())
+    base = make_case(next(r for r in rows if r["id"] == table["model_row"]))
+    job, spec = base.job, base.job.spec
+    print("\nKorthikanti Table 4, one 22B layer, ms (measured -> predicted; overhead vs baseline):")
+    first = None
+    for t in table["rows"]:
+        lay = dataclasses.replace(base.layout, recompute=t["recompute"], sp=t["sp"])
+        fwd, bwd, attn = gpu.block_seconds(
+            job.hardware, spec, lay.tp, lay.micro_batch, job.seq_len, job.bc, lay.sp,
+            job.hardware.peak[job.precision], job.engine.unfused_attention,
+        )  # fmt: skip
+        redo = {"full": fwd, "selective": attn}.get(lay.recompute, 0.0)
+        tp = search.evaluate(job, lay)["time"]["tp_comm_s"] / spec.n_layers
+        pred = 1e3 * (fwd + bwd + redo + tp)
+        meas = t["forward_ms"] + t["backward_ms"]
+        first = first or (meas, pred)
+        print(
+            f"  {t['experiment']:<24} {meas:5.1f} -> {pred:5.1f} ({pred / meas - 1:+.0%}); "
+            f"overhead {meas / first[0] - 1:+.0%} -> {pred / first[1] - 1:+.0%}"
+        )
+
+
 def gpt3_plan(pred: dict[str, float], meas: dict[str, float]) -> None:
     """`plan`'s best layout for GPT-3 175B on 1,024 A100-80GB (global batch 1536, seq 2048,
     bf16) beside Megatron-LM's published run of that job."""
@@ -322,11 +351,11 @@ def main() -> int:
         for r in part:
             key = (source(r[0].row), r[0].job.hardware.name)
             groups.setdefault(key, []).append(r)
-        for (src, gpu), rs in sorted(groups.items()):
+        for (src, card), rs in sorted(groups.items()):
             errs = [abs(r[3]) for r in rs]
             worst = max(rs, key=lambda r: abs(r[3]))
             print(
-                f"  {src:<12} {gpu:<10} rows {len(rs):3d}  MAPE {sum(errs) / len(errs):6.1%}  "
+                f"  {src:<12} {card:<10} rows {len(rs):3d}  MAPE {sum(errs) / len(errs):6.1%}  "
                 f"worst {worst[3]:+7.1%} ({worst[0].row['id']})"
             )
         errs = [abs(r[3]) for r in part]
@@ -344,6 +373,7 @@ def main() -> int:
     oom_report(rows)
     orderings(pred, meas, {r["id"]: r for r in rows})
     if not args.smoke:
+        layer_table(rows)
         gpt3_plan(pred, meas)
     return 0
 

@@ -9,8 +9,8 @@ the scores, 2.5x the forward's FLOPs) unless the model has attention dropout or 
 that runs it does not fuse attention (layout.Engine.unfused_attention): then it is Megatron-LM's
 path, two batched GEMMs over the whole s x s square and the scale-mask-softmax (and dropout)
 kernels reading and writing it. Element-wise work (norms, residual adds, activations, dropout,
-RoPE) is memory-bound: its bytes at the achieved bandwidth. Backward moves about twice a
-forward's bytes and runs two GEMMs per forward one.
+RoPE) is memory-bound: its bytes at the achieved bandwidth, counted kernel by kernel for
+forward and backward. Backward runs two GEMMs per forward one.
 
 Parameters (hardware.py): `matmul_eff` (large-GEMM efficiency), `attn_eff` (fused attention's
 efficiency), `mem_eff` (achieved / peak HBM bandwidth), `kernel_s` (fixed seconds per
@@ -57,24 +57,36 @@ def _gemms(spec, t: int, tokens: float) -> list[tuple[float, float, float]]:
     return [*attention, (tokens, f / t, h), (tokens, h, f / t)]
 
 
-def _elementwise_seconds(hw: Hardware, spec, t: int, tokens: float, c: int, sp: bool) -> float:
-    """Seconds of a block's forward element-wise kernels: the elements they read + write at
-    the achieved bandwidth, and a fixed cost each. Norms and residual adds act on the whole
-    hidden state (1/t of it with sp), the MLP's activation on this rank's 1/t of the width."""
+def _elementwise_seconds(
+    hw: Hardware, spec, t: int, tokens: float, c: int, sp: bool, backward: bool = False
+) -> float:
+    """Seconds of a block's element-wise kernels in forward (or `backward`): the elements
+    they read + write at the achieved bandwidth, and a fixed cost each. Norms and residual adds
+    act on the whole hidden state (1/t of it with sp), the MLP's activation on this rank's 1/t
+    of the width. Backward, kernel by kernel: a norm reads its input and the gradient and
+    writes one (3 passes to the forward's 2); a residual add passes its gradient on untouched,
+    a bias sums it (1 read), dropout reads it with its mask and writes one (2 + the mask);
+    GELU reads its input and the gradient and writes one (3 to 2), SwiGLU reads gate, up and
+    the gradient and writes two (5 to 3), RoPE rotates the gradients back (2 to 2)."""
     h, f = spec.dim, spec.ffn_dim
     hidden = tokens * h / (t if sp else 1)
-    elems = 2 * 2 * hidden  # two norms: read x, write y
-    elems += 2 * 3 * hidden  # two residual adds (with bias and dropout where the model has them)
-    if spec.dropout:
-        elems += 2 * 1.5 * hidden  # their dropout masks written and applied
+    elems = 2 * (3 if backward else 2) * hidden  # two norms
+    if backward:  # two residual adds, each with its bias (and dropout)
+        elems += 2 * (2.5 if spec.dropout else 1) * hidden
+    else:
+        elems += (
+            2 * 3 * hidden
+        )  # two residual adds (with bias and dropout where the model has them)
+        if spec.dropout:
+            elems += 2 * 1.5 * hidden  # their dropout masks written and applied
     kernels = 6
     if spec.arch == "decoder":
-        elems += 3 * tokens * f / t  # silu(gate) * up: read 2, write 1
+        elems += (5 if backward else 3) * tokens * f / t  # silu(gate) * up
         kv = spec.n_kv_heads / spec.n_heads
         elems += 2 * tokens * h * (1 + kv) / t  # RoPE on q and k
         kernels += 3
     else:
-        elems += 2 * tokens * f / t  # bias + GELU
+        elems += (3 if backward else 2) * tokens * f / t  # bias + GELU
         kernels += 1
     return c * elems / (hw.hbm_bw * hw.mem_eff) + kernels * hw.kernel_s
 
@@ -111,8 +123,9 @@ def block_seconds(hw: Hardware, spec, t, b, s, c, sp: bool, peak: float, unfused
     gemm_bwd = sum(_gemm(hw, c, m, k, n, peak) for m, n, k in _gemms(spec, t, tokens))
     gemm_bwd += _weight_grad(hw, spec, t, tokens, c, peak)
     ew = _elementwise_seconds(hw, spec, t, tokens, c, sp)
+    ew_bwd = _elementwise_seconds(hw, spec, t, tokens, c, sp, backward=True)
     attn_f, attn_b = _attention(hw, spec, t, b, s, c, peak, unfused)
-    return gemm + ew + attn_f, gemm_bwd + 2 * ew + attn_b, attn_f
+    return gemm + ew + attn_f, gemm_bwd + ew_bwd + attn_b, attn_f
 
 
 def op_recompute_seconds(hw: Hardware, spec, t, b, s, c, sp: bool, peak: float) -> float:
