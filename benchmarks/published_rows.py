@@ -30,7 +30,12 @@ FOUNDRY = Engine("llm-foundry", block_memory="paper", fused_loss=True)  # its lo
 # selective_ac_option "op"; the performance tables do not say otherwise), its loss
 # F.cross_entropy(pred.flatten(0, 1).float(), ...)
 TORCHTITAN = Engine("torchtitan", "paper", selective_ops=True, loss_upcast=True)
-MEGATRON = Engine("megatron-lm", "paper", True, False, True)
+MEGATRON = Engine("megatron-lm", "paper", True, False, True, recompute_whole_block=True)
+# Megatron-LM of 2022 (Korthikanti et al.): sp re-gathers the norm outputs in backward, and
+# backward's tp collectives run behind its GEMMs (the paper's §4.2.2 and §6.2)
+MEGATRON_2022 = dataclasses.replace(
+    MEGATRON, name="megatron-lm-2022", sp_regather=True, tp_overlap_backward=True
+)
 # DeepSpeed's ZeRO-3 in 2021 (Narayanan et al.'s Table 2): a blocking all-gather per parameter
 # (DeepSpeed issue #1069, fixed after the paper by PR #1188, June 2021): nothing overlaps; each
 # into a list of per-rank views (its `_allgather_param`: torch.distributed.all_gather)
@@ -166,6 +171,10 @@ def megatron_flops(m: dict, batch: int) -> float:
     return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
+def _megatron_engine(row: dict) -> Engine:
+    return MEGATRON_2022 if row["id"].startswith("korthikanti2022-") else MEGATRON
+
+
 def _megatron(row: dict) -> Case | str:
     """Megatron-LM's GPT runs (Narayanan et al. 2021, Korthikanti et al. 2022) on Selene's
     A100-80GB nodes: 16-bit mixed precision, unfused softmax attention with dropout 0.1 on
@@ -181,7 +190,7 @@ def _megatron(row: dict) -> Case | str:
     hw = CATALOG[row["hardware"]["gpu"]]
     job = Job(
         _gpt(m, 0.1), hw, n, m["seq_len"], lay["global_batch"], "fp16", "fp16",
-        engine=DEEPSPEED_ZERO3 if zero == 3 else MEGATRON,
+        engine=DEEPSPEED_ZERO3 if zero == 3 else _megatron_engine(row),
     )  # fmt: skip
     if meas.get("step_time_s"):
         step = meas["step_time_s"]

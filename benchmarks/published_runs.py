@@ -240,16 +240,16 @@ def memory_report(results: list) -> None:
             print(f"  {c.row['id']}: {stated:.1f} -> {peak:.1f} GiB ({peak / stated - 1:+.0%})")
 
 
-def layer_table(rows: list[dict]) -> None:
+def layer_times(rows: list[dict]) -> list[tuple[str, float, float]]:
     """Korthikanti et al.'s Table 4 (one layer of the 22B model, forward + backward, by
     recomputation and sp) beside the planner's layer: its kernels (plan/gpu.py) and the
-    layer's share of the step's tp communication. The overheads are what the step-level
-    ordering (full recompute without sp against selective + sp) is made of."""
+    layer's share of the step's exposed tp communication. (experiment, measured ms,
+    predicted ms) per row; the overheads make the step-level ordering (full recompute
+    without sp against selective + sp)."""
     table = json.loads((HERE / "korthikanti2022_table4.json").read_text())
     base = make_case(next(r for r in rows if r["id"] == table["model_row"]))
     job, spec = base.job, base.job.spec
-    print("\nKorthikanti Table 4, one 22B layer, ms (measured -> predicted; overhead vs baseline):")
-    first = None
+    out = []
     for t in table["rows"]:
         lay = dataclasses.replace(base.layout, recompute=t["recompute"], sp=t["sp"])
         fwd, bwd, attn = gpu.block_seconds(
@@ -258,12 +258,20 @@ def layer_table(rows: list[dict]) -> None:
         )  # fmt: skip
         redo = {"full": fwd, "selective": attn}.get(lay.recompute, 0.0)
         tp = search.evaluate(job, lay)["time"]["tp_comm_s"] / spec.n_layers
-        pred = 1e3 * (fwd + bwd + redo + tp)
-        meas = t["forward_ms"] + t["backward_ms"]
-        first = first or (meas, pred)
+        out.append(
+            (t["experiment"], t["forward_ms"] + t["backward_ms"], 1e3 * (fwd + bwd + redo + tp))
+        )
+    return out
+
+
+def layer_table(rows: list[dict]) -> None:
+    print("\nKorthikanti Table 4, one 22B layer, ms (measured -> predicted; overhead vs baseline):")
+    times = layer_times(rows)
+    meas0, pred0 = times[0][1:]
+    for name, meas, pred in times:
         print(
-            f"  {t['experiment']:<24} {meas:5.1f} -> {pred:5.1f} ({pred / meas - 1:+.0%}); "
-            f"overhead {meas / first[0] - 1:+.0%} -> {pred / first[1] - 1:+.0%}"
+            f"  {name:<24} {meas:5.1f} -> {pred:5.1f} ({pred / meas - 1:+.0%}); "
+            f"overhead {meas / meas0 - 1:+.0%} -> {pred / pred0 - 1:+.0%}"
         )
 
 

@@ -114,14 +114,19 @@ def _attention(hw: Hardware, spec, t, b, s, c, peak, unfused: bool) -> tuple:
     return fwd + kernels * hw.kernel_s, bwd + (4 + 1 + drop) * hw.kernel_s
 
 
+def backward_gemm_seconds(hw: Hardware, spec, t: int, tokens: float, c: int, peak: float):
+    """(input-gradient, weight-gradient) seconds of a block's linear layers in backward."""
+    dgrad = sum(_gemm(hw, c, m, k, n, peak) for m, n, k in _gemms(spec, t, tokens))
+    return dgrad, _weight_grad(hw, spec, t, tokens, c, peak)
+
+
 def block_seconds(hw: Hardware, spec, t, b, s, c, sp: bool, peak: float, unfused: bool = False):
     """(forward, backward, attention forward) seconds of one block for a micro-batch of `b`
     sequences of `s` tokens on one tensor-parallel rank."""
     tokens = b * s
     gemm = sum(_gemm(hw, c, *g, peak) for g in _gemms(spec, t, tokens))
     # backward: the input gradient and the weight gradient, each as big as the forward GEMM
-    gemm_bwd = sum(_gemm(hw, c, m, k, n, peak) for m, n, k in _gemms(spec, t, tokens))
-    gemm_bwd += _weight_grad(hw, spec, t, tokens, c, peak)
+    gemm_bwd = sum(backward_gemm_seconds(hw, spec, t, tokens, c, peak))
     ew = _elementwise_seconds(hw, spec, t, tokens, c, sp)
     ew_bwd = _elementwise_seconds(hw, spec, t, tokens, c, sp, backward=True)
     attn_f, attn_b = _attention(hw, spec, t, b, s, c, peak, unfused)

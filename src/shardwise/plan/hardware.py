@@ -128,14 +128,15 @@ CATALOG: dict[str, Hardware] = {
 # llm-foundry's single-node rows, Korthikanti et al.'s 22B rows and shardwise's own H200 run,
 # each source weighted the same (`benchmarks/published_runs.py --calibrate`, 2026-11-27; every
 # other published row is held out). Without the H200 run the H100 rows leave memory efficiency
-# and the cost per kernel traded off (fits within 0.004 of each other put that run 3-36 % slow).
+# and the cost per kernel traded off (fits within 0.004 of each other put that run 3-36 % slow;
+# benchmarks/RESULTS.md, session 20).
 # H100-PCIe and H200 are the H100's chip (GH100): its fit. Other GPUs keep the
 # data-sheet defaults. The A100's `misaligned_slowdown` is fitted on one named pair of BLOOM
 # runs (published_rows.MISALIGNED_PAIR: 13824 wide, 128 heads of 108 against 96 of 144, one
 # layout, x1.30 the step); no source measures it on an H100, where it stays unpriced (1).
 FITTED = {
     "a100": dict(
-        matmul_eff=0.70, attn_eff=0.29, mem_eff=0.80, kernel_s=4.2e-5, misaligned_slowdown=12.6
+        matmul_eff=0.70, attn_eff=0.30, mem_eff=0.80, kernel_s=6.1e-5, misaligned_slowdown=12.8
     ),
     "h100": dict(matmul_eff=0.56, attn_eff=0.18, mem_eff=0.52, kernel_s=1.2e-5),
 }

@@ -84,6 +84,18 @@ class Engine:
     # `["outputs"]`, freed after that micro-batch's backward), beside each block's input that
     # full recomputation saves; ours hands the received tensor to its first block
     pp_stage_copies: bool = False
+    # full recomputation re-runs a block's whole forward, both its tp collectives too
+    # (Megatron-LM checkpoints a whole layer), instead of stopping at its last saved tensor
+    # (ours: one all-reduce again, sp three halves)
+    recompute_whole_block: bool = False
+    # sp keeps 1/tp of each norm's output for backward and all-gathers it again there for the
+    # weight gradient: two more all-gathers per layer (Korthikanti et al. 2022 §4.2.2)
+    sp_regather: bool = False
+    # backward's tp reduction of the input gradient (all-reduce; sp: reduce-scatter) runs while
+    # the weight gradient is computed, sp's re-gather while the input gradient is (Megatron-LM
+    # from 2022: Korthikanti et al. §4.2.2 and §6.2, whose full recomputation costs 39 % and
+    # not 33 % because the recomputed forward's all-reduces have nothing to hide behind)
+    tp_overlap_backward: bool = False
 
 
 SHARDWISE = Engine()

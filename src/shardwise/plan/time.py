@@ -112,12 +112,15 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     # parallel/tensor.py, per micro-batch: per layer 2 all-reduces forward and 2 backward
     # (sp: all-gather + reduce-scatter pairs, the same bytes); embedding and head: 2 more;
     # the vocabulary-parallel loss all-reduces 3 fp32 values per token. Full recomputation
-    # repeats a block's forward up to its last saved tensor: 1 all-reduce (sp: 3 halves).
-    per_mb = 2 * (4 * layers + 2) + (3 if layout.sp else 2) * layers * (layout.recompute == "full")
+    # repeats a block's forward up to its last saved tensor: 1 all-reduce (sp: 3 halves); the
+    # whole forward, 2 (sp: 4 halves), where the engine recomputes whole blocks
+    redo = 4 if job.engine.recompute_whole_block else (3 if layout.sp else 2)
+    per_mb = 2 * (4 * layers + 2) + redo * layers * (layout.recompute == "full")
     blocks = _ring(t) * m * act * per_mb
     tp_kinds = {"all_reduce": _ring(t) * m * 4 * 6 * b * s}
     if layout.sp:
         tp_kinds["all_gather"] = tp_kinds["reduce_scatter"] = blocks / 2
+        tp_kinds["all_gather"] += _ring(t) * m * act * _regathers(job, layout) * layers
     else:
         tp_kinds["all_reduce"] += blocks
     if _skips_first_entry(job):  # its backward: a reduce-scatter (sp) or an all-reduce
@@ -192,7 +195,11 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
         # each, 8); embedding, head and vocabulary-parallel loss 4 (sp: 6); full recompute
         # repeats 1 (sp 3) per layer; the partial gradients' all-reduce once per step
         layers = -(-spec.n_layers // p)
-        per_layer = (8 if layout.sp else 4) + (3 if layout.sp else 1) * (layout.recompute == "full")
+        redo = (
+            (4 if layout.sp else 2) if job.engine.recompute_whole_block else (3 if layout.sp else 1)
+        )
+        per_layer = (8 if layout.sp else 4) + redo * (layout.recompute == "full")
+        per_layer += _regathers(job, layout)
         tp_calls = m * (per_layer * layers + (6 if layout.sp else 4) - _skips_first_entry(job))
         tp_calls += 1 if _tp_partial(job, t, layout.sp) else 0
         tp_calls += m * len(quantised["tp"])
@@ -201,6 +208,26 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
         # embedding/head gradient all-reduce between the first and last stage
         pp_calls = m * (2 * v - (1 if p == 2 else 0)) + (1 if spec.tie_embeddings else 0)
     return {"dp": dp_calls, "tp": tp_calls, "pp": pp_calls}
+
+
+def _regathers(job: Job, layout: Layout) -> int:
+    """All-gathers per layer that sp's backward runs again (`Engine.sp_regather`)."""
+    return 2 if layout.sp and job.engine.sp_regather else 0
+
+
+def tp_hidden_seconds(job: Job, layout: Layout, one: dict[str, float]) -> float:
+    """Seconds of tp communication per micro-batch that backward's GEMMs hide on the busiest
+    stage (`Engine.tp_overlap_backward`): per layer the input gradient's reduction (2
+    all-reduces; sp: 2 reduce-scatters) behind the weight-gradient GEMMs, sp's re-gathers
+    behind the input-gradient GEMMs. `one` is one call's seconds by kind."""
+    hw, spec, t = job.hardware, job.spec, layout.tp
+    if not (job.engine.tp_overlap_backward and t > 1 and hw.kernel_model):
+        return 0.0
+    tokens, peak = layout.micro_batch * job.seq_len, hw.peak[job.precision]
+    dgrad, wgrad = gpu.backward_gemm_seconds(hw, spec, t, tokens, job.bc, peak)
+    reduce = 2 * one["reduce_scatter" if layout.sp else "all_reduce"]
+    hidden = min(reduce, wgrad) + min(_regathers(job, layout) * one["all_gather"], dgrad)
+    return hidden * -(-spec.n_layers // layout.pp)
 
 
 def zero3_gathers(job: Job, layout: Layout) -> int:
@@ -337,6 +364,14 @@ def step_time(
     # pipeline sends go from one rank to one rank, each through its own NIC
     dp_here = max(1, min(dp, hw.per_node // t))
     tp_s, pp_s = comm_s("tp", t), comm_s("pp", t * dp * p)
+    if job.engine.tp_overlap_backward and t > 1:  # one call's seconds of each kind, in a node
+        act = layout.micro_batch * job.seq_len * job.spec.dim * job.bc
+        ring = _ring(t) * act / (intra if t <= hw.per_node else min(intra, inter))
+        one = {
+            k: (n * ring * hw.collective_cost.get(k, 1.0) + hw.latency) * slowdown
+            for k, n in (("all_reduce", 2), ("reduce_scatter", 1), ("all_gather", 1))
+        }
+        tp_s -= m * tp_hidden_seconds(job, layout, one)
     dp_s = comm_s("dp", t * dp, dp_here, (dp - 1) * (2 if layout.zero == 0 else 1))
     if layout.zero == 3 and dp > 1 and job.engine.list_all_gather:  # dp copies per gather,
         # each launched from the host, and the gathered bytes read and written once more
