@@ -4,7 +4,7 @@ composed into a step, and the FLOP model when a shape is too large to time here.
 import pytest
 
 from shardwise.models import ModelSpec
-from shardwise.plan import kernels
+from shardwise.plan import kernels, traffic
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import get_hardware
 from shardwise.plan.layout import Job, Layout
@@ -83,10 +83,10 @@ def test_collective_kinds_cost_what_the_transport_charges():
     much more communication time; plain DP (all-reduce only) is unchanged."""
     job = _job(False)
     z1, dp = Layout(dp=2, zero=1, micro_batch=2), Layout(dp=2, micro_batch=2)
-    kinds = tm.traffic_by_kind(job, z1)["dp"]
+    kinds = traffic.traffic_by_kind(job, z1)["dp"]
     assert kinds["all_reduce"] == 0
     assert kinds["reduce_scatter"] == kinds["all_gather"] > 0  # fp32 gradients and params
-    assert sum(kinds.values()) == tm.traffic(job, z1)["dp"]
+    assert sum(kinds.values()) == traffic.traffic(job, z1)["dp"]
     costly = job.hardware.with_overrides(collective_cost={"reduce_scatter": 3, "all_gather": 2})
     job2 = Job(**{**job.__dict__, "hardware": costly})
     bw = job.hardware.intra_bw * job.hardware.comm_eff

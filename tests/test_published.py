@@ -20,7 +20,7 @@ from torch.utils.checkpoint import (
 
 from shardwise.models.presets import ModelSpec, preset
 from shardwise.plan import activations as act
-from shardwise.plan import gpu, search
+from shardwise.plan import gpu, search, traffic
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import get_hardware
 from shardwise.plan.layout import Engine, Job, Layout
@@ -94,7 +94,7 @@ def test_a_rings_traffic_crosses_all_the_nics_of_a_node():
     narrow = tm.step_time(
         dataclasses.replace(job, hardware=one_nic), Layout(dp=64, zero=3), {"optimizer": 8.0}
     )
-    calls = tm.collective_calls(job, Layout(dp=64, zero=3))["dp"]
+    calls = traffic.collective_calls(job, Layout(dp=64, zero=3))["dp"]
     latency = calls * (A100.latency + 63 * A100.hop_s)
     assert (narrow["dp_comm_s"] - latency) == pytest.approx(8 * (wide["dp_comm_s"] - latency))
 
@@ -107,7 +107,7 @@ def test_other_frameworks_costs_where_they_differ():
     lay = Layout(tp=8, pp=8, dp=2, micro_batch=1, recompute="full")
     ours = Job(spec, A100, 128, seq_len=2048, global_batch=64)
     theirs = dataclasses.replace(ours, engine=megatron)
-    assert tm.traffic(theirs, lay)["pp"] == pytest.approx(tm.traffic(ours, lay)["pp"] / 8)
+    assert traffic.traffic(theirs, lay)["pp"] == pytest.approx(traffic.traffic(ours, lay)["pp"] / 8)
     t = search.evaluate(theirs, lay)["time"]
     assert t["dp_exposed_s"] == t["dp_comm_s"] > 0
     assert search.evaluate(ours, lay)["time"]["dp_exposed_s"] < t["dp_comm_s"]
@@ -127,7 +127,7 @@ def test_other_frameworks_costs_where_they_differ():
     z3 = Layout(dp=128, zero=3, micro_batch=1, recompute="full")
     tensors = sum(len(u.entries) * u.count for u in mem.stage_units(ours, z3, 0))
     units = sum(u.count for u in mem.stage_units(ours, z3, 0))
-    assert tm.collective_calls(ds, z3)["dp"] > tm.collective_calls(ours, z3)["dp"] * 2
+    assert traffic.collective_calls(ds, z3)["dp"] > traffic.collective_calls(ours, z3)["dp"] * 2
     assert tensors > 2 * units
     assert mem.predict_memory(ds, z3)["buffers"] < mem.predict_memory(ours, z3)["buffers"] / 2
 
@@ -266,10 +266,10 @@ def test_deepspeed_2021_gathers_into_a_list_of_per_rank_views():
         lay = Layout(dp=dp, zero=3, micro_batch=1536 // dp, recompute="full")
         t_block = search.evaluate(job, lay)["time"]["dp_comm_s"]
         t_list = search.evaluate(dataclasses.replace(job, engine=listed), lay)["time"]
-        launches = tm.zero3_gathers(job, lay) * dp * A100.launch_s
+        launches = traffic.zero3_gathers(job, lay) * dp * A100.launch_s
         assert t_list["dp_comm_s"] - t_block > launches
         extra[dp] = t_list["dp_comm_s"] - t_block
-        ag = tm.traffic_by_kind(job, lay)["dp"]["all_gather"] * dp / (dp - 1)
+        ag = traffic.traffic_by_kind(job, lay)["dp"]["all_gather"] * dp / (dp - 1)
         assert extra[dp] == pytest.approx(launches + 2 * ag / (A100.hbm_bw * A100.mem_eff))
     assert extra[1536] > 3 * extra[384]  # the copies' launches grow with the ranks
     # memory: the largest weight (the embedding here, 50,304 x h), gathered twice over or
@@ -383,16 +383,20 @@ def test_megatron_lm_recomputes_whole_blocks_and_regathers_for_sp():
     act = 4 * 2048 * 6144 * 2 * 7 / 8  # one half (all-gather or reduce-scatter) of a layer's
     for sp in (False, True):
         full = Layout(tp=8, sp=sp, micro_batch=4, recompute="full")
-        a, b = tm.traffic_by_kind(ours, full)["tp"], tm.traffic_by_kind(mg, full)["tp"]
+        a, b = traffic.traffic_by_kind(ours, full)["tp"], traffic.traffic_by_kind(mg, full)["tp"]
         extra = sum(b.values()) - sum(a.values())
         assert extra == pytest.approx(48 * act * (1 if sp else 2))  # 4 halves - 3; 2 AR - 1
-        calls = tm.collective_calls(mg, full)["tp"] - tm.collective_calls(ours, full)["tp"]
+        calls = (
+            traffic.collective_calls(mg, full)["tp"] - traffic.collective_calls(ours, full)["tp"]
+        )
         assert calls == 48 * 1
         rc = dataclasses.replace(full, recompute="selective")
-        a, b = tm.traffic_by_kind(ours, rc)["tp"], tm.traffic_by_kind(regather, rc)["tp"]
+        a, b = traffic.traffic_by_kind(ours, rc)["tp"], traffic.traffic_by_kind(regather, rc)["tp"]
         extra = b.get("all_gather", 0.0) - a.get("all_gather", 0.0)
         assert extra == pytest.approx(48 * 2 * act if sp else 0.0)
-        calls = tm.collective_calls(regather, rc)["tp"] - tm.collective_calls(ours, rc)["tp"]
+        calls = (
+            traffic.collective_calls(regather, rc)["tp"] - traffic.collective_calls(ours, rc)["tp"]
+        )
         assert calls == (48 * 2 if sp else 0)
 
 

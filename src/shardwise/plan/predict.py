@@ -29,9 +29,8 @@ from shardwise.optim.nvme import chunk_elements
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.zero_units import unit_roots
 from shardwise.plan import activations as act
-from shardwise.plan import compression
+from shardwise.plan import compression, traffic
 from shardwise.plan import memory as mem
-from shardwise.plan import time as tm
 from shardwise.plan.buffers import zero_transient
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import FineTune, Job, Layout
@@ -364,8 +363,8 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         return n, {
             **layout.record(),
             "mem_bytes": {k: int(v) for k, v in states.items()},
-            "comm_bytes": tm.traffic(real, layout),
-            "comm_calls": tm.collective_calls(real, layout),
+            "comm_bytes": traffic.traffic(real, layout),
+            "comm_calls": traffic.collective_calls(real, layout),
         }
     if not formula:  # states + the fake forward's bytes (unsharded models only)
         # a quantised base is split over tp (and dp under ZeRO-3) as the engine splits it
@@ -380,8 +379,8 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         return n, {
             **layout.record(),
             "mem_bytes": {k: int(v) for k, v in states.items()},
-            "comm_bytes": tm.traffic(real, layout),
-            "comm_calls": tm.collective_calls(real, layout),
+            "comm_bytes": traffic.traffic(real, layout),
+            "comm_calls": traffic.collective_calls(real, layout),
         }
     if layout.pp == 1 and layout.tp == 1:  # the real model's units: frozen parameters exact
         job = dataclasses.replace(job, frozen=tuple(us))

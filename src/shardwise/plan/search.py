@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from shardwise.errors import ConfigError
 from shardwise.plan import memory as mem
 from shardwise.plan import time as tm
+from shardwise.plan import traffic
 from shardwise.plan.layout import Job, Layout
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb")
@@ -79,7 +80,7 @@ def evaluate(job: Job, lay: Layout) -> dict:
     """The full prediction for one layout: the candidate record of `plan --json`."""
     hw = job.hardware
     mb = mem.predict_memory(job, lay)
-    kinds, calls = tm.traffic_by_kind(job, lay), tm.collective_calls(job, lay)
+    kinds, calls = traffic.traffic_by_kind(job, lay), traffic.collective_calls(job, lay)
     parts = tm.step_time(job, lay, mb, kinds, calls)
     transient = mem.backward_transient(job, lay)
     peak = max(mb["total"] + transient, mem.step_peak(job, lay)) + hw.reserve
@@ -102,7 +103,7 @@ def evaluate(job: Job, lay: Layout) -> dict:
         "mfu_causal": tm.model_flops_per_token(job, causal=True) * tokens / peak_flops,
         "flop_convention": tm.FLOP_CONVENTION,
         "time": parts,
-        "comm_bytes": tm.traffic_totals(kinds),
+        "comm_bytes": traffic.traffic_totals(kinds),
         "comm_calls": calls,
     }
 

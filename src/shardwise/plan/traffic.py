@@ -1,0 +1,228 @@
+"""What a layout sends: ring-equivalent bytes per rank per step by mesh dimension and
+collective kind, and the calls that carry them, as the comm layer (distributed/comm.py)
+counts them, so predicted and measured `comm_bytes` compare key by key (DESIGN.md). The time
+they take is plan/time.py's."""
+
+from __future__ import annotations
+
+from shardwise.finetune.quant import gather_steps
+from shardwise.plan import memory as mem
+from shardwise.plan.buffers import align_of, padded_numel
+from shardwise.plan.compression import bucket_calls, sent_bytes, wire_bytes
+from shardwise.plan.layout import Job, Layout
+from shardwise.plan.shapes import linear_shapes
+
+
+def ring_share(n: int) -> float:
+    """The share of a collective's bytes each of `n` ring ranks sends: (n - 1) / n."""
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def traffic(job: Job, layout: Layout) -> dict[str, float]:
+    """Ring-equivalent bytes sent per rank per step over dp, tp and pp."""
+    return traffic_totals(traffic_by_kind(job, layout))
+
+
+def traffic_totals(by_kind: dict[str, dict[str, float]]) -> dict[str, float]:
+    """`traffic_by_kind` summed over the kinds of each mesh dimension."""
+    return {dim: sum(kinds.values()) for dim, kinds in by_kind.items()}
+
+
+def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
+    """`traffic` split by collective kind (all_reduce, reduce_scatter, all_gather, send) per
+    mesh dimension: the kinds cost differently per byte on some transports (gloo)."""
+    spec, s, b = job.spec, job.seq_len, layout.micro_batch
+    m, dp, t, p, v = layout.micro_batches(job), layout.dp, layout.tp, layout.pp, layout.pp_virtual
+    us, align = mem.stage_units(job, layout, 0), align_of(job)
+    padded = sum(padded_numel(u, dp, align) * u.count for u in us)
+    # frozen units (their own, parallel/zero.py) are neither reduced nor re-published
+    reduced = sum(padded_numel(u, dp, align) * u.count for u in us if any(e[1] for e in u.entries))
+    bc, ring = job.bc, ring_share(dp)
+    # ZeRO-0: one all-reduce of every gradient per step; ZeRO-1: a reduce-scatter once and an
+    # all-gather of the updated slices; ZeRO-2: reduce-scatter every micro-batch; ZeRO-3: and
+    # a gather before forward and before backward
+    scatters = {0: 0, 1: 1, 2: m, 3: m}[layout.zero]
+    gathers = {0: 0, 1: 1, 2: 1, 3: 2 * m}[layout.zero]
+    dp_kinds = {
+        "all_reduce": 2 * ring * sent_bytes(job, layout, us) if layout.zero == 0 else 0.0,
+        "reduce_scatter": ring * reduced * wire_bytes(job, layout) * scatters,
+        "all_gather": ring * (padded if layout.zero == 3 else reduced) * bc * gathers,
+    }
+    if layout.zero == 3:  # frozen units before the first trainable one: backward does not
+        # reach them (nothing before them needs a gradient), so no gather for it
+        lead = sum(padded_numel(u, dp, align) * u.count for u in _leading_frozen(us))
+        dp_kinds["all_gather"] -= ring * lead * bc * m
+    if layout.zero == 3 and spec.tie_embeddings and p == 1:
+        # the tied head is a second root of the embedding's unit: it is gathered again for
+        # the head's forward (it was freed after the embedding's), once per micro-batch
+        dp_kinds["all_gather"] += ring * -(-us[0].numel // dp) * dp * bc * m
+    quantised = _quant_uses(job, layout)  # finetune/quant: a split base gathered per use
+    if quantised["dp"]:
+        dp_kinds["all_gather"] += ring * m * sum(quantised["dp"])
+    act = b * s * spec.dim * bc
+    layers = -(-spec.n_layers // p)
+    # parallel/tensor.py, per micro-batch: per layer 2 all-reduces forward and 2 backward
+    # (sp: all-gather + reduce-scatter pairs, the same bytes); embedding and head: 2 more;
+    # the vocabulary-parallel loss all-reduces 3 fp32 values per token. Full recomputation
+    # repeats a block's forward up to its last saved tensor: 1 all-reduce (sp: 3 halves); the
+    # whole forward, 2 (sp: 4 halves), where the engine recomputes whole blocks
+    redo = 4 if job.engine.recompute_whole_block else (3 if layout.sp else 2)
+    per_mb = 2 * (4 * layers + 2) + redo * layers * (layout.recompute == "full")
+    blocks = ring_share(t) * m * act * per_mb
+    tp_kinds = {"all_reduce": ring_share(t) * m * 4 * 6 * b * s}
+    if layout.sp:
+        tp_kinds["all_gather"] = tp_kinds["reduce_scatter"] = blocks / 2
+        tp_kinds["all_gather"] += ring_share(t) * m * act * regathers(job, layout) * layers
+    else:
+        tp_kinds["all_reduce"] += blocks
+    if _skips_first_entry(job):  # its backward: a reduce-scatter (sp) or an all-reduce
+        kind = "reduce_scatter" if layout.sp else "all_reduce"
+        tp_kinds[kind] -= ring_share(t) * m * act * (1 if layout.sp else 2)
+    if t > 1:  # gradients of parameters replicated over tp ranks that each saw part of them,
+        # summed in fp32 (the optimizer's master gradients) once per step
+        tp_kinds["all_reduce"] += 2 * ring_share(t) * _tp_partial(job, t, layout.sp) * 4
+    if quantised["tp"]:
+        tp_kinds["all_gather"] = tp_kinds.get("all_gather", 0.0)
+        tp_kinds["all_gather"] += ring_share(t) * m * sum(quantised["tp"])
+    pp_bytes = 0.0
+    if p > 1:  # activations forward and their gradients backward, per micro-batch and chunk:
+        # a rank sends forward from its v chunks (the last chunk's rank one fewer) and backward
+        # likewise (the first chunk's rank one fewer); with p = 2 each rank is one of those
+        split = layout.sp or job.engine.pp_scatter_gather
+        pp_bytes = m * act / (t if split else 1) * (2 * v - (1 if p == 2 else 0))
+    return {"dp": dp_kinds, "tp": tp_kinds, "pp": {"send": pp_bytes}}
+
+
+def _leading_frozen(us: list) -> list:
+    """The units, in forward order, before the first one with a trainable parameter."""
+    out = []
+    for u in us:
+        if any(e[1] for e in u.entries):
+            break
+        out.append(u)
+    return out
+
+
+def _quant_uses(job: Job, layout: Layout) -> dict[str, list[int]]:
+    """Per mesh dimension, the bytes of each all-gather of a split quantised linear per
+    micro-batch (finetune/quant: over tp, then dp): per use, and a linear is used for its
+    forward, a fully recomputed forward, and backward where its input needs a gradient."""
+    split = mem.quantised_split(layout)
+    sizes, dims = [n for _, n in split], [d for d, _ in split]
+    out = {"dp": [], "tp": []}
+    shapes = mem.quantised_layers(job, layout)
+    backward = job.quantised_backward if len(job.quantised_backward) == len(shapes) else ()
+    for (a, b), back in zip(shapes, backward or (True,) * len(shapes), strict=True):
+        uses = 1 + (layout.recompute == "full") + back
+        steps = gather_steps(a, b, sizes, job.finetune.base_quant)  # innermost first
+        for dim, nbytes in zip(reversed(dims), steps, strict=True):
+            out[dim] += [nbytes] * uses
+    return out
+
+
+def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
+    """Training collectives per rank per step by mesh dimension, as comm.py counts them (a
+    point-to-point send is one call; its receive is the sender's): each pays the link's
+    latency whatever its size. They follow `traffic`'s reasoning call by call."""
+    spec = job.spec
+    m, dp, t, p, v = layout.micro_batches(job), layout.dp, layout.tp, layout.pp, layout.pp_virtual
+    every = mem.stage_units(job, layout, 0)
+    units = [u for u in every if any(e[1] for e in u.entries)]
+    n_units = sum(u.count for u in units)
+    if job.engine.zero3_per_tensor and layout.zero == 3:  # a call per parameter tensor
+        n_units = sum(u.count * sum(1 for e in u.entries if e[1]) for u in units)
+    quantised = _quant_uses(job, layout)  # a split base's gathers per micro-batch, by dim
+    dp_calls = 0
+    if dp > 1:  # ZeRO-0: one all-reduce per bucket; ZeRO-1/2/3: per unit, as in `traffic`
+        dp_calls = {
+            0: sum(bucket_calls(job, layout, b) for b in _buckets(units, job.br, job.bucket_mb)),
+            1: 2 * n_units,
+            2: (m + 1) * n_units,
+            3: m * n_units + zero3_gathers(job, layout),
+        }[layout.zero]
+        if layout.zero == 3:  # a quantised linear's gathers (`traffic_by_kind`)
+            dp_calls += m * len(quantised["dp"])
+    tp_calls = 0
+    if t > 1:  # per layer 2 forward + 2 backward (sp: an all-gather/reduce-scatter pair for
+        # each, 8); embedding, head and vocabulary-parallel loss 4 (sp: 6); full recompute
+        # repeats 1 (sp 3) per layer; the partial gradients' all-reduce once per step
+        layers = -(-spec.n_layers // p)
+        redo = (
+            (4 if layout.sp else 2) if job.engine.recompute_whole_block else (3 if layout.sp else 1)
+        )
+        per_layer = (8 if layout.sp else 4) + redo * (layout.recompute == "full")
+        per_layer += regathers(job, layout)
+        tp_calls = m * (per_layer * layers + (6 if layout.sp else 4) - _skips_first_entry(job))
+        tp_calls += 1 if _tp_partial(job, t, layout.sp) else 0
+        tp_calls += m * len(quantised["tp"])
+    pp_calls = 0
+    if p > 1:  # one send per micro-batch and chunk boundary (as `traffic`), plus the tied
+        # embedding/head gradient all-reduce between the first and last stage
+        pp_calls = m * (2 * v - (1 if p == 2 else 0)) + (1 if spec.tie_embeddings else 0)
+    return {"dp": dp_calls, "tp": tp_calls, "pp": pp_calls}
+
+
+def regathers(job: Job, layout: Layout) -> int:
+    """All-gathers per layer that sp's backward runs again (`Engine.sp_regather`)."""
+    return 2 if layout.sp and job.engine.sp_regather else 0
+
+
+def zero3_gathers(job: Job, layout: Layout) -> int:
+    """ZeRO-3's parameter all-gathers per rank per step: every unit (a tensor, for an engine
+    that gathers parameter by parameter) before its forward and its backward, but none for the
+    backward of the leading frozen units; a tied head gathers the embedding again."""
+    m, every = layout.micro_batches(job), mem.stage_units(job, layout, 0)
+    per = (lambda u: len(u.entries)) if job.engine.zero3_per_tensor else (lambda u: 1)
+    calls = 2 * m * sum(u.count * per(u) for u in every)
+    calls -= m * sum(u.count * per(u) for u in _leading_frozen(every))
+    return calls + (m if job.spec.tie_embeddings and layout.pp == 1 else 0)
+
+
+def _buckets(units, nbytes: int, cap_mb: float) -> list[list[tuple]]:
+    """parallel/data.py's buckets, as (unit, entry) lists: trainable parameters in reverse
+    order, a new bucket when the next one would pass the cap."""
+    cap, out, size = int(cap_mb * 1024 * 1024), [], 0
+    for u in reversed(units):
+        for _ in range(u.count):
+            for e in reversed(u.entries):
+                if not e[1]:
+                    continue
+                if not out or (size and size + e[0] * nbytes > cap):
+                    out.append([])
+                    size = 0
+                out[-1].append((u, e))
+                size += e[0] * nbytes
+    return out
+
+
+def _skips_first_entry(job: Job) -> bool:
+    """LoRA with an adapter on a q/k/v projection: nothing before the first block's attention
+    needs a gradient (the embedding is frozen), so the backward of its tp entry (the input
+    gradient's reduction) does not run."""
+    ft = job.finetune
+    return ft.lora and any(tag in ft.lora_targets for tag in ("wq", "wk", "wv"))
+
+
+# models/tp_plans: the output projections are row-parallel (their input split), the rest column
+_ROW_PARALLEL = ("wo", "w2")
+
+
+def _tp_partial(job: Job, t: int, sp: bool) -> int:
+    """Elements of replicated parameters whose gradients are all-reduced over tp: with sp the
+    norms (and GPT-2's row-layer biases and positions) saw only a sequence chunk; kv heads
+    shared by several ranks' query heads (t > kv) always; LoRA adapters whole on every rank
+    (parallel/tensor_lora: A of a column-parallel target, B of a row-parallel one)."""
+    spec, ft, out = job.spec, job.finetune, 0
+    if ft.lora:
+        shapes = linear_shapes(spec, 1)
+        for tag in ft.lora_targets:
+            fan_in, fan_out = shapes.get(tag, (0, 0))
+            out += spec.n_layers * ft.lora_rank * (fan_out if tag in _ROW_PARALLEL else fan_in)
+    if sp:
+        norms = (2 * spec.n_layers + 1) * spec.dim
+        out += norms * (2 if spec.arch == "gpt2" else 1)
+        if spec.arch == "gpt2":
+            out += 2 * spec.n_layers * spec.dim + spec.max_seq_len * spec.dim
+    if spec.n_kv_heads % t:
+        out += 2 * spec.n_layers * spec.head_dim * spec.dim
+    return out
