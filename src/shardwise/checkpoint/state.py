@@ -124,7 +124,7 @@ def local_state(run) -> list[Local]:
         moments = opt.moments(m)  # fp32 for any optimizer (8-bit: dequantised copies)
         for kind, v in moments.items():
             out += slices_of(f"{kind}/{key(t.name)}", p, span, _flat(v))
-        if opt.inner is not None and "state1" in opt.inner.state.get(m, {}):  # 8-bit: requantised
+        if opt.quantised(m):  # 8-bit: requantised after the load
             out[-1].after_load = lambda m=m, v=moments: opt.store_moments(m, v)
     for prefix, module in run.model.named_modules():
         for leaf, b in module._buffers.items():

@@ -149,6 +149,73 @@ class NvmeAdamW:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+class NvmeUpdate:
+    """optim/update.TorchUpdate's part for AdamW on disk (`NvmeAdamW`): the gradients stay
+    where they are, and the step streams masters and moments through the host slots, chunk by
+    chunk, into the parameters."""
+
+    separate_master = True
+    inner = None  # no torch optimizer: the AdamW kernel runs chunk by chunk
+
+    def __init__(self, targets: list, cfg, root: str, rank: int) -> None:
+        self.params = [t.param for t in targets]
+        chunk = chunk_elements(cfg.memory.nvme_buffer_mb)
+        self.disk = NvmeAdamW(root, rank, [p.shape for p in self.params], chunk)
+        self.masters = self.disk.masters
+        self._index = {id(m): i for i, m in enumerate(self.masters)}
+        for m, p in zip(self.masters, self.params, strict=True):
+            m.copy_(p.detach())
+        self.steps, self.lr = 0, cfg.train.lr
+        self.decay = [cfg.optim.weight_decay if t.decay else 0.0 for t in targets]
+        self.hyper = (cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps)
+
+    def take_grads(self, targets: list) -> list[torch.Tensor]:
+        return [t.grad() for t in targets]
+
+    def apply(self, grads: list[torch.Tensor]) -> None:
+        self.disk.step(grads, self.params, self.decay, self.steps, self.lr, *self.hyper)
+        self.steps += 1
+
+    def release_grads(self) -> None:
+        pass
+
+    @property
+    def master_bytes(self) -> int:  # in host memory: the masters' row of the two slots
+        return self.disk.buffer_bytes // 3
+
+    @property
+    def state_bytes(self) -> int:  # the moments' rows of the two slots
+        return self.disk.buffer_bytes * 2 // 3
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.disk.disk_bytes
+
+    def adam_steps(self) -> int:
+        return self.steps
+
+    def quantised(self, master: torch.Tensor) -> bool:
+        return False
+
+    def moments(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of the state on disk: a checkpoint's load writes them in place."""
+        i = self._index[id(master)]
+        return {"exp_avg": self.disk.exp_avg[i], "exp_avg_sq": self.disk.exp_avg_sq[i]}
+
+    def store_moments(self, master: torch.Tensor, values: dict[str, torch.Tensor]) -> None:
+        pass
+
+    def fresh_state(self, step: int) -> None:
+        self.disk.zero_moments()
+        self.steps = step
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+
+    def close(self) -> None:
+        self.disk.close()
+
+
 class DiskTensors:
     """Tensors backed by files of their own in one folder of this rank's under `root`
     (`memory.offload=params+nvme`: ZeRO-3's parameter slices). Each file's space is reserved
