@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -17,7 +18,7 @@ from shardwise.models.dropout import random_stream, samples
 from shardwise.optim import lr_at
 from shardwise.parallel.data import sync_buffers
 from shardwise.profile import ledger
-from shardwise.profile.capture import capture_for
+from shardwise.profile.capture import Capture, capture_for
 from shardwise.training.memory import model_state_bytes, step_memory
 from shardwise.training.metrics import MetricsLogger, flops_per_token
 from shardwise.training.nonfinite import NonFiniteGuard
@@ -40,10 +41,9 @@ def fit(run: Run) -> list[dict]:
     capture = capture_for(run, start)  # `shardwise profile`: traces of the last steps
     clock().on = cfg.log.ledger or capture.active  # the ledger: where each step's time went
     fetch = Fetch(run.train_data, cfg.data.prefetch)  # loads ahead in threads when asked
+    loop = _Loop(ckpt, logger, guard, stop, capture, fetch, step_flops, peak)
     try:
-        records, signum = _steps(
-            run, start, ckpt, logger, guard, stop, step_flops, peak, capture, fetch
-        )
+        records, signum = _steps(run, start, loop)
         if not signum and records and cfg.checkpoint.on_signal:
             # a signal after the last step's check (during its save or log line): the job
             # is stopping, so say so with its checkpoint rather than wait for the launcher
@@ -102,12 +102,28 @@ def _micro_steps(run: Run, micro, ahead, global_count: int, scale: float, fetch)
     return loss_sum, act_peak
 
 
-def _steps(
-    run, start, ckpt, logger, guard, stop, step_flops, peak, capture, fetch
-) -> tuple[list[dict], int]:
+@dataclass
+class _Loop:
+    """What the steps use beside the run, made once by `fit`."""
+
+    ckpt: Checkpointer
+    logger: MetricsLogger
+    guard: NonFiniteGuard
+    stop: StopRequest
+    capture: Capture  # or its stand-in that does nothing (profile/capture.capture_for)
+    fetch: Fetch
+    step_flops: float  # the whole model's FLOPs per step (for MFU)
+    peak: float | None  # the devices' peak FLOP/s (None: unknown, no MFU)
+
+
+def _steps(run: Run, start: int, loop: _Loop) -> tuple[list[dict], int]:
     """The training steps from `start`; returns their records and the stop signal that ended
     them early (0: none)."""
     cfg, d, model, device = run.cfg, run.derived, run.model, run.info.device
+    ckpt, logger, guard, stop, capture, fetch = (
+        loop.ckpt, loop.logger, loop.guard, loop.stop, loop.capture, loop.fetch,
+    )  # fmt: skip
+    step_flops, peak = loop.step_flops, loop.peak
     clk = clock()
     per_step = cfg.train.global_batch * d.tokens_per_sample  # the loss normaliser, unless
     counted = getattr(run.train_data, "targets_in", None)  # only some tokens are targets
