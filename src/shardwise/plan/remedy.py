@@ -158,11 +158,8 @@ def _recompute(cfg: Config, world: int, mean: dict, hw: Hardware, step: float) -
         rec.setdefault("peak_bytes", rec["mem_bytes"]["total"] + hw.reserve)
         rec.setdefault("host_bytes", 0)
         # the run's own disk state (memory.offload=...+nvme) fits: the job is using it
-        disk = int(kept_in(rec["mem_bytes"], "disk"))
-        job = dataclasses.replace(
-            job, hardware=dataclasses.replace(hw, nvme_bytes=max(hw.nvme_bytes, disk))
-        )
-        if fits(job, rec) is None:
+        disk = max(hw.nvme_bytes, kept_in(rec["mem_bytes"], "disk"))
+        if fits(job, rec, disk_budget=disk) is None:
             # none: the replayed forwards go; selective keeps the planner's share of them
             lay = layout_from_config(other, d)
             full = tm.hardware_flops_per_token(job, dataclasses.replace(lay, recompute="full"))

@@ -108,7 +108,9 @@ def evaluate(job: Job, lay: Layout) -> dict:
     }
 
 
-def fits(job: Job, rec: dict) -> str | None:
+def fits(job: Job, rec: dict, disk_budget: float | None = None) -> str | None:
+    """Why a prediction does not fit the job's hardware (None: it fits). `disk_budget`: the
+    local disk its NVMe state may fill, if not the hardware's declared `nvme_bytes`."""
     hw = job.hardware
     share = min(job.devices, hw.per_node) if hw.memory_shared else 1
     host_total = rec["host_bytes"] * (min(job.devices, hw.per_node) if not hw.memory_shared else 0)
@@ -121,7 +123,7 @@ def fits(job: Job, rec: dict) -> str | None:
             return "memory over budget"
         if host_total > hw.host_memory * min(job.devices, hw.per_node):
             return "host memory over budget"
-    if disk > hw.nvme_bytes:
+    if disk > (hw.nvme_bytes if disk_budget is None else disk_budget):
         return "NVMe over budget (--hardware.nvme_bytes)"
     return None
 
