@@ -30,6 +30,7 @@ from shardwise.profile.ledger import DIMS
 _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 _LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
 _COMPUTE = ("forward", "backward", "recompute")
+_OWN = ("bubble", "data", "optimizer", "checkpoint", "eval", "launch_bound")  # host parts
 _BUSY_HOST = {*_COMPUTE, "optimizer"}  # host regions where an idle device waits on its launches
 
 
@@ -137,16 +138,21 @@ def _sweep(lo: float, hi: float, kernels: list, regions: list) -> dict:
             idle[key] = idle.get(key, 0.0) + (b - a)
         charged[key] = charged.get(key, 0.0) + (b - a)
     ledger = _ledger((hi - lo) / 1e6, _seconds(charged), overlapped)
-    # which of it the device sat idle (per part; comm dims as `comm_exposed_s.<dim>`): a
-    # profiled step's host runs slower than an unprofiled one, which the device sees as idle
-    idle_parts = _ledger(0.0, _seconds(idle), dict.fromkeys(DIMS, 0.0))
-    ledger["idle_s"] = {
-        **{k: v for k, v in idle_parts.items() if k.endswith("_s") and isinstance(v, float)},
-        **{f"comm_exposed_s.{d}": v for d, v in idle_parts["comm_exposed_s"].items()},
-    }
-    for key in ("step_s", "compute_s", "forward_s", "backward_s", "recompute_s"):
-        del ledger["idle_s"][key]  # a compute region's idle device is launch-bound
+    # which of it the device sat idle: a profiled step's host runs slower than an unprofiled
+    # one, which the device sees as idle
+    ledger["idle_s"] = _idle_parts(_seconds(idle))
     return ledger
+
+
+def _idle_parts(idle: dict[str, float]) -> dict[str, float]:
+    """The device's idle seconds by the ledger's parts (comm dims as `comm_exposed_s.<dim>`);
+    no compute part: an idle device under a compute region is launch-bound (`_BUSY_HOST`)."""
+    r = lambda x: round(x, 6)  # noqa: E731
+    out = {f"{k}_s": r(idle.pop(k, 0.0)) for k in _OWN}
+    out["straggler_wait_s"] = 0.0
+    exposed = {f"comm_exposed_s.{d}": r(idle.pop(f"comm:{d}", 0.0)) for d in DIMS}
+    out["other_s"] = r(sum(v for k, v in idle.items() if k not in _COMPUTE))
+    return {**out, **exposed}
 
 
 def _comm_key(kernel: tuple) -> str:
@@ -174,10 +180,7 @@ def _ledger(step_s: float, charged: dict[str, float], overlapped: dict[str, floa
     r = lambda x: round(x, 6)  # noqa: E731
     parts = {f"{k}_s": r(charged.pop(k, 0.0)) for k in _COMPUTE}
     exposed = {d: r(charged.pop(f"comm:{d}", 0.0)) for d in DIMS}
-    own = {
-        f"{k}_s": r(charged.pop(k, 0.0))
-        for k in ("bubble", "data", "optimizer", "checkpoint", "eval", "launch_bound")
-    }
+    own = {f"{k}_s": r(charged.pop(k, 0.0)) for k in _OWN}
     return {
         "step_s": r(step_s),
         "compute_s": r(sum(parts.values())),
