@@ -73,10 +73,8 @@ def _elementwise_seconds(
     elems = 2 * (3 if backward else 2) * hidden  # two norms
     if backward:  # two residual adds, each with its bias (and dropout)
         elems += 2 * (2.5 if spec.dropout else 1) * hidden
-    else:
-        elems += (
-            2 * 3 * hidden
-        )  # two residual adds (with bias and dropout where the model has them)
+    else:  # two residual adds (with bias and dropout where the model has them)
+        elems += 2 * 3 * hidden
         if spec.dropout:
             elems += 2 * 1.5 * hidden  # their dropout masks written and applied
     kernels = 6
