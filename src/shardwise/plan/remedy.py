@@ -11,11 +11,11 @@ Causes (`cause`, the documented vocabulary): `data_wait`, `exposed_dp_communicat
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from shardwise.config import Config, with_overrides
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import Hardware
-from shardwise.plan.memory import kept_in
 from shardwise.plan.predict import job_from_config, layout_from_config, predict_config
 from shardwise.plan.search import fits
 from shardwise.training.validate import derive
@@ -157,9 +157,9 @@ def _recompute(cfg: Config, world: int, mean: dict, hw: Hardware, step: float) -
         _, rec = predict_config(other, d, hw)
         rec.setdefault("peak_bytes", rec["mem_bytes"]["total"] + hw.reserve)
         rec.setdefault("host_bytes", 0)
-        # the run's own disk state (memory.offload=...+nvme) fits: the job is using it
-        disk = max(hw.nvme_bytes, kept_in(rec["mem_bytes"], "disk"))
-        if fits(job, rec, disk_budget=disk) is None:
+        # the run's own disk state (memory.offload=...+nvme; recomputation does not change
+        # it) fits whatever the hardware declares: the job is using it
+        if fits(job, rec, disk_budget=math.inf) is None:
             # none: the replayed forwards go; selective keeps the planner's share of them
             lay = layout_from_config(other, d)
             full = tm.hardware_flops_per_token(job, dataclasses.replace(lay, recompute="full"))

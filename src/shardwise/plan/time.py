@@ -138,13 +138,16 @@ def step_time(
     calls = collective_calls(job, layout) if calls is None else calls
     intra, inter = hw.intra_bw * hw.comm_eff, hw.inter_bw * hw.comm_eff
 
-    def comm_s(dim: str, ranks: int, per_node: int = 1, steps: int = 0) -> float:
+    def link(ranks: int, per_node: int = 1) -> float:
         # a group spanning nodes runs one ring (NCCL channel) per NIC it has there: its
         # `per_node` ranks in a node each send through their own NIC, so a node's data crosses
         # per_node links at once (all-gathers, reduce-scatters and all-reduces); at most the
-        # links inside the node (NVLink), which every ring also crosses. Each call pays its
-        # ring's `steps` hops between nodes.
-        bw = intra if ranks <= hw.per_node else min(intra, inter * per_node)
+        # links inside the node (NVLink), which every ring also crosses
+        return intra if ranks <= hw.per_node else min(intra, inter * per_node)
+
+    def comm_s(dim: str, ranks: int, per_node: int = 1, steps: int = 0) -> float:
+        # each call pays its ring's `steps` hops between nodes
+        bw = link(ranks, per_node)
         cost = sum(n * hw.collective_cost.get(k, 1.0) for k, n in kinds[dim].items())
         hops = steps * hw.hop_s if ranks > hw.per_node else 0.0
         return (cost / bw + calls[dim] * (hw.latency + hops)) * slowdown
@@ -153,9 +156,9 @@ def step_time(
     # pipeline sends go from one rank to one rank, each through its own NIC
     dp_here = max(1, min(dp, hw.per_node // t))
     tp_s, pp_s = comm_s("tp", t), comm_s("pp", t * dp * p)
-    if job.engine.tp_overlap_backward and t > 1:  # one call's seconds of each kind, in a node
+    if job.engine.tp_overlap_backward and t > 1:  # one call's seconds of each kind
         act = layout.micro_batch * job.seq_len * job.spec.dim * job.bc
-        ring = ring_share(t) * act / (intra if t <= hw.per_node else min(intra, inter))
+        ring = ring_share(t) * act / link(t)
         one = {
             k: (n * ring * hw.collective_cost.get(k, 1.0) + hw.latency) * slowdown
             for k, n in (("all_reduce", 2), ("reduce_scatter", 1), ("all_gather", 1))

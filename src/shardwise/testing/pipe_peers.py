@@ -54,11 +54,10 @@ def deepspeed_pipeline_peer(cfg: Config) -> dict:
         layers, num_stages=stages, loss_fn=loss, partition_method="uniform",
         activation_checkpoint_interval=1, checkpointable_layers=["Block"],
     )  # fmt: skip
-    m = M
     config = {
         "train_micro_batch_size_per_gpu": B,
-        "gradient_accumulation_steps": m,
-        "train_batch_size": B * m,
+        "gradient_accumulation_steps": M,
+        "train_batch_size": B * M,
         "zero_optimization": {"stage": 0},
         "steps_per_print": 10**9,
     }
@@ -92,6 +91,6 @@ def deepspeed_pipeline_peer(cfg: Config) -> dict:
         "stage": engine.stage_id,
         "stages": stages,
         "blocks": held,
-        "micro_batches": m,
+        "micro_batches": M,
         "hidden_states_live": seen["live"] / (B * S * H * 4),
     }
