@@ -252,15 +252,9 @@ def layer_times(rows: list[dict]) -> list[tuple[str, float, float]]:
     out = []
     for t in table["rows"]:
         lay = dataclasses.replace(base.layout, recompute=t["recompute"], sp=t["sp"])
-        fwd, bwd, attn = gpu.block_seconds(
-            job.hardware, spec, lay.tp, lay.micro_batch, job.seq_len, job.bc, lay.sp,
-            job.hardware.peak[job.precision], job.engine.unfused_attention,
-        )  # fmt: skip
-        redo = {"full": fwd, "selective": attn}.get(lay.recompute, 0.0)
+        kernels = gpu.layer_seconds(job.hardware, job, lay)
         tp = search.evaluate(job, lay)["time"]["tp_comm_s"] / spec.n_layers
-        out.append(
-            (t["experiment"], t["forward_ms"] + t["backward_ms"], 1e3 * (fwd + bwd + redo + tp))
-        )
+        out.append((t["experiment"], t["forward_ms"] + t["backward_ms"], 1e3 * (kernels + tp)))
     return out
 
 

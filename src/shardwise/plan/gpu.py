@@ -152,9 +152,8 @@ def head_seconds(hw: Hardware, spec, t: int, tokens: float, c: int, peak: float)
     return gemm + loss
 
 
-def micro_batch_seconds(hw: Hardware, job, layout, layers: int) -> float:
-    """Forward + backward (+ recomputation) of one micro-batch on the busiest stage: its
-    `layers` blocks and the head with the loss."""
+def layer_seconds(hw: Hardware, job, layout) -> float:
+    """Forward + backward (+ recomputation) of one block for one micro-batch."""
     spec, s, b, t = job.spec, job.seq_len, layout.micro_batch, layout.tp
     peak = hw.peak[job.precision]
     fwd, bwd, attn = block_seconds(
@@ -166,7 +165,15 @@ def micro_batch_seconds(hw: Hardware, job, layout, layers: int) -> float:
     per_layer = fwd + bwd + redo
     if job.finetune.lora:  # frozen weights: no weight gradient (a third of the GEMM time)
         per_layer -= _weight_grad(hw, spec, t, b * s, job.bc, peak)
-    return layers * per_layer + head_seconds(hw, spec, t, b * s, job.bc, peak)
+    return per_layer
+
+
+def micro_batch_seconds(hw: Hardware, job, layout, layers: int) -> float:
+    """Forward + backward (+ recomputation) of one micro-batch on the busiest stage: its
+    `layers` blocks and the head with the loss."""
+    tokens, peak = layout.micro_batch * job.seq_len, hw.peak[job.precision]
+    head = head_seconds(hw, job.spec, layout.tp, tokens, job.bc, peak)
+    return layers * layer_seconds(hw, job, layout) + head
 
 
 def _weight_grad(hw: Hardware, spec, t: int, tokens: float, c: int, peak: float) -> float:
