@@ -10,11 +10,10 @@ import pytest
 
 from shardwise.testing import run_world
 from shardwise.testing.compare import case
+from shardwise.testing.zero_peers import DEEPSPEED_INSTALL as INSTALL
 from shardwise.testing.zero_peers import deepspeed_available
 
 pytestmark = pytest.mark.slow
-
-INSTALL = "DeepSpeed is the optional 'bench' extra: pip install -c constraints.txt -e '.[bench]'"
 
 
 @pytest.mark.skipif(not deepspeed_available(), reason=INSTALL)

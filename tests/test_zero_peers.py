@@ -15,12 +15,12 @@ import pytest
 
 from shardwise.testing import run_world
 from shardwise.testing.compare import SMALL, case, max_param_diff, max_rel
+from shardwise.testing.zero_peers import DEEPSPEED_INSTALL as INSTALL
 from shardwise.testing.zero_peers import deepspeed_available
 
 pytestmark = pytest.mark.slow
 
 PEERS = "shardwise.testing.zero_peers"
-INSTALL = "DeepSpeed is the optional 'bench' extra: pip install -c constraints.txt -e '.[bench]'"
 
 
 def _cases() -> dict:

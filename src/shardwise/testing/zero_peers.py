@@ -127,6 +127,12 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 
 # -- DeepSpeed --------------------------------------------------------------------------------
+# why a DeepSpeed comparison is skipped, and the fix
+DEEPSPEED_INSTALL = (
+    "DeepSpeed is the optional 'bench' extra: pip install -c constraints.txt -e '.[bench]'"
+)
+
+
 def deepspeed_available() -> bool:
     """Whether DeepSpeed is installed (found without importing it: that takes seconds)."""
     try:
