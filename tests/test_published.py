@@ -95,8 +95,13 @@ def test_a_rings_traffic_crosses_all_the_nics_of_a_node():
         dataclasses.replace(job, hardware=one_nic), Layout(dp=64, zero=3), {"optimizer": 8.0}
     )
     calls = traffic.collective_calls(job, Layout(dp=64, zero=3))["dp"]
-    latency = calls * (A100.latency + 63 * A100.hop_s)
-    assert (narrow["dp_comm_s"] - latency) == pytest.approx(8 * (wide["dp_comm_s"] - latency))
+    # every call pays its ring's 63 steps: with 8 nodes 7 cross the network and 56 NVLink;
+    # with a rank per node all 63 cross it (NCCL's tuning model)
+    hops = {"wide": 7 * A100.hop_s + 56 * A100.nvlink_hop_s, "narrow": 63 * A100.hop_s}
+    latency = {k: calls * (A100.latency + v) for k, v in hops.items()}
+    assert narrow["dp_comm_s"] - latency["narrow"] == pytest.approx(
+        8 * (wide["dp_comm_s"] - latency["wide"])
+    )
 
 
 def test_other_frameworks_costs_where_they_differ():

@@ -55,11 +55,14 @@ class Hardware:
     # seconds every collective call costs whatever its size (the alpha of an alpha-beta
     # model): nccl-tests' small-message all-reduce inside a node is ~10-20 us; measured on CPUs
     latency: float = 2e-5
-    # seconds per step of a ring that spans nodes: an all-gather or reduce-scatter over n ranks
-    # takes n - 1 steps, an all-reduce 2(n - 1), each paying a network hop whatever the message
-    # size (NCCL's ring; InfiniBand's one-way latency is a few microseconds). An assumption, not
-    # fitted: the calibration rows run on one node
-    hop_s: float = 5e-6
+    # seconds per step of a ring that spans nodes, whatever the message size: an all-gather or
+    # reduce-scatter over n ranks on k nodes takes n - 1 steps, k - 1 of them between nodes (an
+    # all-reduce twice as many). NCCL's own tuning model (src/graph/tuning.cc, `hwLat`, ring,
+    # Simple protocol: the large messages of training) charges 9.6 us a step through the
+    # network and 3.4 us a step over NVLink. Not fitted: the calibration rows run on one node,
+    # whose ring `latency` covers
+    hop_s: float = 9.6e-6
+    nvlink_hop_s: float = 3.4e-6
     # host seconds to launch one small kernel from eager PyTorch (dispatch + cudaLaunchKernel),
     # where a framework launches one per rank (layout.Engine.list_all_gather): ~5 us, the same
     # figure as `block_overhead`'s; an assumption, not fitted

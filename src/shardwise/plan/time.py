@@ -145,11 +145,15 @@ def step_time(
         # links inside the node (NVLink), which every ring also crosses
         return intra if ranks <= hw.per_node else min(intra, inter * per_node)
 
-    def comm_s(dim: str, ranks: int, per_node: int = 1, steps: int = 0) -> float:
-        # each call pays its ring's `steps` hops between nodes
+    def comm_s(dim: str, ranks: int, per_node: int = 1, group: int = 1, rounds: int = 1) -> float:
+        # each call of a `group`-rank ring that spans nodes pays its steps (`rounds` times
+        # group - 1), those between nodes a network hop, the others an NVLink hop
         bw = link(ranks, per_node)
         cost = sum(n * hw.collective_cost.get(k, 1.0) for k, n in kinds[dim].items())
-        hops = steps * hw.hop_s if ranks > hw.per_node else 0.0
+        hops = 0.0
+        if ranks > hw.per_node:
+            between = rounds * (-(-group // per_node) - 1)
+            hops = between * hw.hop_s + (rounds * (group - 1) - between) * hw.nvlink_hop_s
         return (cost / bw + calls[dim] * (hw.latency + hops)) * slowdown
 
     # tp is innermost in the mesh: a dp group has per_node / tp of its ranks in a node;
@@ -164,7 +168,7 @@ def step_time(
             for k, n in (("all_reduce", 2), ("reduce_scatter", 1), ("all_gather", 1))
         }
         tp_s -= m * tp_hidden_seconds(job, layout, one)
-    dp_s = comm_s("dp", t * dp, dp_here, (dp - 1) * (2 if layout.zero == 0 else 1))
+    dp_s = comm_s("dp", t * dp, dp_here, dp, 2 if layout.zero == 0 else 1)
     if layout.zero == 3 and dp > 1 and job.engine.list_all_gather:  # dp copies per gather,
         # each launched from the host, and the gathered bytes read and written once more
         copied = 2 * kinds["dp"].get("all_gather", 0.0) * dp / (dp - 1)
