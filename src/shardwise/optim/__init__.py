@@ -115,8 +115,6 @@ class MixedPrecisionAdamW:
             self.update = NvmeUpdate(targets, cfg, *nvme)
         else:
             self.update = TorchUpdate(targets, cfg, offload)
-        self.masters = self.update.masters
-        self.separate_master = self.update.separate_master
         self.grad_clip = cfg.optim.grad_clip
         self.sum_over_shards = sum_over_shards
         self.reduce_partial = reduce_partial
@@ -130,6 +128,16 @@ class MixedPrecisionAdamW:
     def inner(self) -> torch.optim.Optimizer | None:
         """The torch (or bitsandbytes) optimizer stepping the masters; None on disk."""
         return self.update.inner
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        """The fp32 values stepped, one per target (the parameters themselves in fp32)."""
+        return self.update.masters
+
+    @property
+    def separate_master(self) -> bool:
+        """Whether the masters are copies beside the parameters."""
+        return self.update.separate_master
 
     @property
     def master_bytes(self) -> int:

@@ -32,7 +32,7 @@ from shardwise.distributed.comm import Comm
 from shardwise.errors import ShardwiseError
 from shardwise.models.init import canonical_name, find_spec, initial_local, restore_buffers
 from shardwise.optim import Target
-from shardwise.parallel.zero_units import Unit, unit_roots
+from shardwise.parallel.zero_units import Sharding, Unit, unit_roots
 
 # The embedding's inputs are token ids: its backward pre-hook fires on the output gradient,
 # which is exactly when ZeRO-3 must gather it, so torch's warning about that is expected.
@@ -46,27 +46,11 @@ def _in_backward() -> bool:
 class ZeroEngine:
     """Owns the units of one model; the training loop drives it like the DP reducer."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        comm: Comm,
-        stage: int,
-        compute: torch.dtype,
-        reduce: torch.dtype,
-        device: torch.device,
-        seed: int,
-        offload_params=False,
-        source=None,
-        align: int = 1,
-        wire: torch.dtype | None = None,
-    ) -> None:
-        self.comm, self.stage = comm, stage
-        # False, True (host memory) or optim/nvme.DiskTensors (params+nvme): where ZeRO-3's
-        # parameter slices live
-        self.store = None if isinstance(offload_params, bool) else offload_params
-        # parallel.grad_compression=bf16/fp16: each reduce-scatter sends a 16-bit copy of the
-        # flat gradients and the owned slice of the sum is taken back into fp32
-        self.wire = wire if comm.topo.size("dp") > 1 else None
+    def __init__(self, model: nn.Module, comm: Comm, how: Sharding, seed: int, source=None) -> None:
+        self.comm, self.stage = comm, how.stage
+        # the disk store of ZeRO-3's slices with params+nvme (closed with the engine)
+        self.store = None if isinstance(how.offload_params, bool) else how.offload_params
+        self.wire = how.wire if comm.topo.size("dp") > 1 else None
         self.sync = True
         n, rank = comm.topo.size("dp"), comm.topo.coord("dp")
         # Trainable and frozen parameters of a root never share a unit: a frozen unit has no
@@ -75,19 +59,7 @@ class ZeroEngine:
         self.units = []
         for root, (name, entries, modules) in enumerate(unit_roots(model)):
             for part, group in _by_trainability(name, entries):
-                unit = Unit(
-                    part,
-                    group,
-                    modules,
-                    n,
-                    rank,
-                    stage,
-                    compute,
-                    reduce,
-                    device,
-                    offload_params,
-                    align,
-                )
+                unit = Unit(part, group, modules, n, rank, how)
                 unit.root = root  # its root's place in forward order
                 self.units.append(unit)
         replaced = {k: v for u in self.units for k, v in u.replaced.items()}
@@ -96,7 +68,7 @@ class ZeroEngine:
                 if p is not None:
                     module._parameters[leaf] = replaced[id(p)]
         self._of_param = {id(p): u for u in self.units for *_, p in u.entries}
-        self._materialise(model, seed, device, source)
+        self._materialise(model, seed, how.device, source)
         self._next = 0
         self._pending: list = []
         self.transient = 0  # bytes of gathered units and in-flight gradient buffers now
@@ -107,7 +79,7 @@ class ZeroEngine:
             for p in unit.params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._on_grad)
-        if stage == 3:
+        if how.stage == 3:
             self._hook_modules(model)
             self.transient = sum(u.full_bytes for u in self.units)  # built gathered
             self.gathered_bytes = self.transient
@@ -384,25 +356,8 @@ def _by_trainability(name: str, entries: list) -> list[tuple[str, list]]:
     return [(name, trainable), (f"{name}[frozen]", frozen)]
 
 
-def apply_zero(
-    model: nn.Module,
-    comm: Comm,
-    stage: int,
-    compute: torch.dtype,
-    reduce: torch.dtype,
-    device: torch.device,
-    seed: int,
-    offload_params=False,
-    source=None,
-    align: int = 1,
-    wire: torch.dtype | None = None,
-) -> ZeroEngine:
-    """Shard a model that is still on the meta device; returns the engine driving it.
-    `offload_params` (ZeRO-3) keeps each rank's parameter slices in host memory (True) or in
-    files of an optim/nvme.DiskTensors; `source`
-    (shardwise.models.hf.weights.HFWeights) supplies the values instead of the (seed, name) init;
-    `align` puts parameters and shard boundaries on multiples of it (zero_units.Unit); `wire`
-    the 16-bit dtype the reduce-scatters send (None: the gradients' own)."""
-    return ZeroEngine(
-        model, comm, stage, compute, reduce, device, seed, offload_params, source, align, wire
-    )
+def apply_zero(model: nn.Module, comm: Comm, how: Sharding, seed: int, source=None) -> ZeroEngine:
+    """Shard a model that is still on the meta device as `how` says; returns the engine
+    driving it. `source` (shardwise.models.hf.weights.HFWeights) supplies the values instead
+    of the (seed, name) init."""
+    return ZeroEngine(model, comm, how, seed, source)

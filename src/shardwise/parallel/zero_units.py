@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -89,6 +91,26 @@ def unit_roots(model: nn.Module) -> list[tuple[str, list[Entry], list[nn.Module]
     return units
 
 
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """What every unit of one engine shares."""
+
+    stage: int  # ZeRO-1, 2 or 3
+    compute: torch.dtype  # the parameters' dtype
+    reduce: torch.dtype  # the gradient buffers' dtype
+    device: torch.device
+    # False, True (host memory) or a store of disk-backed tensors (optim/nvme.DiskTensors,
+    # params+nvme): where ZeRO-3's parameter slices live
+    offload_params: object = False
+    # > 1 for a block-wise 8-bit optimizer (optim.QUANT_BLOCK): every parameter starts and
+    # every shard boundary falls on a multiple of it, so each rank's piece of a parameter is
+    # made of whole quantisation blocks of the parameter (gaps are zeros)
+    align: int = 1
+    # parallel.grad_compression=bf16/fp16: each reduce-scatter sends a 16-bit copy of the
+    # flat gradients and the owned slice of the sum is taken back into fp32 (None: as kept)
+    wire: torch.dtype | None = None
+
+
 class Unit:
     def __init__(
         self,
@@ -97,21 +119,14 @@ class Unit:
         modules: list[nn.Module],
         n: int,
         rank: int,
-        stage: int,
-        compute: torch.dtype,
-        reduce: torch.dtype,
-        device: torch.device,
-        host_shard=False,
-        align: int = 1,
+        how: Sharding,
     ) -> None:
+        stage, compute, reduce, device = how.stage, how.compute, how.reduce, how.device
+        host_shard, align = how.offload_params, how.align
         self.name, self.stage = name, stage
-        # False, True (host memory) or a store of disk-backed tensors (optim/nvme.DiskTensors)
         self.on_disk = not isinstance(host_shard, bool)
         self.host_shard = bool(host_shard) and not self.on_disk
         self.modules = modules  # root modules whose forward/backward need this unit
-        # `align` > 1 (a block-wise 8-bit optimizer, optim.QUANT_BLOCK): every parameter starts
-        # and every shard boundary falls on a multiple of it, so each rank's piece of a
-        # parameter is made of whole quantisation blocks of the parameter (gaps are zeros)
         self.offsets, numel = [], 0
         for *_, p in entries:
             self.offsets.append(numel)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from shardwise.profile.ledger import DIMS
+from shardwise.profile.ledger import DIMS, seconds6
 
 _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 _LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
@@ -147,7 +147,7 @@ def _sweep(lo: float, hi: float, kernels: list, regions: list) -> dict:
 def _idle_parts(idle: dict[str, float]) -> dict[str, float]:
     """The device's idle seconds by the ledger's parts (comm dims as `comm_exposed_s.<dim>`);
     no compute part: an idle device under a compute region is launch-bound (`_BUSY_HOST`)."""
-    r = lambda x: round(x, 6)  # noqa: E731
+    r = seconds6
     out = {f"{k}_s": r(idle.pop(k, 0.0)) for k in _OWN}
     out["straggler_wait_s"] = 0.0
     exposed = {f"comm_exposed_s.{d}": r(idle.pop(f"comm:{d}", 0.0)) for d in DIMS}
@@ -177,7 +177,7 @@ def _dim(region: str) -> str | None:
 
 
 def _ledger(step_s: float, charged: dict[str, float], overlapped: dict[str, float]) -> dict:
-    r = lambda x: round(x, 6)  # noqa: E731
+    r = seconds6
     parts = {f"{k}_s": r(charged.pop(k, 0.0)) for k in _COMPUTE}
     exposed = {d: r(charged.pop(f"comm:{d}", 0.0)) for d in DIMS}
     own = {f"{k}_s": r(charged.pop(k, 0.0)) for k in _OWN}

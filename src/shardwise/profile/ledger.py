@@ -23,12 +23,19 @@ PARTS = (
     "straggler_wait_s",
     "other_s",
 )
+
+
 _OWN = {"forward", "backward", "recompute", "bubble", "data", "optimizer", "checkpoint", "eval"}
+
+
+def seconds6(x: float) -> float:
+    """Seconds as a ledger stores them: to the microsecond."""
+    return round(x, 6)
 
 
 def build(step_s: float, totals: dict[str, float], overlapped: dict[str, float]) -> dict:
     """The ledger of a span of `step_s` seconds whose clock charged `totals`."""
-    r = lambda x: round(x, 6)  # noqa: E731
+    r = seconds6
     parts = {k: totals.get(k, 0.0) for k in ("forward", "backward", "recompute")}
     exposed = {d: r(totals.get(f"comm:{d}", 0.0)) for d in DIMS}
     claimed = _OWN | {f"comm:{d}" for d in DIMS}

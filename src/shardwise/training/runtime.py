@@ -36,6 +36,7 @@ from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.sync_batchnorm import apply_sync_batchnorm
 from shardwise.parallel.tensor import TensorParallel, apply_tensor_parallel, keep_tp_marks
 from shardwise.parallel.zero import ZeroEngine, apply_zero
+from shardwise.parallel.zero_units import Sharding
 from shardwise.training.lock import HELD_ENV, acquire, release
 from shardwise.training.memory import ActivationMeter
 from shardwise.training.validate import Derived, check_held_out, derive
@@ -211,19 +212,16 @@ def parallelize(
 
             where = run_cfg.memory.nvme_dir or run_cfg.run.dir
             offload_params = DiskTensors(where, comm.topo.rank)
-        engine = apply_zero(
-            model,
-            comm,
+        how = Sharding(
             stage,
             compute,
             reduce,
             info.device,
-            run_cfg.train.seed,
             offload_params,
-            source,
             QUANT_BLOCK if run_cfg.optim.name in EIGHT_BIT else 1,
             WIRE.get(run_cfg.parallel.grad_compression),
         )
+        engine = apply_zero(model, comm, how, run_cfg.train.seed, source)
         return model, engine, tp, pipeline
     # 4. Materialise: without ZeRO the local shard is the whole model. Values depend only on
     #    (seed, parameter name), so every rank builds identical weights without a broadcast.
