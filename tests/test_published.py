@@ -153,6 +153,18 @@ def test_the_published_3d_runs_are_predicted_within_15_percent(runs):
         assert abs(pred / c.measured_s - 1) <= 0.15, (c.row["id"], pred, c.measured_s)
 
 
+def test_stated_peak_memory_is_predicted_within_10_percent_like_for_like(runs):
+    """Where a source says what its memory figure counts, the prediction is within the issue's
+    10 %: our own H200 run's peak allocation against the planner's tensors, torchtitan's
+    allocator reservation against the whole predicted peak. (BLOOM's `Mem`, which does not say,
+    is not: benchmarks/published_runs.py prints it, most rows 5-10 GiB under.)"""
+    cases, _ = runs.split_cases(runs.load_rows())
+    checks = [c for c in runs.stated_memory(cases) if c[1] != "unstated"]
+    assert {k for _, k, *_ in checks} == {"allocated", "reserved"}, checks
+    for rid, _, stated, peak in checks:
+        assert abs(peak / stated - 1) <= 0.10, (rid, stated, peak)
+
+
 def _norm(x):
     """torchtitan's RMSNorm (its weight left out: ones): computed in fp32, cast back."""
     x32 = x.float()
