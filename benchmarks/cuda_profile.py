@@ -17,7 +17,9 @@ work per kernel, so the most exposed clock) with the ledger on and off, in alter
 recompute: memory.recompute=full) profiles the decoder with that cause injected, then with
 its finding's remedy, and prints predicted against measured gain (`shardwise profile
 --verify-remedy`). `--ledger-only` skips the profile. `--smoke` runs the tiny preset a few
-steps on whatever device there is (CPU here).
+steps on whatever device there is (CPU here). `--row FILE` appends the measured run to FILE
+as a row of the published record (the format of benchmarks/published/shardwise.jsonl, which
+the planner calibrates on): copy it there to make the run a calibration row.
 """
 
 from __future__ import annotations
@@ -168,6 +170,53 @@ def verify_cause(a: argparse.Namespace, folder: Path) -> None:
     verify(cfg, 1, folder / "profile", a.steps, 1, hook=hook, cause=a.verify)
 
 
+def published_row(
+    a: argparse.Namespace, step: float, mfu: float | None, peak: int | None, device: str, cells
+) -> dict:
+    """This run as a row of the published record (benchmarks/published_rows._shardwise reads
+    it): the catalog's name for the card, the layout, the measured step and peak allocation."""
+    import datetime
+
+    from shardwise.plan.hardware import detect_hardware
+
+    gpu = detect_hardware().name if torch.cuda.is_available() else "cpu"
+    shape = f"model {a.model}, seq {a.seq}, micro {a.micro}, global batch {a.global_batch}"
+    return {
+        "id": f"shardwise-{gpu}-{a.model}-1g-s{a.seq}-mb{a.micro}",
+        "source": f"shardwise's own run: benchmarks/cuda_profile.py on one {device}, torch "
+        f"{torch.__version__}, {datetime.date.today()}",
+        "quote": f"device: {device}; {shape}, {a.precision} || | {' | '.join(cells)} |",
+        "model": {"name": a.model, "preset": a.model, "seq_len": a.seq},
+        "hardware": {"gpu": gpu, "n_gpus": 1, "per_node": 1, "network": None},
+        "layout": {
+            "tp": 1,
+            "pp": 1,
+            "dp": 1,
+            "sharding": "none",
+            "sp": False,
+            "recompute": "none",
+            "micro_batch": a.micro,
+            "global_batch": a.global_batch,
+        },
+        "precision": a.precision,
+        "measured": {
+            "step_time_s": step,
+            "mem_gib_per_gpu": peak / 2**30 if peak else None,
+            "mem_counts": "allocated",
+            "mfu": mfu,
+        },
+        "flop_convention": "6N + 12·L·h·s per token (shardwise's `mfu`), the catalog's dense "
+        f"{a.precision} peak",
+        "assumed": {
+            "memory": "torch.cuda.max_memory_allocated (the allocator's peak allocation), not "
+            "a whole device's use"
+        },
+        "notes": f"The median of {a.steps} steps after {a.warmup} warm-up steps "
+        "(benchmarks/cuda_profile.py --row). A calibration row for its card's chip "
+        "(published_rows.calibration) once in benchmarks/published/shardwise.jsonl.",
+    }
+
+
 def _pct(x: float | None) -> str:
     return f"{100 * x:.1f}%" if x else "-"
 
@@ -189,6 +238,7 @@ def main() -> int:
     p.add_argument("--ledger-steps", type=int, default=30, help="steps per ledger run")
     p.add_argument("--ledger-only", action="store_true", help="skip the profile and the peer")
     p.add_argument("--verify", choices=["data_wait", "recompute"], help="inject, then remedy")
+    p.add_argument("--row", type=Path, help="append the run to FILE as a published row")
     add_smoke(p)
     a = p.parse_args()
     if a.smoke:
@@ -233,6 +283,11 @@ def profile_and_peer(a: argparse.Namespace, folder: Path) -> None:
         ],
     ]
     print(table(["run", "step ms", "MFU", "peak memory"], rows))
+    if a.row:
+        row = published_row(a, step, summary.get("mfu"), peak, them["device"], rows[0])
+        with a.row.open("a") as f:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        print(f"published row {row['id']} appended to {a.row}")
     print(f"ours / peer step time: {step / them['step_s']:.3f}")
     print(f"planner / measured step time: {plan['step_time_s'] / step:.3f}")
     if peak:

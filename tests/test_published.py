@@ -165,6 +165,38 @@ def test_stated_peak_memory_is_predicted_within_10_percent_like_for_like(runs):
         assert abs(peak / stated - 1) <= 0.10, (rid, stated, peak)
 
 
+def test_a_gpu_run_of_ours_is_written_as_a_row_the_record_reads(runs, monkeypatch):
+    """`benchmarks/cuda_profile.py --row` writes the run in the record's own format: on an
+    H200 it names the catalog's card, and the record prices it as a calibration row."""
+    import argparse
+
+    from shardwise.plan import hardware
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import cuda_profile
+    finally:
+        sys.path.remove(str(BENCH))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hardware, "detect_hardware", lambda: hardware.get_hardware("h200"))
+    a = argparse.Namespace(
+        model="125m", seq=1024, micro=8, global_batch=16, precision="bf16", steps=5, warmup=2
+    )
+    cells = ["shardwise (measured)", "81.0", "40.0%", "12.00 GiB"]
+    row = cuda_profile.published_row(a, 0.081, 0.4, 12 * 2**30, "NVIDIA H200", cells)
+    assert row["id"] == "shardwise-h200-125m-1g-s1024-mb8"
+    assert row["measured"] == {
+        "step_time_s": 0.081, "mem_gib_per_gpu": 12.0, "mem_counts": "allocated", "mfu": 0.4
+    }  # fmt: skip
+    row = json.loads(json.dumps(row))  # as the file holds it
+    cases, skipped = runs.split_cases([row])
+    assert not skipped and runs.calibration(row)
+    (case,) = cases
+    assert case.measured_s == 0.081 and case.job.hardware.name == "h200"
+    assert case.layout.micro_batch == 8 and case.job.global_batch == 16
+    assert runs.stated_memory(cases)[0][1:3] == ("allocated", 12.0)
+
+
 def _norm(x):
     """torchtitan's RMSNorm (its weight left out: ones): computed in fp32, cast back."""
     x32 = x.float()
