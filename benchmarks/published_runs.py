@@ -230,9 +230,9 @@ def oom_report(rows: list[dict]) -> None:
 def stated_memory(cases: list[Case]) -> list[tuple[str, str, float, float]]:
     """(row id, what the figure counts, stated GiB, predicted GiB) where a source states the
     peak memory per GPU. Like for like: a peak allocation (`torch.cuda.max_memory_allocated`)
-    is the planner's tensors; an allocator's reservation (torchtitan) or a figure that does
-    not say (BLOOM's `Mem`) is compared with the whole predicted peak, the hardware's
-    `reserve` (CUDA context, workspaces, fragmentation) included."""
+    is the planner's tensors; an allocator's reservation (torchtitan) or a whole device's use
+    (BLOOM's `Mem`, read off nvidia-smi) is compared with the whole predicted peak, the
+    hardware's `reserve` (CUDA context, workspaces, fragmentation) included."""
     out = []
     for c in cases:
         meas = c.row["measured"]
@@ -240,7 +240,7 @@ def stated_memory(cases: list[Case]) -> list[tuple[str, str, float, float]]:
         if stated is None and meas.get("mem_gb_per_gpu_max"):
             stated = meas["mem_gb_per_gpu_max"] * 1e9 / 2**30
         if stated:
-            counts = meas.get("mem_counts", "unstated")
+            counts = meas["mem_counts"]
             peak = search.evaluate(c.job, c.layout)["peak_bytes"]
             if counts == "allocated":
                 peak -= c.job.hardware.reserve
