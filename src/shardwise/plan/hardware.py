@@ -60,7 +60,7 @@ class Hardware:
     # all-reduce twice as many). NCCL's own tuning model (src/graph/tuning.cc, `hwLat`, ring,
     # Simple protocol: the large messages of training) charges 9.6 us a step through the
     # network and 3.4 us a step over NVLink. Not fitted: the calibration rows run on one node,
-    # whose ring `latency` covers
+    # where the per-call `latency` covers the ring
     hop_s: float = 9.6e-6
     nvlink_hop_s: float = 3.4e-6
     # host seconds to launch one small kernel from eager PyTorch (dispatch + cudaLaunchKernel),
