@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardwise.data.cache import build_once, key_of, read_meta, save_array
+from shardwise.data.cache import build_once, read_meta, save_array
 from shardwise.data.corpus import (
     DataSpec,
     builder_of,
@@ -26,7 +26,7 @@ from shardwise.data.corpus import (
     resolve_source,
     split_documents,
 )
-from shardwise.data.pretrained import check_vocab, content_key, load_tokenizer
+from shardwise.data.pretrained import check_vocab, load_tokenizer, tokenized_key
 from shardwise.errors import DataError
 
 FORMAT = 1
@@ -95,15 +95,7 @@ def label_names(spec: DataSpec) -> tuple[str, ...]:
 
 
 def _key(spec: DataSpec) -> str:
-    ident = {
-        "format": FORMAT,
-        "files": resolve_source(spec).identity(),
-        "tokenizer": content_key(spec.tokenizer),
-        "fields": [spec.text_field, spec.label_field],
-        "seq_len": spec.seq_len,
-        "val_fraction": spec.val_fraction,
-    }
-    return key_of(ident)
+    return tokenized_key(spec, FORMAT, [spec.text_field, spec.label_field])
 
 
 def _root(spec: DataSpec) -> Path:

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardwise.data.cache import build_once, key_of, save_array
+from shardwise.data.cache import build_once, save_array
 from shardwise.data.corpus import (
     DataSpec,
     builder_of,
@@ -40,7 +40,7 @@ from shardwise.data.corpus import (
     resolve_source,
     split_documents,
 )
-from shardwise.data.pretrained import check_vocab, content_key, load_tokenizer
+from shardwise.data.pretrained import check_vocab, load_tokenizer, tokenized_key
 from shardwise.errors import DataError
 
 FORMAT = 2  # 2: records' lengths cached (packing)
@@ -231,16 +231,7 @@ def _sample(ids: list[int], target: list[bool], seq_len: int, pad: int):
 
 
 def _key(spec: DataSpec) -> str:
-    ident = {
-        "format": FORMAT,
-        "kind": spec.format,
-        "files": resolve_source(spec).identity(),
-        "tokenizer": content_key(spec.tokenizer),
-        "fields": list(spec.fields),
-        "seq_len": spec.seq_len,
-        "val_fraction": spec.val_fraction,
-    }
-    return key_of(ident)
+    return tokenized_key(spec, FORMAT, list(spec.fields), kind=spec.format)
 
 
 def _root(spec: DataSpec) -> Path:

@@ -16,6 +16,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from shardwise.data.cache import key_of
+from shardwise.data.corpus import resolve_source
 from shardwise.errors import DataError
 
 # What `save_pretrained` writes for a tokenizer; the content of those present is the cache key.
@@ -128,3 +130,19 @@ def check_vocab(spec, meta: dict) -> None:
             f"tokenizer's (--model.vocab_size={meta['vocab_size']} for a preset), or the "
             "tokenizer saved with that model."
         )
+
+
+def tokenized_key(spec, version: int, fields: list[str], **extra) -> str:
+    """The cache key of records rendered with a checkpoint's tokenizer (data/classify.py,
+    data/instruct.py): the cache format's `version`, the source files, the tokenizer's
+    content, the `fields` read, seq_len and the split, and whatever `extra` the format adds."""
+    ident = {
+        "format": version,
+        "files": resolve_source(spec).identity(),
+        "tokenizer": content_key(spec.tokenizer),
+        "fields": fields,
+        "seq_len": spec.seq_len,
+        "val_fraction": spec.val_fraction,
+        **extra,
+    }
+    return key_of(ident)
