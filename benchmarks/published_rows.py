@@ -253,10 +253,14 @@ def _bloom(row: dict) -> Case | str:
     # was just written to accumulate gradients in fp32, so it is more memory heavy"
     bf16_optimizer = row["precision"] == "bf16" and ("-0228" in row["id"] or "-tr11-" in row["id"])
     # before it, DeepSpeed's ZeRO optimizer: its step copies the rank's gradient share twice;
-    # DeepSpeed's pipeline engine keeps each stage's received and sent hidden states
+    # DeepSpeed's pipeline engine keeps each stage's received and sent hidden states, and
+    # sends by broadcast in a 2-rank group per pair of stages (pipe/p2p.py); beside the
+    # world's and tp's and dp's, a rank uses Megatron's model-parallel group (the gradient
+    # norm) and DeepSpeed's pipe group (the loss broadcast); the first and last stages also
+    # the pair that reduces the tied embedding's gradient (Megatron's embedding group)
     engine = dataclasses.replace(
         MEGATRON, fp32_grads=bf16_optimizer, step_grad_copies=not bf16_optimizer,
-        pp_stage_copies=True,
+        pp_stage_copies=True, pp_pairs=True, extra_groups=2, extra_pairs=1,
     )  # fmt: skip
     job = Job(
         _gpt(m), hw, row["hardware"]["n_gpus"], m["seq_len"], lay["global_batch"],

@@ -37,6 +37,7 @@ from published_rows import (
 )
 from shardwise.models.presets import preset
 from shardwise.plan import gpu, search
+from shardwise.plan import memory as mem
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import CHIP, Hardware, get_hardware
 from shardwise.plan.layout import Job
@@ -230,9 +231,9 @@ def oom_report(rows: list[dict]) -> None:
 def stated_memory(cases: list[Case]) -> list[tuple[str, str, float, float]]:
     """(row id, what the figure counts, stated GiB, predicted GiB) where a source states the
     peak memory per GPU. Like for like: a peak allocation (`torch.cuda.max_memory_allocated`)
-    is the planner's tensors; an allocator's reservation (torchtitan) or a whole device's use
-    (BLOOM's `Mem`, read off nvidia-smi) is compared with the whole predicted peak, the
-    hardware's `reserve` (CUDA context, workspaces, fragmentation) included."""
+    is the planner's tensors; an allocator's reservation (torchtitan) the tensors and the
+    hardware's `reserve` (CUDA context, workspaces, fragmentation); a whole device's use
+    (BLOOM's `Mem`, read off nvidia-smi) the whole predicted peak, NCCL's communicators too."""
     out = []
     for c in cases:
         meas = c.row["measured"]
@@ -242,6 +243,8 @@ def stated_memory(cases: list[Case]) -> list[tuple[str, str, float, float]]:
         if stated:
             counts = meas["mem_counts"]
             peak = search.evaluate(c.job, c.layout)["peak_bytes"]
+            if counts != "device":  # NCCL allocates outside PyTorch's allocator
+                peak -= mem.communicator_bytes(c.job, c.layout)
             if counts == "allocated":
                 peak -= c.job.hardware.reserve
             out.append((c.row["id"], counts, stated, peak / 2**30))

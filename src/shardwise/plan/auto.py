@@ -7,8 +7,8 @@ import copy
 from shardwise.config import Config
 from shardwise.errors import ConfigError, NotYetSupportedError
 from shardwise.plan.hardware import GB, detect_hardware
-from shardwise.plan.memory import kept_in
-from shardwise.plan.predict import job_from_config
+from shardwise.plan.memory import device_overhead, kept_in
+from shardwise.plan.predict import job_from_config, layout_from_config
 from shardwise.plan.search import nothing_fits, search
 
 
@@ -89,7 +89,9 @@ def refuse_if_too_big(cfg: Config, record: dict, nproc: int) -> None:
     hw = detect_hardware()
     mem = record["mem_bytes"]
     host = kept_in(mem, "host")
-    per_rank = mem["total"] + hw.reserve + (host if hw.memory_shared else 0)
+    d = derive(cfg, nproc)
+    overhead = device_overhead(job_from_config(cfg, hw, nproc, d.spec), layout_from_config(cfg, d))
+    per_rank = mem["total"] + overhead + (host if hw.memory_shared else 0)
     ranks = nproc if hw.memory_shared else 1
     if per_rank * ranks <= hw.memory:
         return

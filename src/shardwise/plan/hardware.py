@@ -45,6 +45,13 @@ class Hardware:
     mem_eff: float = 0.8  # achieved / peak memory bandwidth for element-wise kernels
     overlap: float = 1.0  # fraction of communication that can hide behind compute
     reserve: int = 2 * GiB  # CUDA context, cuBLAS workspace, allocator fragmentation
+    # device bytes NCCL allocates for each communicator a rank uses (its channels' buffers,
+    # outside PyTorch's allocator), after one all-reduce, measured on four A100s over NVLink
+    # with PyTorch (NVIDIA/nccl issue #964): 688 MB a group of more than two ranks, 544 MB a
+    # pair. NCCL's maintainers (issues #864, #986): linear in the channels, no larger beyond
+    # two nodes. 0 on CPUs (gloo's buffers are host memory)
+    comm_buffer_bytes: int = 0
+    pair_buffer_bytes: int = 0
     cores: int = 0  # CPU: ranks beyond this many share cores (0 = a device per rank)
     memory_shared: bool = False  # CPU: all ranks of a node share `memory` (RAM)
     calibrated: str = "data sheet"
@@ -104,6 +111,8 @@ def _gpu(name, mem_gib, bf16, fp32, hbm_tbs, intra_gbs, inter_gbs, host_gbs, per
         per_node=per_node,
         host_memory=int(host_gib * GiB),
         kernel_model=True,
+        comm_buffer_bytes=688 * 10**6,
+        pair_buffer_bytes=544 * 10**6,
     )
 
 

@@ -97,6 +97,15 @@ class Engine:
     # from 2022: Korthikanti et al. §4.2.2 and §6.2, whose full recomputation costs 39 % and
     # not 33 % because the recomputed forward's all-reduces have nothing to hide behind)
     tp_overlap_backward: bool = False
+    # pipeline sends are broadcasts in a 2-rank group per pair of neighbouring stages, an NCCL
+    # communicator each (DeepSpeed's pipe/p2p.py), instead of batched p2p in the pipeline
+    # group's one (ours); and the groups a rank uses beyond the world's and one per parallel
+    # dimension: Megatron-DeepSpeed's model-parallel group (the gradient norm) and DeepSpeed's
+    # pipe group (the loss broadcast), and the pair of first and last stages that reduces the
+    # tied embedding's gradient (plan/memory.communicator_bytes)
+    pp_pairs: bool = False
+    extra_groups: int = 0
+    extra_pairs: int = 0
 
 
 SHARDWISE = Engine()

@@ -343,6 +343,28 @@ def step_copies(job: Job, layout: Layout, units: list) -> float:
     return (job.bc + 4) * _trainable(units) / (layout.dp if layout.zero >= 1 else 1)
 
 
+def communicator_bytes(job: Job, layout: Layout) -> float:
+    """Device bytes of the NCCL communicators a rank uses (`Hardware.comm_buffer_bytes`): the
+    world's (metrics, checks), one per parallel dimension of more than one rank, the pipeline's
+    (or, `Engine.pp_pairs`, a pair per neighbouring stage: two in the middle, the first stage's
+    neighbour and its tied-embedding pair), and the engine's own (`Engine.extra_groups`)."""
+    hw = job.hardware
+    if job.devices == 1:
+        return 0.0
+    e = job.engine
+    groups, pairs = 1 + (layout.dp > 1) + (layout.tp > 1), 0
+    if layout.pp > 1:
+        groups += e.extra_groups + (not e.pp_pairs)
+        pairs = min(2, (layout.pp - 1) * e.pp_pairs + e.extra_pairs)
+    return groups * hw.comm_buffer_bytes + pairs * hw.pair_buffer_bytes
+
+
+def device_overhead(job: Job, layout: Layout) -> float:
+    """What a rank's device holds beyond the tensors `predict_memory` counts: the hardware's
+    reserve (CUDA context, workspaces, fragmentation) and NCCL's communicators."""
+    return job.hardware.reserve + communicator_bytes(job, layout)
+
+
 def predict_memory(job: Job, layout: Layout) -> dict[str, float]:
     """`mem_bytes` per rank: max over ranks per category, `total` the largest rank's sum."""
     stages = stage_ranks(job, layout)

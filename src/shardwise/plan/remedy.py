@@ -16,6 +16,7 @@ import math
 from shardwise.config import Config, with_overrides
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import Hardware
+from shardwise.plan.memory import device_overhead
 from shardwise.plan.predict import job_from_config, layout_from_config, predict_config
 from shardwise.plan.search import fits
 from shardwise.training.validate import derive
@@ -155,7 +156,8 @@ def _recompute(cfg: Config, world: int, mean: dict, hw: Hardware, step: float) -
         d = derive(other, world)
         job = job_from_config(other, hw, world, d.spec)
         _, rec = predict_config(other, d, hw)
-        rec.setdefault("peak_bytes", rec["mem_bytes"]["total"] + hw.reserve)
+        overhead = device_overhead(job, layout_from_config(other, d))
+        rec.setdefault("peak_bytes", rec["mem_bytes"]["total"] + overhead)
         rec.setdefault("host_bytes", 0)
         # the run's own disk state (memory.offload=...+nvme; recomputation does not change
         # it) fits whatever the hardware declares: the job is using it

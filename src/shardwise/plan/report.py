@@ -77,7 +77,7 @@ def explain_candidate(r: dict, n: int) -> str:
     for key, value in r["mem_bytes"].items():
         lines.append(f"    {key:<15} {human_bytes(value):>10}  ({value:,} B)")
     lines.append(
-        f"    {'+ backward transient and framework reserve':<15} -> peak "
+        f"    {'+ backward transient, framework reserve, NCCL buffers':<15} -> peak "
         f"{human_bytes(r['peak_bytes'])} of {human_bytes(r['device_memory'])}"
     )
     lines.append("  step time:")

@@ -83,7 +83,7 @@ def evaluate(job: Job, lay: Layout) -> dict:
     kinds, calls = traffic.traffic_by_kind(job, lay), traffic.collective_calls(job, lay)
     parts = tm.step_time(job, lay, mb, kinds, calls)
     transient = mem.backward_transient(job, lay)
-    peak = max(mb["total"] + transient, mem.step_peak(job, lay)) + hw.reserve
+    peak = max(mb["total"] + transient, mem.step_peak(job, lay)) + mem.device_overhead(job, lay)
     host = mem.kept_in(mb, "host")
     step = parts["step_s"]
     tokens = job.tokens_per_step / step
