@@ -338,6 +338,8 @@ def test_plan_keeps_the_layout_keys_given(capsys):
         (["--hardware.bogus=1"], "--hardware.bogus is not a field of the hardware entry"),
         (["--hardware.inter_bw=fast"], "--hardware.inter_bw='fast' is not a float"),
         (["--hardware.inter_bw=-1"], "--hardware.inter_bw=-1 must be > 0"),
+        (["--hardware.reserve=-1"], "--hardware.reserve=-1 must be >= 0"),
+        (["--hardware.comm_buffer_bytes=-5"], "--hardware.comm_buffer_bytes=-5 must be >= 0"),
     ],
 )
 def test_bad_hardware_overrides_are_refused(capsys, args, needle):

@@ -172,6 +172,11 @@ ALIASES = {
 }
 
 
+# fields a `--hardware.FIELD=0` override may zero: no overlap, no reserve, no core limit, no
+# NCCL buffers
+ZERO_OK = ("overlap", "reserve", "cores", "comm_buffer_bytes", "pair_buffer_bytes")
+
+
 def hardware_names() -> list[str]:
     return [*CATALOG, "cpu"]
 
@@ -307,8 +312,9 @@ def with_overrides(hw: Hardware, overrides: list[str]) -> Hardware:
                 f"--hardware.{key}={text!r} is not a {kind}. Fix: e.g. --hardware.{key}="
                 f"{getattr(hw, key)}."
             ) from None
-        if kind != "bool" and value <= 0 and key not in ("overlap", "reserve", "cores"):
-            raise ConfigError(f"--hardware.{key}={text} must be > 0. Fix: a positive value.")
+        if kind != "bool" and (value < 0 or (value == 0 and key not in ZERO_OK)):
+            bound = ">= 0" if key in ZERO_OK else "> 0"
+            raise ConfigError(f"--hardware.{key}={text} must be {bound}. Fix: a value {bound}.")
         changes[key] = value
     if not changes:
         return hw
