@@ -156,14 +156,13 @@ def _recompute(cfg: Config, world: int, mean: dict, hw: Hardware, step: float) -
         d = derive(other, world)
         job = job_from_config(other, hw, world, d.spec)
         _, rec = predict_config(other, d, hw)
-        overhead = device_overhead(job, layout_from_config(other, d))
-        rec.setdefault("peak_bytes", rec["mem_bytes"]["total"] + overhead)
+        lay = layout_from_config(other, d)
+        rec.setdefault("peak_bytes", rec["mem_bytes"]["total"] + device_overhead(job, lay))
         rec.setdefault("host_bytes", 0)
         # the run's own disk state (memory.offload=...+nvme; recomputation does not change
         # it) fits whatever the hardware declares: the job is using it
         if fits(job, rec, disk_budget=math.inf) is None:
             # none: the replayed forwards go; selective keeps the planner's share of them
-            lay = layout_from_config(other, d)
             full = tm.hardware_flops_per_token(job, dataclasses.replace(lay, recompute="full"))
             base = tm.hardware_flops_per_token(job, dataclasses.replace(lay, recompute="none"))
             kept = (tm.hardware_flops_per_token(job, lay) - base) / max(full - base, 1e-9)
