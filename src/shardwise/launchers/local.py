@@ -190,6 +190,8 @@ def run_elastic(
     try:
         elastic_launch(config, rank_main)(cfg.to_dict(), hook, local)
     except SignalException as exc:  # the agent was signalled; its ranks saved and stopped
+        # while the handler is still held here: torch leaves its keep-alive thread running
+        rendezvous.stop_heartbeats()
         raise _stopped(cfg, int(exc.sigval)) from None
     except ChildFailedError as exc:
         codes = sorted({f.exitcode for f in exc.failures.values()})

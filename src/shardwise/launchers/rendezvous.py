@@ -10,6 +10,8 @@ torch's (`C10dRendezvousBackend`, `DynamicRendezvousHandler`).
 
 from __future__ import annotations
 
+import weakref
+
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import registry
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
@@ -20,6 +22,8 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from shardwise.distributed.comm import listening_store
 
 NAME = "shardwise-c10d"
+# the handlers `_create` made in this process and still alive (`stop_heartbeats`)
+_HANDLERS: weakref.WeakSet = weakref.WeakSet()
 
 
 class _Backend(C10dRendezvousBackend):
@@ -47,7 +51,19 @@ def _create(params: RendezvousParameters):
     # the bootstrap store rank 0's agent hosts for the ranks (torch's own listens on every
     # interface): on this node's address (`local_addr`) only
     handler._create_tcp_store_server = lambda addr, port: listening_store(addr, port, timeout)
+    _HANDLERS.add(handler)
     return handler
+
+
+def stop_heartbeats() -> None:
+    """Stop the keep-alive thread of every handler this process made, from this thread. torch
+    elastic leaves it running when its agent is signalled (the rendezvous stays open for
+    other nodes); the thread's finalizer then may run on that thread itself when the handler
+    is collected there, and print "cannot join current thread" as the job exits. Call it
+    while the handler is still referenced (the signal's traceback holds the agent's frames).
+    Stopping twice does nothing."""
+    for handler in list(_HANDLERS):
+        handler._stop_heartbeats()
 
 
 def register() -> str:
