@@ -14,6 +14,7 @@ LAYERS = [
     ("cli",),
     ("testing",),
     ("launchers",),
+    ("job",),
     ("plan",),
     ("training",),
     ("checkpoint", "profile"),

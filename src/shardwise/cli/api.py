@@ -36,20 +36,21 @@ def train(
     loss: Callable[..., object] | str | None = None,
     nproc: int | None = None,
     overrides: Sequence[str] = (),
+    force: bool = False,
 ) -> list[dict]:
     """Train as `shardwise train` would and return the per-step records of metrics.jsonl.
 
     `config`: a TOML path, a `{section: {key: value}}` mapping or a `Config` (None: defaults);
     `overrides`: `--section.key=value` strings applied last. `model`, `dataset` and `loss`
     set model.name, data.dataset and train.loss. `nproc`: local ranks (default: one per
-    device)."""
+    device). `force`: start even if the plan predicts more memory than this machine has."""
+    from shardwise.job import prepare
     from shardwise.launchers.local import (
         adopt_slurm_env,
         launch_local,
         rank_main,
         under_external_launcher,
     )
-    from shardwise.training.runtime import check_before_launch
 
     cfg = _config(config, [*_callables(model, dataset, loss), *overrides])
     if under_external_launcher():
@@ -61,8 +62,8 @@ def train(
     n = local_device_count() if nproc is None else nproc
     if n < 1:
         raise ConfigError(f"nproc={nproc} must be >= 1. Fix: nproc=2")
-    check_before_launch(cfg, n)
-    launch_local(cfg, n)
+    with prepare(cfg, n, force=force) as job:  # the checks and refusals of `shardwise train`
+        launch_local(job.cfg, n)
     return _records(cfg)
 
 

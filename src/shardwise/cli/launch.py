@@ -83,9 +83,10 @@ def _slurm(args: argparse.Namespace, cfg: Config, shape, name: str) -> None:
 
     _refuse(args, {"--image": None, "--namespace": "", "--claim": "shardwise-checkpoints"}, "slurm")
     _refuse(args, {"--mount-path": "/workspace"}, "slurm")
+    from shardwise.job import check_restarts
     from shardwise.launchers.job import overrides_of
 
-    _restarts_need_checkpoints(args.max_restarts or 0, cfg)
+    check_restarts(args.max_restarts or 0, cfg)
     job = SlurmJob(
         name=name,
         shape=shape,
@@ -154,36 +155,20 @@ def launch_main(argv: list[str]) -> int:
     return 0
 
 
-def _restarts_need_checkpoints(restarts: int, cfg: Config) -> None:
-    if restarts and not cfg.checkpoint.every:
-        raise ConfigError(
-            f"--max-restarts {restarts} restarts from the newest checkpoint, but "
-            "checkpoint.every=0 saves none. Fix: also pass --checkpoint.every=N."
-        )
-
-
 def train_nodes(cfg: Config, nproc: int, args: argparse.Namespace) -> None:
-    """`train --nnodes ...`: validate for the whole job, prepare data, run this node's agent."""
+    """`train --nnodes ...`: prepare the job for the whole world, run this node's agent."""
+    from shardwise.job import check_restarts, prepare
     from shardwise.launchers.nodes import launch_nodes, parse_nodes, placement_line
-    from shardwise.plan.explain import explain_record, print_plan
-    from shardwise.training.runtime import check_before_launch
 
     nodes = parse_nodes(args.nnodes, args.node_rank, args.rdzv, nproc)
-    try:
-        restarts = int(args.max_restarts)
-    except ValueError:
-        restarts = -1
-    if restarts < 0:
-        raise ConfigError(f"--max-restarts {args.max_restarts!r} must be a whole number >= 0.")
-    _restarts_need_checkpoints(restarts, cfg)
-    if getattr(args, "plan", None) == "auto":  # every node plans alike: same inputs
-        from shardwise.plan.auto import auto_config
-
-        cfg = auto_config(cfg, nodes.world)
-    derived = check_before_launch(cfg, nodes.world)
-    print_plan(explain_record(cfg, nodes.world))
-    print(placement_line(nodes, derived.pp, derived.dp, derived.tp), flush=True)
-    launch_nodes(cfg, nodes, restarts)
+    restarts = check_restarts(args.max_restarts, cfg)
+    # every node plans alike (same inputs); global rank 0 takes the run-dir lock
+    plan_auto = getattr(args, "plan", None) == "auto"
+    force = getattr(args, "force", False)
+    with prepare(cfg, nodes.world, force=force, plan_auto=plan_auto, lock=False) as job:
+        d = job.derived
+        print(placement_line(nodes, d.pp, d.dp, d.tp), flush=True)
+        launch_nodes(job.cfg, nodes, restarts)
 
 
 def explain_world(args: argparse.Namespace, nproc: int) -> int:

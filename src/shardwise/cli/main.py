@@ -59,7 +59,7 @@ def parser(command: str = "train") -> argparse.ArgumentParser:
     p.add_argument(
         "--force",
         action="store_true",
-        help="train: start even if the plan predicts more memory than this machine has",
+        help="start even if the plan predicts more memory than this machine has",
     )
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     return p
@@ -125,29 +125,6 @@ def _nproc(args: argparse.Namespace) -> int:
     return _whole("--nproc", args.nproc, 1, 2)
 
 
-def _max_restarts(args: argparse.Namespace, cfg: Config, external: bool) -> int:
-    if args.max_restarts is None:
-        return 0
-    k = _whole("--max-restarts", args.max_restarts, 0, 3)
-    if external and k:
-        raise ShardwiseError(
-            "--max-restarts is for the ranks shardwise starts itself; under torchrun or srun "
-            "the launcher restarts them. Fix: pass --max-restarts to torchrun (and keep "
-            "--checkpoint.resume=auto)."
-        )
-    if k and not cfg.checkpoint.every:  # as train --nnodes and launch slurm refuse it
-        raise ShardwiseError(
-            f"--max-restarts {k} restarts from the newest checkpoint, but checkpoint.every=0 "
-            "saves none. Fix: also pass --checkpoint.every=N."
-        )
-    if k and cfg.checkpoint.resume != "auto":
-        raise ShardwiseError(
-            f"--max-restarts {k} needs checkpoint.resume=auto to continue from the newest "
-            f"checkpoint, not '{cfg.checkpoint.resume}'. Fix: --checkpoint.resume=auto."
-        )
-    return k
-
-
 def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
     if args.hardware or args.hardware_overrides:
         raise ShardwiseError(
@@ -172,7 +149,9 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
 
         train_nodes(cfg, _nproc(args), args)
         return
-    max_restarts = _max_restarts(args, cfg, under_external_launcher())
+    from shardwise.job import check_restarts, prepare
+
+    max_restarts = check_restarts(args.max_restarts, cfg, under_external_launcher())
     if under_external_launcher():
         adopt_slurm_env()
         if os.environ.get("RANK") == "0":  # the plan line, once, as a local run prints it
@@ -183,30 +162,9 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
                 print_plan(explain_record(cfg, int(os.environ["WORLD_SIZE"])))
         rank_main(cfg.to_dict())
         return
-    from shardwise.plan.explain import explain_record, print_plan
-    from shardwise.training.runtime import check_before_launch
-
     nproc = _nproc(args)
-    if args.plan == "auto":
-        from shardwise.plan.auto import auto_config
-
-        cfg = auto_config(cfg, nproc)
-    check_before_launch(cfg, nproc)  # config and data errors before any process starts
-    record = explain_record(cfg, nproc)
-    print_plan(record)
-    if not args.force:  # refused here, not OOM-killed without a word an hour in
-        from shardwise.plan.auto import refuse_if_too_big
-
-        refuse_if_too_big(cfg, record, nproc)
-    if cfg.checkpoint.every:  # and not at the first save, by a full disk
-        from pathlib import Path
-
-        from shardwise.checkpoint.io import check_room
-        from shardwise.plan.explain import checkpoint_bytes
-
-        root = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
-        check_room(root, checkpoint_bytes(record), "checkpoint.dir")
-    launch_local(cfg, nproc, max_restarts=max_restarts)
+    with prepare(cfg, nproc, force=args.force, plan_auto=args.plan == "auto") as job:
+        launch_local(job.cfg, nproc, max_restarts=max_restarts)
 
 
 def cmd_explain(cfg: Config, args: argparse.Namespace) -> None:

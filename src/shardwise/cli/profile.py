@@ -43,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="then run the N-th finding's remedy and compare predicted with measured gain",
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="start even if the plan predicts more memory than this machine has",
+    )
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     return p
 
@@ -71,17 +76,25 @@ def _writable(folder: Path) -> None:
         ) from None
 
 
-def profile(cfg: Config, nproc: int, folder: Path, steps: int, hook: str | None = None) -> dict:
-    """Profile `cfg` on `nproc` local ranks into `folder`; returns the summary."""
+def profile(
+    cfg: Config,
+    nproc: int,
+    folder: Path,
+    steps: int,
+    hook: str | None = None,
+    force: bool = False,
+) -> dict:
+    """Profile `cfg` on `nproc` local ranks into `folder`; returns the summary. The run is
+    prepared (checked, planned, refused if it will not fit) as `shardwise train` prepares it."""
+    from shardwise.job import prepare
     from shardwise.launchers.local import launch_local
-    from shardwise.training.runtime import check_before_launch
 
     _writable(folder)
     pcfg = profile_config(cfg, steps, folder)
-    check_before_launch(pcfg, nproc)
-    for stale in folder.glob("rank*.json"):  # an earlier profile's: never mixed into this one
-        stale.unlink()
-    launch_local(pcfg, nproc, hook)
+    with prepare(pcfg, nproc, force=force) as job:
+        for stale in folder.glob("rank*.json"):  # an earlier profile's: never mixed into this one
+            stale.unlink()
+        launch_local(job.cfg, nproc, hook)
     return summarise(pcfg, nproc)
 
 
@@ -167,11 +180,12 @@ def verify(
     n: int,
     hook: str | None = None,
     cause: str | None = None,
+    force: bool = False,
 ) -> dict:
     """Profile `cfg`, then again with its N-th finding's remedy (or, given `cause`, the first
     finding of that cause); both measured in this one call (machines are noisy: times of
     different calls do not compare)."""
-    base = profile(cfg, nproc, folder, steps, hook)
+    base = profile(cfg, nproc, folder, steps, hook, force)
     found = base["findings"]
     if cause is not None:
         n = next((i for i, f in enumerate(found, 1) if f["cause"] == cause), 0)
@@ -192,7 +206,7 @@ def verify(
             f"{finding['evidence']}. Fix: verify another finding."
         )
     other = with_overrides(cfg, finding["remedy"])
-    after = profile(other, nproc, folder / f"remedy-{n}", steps, hook)
+    after = profile(other, nproc, folder / f"remedy-{n}", steps, hook, force)
     before_s, after_s = step_s(base), step_s(after)
     result = {
         "finding": finding,
@@ -251,9 +265,10 @@ def profile_main(argv: list[str]) -> int:
 
         nproc = local_device_count() if args.nproc is None else _count("--nproc", args.nproc, 2)
         if args.verify_remedy is not None:
-            verify(cfg, nproc, folder, steps, _count("--verify-remedy", args.verify_remedy, 1))
+            n = _count("--verify-remedy", args.verify_remedy, 1)
+            verify(cfg, nproc, folder, steps, n, force=args.force)
         else:
-            profile(cfg, nproc, folder, steps)
+            profile(cfg, nproc, folder, steps, force=args.force)
     except ShardwiseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

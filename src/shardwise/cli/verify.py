@@ -9,9 +9,9 @@ import time
 
 from shardwise.config import load_config
 from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.job.prepare import validate
 from shardwise.plan.layout import Job
 from shardwise.training.metrics import human_bytes
-from shardwise.training.validate import derive
 
 STATES = ("params", "grads", "master", "optimizer")
 
@@ -152,7 +152,7 @@ def verify(job: Job, cands: list[dict], config: str | None, overrides: list[str]
     for c in cands:  # the best `top` that this version of the engine can run
         case = [*base, *layout_overrides(c)]
         try:
-            derive(load_config(None, case), job.devices)
+            validate(load_config(None, case), job.devices)  # the job layer's checks
         except ShardwiseError:
             skipped += 1
             continue

@@ -129,15 +129,16 @@ def launch_local(cfg: Config, nproc: int, hook: str | None = None, max_restarts:
         # (training/preempt.py) before torch elastic would kill them
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
-    # one live job per run.dir: refused here, before any rank starts; the ranks (restarted
-    # ones too) know the launcher holds the lock
-    held = acquire(cfg)
+    # one live job per run.dir: refused before any rank starts (the job layer normally holds
+    # it already); the ranks (restarted ones too) know the lock is held
+    held = [] if os.environ.get(HELD_ENV) == "1" else acquire(cfg)
     os.environ[HELD_ENV] = "1"
     os.environ[BIND_ENV] = "1"
     try:
         run_elastic(config, cfg, hook, local=True)
     finally:
-        os.environ.pop(HELD_ENV, None)
+        if held:
+            os.environ.pop(HELD_ENV, None)
         os.environ.pop(BIND_ENV, None)
         release(held)
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config import Config
-from shardwise.data import GlobalSampler, data_spec, load_data, load_held_out, prepare_data
+from shardwise.data import GlobalSampler, data_spec, load_data, load_held_out
 from shardwise.data.callables import resolve
 from shardwise.distributed import device as dev
 from shardwise.distributed.comm import BIND_ENV, Comm, rank_store
@@ -40,15 +40,6 @@ from shardwise.parallel.zero_units import Sharding
 from shardwise.training.lock import HELD_ENV, acquire, release
 from shardwise.training.memory import ActivationMeter
 from shardwise.training.validate import Derived, check_held_out, derive
-
-
-def check_before_launch(cfg: Config, world: int) -> Derived:
-    """Every config and data error of a job of `world` ranks, before any process starts; builds
-    the data cache once, here, instead of in every rank."""
-    derived = derive(cfg, world)
-    prepare_data(data_spec(cfg, derived.spec.vocab_size))
-    check_held_out(cfg, derived, load_held_out(cfg, derived.spec.vocab_size))
-    return derived
 
 
 def init_distributed(cfg: Config) -> dev.DeviceInfo:
