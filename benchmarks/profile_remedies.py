@@ -5,11 +5,13 @@ gradient buckets of 0.0001 MB with dp2; pipeline pp2 with one micro-batch per st
 ms slower per forward; full recomputation where memory allows none), on 2 gloo ranks: the
 profile names its top finding and that finding's remedy is run and profiled the same way, in
 the same invocation (`cli.profile.verify`, what `--verify-remedy 1` runs). Printed per cause:
-the remedy, the step time before and after (median of the measured steps, slowest rank), the
-predicted and measured gain (1 - after / before) and their ratio, for each of `--rounds`
-verifications (this 2-core machine's step times drift by several percent between runs). A
-straggler has no config remedy (a slow host is not a config value): its row shows the
-prediction only.
+the remedy, the step time before and after (mean of the measured steps over ranks: the step
+the findings are priced from), the predicted and measured gain (1 - after / before) and their
+ratio, for each of `--rounds` verifications (this 2-core machine's step times drift by several
+percent between runs). A straggler has no config remedy (a slow host is not a config value):
+its row shows the prediction only. On a machine busy enough that the injected cause falls under
+the report threshold (a 40 ms data wait in a step slowed to a second), its row says what the
+profile found instead: a result, not a failure.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from common import add_smoke, load, preamble, table
 from shardwise.config import load_config
+from shardwise.errors import ShardwiseError
 from shardwise.testing.profile_cases import BASE, CAUSES
 
 NPROC = 2
@@ -65,7 +68,13 @@ def main() -> int:
             for r in range(args.rounds):  # before, after, before, after: drift hits both
                 # the injected cause's finding (on a loaded machine another, such as a
                 # straggler, can rank above it: the table says which came first)
-                res = verify(cfg, NPROC, folder, args.steps, 1, hook, cause=cause)
+                try:
+                    res = verify(cfg, NPROC, folder, args.steps, 1, hook, cause=cause)
+                except ShardwiseError as exc:
+                    if f"did not find {cause}" not in str(exc):
+                        raise  # (a real failure; only a hidden cause is a result)
+                    rows.append([f"{cause} (round {r + 1})", str(exc), *["-"] * 6])
+                    continue
                 found = res["finding"]
                 measured = res["measured_gain"]
                 ratio = res["predicted_gain"] / measured if measured else 0

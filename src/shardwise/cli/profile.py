@@ -112,6 +112,7 @@ def summarise(pcfg: Config, world: int) -> dict:
         timeline,
     )
     from shardwise.profile.report import (
+        STATISTIC,
         device_table,
         findings_text,
         ledger_table,
@@ -134,6 +135,7 @@ def summarise(pcfg: Config, world: int) -> dict:
         "warmup": pcfg.profile.warmup,
         "measured_steps": pcfg.profile.steps,
         "ranks": ranks,
+        "statistic": STATISTIC,  # of the measured steps: the table's, the findings', the MFU's
         # priced from the device's split where there is one (CUDA: profile/kernels.py)
         "findings": findings(pcfg, world, priced, ranks, comm, detect_hardware()),
         "findings_from": priced.get("source", "host"),
@@ -157,19 +159,20 @@ def summarise(pcfg: Config, world: int) -> dict:
 
 
 def _mfu(metrics: Path, steps: set[int]) -> float | None:
-    """The median MFU of the measured steps (None where the peak FLOP/s is unknown)."""
+    """The mean MFU of the measured steps (None where the peak FLOP/s is unknown)."""
     try:
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
     except (OSError, ValueError):
         return None
     values = [r["mfu"] for r in records if r.get("step") in steps and r.get("mfu")]
-    return statistics.median(values) if values else None
+    return statistics.fmean(values) if values else None
 
 
 def step_s(summary: dict) -> float:
-    """The measured step time: the median over steps of the slowest rank's step."""
-    per_step = zip(*([s["step_s"] for s in r["steps"]] for r in summary["ranks"]), strict=False)
-    return statistics.median(max(t) for t in per_step)
+    """The measured step time: the mean over ranks and measured steps, the step the ledger
+    table shows and the findings are priced from (`STATISTIC`: a mean, because the ledger's
+    parts add up to it, which no median of them does)."""
+    return statistics.fmean(s["step_s"] for r in summary["ranks"] for s in r["steps"])
 
 
 def verify(
@@ -185,6 +188,8 @@ def verify(
     """Profile `cfg`, then again with its N-th finding's remedy (or, given `cause`, the first
     finding of that cause); both measured in this one call (machines are noisy: times of
     different calls do not compare)."""
+    from shardwise.profile.report import STATISTIC
+
     base = profile(cfg, nproc, folder, steps, hook, force)
     found = base["findings"]
     if cause is not None:
@@ -215,10 +220,11 @@ def verify(
         "step_s_after": after_s,
         "predicted_gain": finding["predicted_gain"],
         "measured_gain": 1.0 - after_s / before_s,
+        "statistic": STATISTIC,  # of the step times, as the ledger and the findings
     }
     (folder / f"verify-{n}.json").write_text(json.dumps(result, indent=1))
     print(
-        f"remedy {' '.join(finding['remedy'])}: step {before_s * 1e3:.1f} -> "
+        f"remedy {' '.join(finding['remedy'])}: {STATISTIC} step {before_s * 1e3:.1f} -> "
         f"{after_s * 1e3:.1f} ms; gain predicted {100 * result['predicted_gain']:.1f}%, "
         f"measured {100 * result['measured_gain']:.1f}%"
     )

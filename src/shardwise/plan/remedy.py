@@ -5,7 +5,8 @@ the rest of the step unchanged).
 
 Causes (`cause`, the documented vocabulary): `data_wait`, `exposed_dp_communication`,
 `exposed_tp_communication`, `exposed_pp_communication`, `pipeline_bubble`, `straggler`,
-`recompute`. A cause under `SHARE` of the step is not reported.
+`recompute`, `cpu_contention`. A cause under `SHARE` of the step is not reported
+(`cpu_contention`: under `CONTENTION_SHARE`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from shardwise.plan.search import fits
 from shardwise.training.validate import derive
 
 SHARE = 0.05
+# The training thread's wait for a core (profile/cpu.py) is reported from 10 % of the step:
+# on a quiet machine a rank's own helper threads (gloo's, data loading) take turns with it
+# (measured, 2 ranks on 2 idle cores: 1-2 % of the step on average, one step 7 %).
+CONTENTION_SHARE = 0.10
+# below this share of its cores used by the job's own ranks, the contending load is another's
+OWN_LOAD = 0.5
 PREFETCH = 2  # micro-batches loaded ahead: one computing, one more queued
 
 
@@ -50,6 +57,9 @@ def findings(
     late = _straggler(ranks, step)
     if late is not None:
         out.append(late)
+    busy = _cpu_contention(cfg, ranks, step)
+    if busy is not None:
+        out.append(busy)
     if mean["data_s"] >= SHARE * step:
         out.append(_data_wait(cfg, mean, step))
     # with no straggler, ranks waiting for each other by turns at the data-parallel
@@ -77,7 +87,17 @@ def findings(
         out.append(_bubble(cfg, world, mean, step))
     if mean["recompute_s"] >= SHARE * step:
         out.append(_recompute(cfg, world, mean, hw, step))
+    if busy is not None:  # threads kept off a core also wait longer in collectives
+        for f in out:
+            if f["cause"] in _WAITS:
+                f["evidence"] += (
+                    "; part of this wait may be threads waiting for a core (cpu_contention)"
+                )
     return sorted(out, key=lambda f: -f["predicted_gain"])
+
+
+# waits on other ranks or their transport threads, which CPU contention lengthens
+_WAITS = {"straggler", *(f"exposed_{d}_communication" for d in ("dp", "tp", "pp"))}
 
 
 def _data_wait(cfg: Config, mean: dict, step: float) -> dict:
@@ -196,6 +216,51 @@ def _straggler(ranks: list[dict], step: float) -> dict | None:
     )
     # if it kept pace, the others would not wait: no config change does that
     return {**_finding("straggler", evidence, [], step, step - net), "rank": late}
+
+
+def _cpu_contention(cfg: Config, ranks: list[dict], step: float) -> dict | None:
+    """The rank whose training thread waited longest for a core while ready to run, when that
+    wait is >= CONTENTION_SHARE of the step (None where no rank's wait was measured)."""
+    use: dict[int, dict[str, float]] = {}
+    for r in ranks:
+        cpu = [s["cpu"] for s in r["steps"] if s.get("cpu", {}).get("run_wait_s") is not None]
+        if cpu:
+            use[r["rank"]] = {k: sum(c[k] for c in cpu) / len(cpu) for k in _CPU_KEYS}
+    if not use:
+        return None
+    worst = max(use, key=lambda k: use[k]["run_wait_s"])
+    u = use[worst]
+    if u["run_wait_s"] < CONTENTION_SHARE * step or not u["wall_s"]:
+        return None
+    ratio = round(u["thread_cpu_s"] / u["wall_s"], 2)
+    # the job's own demand: CPU-s per s of every rank on the worst rank's host, against the
+    # host's cores the job may use (pinned ranks each see their own share of them)
+    host = next(r.get("host") for r in ranks if r["rank"] == worst)
+    mates = [r["rank"] for r in ranks if r.get("host") == host and r["rank"] in use]
+    own = sum(use[k]["process_cpu_s"] / use[k]["wall_s"] for k in mates)
+    pinned = cfg.run.cpu_affinity == "cores"
+    cores = (sum if pinned else max)(use[k]["cores"] for k in mates) or 1
+    evidence = (
+        f"rank {worst}'s training thread waited for a core {_pct(u['run_wait_s'], step)} while "
+        f"ready to run: it ran {u['thread_cpu_s'] * 1e3:.1f} ms of each step (CPU/wall "
+        f"{ratio:.2f}); the job's {len(mates)} rank(s) on its host "
+        f"used {own:.1f} of its {cores:.0f} core(s)"
+    )
+    if own < OWN_LOAD * cores:
+        evidence += ": the rest went to other processes; run where they are not"
+        remedy = []  # another job's load is no config value
+    else:
+        evidence += ": fewer ranks (--nproc) or threads (OMP_NUM_THREADS) per core"
+        remedy = [] if pinned else ["--run.cpu_affinity=cores"]
+        if remedy:
+            evidence += ", or pin each rank to its own cores"
+    # given the cores, the thread would have run instead of waiting (the others wait for the
+    # slowest rank at the next collective, so its wait is the step's)
+    found = _finding("cpu_contention", evidence, remedy, step, step - u["run_wait_s"])
+    return {**found, "rank": worst, "cpu_wall_ratio": ratio}
+
+
+_CPU_KEYS = ("wall_s", "process_cpu_s", "thread_cpu_s", "run_wait_s", "cores")
 
 
 def _calls(cfg: Config, world: int, hw: Hardware) -> int:

@@ -104,12 +104,15 @@ def summary_ranks(parts: list[dict]) -> list[dict]:
         {
             "rank": p["rank"],
             "coords": p["coords"],
+            **({"host": p["host"]} if "host" in p else {}),
             "steps": [
                 {
                     "step": s["step"],
                     **s["ledger"],
                     # CUDA: seconds the device sat idle in each host wait (device events)
                     **({"device_stall_s": s["device_stall_s"]} if "device_stall_s" in s else {}),
+                    # CPU time and the training thread's wait for a core (profile/cpu.py)
+                    **({"cpu": s["cpu"]} if "cpu" in s else {}),
                 }
                 for s in p["steps"]
             ],
@@ -125,7 +128,7 @@ def mean_ledger(ranks: list[dict]) -> dict:
     rows = [s for r in ranks for s in r["steps"]]
     out: dict = {}
     for key, value in rows[0].items():
-        if key in ("step", "waited_for", "device_stall_s"):
+        if key in ("step", "waited_for", "device_stall_s", "cpu"):
             continue
         if key == "straggler_by_dim":
             dims = {d for row in rows for d in row[key]}

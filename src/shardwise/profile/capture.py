@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 
 from shardwise.distributed import device as dev
 from shardwise.distributed.clock import clock
+from shardwise.profile import cpu
 from shardwise.profile.kernels import device_ledger
 
 
@@ -71,6 +73,7 @@ class Capture:
         clock().problem = None  # (process state: a failure of an earlier run is not ours)
         self.step_range = None  # the traced step as a profiler range (`sw:step`)
         self.device_ledger: dict | None = None  # the traced step from its kernels (CUDA)
+        self.cpu_mark: tuple | None = None  # CPU counters at the last step boundary
 
     def _barrier(self) -> float:
         self.run.comm.all_reduce_world(torch.zeros(1, device=self.run.info.device))
@@ -91,15 +94,19 @@ class Capture:
         self.sync = self._barrier()  # all ranks leave it together: the timeline's zero
         clk.events, clk.calls = self.events, []
         clk.mark_stalls(dev.stall_marker(self.run.info))  # CUDA: the device's idle per wait
+        self.cpu_mark = cpu.snapshot()
         return True
 
     def step_ends(self, step: int, record: dict) -> None:
         clk = clock()
         if self.first <= step < self.traced:
             comm = {k: record[k] for k in ("comm_bytes", "comm_calls", "comm_wait_s")}
+            mark, self.cpu_mark = self.cpu_mark, cpu.snapshot()
             self.steps.append(
                 {"step": step + 1, "ledger": record["ledger"], "waits": clk.calls, **comm}
             )
+            if mark is not None:  # did the rank get the CPU it was ready to use (cpu.py)
+                self.steps[-1]["cpu"] = cpu.between(mark, self.cpu_mark)
             if clk.marker is not None:
                 try:  # measuring the device's stalls must not stop the job either
                     self.steps[-1]["device_stall_s"] = clk.take_stalls(dev.stalled_s)
@@ -147,6 +154,7 @@ class Capture:
         part = {
             "rank": rank,
             "world": topo.world,
+            "host": socket.gethostname(),  # (ranks on one host share its cores: cpu.py)
             "coords": {d: topo.coord(d) for d in ("dp", "tp", "pp")},
             "sync_wall": time.time() - (time.perf_counter() - self.sync),
             "steps": self.steps,

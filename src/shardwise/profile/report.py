@@ -7,6 +7,10 @@ from pathlib import Path
 
 from shardwise.profile.analyze import mean_ledger
 
+# The one statistic of the measured steps everywhere a profile speaks of a step time: the
+# table, the findings' evidence and predictions, the MFU and --verify-remedy's verdict. The
+# mean, because the ledger's parts add up to it (no median of them does).
+STATISTIC = "mean"
 # the columns of the table and the stacks of the picture, in order
 COLUMNS = (
     ("compute", lambda s: s["compute_s"]),
@@ -52,7 +56,9 @@ def per_rank(summary: dict) -> list[tuple[int, dict]]:
 def ledger_table(summary: dict) -> str:
     """Mean ms per step by category, one row per rank (and the MFU, where known)."""
     mfu = summary.get("mfu")
-    title = "mean ms per measured step" + (f" (MFU {100 * mfu:.1f}%)" if mfu else "")
+    title = f"{STATISTIC} ms per measured step" + (
+        f" ({STATISTIC} MFU {100 * mfu:.1f}%)" if mfu else ""
+    )
     return title + "\n" + _table(COLUMNS, per_rank(summary))
 
 
@@ -87,12 +93,13 @@ def _table(columns, rows: list[tuple[int, dict]]) -> str:
 def findings_text(findings: list[dict], top: int | None = None) -> str:
     if not findings:
         return "no cause takes 5% of the step or more: nothing to remedy."
-    out = []
+    out = [f"findings (times: the {STATISTIC} of the measured steps over ranks, as the table):"]
     for i, f in enumerate(findings[:top], 1):
         fix = " ".join(f["remedy"]) if f["remedy"] else "(no config change: see the evidence)"
         out.append(
             f"{i}. {f['cause']}: {f['evidence']}\n   remedy: {fix}\n   predicted: "
-            f"{f['predicted_step_s'] * 1e3:.1f} ms/step ({100 * f['predicted_gain']:.0f}% less)"
+            f"{STATISTIC} step {f['predicted_step_s'] * 1e3:.1f} ms "
+            f"({100 * f['predicted_gain']:.0f}% less)"
         )
     return "\n".join(out)
 
@@ -151,7 +158,7 @@ def _plot_ledger(summary: dict, path: Path) -> None:
                 ax.barh(y, width, left=left, color=COLOURS[name], label=name if y == 0 else None)
                 left += width
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r, _ in ranks])
-    ax.set_xlabel("ms per step (mean of the measured steps)")
+    ax.set_xlabel(f"ms per step ({STATISTIC} of the measured steps)")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=6, fontsize="small")
     fig.savefig(path, bbox_inches="tight", dpi=100)
     plt.close(fig)
