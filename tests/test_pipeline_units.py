@@ -10,6 +10,7 @@ import torch
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
 from shardwise.models import build_model, init_weights, preset
+from shardwise.models.families import family_of
 from shardwise.parallel.backward_split import backward_input, backward_weight
 from shardwise.parallel.deferred_grads import deferring
 from shardwise.parallel.pipeline_split import balance, layer_costs, plan_chunks, prune_to_stage
@@ -255,7 +256,7 @@ def test_recomputed_blocks_run_deferring_as_their_forward_did():
     plain, again = build_model(spec), build_model(spec)
     for m in (plain, again):
         init_weights(m, 0)
-    assert apply_recompute(again, "decoder", "full") == 2
+    assert apply_recompute(again, family_of(spec), "full") == 2
     x = torch.randn(2, 8, spec.dim, generator=torch.Generator().manual_seed(1))
 
     def loss(model):

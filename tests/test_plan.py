@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardwise.cli.main import main
 from shardwise.models import build_model, preset
+from shardwise.models.families import family_of
 from shardwise.models.dropout import random_stream, samples
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.plan import activations as act
@@ -63,7 +64,7 @@ def test_activation_formulas_of_the_paper(s, b, h, a, t):
 def _meter_bytes(spec, mode: str, dtype: torch.dtype, b: int, s: int) -> int:
     with FakeTensorMode():
         model = build_model(spec)
-        apply_recompute(model, spec.arch, mode)
+        apply_recompute(model, family_of(spec), mode)
         cast_for_compute(model, dtype)
         meter = ActivationMeter(model)
         window = torch.zeros(b, s + 1, dtype=torch.long)  # as the loader: views of one window
@@ -201,7 +202,7 @@ def test_nothing_fits_says_what_is_needed(capsys):
     bf16 = ["--precision.compute=bf16", "--precision.reduce=bf16"]
     code, _, err = _plan(capsys, *args, *bf16, "--data.seq_len=1024", "--train.global_batch=64")
     assert code == 2
-    assert "no layout" in err and "needs" in err and "GB per device" in err
+    assert "no layout" in err and "needs" in err and "GiB per device" in err
     assert "smallest device count" in err, err
 
 

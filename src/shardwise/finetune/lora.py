@@ -24,6 +24,7 @@ from torch import nn
 from shardwise.config import FinetuneConfig
 from shardwise.errors import ConfigError
 from shardwise.models.dropout import LayoutFreeDropout, name_sites
+from shardwise.models.families import family_of
 from shardwise.models.init import find_spec
 from shardwise.models.tp_plans import is_conv1d
 from shardwise.optim import quiet_bitsandbytes
@@ -142,7 +143,7 @@ def apply_lora(model: nn.Module, ft: FinetuneConfig) -> list[str]:
 def _new_parameters(model: nn.Module) -> set[str]:
     """Parameters a Hugging Face checkpoint does not hold (a new classification head)."""
     spec = find_spec(model)
-    if spec is None or spec.arch != "hf" or spec.task == "causal_lm":
+    if spec is None or not (family_of(spec).from_checkpoint and family_of(spec).classifier):
         return set()
     from shardwise.models.hf.auto import check_checkpoint
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from shardwise.models.decoder import Decoder
 from shardwise.models.init import init_weights
-from shardwise.models.presets import HF_ARCHS, PRESETS, ModelSpec, preset
+from shardwise.models.presets import PRESETS, ModelSpec, preset
 from shardwise.models.resnet import ResNet
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "ModelSpec",
     "ResNet",
     "build_model",
+    "build_on_meta",
     "count_params",
     "init_weights",
     "preset",
@@ -33,26 +34,21 @@ __all__ = [
 
 
 def build_model(spec: ModelSpec) -> nn.Module:
-    """Build the model for `spec` on the current default device, with torch's default init.
+    """Build the model for `spec` on the current default device, with torch's default init:
+    its family's builder (models/families/).
 
-    Use ``with torch.device("meta"):`` for models that do not fit, and `init_weights` after
-    materialising: the values torch leaves here are not layout-invariant.
+    Use `build_on_meta` for models that do not fit, and `init_weights` after materialising:
+    the values torch leaves here are not layout-invariant.
     """
-    if spec.is_transformer:
-        return Decoder(spec)
-    if spec.arch == "hf":
-        from shardwise.models.hf.auto import build_auto  # imports transformers on first use
+    from shardwise.models.families import family_of
 
-        return build_auto(spec)
-    if spec.arch == "custom":
-        from shardwise.models.custom import build_custom
+    return family_of(spec).build(spec)
 
-        return build_custom(spec)
-    if spec.arch in HF_ARCHS:
-        from shardwise.models.hf.build import build_hf  # imports transformers on first use
 
-        return build_hf(spec)
-    return ResNet(spec)
+def build_on_meta(spec: ModelSpec) -> nn.Module:
+    """The model for `spec` on the meta device: shapes and structure, no memory."""
+    with torch.device("meta"):
+        return build_model(spec)
 
 
 def to_empty(model: nn.Module, device: torch.device) -> None:

@@ -16,6 +16,7 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 from shardwise.models.decoder import Block, Decoder
+from shardwise.models.families import family_of
 from shardwise.models.presets import ModelSpec
 
 
@@ -39,7 +40,7 @@ def layer_costs(spec: ModelSpec, seq_len: int) -> tuple[float, list[float], floa
         block = Block(spec)
     block_params = sum(p.numel() for p in block.parameters())
     embed_params = spec.vocab_size * spec.dim
-    if spec.arch == "gpt2":
+    if family_of(spec).block.learned_positions:
         embed_params += spec.max_seq_len * spec.dim
     head_params = spec.vocab_size * spec.dim + 2 * spec.dim  # tied or not, the last stage holds it
     block_flops = 2 * block_params + 4 * seq_len * spec.n_heads * spec.head_dim
@@ -140,7 +141,7 @@ def prune_to_stage(model: nn.Module, chunks: list[Chunk], rank: int, pp: int, sp
     `embed.weight` and `head.weight`; init maps both names to the same values)."""
     mine = [c for c in chunks if c.index % pp == rank]
     keep = {i for c in mine for i in c.blocks}
-    if spec is not None and spec.arch == "hf":
+    if spec is not None and family_of(spec).from_checkpoint:
         from shardwise.parallel.pipeline_hf import prune_hf
 
         first, last = any(c.first for c in mine), any(c.last for c in mine)

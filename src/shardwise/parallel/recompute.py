@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardwise.distributed.clock import clock
 from shardwise.errors import ConfigError
+from shardwise.models.families import Family
 from shardwise.parallel.deferred_grads import recompute_context
 
 PLANS: dict[str, dict[str, list[str]]] = {
@@ -93,20 +94,20 @@ def _hf_blocks(model: nn.Module, mode: str) -> list[str] | None:
     return [n for n, m in model.named_modules() if n and type(m).__name__ in blocks]
 
 
-def apply_recompute(model: nn.Module, family: str, mode: str) -> int:
+def apply_recompute(model: nn.Module, family: Family, mode: str) -> int:
     """Wrap the modules that `mode` names for `family`; returns how many were wrapped."""
     if mode == "none":
         return 0
-    if family == "hf":
+    if family.recompute == "checkpoint_blocks":
         patterns = _hf_blocks(model, mode)
-    elif family == "custom":
+    elif family.recompute == "containers":
         patterns = _blocks(model, mode)
     else:
-        patterns = PLANS.get(family, {}).get(mode)
+        patterns = PLANS.get(family.name, {}).get(mode)
     if patterns is None:
-        modes = ", ".join(["none", *PLANS.get(family, {})])
+        modes = ", ".join(["none", *PLANS.get(family.name, {})])
         raise ConfigError(
-            f"memory.recompute='{mode}' is not available for {family} models. "
+            f"memory.recompute='{mode}' is not available for {family.name} models. "
             f"Fix: choose one of {modes}."
         )
     wrapped = 0

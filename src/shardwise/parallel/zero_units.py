@@ -7,6 +7,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from shardwise.models.families import family_of
 from shardwise.models.init import find_spec
 from shardwise.optim import Target
 from shardwise.parallel.tensor import keep_tp_marks
@@ -43,7 +44,7 @@ def _block_roots(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
     subtree owning parameters (embeddings, final norm, pooler, head)."""
     spec = find_spec(model)
     blocks = set(getattr(model, "_no_split_modules", None) or ())
-    if spec is None or spec.arch != "hf" or not blocks:
+    if spec is None or not family_of(spec).from_checkpoint or not blocks:
         return None
 
     def holds_block(module: nn.Module) -> bool:

@@ -25,6 +25,7 @@ from functools import lru_cache
 from typing import Literal
 
 from shardwise.models import ModelSpec
+from shardwise.models.families import family_of
 
 When = Literal["always", "not_selective", "selective_only"]
 
@@ -81,7 +82,7 @@ def paper_block_terms(spec: ModelSpec, s: int, b: int, unfused: bool) -> tuple[T
         Term("V", 2 * sbh * kv, True, True),
         Term("output projection input", 2 * sbh, True, True),
         Term("MLP input", 2 * sbh, False, True),
-        Term("activation input", (4 if spec.arch == "decoder" else 2) * sbf, True, True),
+        Term("activation input", (4 if family_of(spec).block.gated_mlp else 2) * sbf, True, True),
         Term("second linear input", 2 * sbf, True, True),
     ]
     if unfused or spec.attn_dropout:
@@ -102,7 +103,7 @@ def linears(spec: ModelSpec) -> list[tuple[str, int, int, bool]]:
     h, f = spec.dim, spec.ffn_dim
     q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
     out = [("wq", h, q, True), ("wk", h, kv, True), ("wv", h, kv, True), ("wo", q, h, False)]
-    if spec.arch == "decoder":
+    if family_of(spec).block.gated_mlp:
         return [*out, ("w1", h, f, True), ("w3", h, f, True), ("w2", f, h, False)]
     return [*out, ("w1", h, f, True), ("w2", f, h, False)]
 
@@ -129,7 +130,7 @@ def norm_terms(spec: ModelSpec, s: int, b: int, c: int, where: str) -> list[Term
     dtype (the next matmul's input)."""
     sbh, h = s * b * spec.dim, spec.dim
     out = [Term(f"{where} input (fp32)", 4 * sbh, False, True)]
-    if spec.arch == "gpt2":
+    if family_of(spec).block.layer_norm:
         out.append(Term(f"{where} mean, rstd", 8 * s * b, False, True))
         if c != 4:
             out.append(Term(f"{where} weight, bias (fp32 copies)", 8 * h, False, False))
@@ -150,8 +151,9 @@ def block_terms(spec: ModelSpec, s: int, b: int, c: int, packed: bool = False) -
     (models/packing.py) rotate each sample by its own positions."""
     sbh, sbf = s * b * spec.dim, s * b * spec.ffn_dim
     kv = spec.n_kv_heads / spec.n_heads
+    block = family_of(spec).block
     out = norm_terms(spec, s, b, c, "attn_norm")
-    if spec.arch == "decoder":  # cos/sin tables for q and k, fp32 [(b,) s, head_dim] each
+    if block.rotary:  # cos/sin tables for q and k, fp32 [(b,) s, head_dim] each
         rope = 4 * 4 * s * spec.head_dim * (b if packed else 1)
         out.append(Term("RoPE tables", rope, False, False, "not_selective"))
     out.append(Term("SDPA q, k, v", 3 * c * sbh, True, False, "not_selective"))
@@ -165,14 +167,14 @@ def block_terms(spec: ModelSpec, s: int, b: int, c: int, packed: bool = False) -
     else:
         out.append(Term("SDPA log-sum-exp", 4 * b * spec.n_heads * s, True, False, "not_selective"))
     out.append(Term("attention output (wo input)", c * sbh, True, False))
-    if spec.arch == "decoder":  # the checkpointed core saves its inputs: q and un-repeated k, v
+    if block.rotary:  # the checkpointed core saves its inputs: q and un-repeated k, v
         out.append(
             Term("core inputs q, k, v", c * sbh * (1 + 2 * kv), True, False, "selective_only")
         )
     else:  # GPT-2's q, k, v are the core's inputs either way
         out.append(Term("core inputs q, k, v", 3 * c * sbh, True, False, "selective_only"))
     out += norm_terms(spec, s, b, c, "mlp_norm")
-    if spec.arch == "decoder":
+    if block.gated_mlp:
         out += [
             Term("w1, w3 outputs", 2 * c * sbf, True, False),
             Term("silu(w1 x)", c * sbf, True, False, "not_selective"),
@@ -274,7 +276,7 @@ def edge_terms(
             out.append(Term("token ids", ids, False, False))
         else:
             out.append(Term("local token ids and mask", 9 * b * s, False, False))
-        if spec.arch == "gpt2":
+        if family_of(spec).block.learned_positions:
             out.append(Term("position ids", 8 * s, False, True))
         if spec.dropout:
             out.append(Term("embedding dropout mask", s * b * spec.dim, False, True))

@@ -19,6 +19,7 @@ kernel); calibrated on published runs (benchmarks/published_runs.py).
 
 from __future__ import annotations
 
+from shardwise.models.families import family_of
 from shardwise.plan import activations as act
 from shardwise.plan.hardware import Hardware
 
@@ -30,7 +31,7 @@ ALIGN = 8  # elements of 2 bytes
 def misaligned(spec, tp: int = 1) -> dict[str, int]:
     """A transformer's GEMM dimensions on one tp rank that are not multiples of ALIGN, by
     name (the unfused attention prices its head dim's: `_attention`)."""
-    if spec.arch in ("resnet18", "resnet50", "custom") or not (spec.dim and spec.n_heads):
+    if not family_of(spec).gemms or not (spec.dim and spec.n_heads):
         return {}
     dims = {
         "head dim": spec.head_dim,
@@ -52,7 +53,7 @@ def _gemms(spec, t: int, tokens: float) -> list[tuple[float, float, float]]:
     h, f, hd = spec.dim, spec.ffn_dim, spec.head_dim
     qkv = (spec.n_heads + 2 * spec.n_kv_heads) * hd
     attention = [(tokens, qkv / t, h), (tokens, h, h / t)]
-    if spec.arch == "decoder":  # SwiGLU: gate and up, then down
+    if family_of(spec).block.gated_mlp:  # SwiGLU: gate and up, then down
         return [*attention, (tokens, f / t, h), (tokens, f / t, h), (tokens, h, f / t)]
     return [*attention, (tokens, f / t, h), (tokens, h, f / t)]
 
@@ -78,13 +79,16 @@ def _elementwise_seconds(
         if spec.dropout:
             elems += 2 * 1.5 * hidden  # their dropout masks written and applied
     kernels = 6
-    if spec.arch == "decoder":
+    block = family_of(spec).block
+    if block.gated_mlp:
         elems += (5 if backward else 3) * tokens * f / t  # silu(gate) * up
-        kv = spec.n_kv_heads / spec.n_heads
-        elems += 2 * tokens * h * (1 + kv) / t  # RoPE on q and k
-        kernels += 3
+        kernels += 2
     else:
         elems += (3 if backward else 2) * tokens * f / t  # bias + GELU
+        kernels += 1
+    if block.rotary:
+        kv = spec.n_kv_heads / spec.n_heads
+        elems += 2 * tokens * h * (1 + kv) / t  # RoPE on q and k
         kernels += 1
     return c * elems / (hw.hbm_bw * hw.mem_eff) + kernels * hw.kernel_s
 

@@ -127,10 +127,11 @@ def block_seconds(spec, tp: int, tokens: int, seq_len: int, precision: str, reco
     """CPU seconds of one block's forward + backward (with `recompute`) on a tp rank for a
     micro-batch of `tokens` tokens, or None when the shape is too large to time here."""
     from shardwise.models.decoder import Block
+    from shardwise.models.families import family_of
     from shardwise.parallel.recompute import apply_recompute
 
     flops = 6.0 * 12 * spec.dim * spec.dim * tokens / tp  # a rough size test only
-    if flops > MAX_FLOPS or spec.arch not in ("decoder", "gpt2"):
+    if flops > MAX_FLOPS or not family_of(spec).formula:
         return None
     b = max(1, tokens // seq_len)
     dtype = dtype_of(precision)
@@ -139,7 +140,7 @@ def block_seconds(spec, tp: int, tokens: int, seq_len: int, precision: str, reco
         plain = dataclasses.replace(spec, dropout=0.0, attn_dropout=0.0)
         holder.blocks = nn.ModuleList([_shard(Block(plain), plain, tp)])
         holder.to(dtype)
-        apply_recompute(holder, spec.arch, recompute)
+        apply_recompute(holder, family_of(spec), recompute)
         x = torch.randn(b, seq_len, spec.dim, dtype=dtype, requires_grad=True)
 
         def step() -> None:

@@ -15,6 +15,7 @@ import math
 from functools import lru_cache
 
 from shardwise.finetune.quant import layer_bytes, split_dims, transient_bytes
+from shardwise.models.families import family_of
 from shardwise.optim import QUANT_BLOCK
 from shardwise.plan import activations as act
 from shardwise.plan import compression
@@ -266,7 +267,7 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     edges = act.edge_terms(spec, s, b, c, first, last, t, job.packed, job.engine.fused_loss)
     if ft.lora:  # the frozen head and final norm; the first block's input needs no gradient
         edges = act.lora_terms(edges, spec, s, b, c, (), ft.lora_rank, False)
-        if first and spec.arch == "decoder" and layout.recompute != "full":
+        if first and family_of(spec).block.rms_norm and layout.recompute != "full":
             edges += act.lora_first_block(spec, s, b, ft.lora_targets, bool(ft.lora_dropout))
     edge = act.layer_bytes(edges, t, layout.sp)
     # the loss and logits of the last stage: 1F1B and interleaved run each micro-batch's

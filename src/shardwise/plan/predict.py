@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import sys
 from collections.abc import Iterator
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,7 @@ from shardwise.distributed import device as dev
 from shardwise.errors import ConfigError
 from shardwise.finetune.lora import apply_lora
 from shardwise.finetune.quant import quant_layers, quantise_base
-from shardwise.models import build_model, count_params
+from shardwise.models import build_on_meta, count_params
 from shardwise.optim import EIGHT_BIT
 from shardwise.optim.nvme import chunk_elements
 from shardwise.parallel.recompute import apply_recompute
@@ -140,16 +139,19 @@ def _as_in_training() -> Iterator[None]:
     if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
         yield
         return
-    with mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None):
+    original = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
         yield
+    finally:
+        masking.find_packed_sequence_indices = original
 
 
 def _meta_model(cfg: Config, spec):
     """The model on meta as training builds it: adapters added, the base quantised, frozen."""
-    with torch.device("meta"):
-        model = build_model(spec)
-        apply_lora(model, cfg.finetune)
-        quantise_base(model, cfg.finetune.base_quant)
+    model = build_on_meta(spec)
+    apply_lora(model, cfg.finetune)
+    quantise_base(model, cfg.finetune.base_quant)
     freeze(model, cfg.train.freeze)
     return model
 
@@ -236,7 +238,7 @@ def _fake_activations(model, cfg: Config, derived, recompute: str | None = None,
         shape = (b, derived.spec.in_channels, size, size)
         inputs = torch.zeros(shape, dtype=dev.dtype_of(cfg.precision.compute))
         targets = torch.zeros(b, dtype=torch.long)
-    elif cfg.model.task == "classification":  # ids and attention mask packed, one label each
+    elif derived.family.classifier:  # ids and attention mask packed, one label each
         inputs = torch.ones(b, 2, cfg.data.seq_len, dtype=torch.long)
         targets = torch.zeros(b, dtype=torch.long)
     elif cfg.data.pack:  # ids and record numbers [b, 2, s], targets apart (models/packing.py)
@@ -330,7 +332,7 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
     """(parameter count, the planner's candidate record for exactly this config)."""
     job = job_from_config(cfg, hardware, derived.world, derived.spec)
     layout = layout_from_config(cfg, derived)
-    formula = derived.spec.arch in ("decoder", "gpt2")  # our blocks: activations by formula
+    formula = derived.family.formula  # our blocks: activations by formula
     model = _meta_model(cfg, derived.spec)  # as training builds it
     n = count_params(model)
     quantised = [m.shape for _, m in quant_layers(model)]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from shardwise.errors import ConfigError
 from shardwise.models import PRESETS, ModelSpec, preset
+from shardwise.models.families import family_of
 
 Entry = tuple  # (elements, trainable) or (elements, trainable, bytes per element if not compute)
 
@@ -51,7 +52,7 @@ def _linear(fan_in: int, fan_out: int, bias: bool, name: str = "") -> list[Entry
 
 
 def _norm(spec: ModelSpec) -> list[Entry]:
-    return [(spec.dim, True)] * (2 if spec.arch == "gpt2" else 1)
+    return [(spec.dim, True)] * (2 if family_of(spec).block.layer_norm else 1)
 
 
 def _kv_width(spec: ModelSpec, tp: int) -> int:
@@ -65,14 +66,14 @@ def _kv_width(spec: ModelSpec, tp: int) -> int:
 def block_entries(spec: ModelSpec, tp: int = 1) -> list[Entry]:
     """One block's parameters in module order (attn_norm, wq, wk, wv, wo, mlp_norm, w1[, w3],
     w2). Biases of row-parallel layers (wo, w2) are replicated, column-parallel ones split."""
-    h, hd, bias = spec.dim, spec.head_dim, spec.arch == "gpt2"
+    h, hd, bias = spec.dim, spec.head_dim, family_of(spec).block.biases
     q, kv, f = spec.n_heads * hd // tp, _kv_width(spec, tp), spec.ffn_dim // tp
     out = _norm(spec)
     out += _linear(h, q, bias, "wq") + _linear(h, kv, bias, "wk") + _linear(h, kv, bias, "wv")
     out += [(q * h, True, "wo")] + ([(h, True)] if bias else [])
     out += _norm(spec)
     out += _linear(h, f, bias, "w1")
-    if spec.arch == "decoder":
+    if family_of(spec).block.gated_mlp:
         out += _linear(h, f, False, "w3")
     out += [(f * h, True, "w2")] + ([(h, True)] if bias else [])
     return out
@@ -83,7 +84,7 @@ def linear_shapes(spec: ModelSpec, tp: int = 1) -> dict[str, tuple[int, int]]:
     h, hd = spec.dim, spec.head_dim
     q, kv, f = spec.n_heads * hd // tp, _kv_width(spec, tp), spec.ffn_dim // tp
     out = {"wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h), "w1": (h, f), "w2": (f, h)}
-    if spec.arch == "decoder":
+    if family_of(spec).block.gated_mlp:
         out["w3"] = (h, f)
     return out
 
@@ -96,7 +97,7 @@ def units(spec: ModelSpec, tp: int = 1, layers: int | None = None, first=True, l
     out = []
     if first:
         out.append(Unit("embed", ((v * spec.dim, True),)))
-        if spec.arch == "gpt2":
+        if family_of(spec).block.learned_positions:
             out.append(Unit("pos_embed", ((spec.max_seq_len * spec.dim, True),)))
     n = spec.n_layers if layers is None else layers
     if n:
@@ -118,7 +119,7 @@ def non_embedding_params(spec: ModelSpec) -> int:
     as metrics.flops_per_token counts them."""
     total = param_count(spec)
     total -= spec.vocab_size * spec.dim if not spec.tie_embeddings else 0
-    if spec.arch == "gpt2":
+    if family_of(spec).block.learned_positions:
         total -= spec.max_seq_len * spec.dim
     return total
 
@@ -161,10 +162,10 @@ def spec_from_hf_config(path: str) -> ModelSpec:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model config '{path}' is not readable JSON ({exc}).") from None
     kind = str(cfg.get("model_type", "")).lower()
-    if kind == "gpt2":
-        keys, arch = _HF_GPT2, "gpt2"
+    if kind == "gpt2":  # (transformers' GPT2Config ties by default, LlamaConfig does not)
+        keys, arch, tied = _HF_GPT2, "gpt2", True
     elif kind in _DECODER_TYPES:
-        keys, arch = _HF_LLAMA, "decoder"
+        keys, arch, tied = _HF_LLAMA, "decoder", False
     else:  # priced from its real modules (plan/real.py)
         return real_spec(p, cfg)
     fields = {field: cfg[key] for key, field in keys.items() if cfg.get(key) is not None}
@@ -172,7 +173,7 @@ def spec_from_hf_config(path: str) -> ModelSpec:
     if missing:
         names = [k for k, f in keys.items() if f in missing]
         raise ConfigError(f"model config '{path}' lacks {names}. Fix: a complete config.json.")
-    fields.setdefault("tie_embeddings", arch == "gpt2")
+    fields.setdefault("tie_embeddings", tied)
     return ModelSpec(arch, **fields)  # type: ignore[arg-type]
 
 

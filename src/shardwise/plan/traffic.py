@@ -6,6 +6,7 @@ they take is plan/time.py's."""
 from __future__ import annotations
 
 from shardwise.finetune.quant import gather_steps
+from shardwise.models.families import family_of
 from shardwise.plan import memory as mem
 from shardwise.plan.buffers import align_of, padded_numel
 from shardwise.plan.compression import bucket_calls, sent_bytes, wire_bytes
@@ -220,9 +221,12 @@ def _tp_partial(job: Job, t: int, sp: bool) -> int:
             out += spec.n_layers * ft.lora_rank * (fan_out if tag in _ROW_PARALLEL else fan_in)
     if sp:
         norms = (2 * spec.n_layers + 1) * spec.dim
-        out += norms * (2 if spec.arch == "gpt2" else 1)
-        if spec.arch == "gpt2":
-            out += 2 * spec.n_layers * spec.dim + spec.max_seq_len * spec.dim
+        block = family_of(spec).block
+        out += norms * (2 if block.layer_norm else 1)
+        if block.biases:  # the row-parallel linears' replicated biases
+            out += 2 * spec.n_layers * spec.dim
+        if block.learned_positions:
+            out += spec.max_seq_len * spec.dim
     if spec.n_kv_heads % t:
         out += 2 * spec.n_layers * spec.head_dim * spec.dim
     return out

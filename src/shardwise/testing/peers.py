@@ -52,7 +52,7 @@ def ddp_peer(cfg: Config) -> dict:
         model = build_model(d.spec)
         apply_lora(model, cfg.finetune)  # peft's adapters, as the engine adds them
     freeze(model, cfg.train.freeze)
-    if d.spec.arch == "hf":  # a checkpoint: its weights, a new head from (seed, name)
+    if d.family.from_checkpoint:  # a checkpoint: its weights, a new head from (seed, name)
         from shardwise.models.hf.auto import weight_source
         from shardwise.models.hf.weights import load_weights
 

@@ -29,6 +29,7 @@ from shardwise.config import Config
 from shardwise.data import GlobalSampler, load_data, split_for_rank
 from shardwise.distributed import device as dev
 from shardwise.models import build_model, init_weights
+from shardwise.models.families import DECODER
 from shardwise.optim import adamw, lr_at
 from shardwise.training.runtime import build_run, data_spec, init_distributed
 from shardwise.training.validate import derive
@@ -76,7 +77,7 @@ def dtensor_peer(cfg: Config) -> dict:
     """Train `cfg` (tp = world size, fp32) with DTensor tensor parallelism."""
     info = init_distributed(cfg)
     d = derive(cfg, dist.get_world_size())
-    if d.dp != 1 or d.spec.arch != "decoder":
+    if d.dp != 1 or d.family is not DECODER:  # the plan below is our Llama block's
         raise ValueError("the DTensor peer runs the reference decoder with tp only")
     mesh = init_device_mesh(info.type, (d.tp,), mesh_dim_names=("tp",))
     data = load_data(data_spec(cfg, d.spec.vocab_size), "train")

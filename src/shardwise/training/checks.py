@@ -1,16 +1,14 @@
 """The checks `derive` runs that depend on the model and the layout together: the loss, the
-sizes tensor parallelism splits, a checkpoint under it, LoRA and a quantised base, your own
-module, packed rows, and the pipeline's options (training/validate.py calls them before
+sizes tensor parallelism splits, a checkpoint under it, LoRA and a quantised base, packed
+rows, and the pipeline's options (training/validate.py calls them before
 launch)."""
 
 from __future__ import annotations
 
-import torch
-
 from shardwise.config import Config
 from shardwise.errors import ConfigError
-from shardwise.models import ModelSpec
-from shardwise.models.presets import HF_ARCHS
+from shardwise.models import ModelSpec, build_on_meta
+from shardwise.models.families import family_of
 from shardwise.parallel.pipeline_split import plan_chunks
 
 
@@ -22,7 +20,7 @@ def check_packing(cfg: Config, spec: ModelSpec, pp: int) -> None:
             "text data is one stream of documents cut into data.seq_len windows already. "
             "Fix: --data.format=instruction (or chat) for records, or --data.pack=false."
         )
-    elif spec.arch == "custom":
+    elif not family_of(spec).packs_rows:
         why = (
             f"model.name='{cfg.model.name}' takes [B, S] ids; packed rows need a model that masks "
             "attention per record (the built-in decoders and Hugging Face causal LMs do). "
@@ -58,11 +56,9 @@ def check_loss(cfg: Config, tp: int, pp: int) -> None:
 
 def check_checkpoint_tp(spec: ModelSpec, cfg: Config) -> None:
     """model.name=hf with tp > 1: the model's published plan, and the sizes it splits."""
-    from shardwise.models import build_model
     from shardwise.models.tp_plans import checkpoint_plan
 
-    with torch.device("meta"):
-        checkpoint_plan(build_model(spec))
+    checkpoint_plan(build_on_meta(spec))
     check_tensor_parallel(spec, cfg)
 
 
@@ -71,7 +67,6 @@ def check_lora(spec: ModelSpec, cfg: Config) -> None:
     before launch)."""
     from shardwise.finetune.lora import apply_lora, check
     from shardwise.finetune.quant import quantise_base
-    from shardwise.models import build_model
 
     check(cfg.finetune)
     quant = cfg.finetune.base_quant
@@ -82,19 +77,9 @@ def check_lora(spec: ModelSpec, cfg: Config) -> None:
         )
     if cfg.finetune.lora_rank == 0:
         return
-    with torch.device("meta"):
-        model = build_model(spec)
-        apply_lora(model, cfg.finetune)
-        quantise_base(model, quant)
-
-
-def check_custom(cfg: Config, tp: int) -> None:
-    if tp > 1:
-        raise ConfigError(
-            f"parallel.tp={tp}: tensor parallelism needs a plan of which layers to split, and "
-            f"model.name='{cfg.model.name}' has none here. Fix: --parallel.tp=1 (data "
-            "parallelism and ZeRO-1/2/3 shard any module)."
-        )
+    model = build_on_meta(spec)
+    apply_lora(model, cfg.finetune)
+    quantise_base(model, quant)
 
 
 def check_pipeline(cfg: Config, spec: ModelSpec, pp: int, dp: int, micro: int, m: int) -> None:
@@ -119,17 +104,16 @@ def check_pipeline(cfg: Config, spec: ModelSpec, pp: int, dp: int, micro: int, m
             f"the pipeline schedule (parallel.pp={pp}) loads its own when a stage needs them. "
             "Fix: --data.prefetch=0 with parallel.pp > 1."
         )
-    if spec.arch == "hf" and spec.task == "causal_lm":  # cut as its base_model_pp_plan says
+    family = family_of(spec)
+    if family.pipeline == "checkpoint":  # cut as its base_model_pp_plan says
         from shardwise.models.hf.auto import read_hf_config
         from shardwise.parallel.pipeline_hf import check_hf_pipeline
 
         check_hf_pipeline(read_hf_config(spec.source).model_type, spec.tie_embeddings, pp)
-    elif spec.arch.startswith("resnet") or spec.arch in (*HF_ARCHS, "custom", "hf"):
-        kind = {"custom": "your own module"}.get(spec.arch, "a Hugging Face model")
-        kind = "a ResNet" if spec.arch.startswith("resnet") else kind
+    elif family.pipeline == "none":
         raise ConfigError(
             f"parallel.pp={pp}: pipeline parallelism cuts the blocks of shardwise's own "
-            f"decoders and model.name='{cfg.model.name}' is {kind}. Fix: --parallel.pp=1."
+            f"decoders and model.name='{cfg.model.name}' is {family.kind}. Fix: --parallel.pp=1."
         )
     if p.zero >= 2:
         raise ConfigError(
@@ -176,8 +160,11 @@ def check_tensor_parallel(spec: ModelSpec, cfg: Config) -> None:
             f"(split) or be a multiple of them (replicated). Fix: change parallel.tp or "
             "model.n_kv_heads."
         )
-    if kv < tp and spec.arch == "hf-gpt2":
-        raise ConfigError(f"hf-gpt2 has no grouped-query attention: n_kv_heads={kv} < tp={tp}.")
+    family = family_of(spec)
+    if kv < tp and not family.grouped_query:
+        raise ConfigError(
+            f"{family.name} has no grouped-query attention: n_kv_heads={kv} < tp={tp}."
+        )
     if spec.ffn_dim % tp:
         raise ConfigError(
             f"model.ffn_dim={spec.ffn_dim} {name} is not divisible by parallel.tp={tp}. "
@@ -188,7 +175,7 @@ def check_tensor_parallel(spec: ModelSpec, cfg: Config) -> None:
             f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={tp}: sequence "
             f"parallelism splits the sequence over the tp ranks. Fix: a multiple of {tp}."
         )
-    if sp and spec.arch in (*HF_ARCHS, "hf"):
+    if sp and not family.sequence_parallel:
         raise ConfigError(
             f"parallel.sp=true is not available for {cfg.model.name}: Hugging Face models build "
             "positions and masks from the local sequence length. Fix: --parallel.sp=false."

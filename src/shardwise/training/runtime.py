@@ -24,7 +24,7 @@ from shardwise.distributed.watchdog import Watchdog, start_watchdog
 from shardwise.errors import ConfigError
 from shardwise.finetune.lora import apply_lora
 from shardwise.finetune.quant import materialise_quantised, quantise_base, split_dims
-from shardwise.models import build_model, init_weights, to_empty
+from shardwise.models import build_on_meta, init_weights, to_empty
 from shardwise.models.hf.auto import weights_for
 from shardwise.models.hf.weights import load_weights
 from shardwise.models.tp_plans import plan_for
@@ -303,8 +303,7 @@ def _build(
     train_data = load_data(data_spec(cfg, spec.vocab_size), "train")
     val_data = load_held_out(cfg, spec.vocab_size)
     check_held_out(cfg, derived, val_data)
-    with torch.device("meta"):
-        model = build_model(spec)
+    model = build_on_meta(spec)
     apply_lora(model, cfg.finetune)  # adapters on meta, the base frozen (finetune/lora.py)
     quantised = quantise_base(model, cfg.finetune.base_quant)  # QLoRA: an NF4 base
     freeze(model, cfg.train.freeze)

@@ -14,10 +14,10 @@ from shardwise.config import Config
 from shardwise.distributed.topology import degrees
 from shardwise.errors import ConfigError
 from shardwise.models import ModelSpec
+from shardwise.models.families import Family, family_of
 from shardwise.models.spec import spec_from_config
 from shardwise.training.checks import (
     check_checkpoint_tp,
-    check_custom,
     check_lora,
     check_loss,
     check_packing,
@@ -38,8 +38,9 @@ class Derived:
     spec: ModelSpec
 
     @property
-    def family(self) -> str:
-        return "resnet" if self.spec.arch.startswith("resnet") else self.spec.arch
+    def family(self) -> Family:
+        """What the model's family answers (models/families/)."""
+        return family_of(self.spec)
 
     @property
     def tokens_per_step(self) -> int:
@@ -50,7 +51,7 @@ def model_spec(cfg: Config) -> ModelSpec:
     """The model the config names (models.spec.spec_from_config), checked against the
     sequence length and tensor parallelism it will run with."""
     spec = spec_from_config(cfg)
-    if not spec.arch.startswith("resnet") and spec.arch not in ("custom", "hf"):
+    if family_of(spec).sized:
         _check_transformer(spec, cfg)
     return spec
 
@@ -210,21 +211,17 @@ def derive(cfg: Config, world: int) -> Derived:
     _check_compression(cfg)
     spec = model_spec(cfg)
     pp, dp, tp = degrees(world, p.tp, p.pp)
-    is_image = spec.arch.startswith("resnet")
+    family = family_of(spec)
+    is_image = family.data == "images"
     user_data = ":" in cfg.data.dataset  # your dataset (data/user.py): one sample per item
     check_loss(cfg, tp, pp)
-    if spec.arch == "custom":
-        check_custom(cfg, tp)
+    if tp > 1 and family.tp_refusal:
+        raise ConfigError(family.tp_refusal.format(tp=tp, name=cfg.model.name))
     check_lora(spec, cfg)
-    if spec.arch == "hf" and tp > 1:
+    if family.tensor_parallel == "checkpoint" and tp > 1:
         check_checkpoint_tp(spec, cfg)
-    if is_image and tp > 1:
-        raise ConfigError(
-            f"parallel.tp={tp}: tensor parallelism splits transformer layers, and "
-            f"model.name='{cfg.model.name}' is a ResNet. Fix: --parallel.tp=1."
-        )
-    if cfg.data.format != "text" and (is_image or user_data or cfg.model.task != "causal_lm"):
-        what = "a classifier" if cfg.model.task != "causal_lm" else f"'{cfg.data.dataset}'"
+    if cfg.data.format != "text" and (is_image or user_data or family.classifier):
+        what = "a classifier" if family.classifier else f"'{cfg.data.dataset}'"
         raise ConfigError(
             f"data.format={cfg.data.format} builds next-token samples of records for a causal "
             f"language model, and {what} is not one's data. Fix: --data.format=text, or a "
@@ -232,7 +229,7 @@ def derive(cfg: Config, world: int) -> Derived:
         )
     if cfg.data.pack:
         check_packing(cfg, spec, pp)
-    yours = spec.arch in ("custom", "hf") or user_data  # the pairing is yours / the checkpoint's
+    yours = family.data == "any" or user_data  # the pairing is yours / the checkpoint's
     if not yours and is_image != (cfg.data.dataset == "digits"):
         kind = "an image model" if is_image else "a text model"
         fix = "--data.dataset=digits" if is_image else "--model.name=resnet18"
@@ -257,7 +254,7 @@ def derive(cfg: Config, world: int) -> Derived:
     _checkpoint(cfg)
     m = t.global_batch // (micro * dp)
     check_pipeline(cfg, spec, pp, dp, micro, m)
-    per_row = cfg.data.dataset == "digits" or user_data or cfg.model.task == "classification"
+    per_row = cfg.data.dataset == "digits" or user_data or family.classifier
     tokens = 1 if per_row else cfg.data.seq_len
     return Derived(world, pp, dp, tp, micro, m, tokens, spec)
 

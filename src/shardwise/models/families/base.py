@@ -1,0 +1,57 @@
+"""What a model family answers (families/__init__.py holds the registry)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+
+from shardwise.models.presets import ModelSpec
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """How the planner's formulas see one block: the parts in which our decoders differ
+    (models/decoder.py). A family whose blocks the formulas do not model keeps all False."""
+
+    gated_mlp: bool = False  # SwiGLU: gate, up and down projections (Shazeer 2020); else GELU
+    rotary: bool = False  # RoPE on q and k (Su et al. 2021)
+    rms_norm: bool = False  # our fp32 RMSNorm (weight only)
+    layer_norm: bool = False  # LayerNorm with weight and bias
+    biases: bool = False  # every linear has a bias
+    learned_positions: bool = False  # a learned position table beside the token embedding
+
+
+Recompute = Literal["plans", "checkpoint_blocks", "containers"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its builder and the answers every layer asks of it."""
+
+    name: str  # in messages, and the key of its recomputation plans (parallel/recompute.py)
+    kind: str  # "a ResNet", "your own module": how refusals name it
+    archs: tuple[str, ...]  # the ModelSpec.arch values it builds
+    build: Callable[[ModelSpec], nn.Module]  # on the current default device (meta is fine)
+    task: str | None = None  # for a checkpoint's class: the task it answers for
+    data: Literal["tokens", "images", "any"] = "tokens"  # what it trains on
+    sized: bool = True  # the spec's sizes (layers, heads, widths) are checked against the layout
+    formula: bool = False  # activations priced by formula (else measured on a meta model)
+    gemms: bool = True  # its matmuls are a transformer's (the planner's GEMM shapes)
+    flops_per_token: bool = True  # 6N + 12·L·h·s applies (MFU)
+    classifier: bool = False  # one label per row, from a new head
+    from_checkpoint: bool = False  # transformers' own class, structure and weights from a folder
+    tensor_parallel: Literal["plan", "checkpoint", "none"] = "plan"
+    tp_refusal: str = ""  # why tp > 1 is refused ({name}: model.name, {tp}: the degree)
+    sequence_parallel: bool = False
+    grouped_query: bool = True  # k/v heads may be fewer than query heads
+    pipeline: Literal["blocks", "checkpoint", "none"] = "none"
+    packs_rows: bool = True  # masks attention per record (data.pack)
+    recompute: Recompute = "plans"
+    block: BlockShape = BlockShape()
+    # `shardwise export --format hf` of our own modules: the config.json transformers reads
+    # (None: no Hugging Face class holds this family; a checkpoint's class writes its own)
+    hf_config: Callable[[ModelSpec, str], dict] | None = None
+    hf_keeps_dropout: bool = False  # that config carries model.dropout (residual dropout)

@@ -1,0 +1,32 @@
+"""shardwise's own decoders (models/decoder.py): Llama-style and GPT-2-style blocks."""
+
+from __future__ import annotations
+
+from shardwise.models.decoder import Decoder
+from shardwise.models.families.base import BlockShape, Family
+from shardwise.models.hf import gpt2, llama
+
+_OURS = dict(
+    build=Decoder,
+    formula=True,
+    sequence_parallel=True,
+    pipeline="blocks",
+    kind="a shardwise decoder",
+)
+
+DECODER = Family(
+    name="decoder",
+    archs=("decoder",),
+    block=BlockShape(gated_mlp=True, rotary=True, rms_norm=True),
+    hf_config=llama.config,  # transformers' Llama: attention dropout only
+    **_OURS,
+)
+
+GPT2 = Family(
+    name="gpt2",
+    archs=("gpt2",),
+    block=BlockShape(layer_norm=True, biases=True, learned_positions=True),
+    hf_config=gpt2.config,
+    hf_keeps_dropout=True,  # resid_pdrop / embd_pdrop
+    **_OURS,
+)

@@ -1,0 +1,30 @@
+"""Any Hugging Face causal LM checkpoint, as transformers' own class (models/hf/auto.py)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardwise.models.families.base import Family
+from shardwise.models.presets import ModelSpec
+
+
+def build_checkpoint_model(spec: ModelSpec) -> nn.Module:
+    """transformers' class for the checkpoint folder `spec.source`."""
+    from shardwise.models.hf.auto import build_auto  # imports transformers on first use
+
+    return build_auto(spec)
+
+
+HF_CAUSAL_LM = Family(
+    name="hf",
+    kind="a Hugging Face model",
+    archs=("hf",),
+    task="causal_lm",
+    build=build_checkpoint_model,
+    data="any",
+    sized=False,
+    from_checkpoint=True,
+    tensor_parallel="checkpoint",
+    pipeline="checkpoint",
+    recompute="checkpoint_blocks",
+)

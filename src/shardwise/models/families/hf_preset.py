@@ -1,0 +1,24 @@
+"""transformers' Llama and GPT-2 classes built from our presets (models/hf/build.py)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardwise.models.families.base import Family
+from shardwise.models.presets import ModelSpec
+
+
+def _build(spec: ModelSpec) -> nn.Module:
+    from shardwise.models.hf.build import build_hf  # imports transformers on first use
+
+    return build_hf(spec)
+
+
+HF_LLAMA = Family(name="hf-llama", kind="a Hugging Face model", archs=("hf-llama",), build=_build)
+HF_GPT2 = Family(
+    name="hf-gpt2",
+    kind="a Hugging Face model",
+    archs=("hf-gpt2",),
+    build=_build,
+    grouped_query=False,
+)
