@@ -233,9 +233,64 @@ def build_index(run, step: int, owner: dict[io.Piece, int], adam: int) -> dict:
             "compute": run.cfg.precision.compute,
         },
         "loop": loop_state(run, step, adam),
+        "identity": run_identity(run),
         "files": {},
         "tensors": tensors,
     }
+
+
+def run_identity(run) -> dict:
+    """What the saved weights mean something only with: the data's tokenizer and labels
+    (data/identity.py), and the `init_from` base a quantised run does not store."""
+    from shardwise.data import data_spec
+    from shardwise.data.identity import data_identity
+
+    cfg = run.cfg
+    out = {"data": data_identity(data_spec(cfg, run.derived.spec.vocab_size), run.train_data)}
+    if cfg.model.init_from:
+        from shardwise.models.hf.weights import base_identity
+
+        out["base"] = base_identity(cfg.model.init_from)
+    return out
+
+
+def base_change(index: dict, cfg, path: Path) -> str | None:
+    """The refusal of a checkpoint whose quantised base (not stored: re-read from
+    `model.init_from` on resume and export) changed since it was saved; None if unchanged."""
+    saved = index.get("identity", {}).get("base")
+    if cfg.finetune.base_quant == "none" or not cfg.model.init_from or saved is None:
+        return None
+    from shardwise.models.hf.weights import base_identity
+
+    now = base_identity(cfg.model.init_from)
+    changed = sorted(n for n in saved.keys() | now.keys() if saved.get(n) != now.get(n))
+    if not changed:
+        return None
+    return (
+        f"checkpoint {path} holds adapters trained against the finetune.base_quant="
+        f"{cfg.finetune.base_quant} base read from model.init_from='{cfg.model.init_from}', "
+        f"whose files changed since ({', '.join(changed[:4])}): the base is not stored in the "
+        "checkpoint, so the adapters would be paired with another model. Fix: restore the "
+        "original weights in that folder, or start a new run from this base with "
+        "--checkpoint.resume=none and another --run.dir."
+    )
+
+
+def check_base(index: dict, cfg, path: Path) -> None:
+    """Raise `base_change`'s refusal, if any (an export merging a quantised base)."""
+    refusal = base_change(index, cfg, path)
+    if refusal:
+        raise CheckpointError(refusal)
+
+
+def _identity_problems(run, index: dict, path: Path) -> tuple[str | None, str | None]:
+    """(refusal, note) of resuming `index` in this run: another tokenizer, other labels or a
+    changed quantised base are refused; other data with the same tokenizer is noted."""
+    from shardwise.data.identity import compare_data
+
+    saved = index.get("identity", {})
+    refusal, note = compare_data(saved.get("data"), run_identity(run)["data"], path)
+    return refusal or base_change(index, run.cfg, path), note
 
 
 # -- loading ------------------------------------------------------------------------------------
@@ -306,9 +361,13 @@ def load_state(run, path: Path, index: dict, channel: ControlChannel) -> str | N
     own = [lo for lo in locals_ if lo.piece.key.startswith(PER_RANK)]
     locals_ = [lo for lo in locals_ if not lo.piece.key.startswith(PER_RANK)]
     names = {lo.piece.key for lo in locals_ if lo.piece.key.startswith("param/")}
+    refusal, changed = _identity_problems(run, index, path)
     gathered = channel.all_gather(
-        (_fit_problems(index, locals_), names, _restorable(index, run, own), bool(own))
+        (_fit_problems(index, locals_), names, _restorable(index, run, own), bool(own), refusal)
     )
+    refusals = [g[4] for g in gathered if g[4]]
+    if refusals:  # every rank raises the same message
+        raise CheckpointError(refusals[0])
     note = None
     if all(g[2] for g in gathered):
         locals_ += own
@@ -341,4 +400,4 @@ def load_state(run, path: Path, index: dict, channel: ControlChannel) -> str | N
         reader.close()
     if isinstance(run.reducer, ZeroEngine):
         run.reducer.after_step()  # ZeRO-1/2: publish the loaded slices to every replica
-    return note
+    return "; ".join(n for n in (note, changed) if n) or None

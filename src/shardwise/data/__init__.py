@@ -72,10 +72,12 @@ def load_data(
 def data_spec(cfg: Config, vocab_size: int) -> DataSpec:
     """What the `data.*` section (and the model: its tokenizer, its task) ask for; `vocab_size`
     is the model's embedding rows (a trained BPE's size, or the bound a tokenizer must fit)."""
+    from shardwise.models.families import classifies
+
     d = cfg.data
     return DataSpec(
         tokenizer=tokenizer_dir(d.tokenizer, cfg.model.init_from, d.dataset),
-        label_field=d.label_field if cfg.model.task == "classification" else "",
+        label_field=d.label_field if classifies(cfg.model.task) else "",
         format=d.format,
         fields=(d.prompt_field, d.input_field, d.response_field)
         if d.format == "instruction"
@@ -91,6 +93,8 @@ def data_spec(cfg: Config, vocab_size: int) -> DataSpec:
         cache_dir=d.cache_dir,
         max_bad_rows=d.max_bad_rows,
         pack=d.pack,
+        # the run's own outputs are never its data (a dataset folder may hold the run)
+        exclude=(cfg.run.dir, cfg.checkpoint.dir),
     )
 
 

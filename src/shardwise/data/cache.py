@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,17 +21,37 @@ def read_meta(root: Path) -> dict | None:
         return None
 
 
+def damage(root: Path, meta: dict) -> str | None:
+    """Which file of the cache at `root` differs in size from what meta.json recorded when it
+    was built (a copy cut short, a file deleted), or None. Caches built before sizes were
+    recorded are taken as they are."""
+    for name, want in meta.get("sizes", {}).items():
+        path = root / name
+        size = path.stat().st_size if path.is_file() else None
+        if size != want:
+            held = "is missing" if size is None else f"holds {size:,} bytes"
+            return f"{name} {held}, its meta.json says {want:,}"
+    return None
+
+
 def build_once(root: Path, build: Callable[[Path], dict]) -> dict:
-    """The cache's meta.json, running `build(root)` (which returns it) if it is missing."""
+    """The cache's meta.json, running `build(root)` (which returns it) if it is missing or a
+    file of it is damaged (rebuilt, saying so)."""
     meta = read_meta(root)
     if meta is not None:
-        return meta
+        problem = damage(root, meta)
+        if problem is None:
+            return meta
+        print(f"shardwise: the cache {root} is damaged ({problem}): rebuilding it", file=sys.stderr)
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        meta = read_meta(root)
-        if meta is None:
+        meta = read_meta(root)  # another process may have (re)built it while we waited
+        if meta is None or damage(root, meta):
             meta = build(root)
+            meta["sizes"] = {
+                f.name: f.stat().st_size for f in sorted(root.glob("*.npy")) if f.is_file()
+            }
             tmp = root / "meta.json.tmp"
             tmp.write_text(json.dumps(meta, indent=1))
             tmp.replace(root / "meta.json")

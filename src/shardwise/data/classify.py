@@ -66,6 +66,8 @@ def _rows(spec: DataSpec) -> tuple[list, list]:
         builder = builder_of(path.suffix.lower())
         texts = load_column(path, builder, spec.text_field)
         labels = load_column(path, builder, spec.label_field, "data.label_field")
+        if builder == "json":  # pyarrow turns mixed JSON types into strings: check the source
+            check_label_types(path, spec.label_field)
         for i, (text, label) in enumerate(zip(texts, labels, strict=True)):
             if label is None or not isinstance(text, str) or not text:
                 raise DataError(
@@ -75,6 +77,31 @@ def _rows(spec: DataSpec) -> tuple[list, list]:
             docs.append((f"{rel}#{i}", json.dumps([text, label])))
     train, val = split_documents(docs, spec.val_fraction, spec.dataset)
     return [json.loads(r) for r in train], [json.loads(r) for r in val]
+
+
+def check_label_types(path: Path, field: str) -> None:
+    """Refuse a JSON / JSON lines file whose labels mix types (1, "1", 1.0, "two"): read as
+    strings they would be distinct classes, some spelt with literal quotes."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix.lower() == ".jsonl" or not text.lstrip().startswith("["):
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            rows = json.loads(text)
+    except ValueError:  # a layout datasets reads and this check does not: nothing to compare
+        return
+    first: dict[str, object] = {}  # type name -> its first value
+    for row in rows:
+        value = row.get(field) if isinstance(row, dict) else None
+        if value is not None:
+            first.setdefault(type(value).__name__, value)
+    if len(first) > 1:
+        shown = ", ".join(f"{json.dumps(v)} ({t})" for t, v in first.items())
+        raise DataError(
+            f"data.label_field={field!r} mixes label types in '{path}': {shown}; they would "
+            "be read as different classes. Fix: write every label the same way (all integers "
+            'or all strings, e.g. 1 or "1" throughout).'
+        )
 
 
 def _names(train: list) -> list[str]:

@@ -12,13 +12,22 @@ from __future__ import annotations
 import functools
 import glob
 import hashlib
-import json
 import os
+import re
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardwise.data.files import (
+    check_entries,
+    check_text,
+    check_text_start,
+    entry_problem,
+    excluded_dirs,
+    first_bad_line,
+    inside,
+)
 from shardwise.errors import DataError
 
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".csv")
@@ -47,6 +56,8 @@ class DataSpec:
     fields: tuple[str, ...] = ()  # instruction: (prompt, input, response); chat: (messages,)
     pack: bool = False  # instruction | chat: several records per row (data/instruct.py)
     max_bad_rows: int = 100  # rows without a text value skipped (counted) before refusing
+    # directories a dataset scan leaves out: the run's own outputs (run.dir, checkpoint.dir)
+    exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset.strip():
@@ -131,11 +142,13 @@ def resolve_source(spec: DataSpec) -> Source:
             )
         path = path.resolve()
         return Source(_label(path.stem), (path,), (path.name,), False)
+    skip = excluded_dirs((*spec.exclude, str(spec.cache_root())))
     if path.is_dir():
         root = path.resolve()
-        files = sorted(_walk(root, SUPPORTED_SUFFIXES, skip=set()), key=lambda p: p.as_posix())
+        files = sorted(_walk(root, SUPPORTED_SUFFIXES, skip), key=lambda p: p.as_posix())
+        check_entries(raw, files)
         if not files:
-            others = sorted({p.suffix or p.name for p in _walk(root, None, skip=set())})[:8]
+            others = sorted({p.suffix or p.name for p in _walk(root, None, skip)})[:8]
             found = f"only {others} files" if others else "no files"
             raise DataError(
                 f"data.dataset={raw!r} is a directory with {found}, no .txt/.jsonl/.json/.csv/"
@@ -143,10 +156,15 @@ def resolve_source(spec: DataSpec) -> Source:
             )
         return Source(_label(root.name), tuple(files), tuple(_rel(p, root) for p in files), False)
     if any(ch in raw for ch in "*?["):
-        matches = sorted(
-            Path(m).resolve() for m in glob.glob(os.path.expanduser(raw), recursive=True)
-        )
-        matches = [m for m in matches if m.is_file()]
+        pattern = os.path.expanduser(raw)
+        found = [Path(m) for m in glob.glob(pattern, recursive=True)]
+        found = [m for m in found if not m.is_dir()]
+        check_entries(raw, [m for m in found if m.suffix.lower() in SUPPORTED_SUFFIXES])
+        # the run's outputs below the pattern's fixed part are left out, not the folder above
+        base = Path(os.path.realpath(os.path.dirname(re.split(r"[*?\[]", pattern)[0])))
+        skip = {d for d in skip if d != base and d not in base.parents}
+        matches = sorted(Path(os.path.realpath(m)) for m in found)  # realpath: no loop error
+        matches = [m for m in matches if not inside(m, skip)]
         files = [m for m in matches if m.suffix.lower() in SUPPORTED_SUFFIXES]
         if not files:
             what = f"{len(matches)} files, none of them" if matches else "no files, so no"
@@ -158,6 +176,8 @@ def resolve_source(spec: DataSpec) -> Source:
         return Source(
             _label(root.name or "glob"), tuple(files), tuple(_rel(f, root) for f in files), False
         )
+    if os.path.lexists(path):  # a FIFO, a socket, a dangling symlink, a symlink loop
+        raise DataError(f"data.dataset={raw!r} {entry_problem(path)}. {_FIX_DATASET}")
     raise DataError(f"data.dataset={raw!r} does not exist. {_FIX_DATASET}")
 
 
@@ -218,10 +238,18 @@ def split_documents(
     return train, val
 
 
-def _walk(root: Path, suffixes: tuple[str, ...] | None, skip: set[str]) -> Iterator[Path]:
+def _walk(root: Path, suffixes: tuple[str, ...] | None, skip: set) -> Iterator[Path]:
+    """Files under `root` whose names end in `suffixes` (None: all); `skip` holds directory
+    names, or resolved directories (the run's outputs), left out."""
     for dirpath, dirnames, filenames in os.walk(root):
         # Hidden directories (.git, .cache) never hold the user's corpus.
-        dirnames[:] = [d for d in dirnames if d not in skip and not d.startswith(".")]
+        dirnames[:] = [
+            d
+            for d in dirnames
+            if d not in skip
+            and not d.startswith(".")
+            and Path(os.path.realpath(os.path.join(dirpath, d))) not in skip
+        ]
         for name in filenames:
             if suffixes is None or name.lower().endswith(suffixes):
                 yield Path(dirpath) / name
@@ -238,10 +266,13 @@ def _label(name: str) -> str:
 
 def _read_txt(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        check_text_start(path)  # binary data is refused before it is read whole
+        text = path.read_text(encoding="utf-8")
+        check_text(path, text)
+        return text
     except UnicodeDecodeError as exc:
         raise DataError(
-            f"data file {str(path)!r} is not UTF-8 text: {_first_bad_line(path)}. "
+            f"data file {str(path)!r} is not UTF-8 text: {first_bad_line(path)}. "
             "Fix: re-encode it as UTF-8."
         ) from exc
     except OSError as exc:
@@ -306,16 +337,18 @@ def load_column(path: Path, builder: str, text_field: str, key: str = "data.text
                 builder, data_files=[str(path)], split="train", cache_dir=tmp
             )
             if text_field not in ds.column_names:
+                records = "chat" if "messages" in ds.column_names else "instruction"
                 raise DataError(
                     f"{key}={text_field!r} is not a column of {str(path)!r}; its "
-                    f"columns are {ds.column_names}. Fix: set {key} to the column holding it."
+                    f"columns are {ds.column_names}. Fix: set {key} to the column holding it, "
+                    f"or --data.format={records} for {records} records (loss on the responses)."
                 )
             return ds.data.column(text_field).to_pylist()
     except DataError:
         raise
     except Exception as exc:
         kind = {"json": "JSON / JSON lines", "csv": "CSV"}.get(builder, "Parquet")
-        where = _first_bad_line(path) if builder in ("json", "csv") else None
+        where = first_bad_line(path) if builder in ("json", "csv") else None
         raise DataError(
             f"data file {str(path)!r} cannot be read as {kind}: "
             f"{where or _root_cause(exc)}. Fix: check that it is valid {kind}."
@@ -324,34 +357,6 @@ def load_column(path: Path, builder: str, text_field: str, key: str = "data.text
         ds_logging.set_verbosity(verbosity)
         if bars:
             ds_logging.enable_progress_bar()
-
-
-def _first_bad_line(path: Path) -> str | None:
-    """'line N: why: the line's start' for the first line that is not UTF-8 or (JSON lines)
-    not one JSON value; a whole-file JSON document's parser position as a line; else None."""
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        start = data.rfind(b"\n", 0, exc.start) + 1
-        return f"line {line} is not UTF-8 ({exc.reason} at byte {exc.start - start} of the line)"
-    if path.suffix.lower() != ".jsonl" and text.lstrip().startswith(("[", "{")):
-        try:
-            json.loads(text)
-        except ValueError as exc:
-            lineno = getattr(exc, "lineno", None)
-            return f"line {lineno}: {getattr(exc, 'msg', exc)}" if lineno else None
-        return None
-    if path.suffix.lower() != ".jsonl":
-        return None
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                json.loads(line)
-            except ValueError as exc:
-                return f"line {n}: {getattr(exc, 'msg', exc)}: {line[:60]!r}"
-    return None
 
 
 def _root_cause(exc: BaseException) -> str:

@@ -93,6 +93,9 @@ def prepare_text(spec: DataSpec) -> tuple[Path, dict]:
     source = resolve_source(spec)
     out = spec.cache_root() / f"{source.label}-{_cache_key(spec, source)}"
     meta = _read_meta(out)
+    if meta is not None and (damage := _damage(out, meta)):
+        _say(f"the token cache {out} is damaged ({damage}): rebuilding it")
+        meta = None
     if meta is None:
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -105,7 +108,7 @@ def prepare_text(spec: DataSpec) -> tuple[Path, dict]:
         with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
             meta = _read_meta(out)  # another process may have built it while we waited
-            if meta is None:
+            if meta is None or _damage(out, meta):
                 meta = _build(spec, source, out)
     check_vocab(spec, meta)
     check_skipped(*meta.get("skipped_rows", (0, [])), spec.text_field, spec.max_bad_rows)
@@ -151,6 +154,23 @@ def _read_meta(out: Path) -> dict | None:
         return json.loads((out / "meta.json").read_text())
     except (OSError, ValueError):
         return None
+
+
+def _damage(out: Path, meta: dict) -> str | None:
+    """What of the cache at `out` disagrees with its meta.json (a token file cut short or
+    grown, the tokenizer gone), or None: a truncated train.bin would otherwise train on its
+    remaining tokens without a word."""
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split in ("train", "val"):
+        path, want = out / f"{split}.bin", meta[f"{split}_tokens"] * itemsize
+        size = path.stat().st_size if path.is_file() else None
+        if size != want:
+            held = "is missing" if size is None else f"holds {size:,} bytes"
+            tokens = meta[f"{split}_tokens"]
+            return f"{path.name} {held}, its meta.json says {want:,} ({tokens:,} tokens)"
+    if not (out / "tokenizer.json").is_file():
+        return "tokenizer.json is missing"
+    return None
 
 
 def _build(spec: DataSpec, source: Source, out: Path) -> dict:

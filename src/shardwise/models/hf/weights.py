@@ -75,9 +75,11 @@ def weight_files(path: str | Path) -> dict[str, Path]:
     if (p / INDEX).is_file():
         try:
             index = json.loads((p / INDEX).read_text())
-            return {k: p / f for k, f in index["weight_map"].items()}
+            files = {k: p / f for k, f in index["weight_map"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise _unreadable(p / INDEX, f"not a safetensors index ({exc})") from None
+        _check_unique(path, sorted(set(files.values())))
+        return files
     if (p / SINGLE).is_file():
         with _open(p / SINGLE) as f:
             return {k: p / SINGLE for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
@@ -85,6 +87,51 @@ def weight_files(path: str | Path) -> dict[str, Path]:
         f"model.init_from='{path}' has neither {SINGLE} nor {INDEX}. Fix: save with "
         "`save_pretrained(dir, safe_serialization=True)`."
     )
+
+
+def _check_unique(path: str | Path, shards: list[Path]) -> None:
+    """Refuse a tensor stored in two shards: which copy a loader takes is up to it (the index
+    names one, transformers may load the other), so the model would silently depend on it."""
+    seen: dict[str, Path] = {}
+    for shard in shards:
+        if not shard.is_file():
+            continue  # named when a tensor in it is read (HFWeights._slice)
+        with _open(shard) as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                if key in seen:
+                    raise ConfigError(
+                        f"model.init_from='{path}': tensor '{key}' is stored twice, in "
+                        f"{seen[key].name} and {shard.name}, and loaders may take either copy. "
+                        "Fix: save the checkpoint again (save_pretrained writes each tensor "
+                        "once), or delete it from the shard the index does not name."
+                    )
+                seen[key] = shard
+
+
+# Bytes hashed at the start, middle and end of each weight file to tell a changed base from
+# a copy (contents, not mtimes, which a copy resets): a different model of the same shapes
+# differs in nearly every value, so in these blocks too.
+SAMPLE = 65536
+
+
+def base_identity(path: str | Path) -> dict[str, list]:
+    """file name -> [size, hash of sampled blocks] of a checkpoint folder's weights, index and
+    config (cheap: three blocks per file)."""
+    import hashlib
+
+    p, out = Path(path), {}
+    names = sorted({f.name for f in p.glob("*.safetensors")} | {INDEX, CONFIG})
+    for name in names:
+        f = p / name
+        if not f.is_file():
+            continue
+        size, h = f.stat().st_size, hashlib.blake2b(digest_size=8)
+        with open(f, "rb") as fh:
+            for at in sorted({0, max(0, size // 2 - SAMPLE // 2), max(0, size - SAMPLE)}):
+                fh.seek(at)
+                h.update(fh.read(SAMPLE))
+        out[name] = [size, h.hexdigest()]
+    return out
 
 
 class HFWeights:
