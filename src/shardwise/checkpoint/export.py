@@ -2,8 +2,10 @@
 
 Streams: the output is planned from the index (names, shapes, dtypes) into shards of at most
 `max_shard_bytes`, then each shard is assembled tensor by tensor from the checkpoint's slices
-(`checkpoint_io.read_tensor`, one parameter at a time) and written; no more than one output
-shard and one parameter are in memory at once, whatever the layout the run was trained in.
+(`export_source.Source`: its files verified against their checksums and held open, one
+parameter at a time) and written into a temporary folder that replaces OUT at the end
+(`export_dir.writing`); no more than one output shard and one parameter are in memory at
+once, whatever the layout the run was trained in.
 The fp32 master weights are exported when the run kept them apart from the (bf16/fp16)
 parameters, else the parameters. `config.json` describes the Llama or GPT-2 model so
 `transformers`' `from_pretrained(OUT)` loads it; the tensor layouts are those of
@@ -19,63 +21,36 @@ from pathlib import Path
 
 import torch
 
-from shardwise.checkpoint import io as cio
-from shardwise.config import config_from_dict
+from shardwise.checkpoint.export_dir import writing
+from shardwise.checkpoint.export_source import Source, open_source
+from shardwise.checkpoint.state import check_base
 from shardwise.errors import ShardwiseError
 from shardwise.finetune.lora import ADAPTER, apply_lora, is_adapter_name
-from shardwise.models import build_model
-from shardwise.models.hf import gpt2, llama
+from shardwise.models import build_on_meta
+from shardwise.models.families import family_of
 from shardwise.models.hf.rule import hf_shape
 from shardwise.models.hf.weights import INDEX, SINGLE, rule_for
 from shardwise.models.init import canonical_name
 from shardwise.models.presets import ModelSpec
-from shardwise.models.spec import spec_from_config
-
-
-def find_checkpoint(run_dir: Path) -> Path:
-    """The newest complete checkpoint of a run directory (or `run_dir` itself when it is one
-    checkpoint directory)."""
-    if (run_dir / cio.INDEX).is_file():
-        return run_dir
-    if (run_dir / cio.LATEST).is_file():  # a checkpoint.dir
-        return _newest(run_dir)
-    config = run_dir / "config.json"
-    if not config.is_file():
-        raise ShardwiseError(
-            f"'{run_dir}' is neither a run directory (no config.json) nor a checkpoint "
-            f"(no {cio.INDEX}). Fix: pass the run.dir of a training run with checkpoint.every > 0."
-        )
-    cfg = config_from_dict(json.loads(config.read_text()))
-    return _newest(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints")
-
-
-def _newest(root: Path) -> Path:
-    found = cio.latest(root)
-    if found is None or not (found / cio.INDEX).is_file():
-        raise ShardwiseError(
-            f"no complete checkpoint under '{root}'. Fix: train with --checkpoint.every=N."
-        )
-    return found
 
 
 def hf_config(spec: ModelSpec, dtype: str) -> dict:
     """config.json for transformers, with the model's dropout rates (models/hf/llama.py,
     gpt2.py)."""
-    writers = {"decoder": llama.config, "gpt2": gpt2.config}
-    if spec.arch not in writers:
+    write = family_of(spec).hf_config
+    if write is None:
         raise ShardwiseError(
             f"only Llama-style and GPT-2 models export to Hugging Face, not {spec.arch}"
         )
-    return writers[spec.arch](spec, dtype)
+    return write(spec, dtype)
 
 
 def _plan(spec: ModelSpec, finetune=None) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """Hugging Face tensor -> our parameters (name, shape) that make it up, in part order (a
     LoRA run's adapted layers under their base names: the adapters are merged in on read)."""
-    with torch.device("meta"):
-        model = build_model(spec)
-        if finetune is not None:
-            apply_lora(model, finetune)
+    model = build_on_meta(spec)
+    if finetune is not None:
+        apply_lora(model, finetune)
     out: dict[str, list] = {}
     for name, p in model.named_parameters():  # a tied head is the embedding, once
         if is_adapter_name(name):
@@ -106,25 +81,6 @@ def _shards(spec: ModelSpec, plan: dict, elem: int, max_bytes: int) -> list[list
         shards[-1].append(key)
         size += nbytes
     return shards
-
-
-def _recorded_labels(run_dir: Path, cfg) -> tuple[str, ...] | None:
-    """The label names a classification run recorded in its run.dir (training/metrics.py)."""
-    for root in (run_dir, Path(cfg.run.dir)):
-        path = root / "labels.json"
-        if path.is_file():
-            return tuple(json.loads(path.read_text())["labels"])
-    return None
-
-
-def _spec(cfg, labels: tuple[str, ...] | None = None) -> ModelSpec:
-    if cfg.model.init_from and not Path(cfg.model.init_from).is_dir():
-        raise ShardwiseError(
-            f"the run started from Hugging Face weights at model.init_from="
-            f"'{cfg.model.init_from}', which is gone; its config.json gives the model's sizes."
-            " Fix: restore that directory (its weights are not read, only config.json)."
-        )
-    return spec_from_config(cfg, labels)
 
 
 def _copy_tokenizer(source: Path, out: Path) -> None:
@@ -160,39 +116,15 @@ def _write_tokenizer(cfg, spec, out: Path) -> None:
     GenerationConfig(eos_token_id=meta["eos_id"], pad_token_id=meta["eos_id"]).save_pretrained(out)
 
 
-def open_checkpoint(run_dir: str | Path):
-    """(checkpoint directory, its index, its config, the model spec) of a run's newest
-    checkpoint, and `read(name)`: a parameter at full shape, its fp32 master when the run kept
-    one apart from low-precision parameters (frozen ones have none)."""
-    ckpt = find_checkpoint(Path(run_dir))
-    try:
-        index = cio.read_index(ckpt)
-    except (OSError, ValueError) as exc:
-        raise ShardwiseError(
-            f"the checkpoint {ckpt} cannot be read: {exc}. Fix: export another checkpoint "
-            "(checkpoint.dir keeps the newest checkpoint.keep)."
-        ) from None
-    cfg = config_from_dict(index["config"])
-    spec = _spec(cfg, _recorded_labels(Path(run_dir), cfg))
-
-    def read(name: str) -> torch.Tensor:  # checkpoints key parameters by canonical name
-        name = canonical_name(name, spec)
-        key = f"master/{name}" if f"master/{name}" in index["tensors"] else f"param/{name}"
-        return cio.read_tensor(ckpt, key, index)
-
-    return ckpt, index, cfg, spec, read
-
-
 def _quantised_base(cfg, spec) -> dict[str, torch.Tensor]:
     """A QLoRA run's base linears as it computed with them: quantised to NF4 from the values it
     started from (checkpoints do not store them; finetune/quant.py), dequantised; by name."""
     from shardwise.finetune.quant import materialise_quantised, quant_layers, quantise_base
     from shardwise.models.hf.auto import weights_for
 
-    with torch.device("meta"):
-        model = build_model(spec)
-        apply_lora(model, cfg.finetune)
-        quantise_base(model, cfg.finetune.base_quant)
+    model = build_on_meta(spec)
+    apply_lora(model, cfg.finetune)
+    quantise_base(model, cfg.finetune.base_quant)
     source = weights_for(spec, cfg.model.init_from, model)
     materialise_quantised(model, source, cfg.train.seed, torch.device("cpu"))
     return {f"{path}.weight": layer.dequantised() for path, layer in quant_layers(model)}
@@ -219,20 +151,17 @@ def _merging(read, cfg, spec):
     return merged
 
 
-def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 30) -> Path:
-    """Write `out/` (safetensors shards + index + config.json) from the run's newest
-    checkpoint (LoRA adapters merged into their layers); returns the checkpoint exported."""
+def _write(src: Source, out: Path, max_shard_bytes: int) -> None:
+    """The Hugging Face files of `src` in `out` (a fresh folder)."""
     from safetensors.torch import save_file
 
-    ckpt, index, cfg, spec, read = open_checkpoint(run_dir)
+    cfg, spec, index = src.cfg, src.spec, src.index
     plan = _plan(spec, cfg.finetune)
     first = canonical_name(next(iter(plan.values()))[0][0], spec)  # the embedding
     kind = "master" if f"master/{first}" in index["tensors"] else "param"
     dtype = index["tensors"][f"{kind}/{first}"]["dtype"]
     shards = _shards(spec, plan, getattr(torch, dtype).itemsize, max_shard_bytes)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    read = _merging(read, cfg, spec)
+    read = _merging(src.read, cfg, spec)
     weight_map, total = {}, 0
     for i, keys in enumerate(shards):  # one output file in memory at a time
         fname = (
@@ -246,7 +175,7 @@ def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 
     if len(shards) > 1:
         index_out = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX).write_text(json.dumps(index_out, indent=2))
-    if spec.arch == "hf":  # transformers' own class: its config, the labels, the tokenizer
+    if family_of(spec).from_checkpoint:  # transformers' class: its config, labels, tokenizer
         from shardwise.models.hf.auto import export_config
 
         (out / "config.json").write_text(json.dumps(export_config(spec, dtype), indent=2))
@@ -254,11 +183,31 @@ def export_hf(run_dir: str | Path, out: str | Path, max_shard_bytes: int = 2 << 
     else:
         (out / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2))
         _write_tokenizer(cfg, spec, out)
-    if spec.arch == "decoder" and spec.dropout > 0:
+
+
+def export_hf(
+    run_dir: str | Path,
+    out: str | Path,
+    max_shard_bytes: int = 2 << 30,
+    *,
+    step: int | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write `out/` (safetensors shards + index + config.json) from the run's newest
+    checkpoint, or that of `step` (LoRA adapters merged into their layers), replacing an
+    earlier export there whole (export_dir.py); returns the checkpoint exported."""
+    with open_source(run_dir, step) as src:
+        check_base(src.index, src.cfg, src.path)  # a quantised base changed since the save
+        about = {"format": "hf", "checkpoint": str(src.path), "step": src.index["step"]}
+        with writing(out, about, src.protected(), overwrite) as tmp:
+            _write(src, tmp, max_shard_bytes)
+        spec = src.spec
+    family = family_of(spec)
+    if family.hf_config is not None and not family.hf_keeps_dropout and spec.dropout > 0:
         print(
             f"note: model.dropout={spec.dropout} (embedding and residual dropout) is not in the "
             "exported config: transformers' Llama has attention dropout only "
             f"(attention_dropout={spec.attn_dropout} is)",
             file=sys.stderr,
         )
-    return ckpt
+    return src.path

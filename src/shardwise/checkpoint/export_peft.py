@@ -15,10 +15,12 @@ from pathlib import Path
 
 import torch
 
-from shardwise.checkpoint.export import open_checkpoint
+from shardwise.checkpoint.export_dir import writing
+from shardwise.checkpoint.export_source import Source, open_source
 from shardwise.errors import ShardwiseError
 from shardwise.finetune.lora import ADAPTER, apply_lora
-from shardwise.models import build_model
+from shardwise.models import build_on_meta
+from shardwise.models.families import family_of
 from shardwise.models.hf.weights import rule_for
 from shardwise.models.init import canonical_name
 from shardwise.optim import quiet_bitsandbytes
@@ -26,7 +28,7 @@ from shardwise.optim import quiet_bitsandbytes
 
 def _their_path(spec, layer: str) -> str:
     """The Hugging Face module path of our layer `layer`."""
-    if spec.arch == "hf":
+    if family_of(spec).from_checkpoint:  # transformers' own names
         return layer
     rule, key = rule_for(spec.arch, canonical_name(f"{layer}.weight", spec))
     if rule.parts > 1 or rule.transposed:
@@ -38,46 +40,54 @@ def _their_path(spec, layer: str) -> str:
     return key.removesuffix(".weight")
 
 
-def export_peft(run_dir: str | Path, out: str | Path) -> Path:
-    """Write the adapter of the run's newest checkpoint to `out/`; returns the checkpoint."""
-    from safetensors.torch import save_file
-
-    quiet_bitsandbytes()  # peft imports it when installed
-    from peft import LoraConfig
-
-    ckpt, _, cfg, spec, read = open_checkpoint(run_dir)
-    ft = cfg.finetune
-    if ft.lora_rank == 0:
-        raise ShardwiseError(
-            f"the run in '{run_dir}' trained no LoRA adapter (finetune.lora_rank=0). Fix: "
-            "--format hf exports its whole model."
-        )
-    with torch.device("meta"):
-        model = build_model(spec)
-        layers = apply_lora(model, ft)
+def _adapter(src: Source) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """(peft's tensors by name, the adapted layers' paths, the heads trained whole)."""
+    spec, ft = src.spec, src.cfg.finetune
+    model = build_on_meta(spec)
+    layers = apply_lora(model, ft)
     tensors, paths = {}, []
     for layer in layers:
         theirs = _their_path(spec, layer)
         paths.append(theirs)
         for part in ("lora_A", "lora_B"):
-            value = read(f"{layer}.{part}.{ADAPTER}.weight").float().contiguous()
+            value = src.read(f"{layer}.{part}.{ADAPTER}.weight").float().contiguous()
             tensors[f"base_model.model.{theirs}.{part}.weight"] = value
     heads = sorted({n.rpartition(".")[0] for n, p in model.named_parameters() if p.requires_grad})
     heads = [h for h in heads if not any(f".{part}." in f"{h}." for part in ("lora_A", "lora_B"))]
     for name, p in model.named_parameters():  # a new head, trained whole
         if p.requires_grad and name.rpartition(".")[0] in heads:
-            tensors[f"base_model.model.{name}"] = read(name).float().contiguous()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    task = "SEQ_CLS" if spec.task == "classification" else "CAUSAL_LM"
-    LoraConfig(
-        r=ft.lora_rank,
-        lora_alpha=ft.lora_alpha,
-        lora_dropout=ft.lora_dropout,
-        target_modules=paths,
-        modules_to_save=heads or None,
-        task_type=task,
-        base_model_name_or_path=cfg.model.init_from or None,
-    ).save_pretrained(out)
-    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
-    return ckpt
+            tensors[f"base_model.model.{name}"] = src.read(name).float().contiguous()
+    return tensors, paths, heads
+
+
+def export_peft(
+    run_dir: str | Path, out: str | Path, *, step: int | None = None, overwrite: bool = False
+) -> Path:
+    """Write the adapter of the run's newest checkpoint (or that of `step`) to `out/`,
+    replacing an earlier export there whole (export_dir.py); returns the checkpoint."""
+    from safetensors.torch import save_file
+
+    quiet_bitsandbytes()  # peft imports it when installed
+    from peft import LoraConfig
+
+    with open_source(run_dir, step) as src:
+        ft = src.cfg.finetune
+        if ft.lora_rank == 0:
+            raise ShardwiseError(
+                f"the run in '{run_dir}' trained no LoRA adapter (finetune.lora_rank=0). Fix: "
+                "--format hf exports its whole model."
+            )
+        tensors, paths, heads = _adapter(src)
+        about = {"format": "peft", "checkpoint": str(src.path), "step": src.index["step"]}
+        with writing(out, about, src.protected(), overwrite) as tmp:
+            LoraConfig(
+                r=ft.lora_rank,
+                lora_alpha=ft.lora_alpha,
+                lora_dropout=ft.lora_dropout,
+                target_modules=paths,
+                modules_to_save=heads or None,
+                task_type="SEQ_CLS" if family_of(src.spec).classifier else "CAUSAL_LM",
+                base_model_name_or_path=src.cfg.model.init_from or None,
+            ).save_pretrained(tmp)
+            save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+    return src.path

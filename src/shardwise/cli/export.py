@@ -22,7 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shardwise export",
         add_help=False,
-        usage="%(prog)s RUN_DIR --format {hf,peft} OUT [--max-shard-size 2GB]",
+        usage="%(prog)s RUN_DIR --format {hf,peft} OUT [--max-shard-size 2GB] [--step N] "
+        "[--overwrite]",
         description="A run's newest checkpoint in another format.",
     )
     p.add_argument(
@@ -40,6 +41,18 @@ def _parser() -> argparse.ArgumentParser:
         "adapter alone, loadable with peft.PeftModel.from_pretrained(base, OUT)",
     )
     p.add_argument("--max-shard-size", default="2GB", help="largest file written (default 2GB)")
+    p.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="export the checkpoint of this step (default: the newest)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT and everything in it when it is neither empty nor an earlier export "
+        "(an earlier export is replaced whole without it)",
+    )
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     return p
 
@@ -60,15 +73,16 @@ def export_main(argv: list[str]) -> int:
         if args.format == "peft":
             from shardwise.checkpoint.export_peft import export_peft
 
-            ckpt = export_peft(run_dir, out)
+            ckpt = export_peft(run_dir, out, step=args.step, overwrite=args.overwrite)
             what = "peft LoRA adapter"
         else:
             from shardwise.checkpoint.export import export_hf
 
-            ckpt = export_hf(run_dir, out, parse_size(args.max_shard_size))
+            size = parse_size(args.max_shard_size)
+            ckpt = export_hf(run_dir, out, size, step=args.step, overwrite=args.overwrite)
             what = "Hugging Face safetensors + config.json"
     except ShardwiseError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "code", 2)  # 128 + the signal when one stopped it
     print(f"exported {ckpt} to {out} ({what})")
     return 0

@@ -28,7 +28,7 @@ FAMILIES: tuple[Family, ...] = (
     CUSTOM,
 )
 
-__all__ = ["FAMILIES", "BlockShape", "Family", "family_of"]
+__all__ = ["FAMILIES", "BlockShape", "Family", "classifies", "family_of"]
 
 
 def family_of(spec: ModelSpec) -> Family:
@@ -37,3 +37,8 @@ def family_of(spec: ModelSpec) -> Family:
         if spec.arch in family.archs and family.task in (None, spec.task):
             return family
     raise ConfigError(f"no model family builds arch {spec.arch!r} with task {spec.task!r}.")
+
+
+def classifies(task: str) -> bool:
+    """Whether model.task `task` builds a classifier (one label per row: the data reads labels)."""
+    return any(family.classifier and family.task == task for family in FAMILIES)
