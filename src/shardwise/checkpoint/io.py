@@ -64,6 +64,10 @@ INDEX, LATEST = "index.json", "latest"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _LEFTOVER = re.compile(r"^step-\d{8}\.(tmp|deleting)$")  # what a save or a removal of ours names
 _OURS = re.compile(r"^(rank-\d{5}\.safetensors|index\.json)$")  # what a save writes inside
+_POINTER = re.compile(rb"^step-\d{8}\n$")  # what `latest` (and its temporary) holds
+_SET_ASIDE = re.compile(r"^step-\d{8}\.damaged(\.\d+)?$")  # a damaged one a save replaced
+# a new file only: never through a symbolic link, never over a file already there
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _PLAIN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # a file name without any path
 
 Box = tuple[tuple[int, int], ...]
@@ -110,7 +114,7 @@ def shard_name(rank: int) -> str:
 
 
 # -- writing ------------------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -119,7 +123,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
+    """Create `path` (it must not exist: a planted link is never written through) and fsync."""
+    with os.fdopen(os.open(path, _NEW, 0o644), "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -132,37 +137,75 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def commit(root: Path, tmp: Path, step: int, index: dict, keep: int) -> Path:
-    """Write the index into the finished temporary directory, rename it into place, point
-    `latest` at it and delete all but the newest `keep` checkpoints (rank 0 only)."""
+def leftover_name(path: Path) -> bool:
+    """Whether `path` has the name of a save's temporary or a removal's (`.tmp`/`.deleting`)."""
+    return bool(_LEFTOVER.match(path.name))
+
+
+def ours_leftover(path: Path) -> bool:
+    """A real directory holding only regular files a save writes (a killed save of ours)."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return all(_OURS.match(f.name) and not f.is_symlink() and f.is_file() for f in path.iterdir())
+
+
+def check_pointer(root: Path) -> None:
+    """Refuse a `latest.tmp` that a save of ours did not leave (a link, another file): the
+    save would write through it; ours (a killed save's) is removed."""
+    pointer = root / (LATEST + ".tmp")
+    if not os.path.lexists(pointer):
+        return
+    ours = not pointer.is_symlink() and pointer.is_file() and pointer.stat().st_size < 64
+    if not (ours and _POINTER.match(pointer.read_bytes())):
+        raise CheckpointError(
+            f"{pointer} is not a pointer a save of ours left (a symbolic link or another "
+            "file): it is not written through or deleted. Fix: move it away and run again "
+            "with --checkpoint.resume=auto."
+        )
+    os.unlink(pointer)
+
+
+def commit(root: Path, tmp: Path, step: int, index: dict) -> Path:
+    """Write the index into the finished temporary directory, rename it into place and point
+    `latest` at it (rank 0 only). The final name must be free (the caller sets aside a
+    damaged checkpoint there, and refuses to replace a valid one)."""
+    check_pointer(root)
     write_file(tmp / INDEX, json.dumps(index, indent=1).encode())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     final = step_dir(root, step)
-    if final.exists():  # an older run's checkpoint of the same step (resume=none refuses this)
-        remove(final)
+    if os.path.lexists(final):  # never replaced here: rename() would take an empty directory
+        raise CheckpointError(
+            f"{final} appeared during the save (another job?): not overwritten. Fix: give one "
+            "of the jobs another --checkpoint.dir."
+        )
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     pointer = root / (LATEST + ".tmp")
     write_file(pointer, (final.name + "\n").encode())
-    os.replace(pointer, root / LATEST)
-    _fsync_dir(root)
-    for _, old in list_complete(root)[keep:]:
-        if check_index(old)[0] is not None:  # only checkpoints whose index this job can read
-            remove(old)
+    os.replace(pointer, root / LATEST)  # (replaces a link named `latest`, never its target)
+    fsync_dir(root)
     return final
 
 
-def check_room(root: Path, need: int, key: str) -> None:
-    """Refuse a job whose checkpoint (`need` bytes, predicted) cannot fit under `root`."""
+def check_room(root: Path, need: int, key: str, copies: int = 1) -> None:
+    """Refuse a job whose checkpoints (`copies` alive at once of `need` bytes each, predicted:
+    those kept plus the one being written) cannot fit under `root`."""
     where = root
     while not where.exists() and where != where.parent:
         where = where.parent
     free = shutil.disk_usage(where).free
-    if free < need:
+    if free < need * copies:
+        held, keep = "the first save would fill the disk", ""
+        if free >= need:  # one fits, not all those alive at once
+            held = (
+                f"{copies} of them are on disk at once (those kept and the one being written), "
+                f"{need * copies / 1e9:.2f} GB: a later save would fill the disk"
+            )
+            keep = "--checkpoint.keep=<fewer>, " if copies > 2 else ""
         raise CheckpointError(
             f"{key}={root} has {free / 1e9:.2f} GB free, and one checkpoint of this job takes "
-            f"about {need / 1e9:.2f} GB: the first save would fill the disk. Fix: free space "
-            f"there, or --{key}=<a directory with room>."
+            f"about {need / 1e9:.2f} GB; {held}. Fix: free space there, {keep}or "
+            f"--{key}=<a directory with room>."
         )
 
 
@@ -198,11 +241,13 @@ def list_unfinished(root: Path) -> tuple[list[Path], list[Path]]:
         return [], []
     ours, kept = [], []
     for c in sorted(root.iterdir()):
-        if not c.is_dir() or not c.name.startswith("step-"):
-            continue
-        if _LEFTOVER.match(c.name) and all(_OURS.match(f.name) for f in c.iterdir()):
+        if not c.name.startswith("step-") or _SET_ASIDE.match(c.name):
+            continue  # (a damaged checkpoint set aside was reported when it was)
+        if _LEFTOVER.match(c.name) and ours_leftover(c):
             ours.append(c)
-        elif not _STEP_DIR.match(c.name) or not (c / INDEX).is_file():
+        elif c.is_symlink() or (c.is_dir() and not _STEP_DIR.match(c.name)):
+            kept.append(c)  # a link is never followed to delete what it points to
+        elif c.is_dir() and not (c / INDEX).is_file():
             kept.append(c)
     return ours, kept
 

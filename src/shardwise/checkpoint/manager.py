@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint import io as io
+from shardwise.checkpoint import lineage
 from shardwise.checkpoint.state import (
     Local,
     adam_step,
@@ -42,6 +43,23 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+def _attempt(action, doing: str):
+    """`action()`'s result, or what every rank is told of its failure: an OSError's reason
+    (`doing` names the path), or a refusal's whole message."""
+    try:
+        return action()
+    except CheckpointError as exc:
+        return ("refused", str(exc))
+    except OSError as exc:
+        return f"{doing}: {exc.strerror or exc}"
+
+
+def _every_rank(exc: CheckpointError) -> CheckpointError:
+    """Mark a failure every rank raises alike: only rank 0 prints it (launchers/local.py)."""
+    exc.every_rank = True
+    return exc
+
+
 def _restart() -> str:
     """How many times torch elastic has restarted this job's ranks ("0": never)."""
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -54,7 +72,7 @@ class Checkpointer:
 
     def __init__(self, run) -> None:
         self.run, self.cfg = run, run.cfg.checkpoint
-        self.root = Path(self.cfg.dir or Path(run.cfg.run.dir) / "checkpoints")
+        self.root = lineage.checkpoint_root(run.cfg)
         self.rank = run.topo.rank
         self.enabled = self.cfg.every > 0 or self.cfg.resume != "none" or self.cfg.on_signal
         # group creation is collective: every rank makes it here, at the same point
@@ -67,19 +85,17 @@ class Checkpointer:
         # the metrics record of the step the resumed checkpoint was saved after: a failure
         # between the save and the log line must not leave that step out of metrics.jsonl
         self.record: dict | None = None
+        self.history = lineage.start(None, 0)  # the line this job's saves continue
+        self._good: dict[str, bool] = {}  # rank 0: checkpoints this job verified (name: ok)
 
     # -- resume ---------------------------------------------------------------------------------
     def resume(self) -> int:
         """Load the checkpoint `checkpoint.resume` names; returns the step to continue from."""
         mode = self.cfg.resume
         if mode == "none":
-            if self.cfg.every and io.list_complete(self.root):
-                step = io.list_complete(self.root)[0][0]
-                raise CheckpointError(
-                    f"checkpoint.dir {self.root} already holds checkpoints (newest: step "
-                    f"{step}) and checkpoint.resume=none would mix two runs there. Fix: "
-                    "--checkpoint.resume=auto to continue that run, or another --checkpoint.dir."
-                )
+            found = io.list_complete(self.root)
+            if found and (self.cfg.every or self.cfg.on_signal):
+                raise CheckpointError(lineage.fresh_refusal(self.root, found[0][0]))
             return 0
         if mode == "auto":
             path = self._newest_valid()
@@ -93,7 +109,9 @@ class Checkpointer:
                 return 0
         else:
             path = self._explicit(Path(mode))
-        return self._load(path)
+        step = self._load(path)
+        self._check_planned(step)
+        return step
 
     def _problems(self, path: Path) -> list[str]:
         """Every rank checks a share of the files; all ranks get the union (collective)."""
@@ -119,22 +137,64 @@ class Checkpointer:
                     "deleted (remove it yourself if it is not needed)"
                 )
         self.channel.all_gather(None)  # everyone lists the directory after the clean-up
+        order, off = lineage.resume_order(self.root)
         bad = []
-        for _, path in io.list_complete(self.root):
-            problems = self._problems(path)
+        for entry in order:  # `latest` (or a newer save of its line), then its line backwards
+            problems = self._problems(entry.path)
             if not problems:
-                return path
-            bad.append(f"\n  {path.name}: " + "; ".join(problems))
+                self._say_off_line(off, entry.path)
+                return entry.path
+            bad.append(f"\n  {entry.path.name}: " + "; ".join(problems))
             if self.rank == 0:
-                _warn(f"skipping checkpoint {path}: " + "; ".join(problems))
+                _warn(f"skipping checkpoint {entry.path}: " + "; ".join(problems))
         if bad:  # starting over would silently throw the run's progress away
+            others = ", ".join(e.path.name for e in off)
             raise CheckpointError(
                 f"checkpoint.dir {self.root} holds {len(bad)} checkpoint(s) and none is valid:"
-                f"{''.join(bad)}\nNothing was changed. Fix: restore a checkpoint, name one with "
+                f"{''.join(bad)}\n"
+                + (f"Not tried (off the line `latest` names): {others}.\n" if others else "")
+                + "Nothing was changed. Fix: restore a checkpoint, name one with "
                 "--checkpoint.resume=PATH, or start over with --checkpoint.resume=none and "
                 "another --checkpoint.dir."
             )
         return None
+
+    def _say_off_line(self, off: list[lineage.Entry], used: Path) -> None:
+        if off and self.rank == 0:
+            names = ", ".join(sorted(e.path.name for e in off))
+            _warn(
+                f"not resuming {names} in {self.root}: off the "
+                f"line of {used.name}, the newest save (a later point of a run that was resumed "
+                "from an earlier step, or another run's); they are kept, never pruned. Name one "
+                "with --checkpoint.resume=PATH to continue it instead."
+            )
+
+    def _check_planned(self, start: int) -> None:
+        """Refuse, before the first step, a line whose planned saves would land on another
+        line's valid checkpoints (a damaged one is set aside when its step is saved)."""
+        last = start > 0  # a resumed run saves its last step (training/loop.py)
+        steps = lineage.planned_saves(start, self.run.cfg.train.steps, self.cfg.every or 0)
+        if last and not steps and start < self.run.cfg.train.steps:
+            steps = [self.run.cfg.train.steps]
+        taken = [p for s, p in io.list_complete(self.root) if s in set(steps)]
+        valid = [p for p in taken if not self._problems(p)]
+        tmps = [io.step_dir(self.root, s).with_suffix(".tmp") for s in steps]
+        blocked = [t for t in tmps if os.path.lexists(t) and not io.ours_leftover(t)]
+        if blocked:  # not ours (a link, other files): a save there would be refused mid-run
+            raise CheckpointError(
+                f"{blocked[0]} is in the way of this run's save of that step and was not "
+                "written by a save (a symbolic link, a file or foreign files). Nothing was "
+                "changed. Fix: move it away."
+            )
+        if valid:
+            raise CheckpointError(
+                f"this run continues from step {start} and would save over "
+                f"{', '.join(sorted(p.name for p in valid))} in {self.root}: valid checkpoints of "
+                "another line (a later point of the run it rolls back, or another run), which "
+                "are never overwritten. Nothing was changed. Fix: --checkpoint.dir=<another "
+                "directory> for this line (keeping --checkpoint.resume), or "
+                "--checkpoint.resume=auto to continue the newest save."
+            )
 
     def _explicit(self, path: Path) -> Path:
         if not (path / io.INDEX).is_file() and (path / io.LATEST).is_file():
@@ -159,6 +219,9 @@ class Checkpointer:
                 f"{data['global_batch']} --train.seed={data['seed']}."
             )
         note = self.run.resume_note = load_state(self.run, path, index, self.channel)
+        self.history = lineage.start(index, index["step"])  # a new job on that line
+        if path.parent.resolve() == self.root.resolve():
+            self._good[path.name] = True  # every file's SHA-256 was checked before loading
         self.record = index.get("record")
         scaler, saved = self.run.optimizer.scaler, index["loop"]["loss_scaler"]
         if scaler.enabled and saved["enabled"]:
@@ -216,6 +279,7 @@ class Checkpointer:
         if self.rank == 0:
             index = build_index(self.run, step, owner, max(h[1] for h in held))
             index["record"] = dict(record)  # logged after the save; restored if it never was
+            index[lineage.HISTORY] = self.history
         self.saving_step = step
         if self.cfg.async_:
             # a daemon: a rank failing meanwhile must still exit (its save stays a .tmp)
@@ -237,34 +301,99 @@ class Checkpointer:
 
     def _write(self, step: int, tensors: dict[str, torch.Tensor], index: dict | None) -> None:
         tmp = io.step_dir(self.root, step).with_suffix(".tmp")
-        info: dict | str | None = None
-        try:  # a full or failing disk on any rank: every rank stops with one message
-            tmp.mkdir(parents=True, exist_ok=True)
-            info = io.write_shard(tmp / io.shard_name(self.rank), tensors) if tensors else None
-        except OSError as exc:
-            info = f"rank {self.rank} writing {tmp}: {exc.strerror or exc}"
+        made = None
+        if self.rank == 0:  # one fresh directory, made by one rank: never a planted link
+            made = _attempt(lambda: lineage.make_tmp(self.root, step), f"creating {tmp}")
+        self._raise_failed(step, self.channel.all_gather(made))
+        info = None
+        if tensors:  # a full or failing disk on any rank: every rank stops with one message
+            info = _attempt(
+                lambda: io.write_shard(tmp / io.shard_name(self.rank), tensors), f"writing {tmp}"
+            )
         infos = self.channel.all_gather(info)
         self._raise_failed(step, infos)
         failed = None
         if index is not None:
             index["files"] = {io.shard_name(r): i for r, i in enumerate(infos) if i is not None}
-            try:
-                io.commit(self.root, tmp, step, index, self.cfg.keep)
-            except OSError as exc:
-                failed = f"rank 0 committing {tmp}: {exc.strerror or exc}"
+            failed = _attempt(lambda: self._commit(tmp, step, index), f"committing {tmp}")
         # no rank moves on before the checkpoint is in place
         self._raise_failed(step, self.channel.all_gather(failed))
+        if index is not None:
+            self._prune(step)
+
+    def _commit(self, tmp: Path, step: int, index: dict) -> None:
+        """Rank 0: put the finished save in place. A checkpoint already at its name is another
+        line's or run's: a valid one is never replaced, a damaged one is set aside."""
+        final = io.step_dir(self.root, step)
+        if os.path.lexists(final):
+            problems = self._damage(final)
+            if not problems:
+                raise CheckpointError(
+                    f"{final} already holds a valid checkpoint of another line or run, which "
+                    f"is never overwritten; this save was left in {tmp.name}. Fix: "
+                    "--checkpoint.dir=<another directory> for this run."
+                )
+            aside = lineage.set_aside(final)
+            _warn(f"{final} is damaged ({problems[0]}): moved to {aside.name} to save in its place")
+        io.commit(self.root, tmp, step, index)
+        self._good[final.name] = True  # written and fsynced by this job
+
+    def _damage(self, path: Path) -> list[str]:
+        """Problems of one checkpoint, checked by rank 0 alone (index, files' sizes, SHA-256)."""
+        index, problems = io.check_index(path)
+        return problems or io.check_files(path, index.get("files", {}))
+
+    def _verified(self, entry: lineage.Entry) -> bool:
+        """Counts toward checkpoint.keep: loaded or written by this job, or its index readable
+        and every file it lists there at its size (hashing every kept checkpoint at each save
+        would cost a full read of each)."""
+        if entry.path.name not in self._good:
+            files = (entry.index or {}).get("files", {})
+            self._good[entry.path.name] = bool(files) and all(
+                (entry.path / n).is_file() and (entry.path / n).stat().st_size == f["bytes"]
+                for n, f in files.items()
+            )
+        return self._good[entry.path.name]
+
+    def _prune(self, step: int) -> None:
+        """Rank 0, after a save: delete the checkpoints of this line past checkpoint.keep,
+        only the files their index lists (a failure here only warns: the save is in place)."""
+        try:
+            old = lineage.doomed(self.root, self.history, step, self.cfg.keep, self._verified)
+            for entry in old:
+                foreign = lineage.prune(entry.path, entry.index)
+                if foreign:
+                    _warn(
+                        f"pruned checkpoint {entry.path}: deleted its own files only; the "
+                        f"directory stays with {len(foreign)} other entr"
+                        f"{'y' if len(foreign) == 1 else 'ies'} ({', '.join(foreign[:5])})"
+                    )
+        except OSError as exc:
+            _warn(f"pruning old checkpoints in {self.root} failed ({exc}); they are kept")
 
     def _raise_failed(self, step: int, reports: list) -> None:
-        errors = [r for r in reports if isinstance(r, str)]
+        """Raise one message for every rank's failures (each rank raises it)."""
+        refusals = [r[1] for r in reports if isinstance(r, tuple) and r[0] == "refused"]
+        if refusals:
+            raise _every_rank(CheckpointError(refusals[0]))
+        errors: dict[str, list[int]] = {}
+        for rank, r in enumerate(reports):
+            if isinstance(r, str):
+                errors.setdefault(r, []).append(rank)
         if not errors:
             return
         kept = io.latest(self.root)
-        raise CheckpointError(
-            f"saving step {step} failed ({'; '.join(errors)}); "
-            + (f"the last complete checkpoint, {kept}, is kept" if kept else "no checkpoint yet")
-            + ". Fix: free space in (or repair) checkpoint.dir, or point --checkpoint.dir "
-            "elsewhere, and run again with --checkpoint.resume=auto."
+        said = "; ".join(
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} {text}"
+            for text, ranks in errors.items()
+        )
+        left = f"the last complete checkpoint, {kept}, is kept" if kept else "no checkpoint yet"
+        raise _every_rank(
+            CheckpointError(
+                f"saving step {step} failed ({said}); {left}. Fix: free space in (or repair) "
+                f"{self.root}, or point --checkpoint.dir elsewhere, and run again with "
+                "--checkpoint.resume=auto."
+            )
         )
 
     def _write_guarded(self, *args) -> None:
