@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import reprlib
 import tomllib
 import types
 import typing
@@ -66,7 +67,7 @@ class ModelConfig:
     init_from: str = opt(
         "",
         "Start from Hugging Face weights: a directory with config.json and safetensors of a "
-        "Llama or GPT-2 model (as transformers' save_pretrained writes it); its sizes replace "
+        "Llama/GPT-2 (built-in decoders) or any model (model.name=hf); its sizes replace "
         "the preset's and each rank reads only what it keeps ('' = init from train.seed).",
     )
     sync_batchnorm: bool = opt(
@@ -82,11 +83,11 @@ class DataConfig:
     dataset: str = opt(
         "stdlib",
         "stdlib (Python's own sources), digits (scikit-learn images), a "
-        "path/dir/glob of .txt, .jsonl, .json, .parquet files, or your own dataset: "
+        "path/dir/glob of .txt, .jsonl, .json, .csv, .parquet files, or your own dataset: "
         "module:factory or file.py:factory, factory(split) -> (input, target) items or None.",
     )
     seq_len: int = opt(128, "Tokens per sample (text).")
-    text_field: str = opt("text", "Field holding the text in .jsonl/.json/.parquet files.")
+    text_field: str = opt("text", "Field holding the text in .jsonl/.json/.csv/.parquet files.")
     label_field: str = opt("label", "Field holding the label (model.task=classification).")
     format: Literal["text", "instruction", "chat"] = opt(
         "text",
@@ -180,7 +181,7 @@ class OptimConfig:
     weight_decay: float = opt(0.1, "Decoupled weight decay (not applied to norms and biases).")
     grad_clip: float = opt(1.0, "Clip the global gradient norm to this (0 = off).")
     warmup_steps: int = opt(20, "Linear warm-up steps.")
-    schedule: Literal["cosine", "constant"] = opt("cosine", "Learning-rate decay after warm-up.")
+    schedule: Literal["cosine", "constant"] = opt("cosine", "LR after warm-up: cosine or constant.")
     min_lr_ratio: float = opt(0.1, "Cosine decays to lr * min_lr_ratio.")
 
 
@@ -403,8 +404,20 @@ def _unknown(key: str, candidates: list[str]) -> ConfigError:
     )
 
 
+def _shown(raw: Any) -> str:
+    """`raw` as an error message shows it: a list or table of TOML cut short (a deeply nested
+    one would overflow repr), a scalar in full."""
+    return reprlib.repr(raw) if isinstance(raw, (list, dict)) else repr(raw)
+
+
 def _parse(key: str, raw: Any, typ: Any) -> Any:
     """Convert a TOML or command-line value to the field's type, or say what was expected."""
+    if isinstance(raw, (list, dict)):
+        kind = "an array" if isinstance(raw, list) else "a table"
+        raise ConfigError(
+            f"{key}={_shown(raw)} is {kind}, and {key} takes one value. Fix: e.g. "
+            f"--{key}={_example(typ)}"
+        )
     origin = get_origin(typ)
     if origin is Literal:
         choices = get_args(typ)
@@ -449,6 +462,13 @@ def _parse(key: str, raw: Any, typ: Any) -> Any:
     raise TypeError(f"unsupported config type {typ} for {key}")
 
 
+def _example(typ: Any) -> str:
+    """A value of type `typ` for a Fix: line."""
+    if get_origin(typ) is Literal:
+        return str(get_args(typ)[0])
+    return {int: "8", float: "0.001", bool: "true"}.get(typ, "VALUE")
+
+
 def _set(cfg: Config, key: str, raw: Any) -> None:
     section, _, name = key.partition(".")
     secs = sections()
@@ -475,6 +495,11 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(
             f"config file '{path}' is not valid TOML: {exc}. Fix the line it names."
+        ) from None
+    except RecursionError:  # tomllib reads nested arrays and inline tables recursively
+        raise ConfigError(
+            f"config file '{path}' nests arrays or inline tables too deeply to read. Fix: a "
+            "shardwise config is flat: [section] headers, then key = value lines."
         ) from None
 
 
@@ -518,8 +543,9 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file, then command-line overrides (later wins)."""
-    cfg = Config()
+    """Defaults, then the TOML file, then command-line overrides (later wins); then what the
+    given keys imply for those left out (`_infer`)."""
+    cfg, given = Config(), set()
     if path is not None:
         for section, values in load_toml(path).items():
             if not isinstance(values, dict):
@@ -533,9 +559,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 raise _unknown(section, all_keys())
             for name, raw in values.items():
                 _set(cfg, f"{section}.{name}", raw)
+                given.add(f"{section}.{name}")
     for key, raw in parse_overrides(overrides or []):
         _set(cfg, key, raw)
+        given.add(key)
+    _infer(cfg, given)
     return cfg
+
+
+def _infer(cfg: Config, given: set[str]) -> None:
+    """Fill a key left at its default when the given ones allow a single value: a classifier
+    from a checkpoint (model.task=classification, model.init_from) is transformers' own class,
+    model.name=hf, the only family that classifies."""
+    m = cfg.model
+    if m.task == "classification" and m.init_from and "model.name" not in given:
+        m.name = "hf"
 
 
 def with_overrides(cfg: Config, overrides: list[str]) -> Config:
@@ -546,13 +584,36 @@ def with_overrides(cfg: Config, overrides: list[str]) -> Config:
     return out
 
 
-def config_from_dict(values: dict[str, dict[str, Any]]) -> Config:
-    """Rebuild a Config from `Config.to_dict()` output (e.g. a run's config.json)."""
+def config_from_dict(values: dict[str, dict[str, Any]], source: str | None = None) -> Config:
+    """Rebuild a Config from `Config.to_dict()` output (e.g. a run's config.json). `source`:
+    the file it was read from (a checkpoint's index.json), named in any error with its fix."""
     cfg = Config()
     for section, fields in values.items():
         for name, raw in fields.items():
-            _set(cfg, f"{section}.{name}", raw)
+            key = f"{section}.{name}"
+            try:
+                _set(cfg, key, raw)
+            except ConfigError as exc:
+                if source is None:
+                    raise
+                raise _saved_error(key, source, exc) from None
     return cfg
+
+
+def _saved_error(key: str, source: str, exc: ConfigError) -> ConfigError:
+    """A saved config's bad key: the file holds it, so no command-line flag fixes it."""
+    if key not in all_keys():
+        return ConfigError(
+            f"the config saved in '{source}' has the key '{key}', which this version of "
+            "shardwise does not know (the file was written by another version). Fix: use the "
+            f"shardwise version that wrote it, or delete '{key.partition('.')[2]}' from the "
+            f"'{key.partition('.')[0]}' section of the config in '{source}'."
+        )
+    why = str(exc).partition(" Fix:")[0]  # its fix is a flag; the value is in the file
+    return ConfigError(
+        f"the config saved in '{source}' holds a value this version refuses: {why} Fix: "
+        f"correct {key} in that file, or use the shardwise version that wrote it."
+    )
 
 
 def reference_markdown() -> str:

@@ -27,7 +27,12 @@ def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> Mode
         return _custom(cfg)
     if m.name not in PRESETS:
         names = ", ".join(PRESETS)
-        raise ConfigError(f"model.name='{m.name}' is not a known model. Fix: one of {names}.")
+        raise ConfigError(
+            f"model.name='{m.name}' is not a known model. Fix: one of {names}; hf "
+            "(transformers' own class for a checkpoint: --model.name=hf --model.init_from=DIR); "
+            "or your own nn.Module as package.module:factory or file.py:factory (e.g. "
+            "--model.name=mymodels.net:build)."
+        )
     spec = preset(m.name)
     overrides = {
         k: getattr(m, k)

@@ -1,15 +1,31 @@
 """What `shardwise plan` prints: the top-k table, one candidate in full, the rejected counts,
-the ZeRO model-state table of `--params`, and what would be needed when nothing fits."""
+the ZeRO model-state table of `--params`, and what would be needed when nothing fits.
+
+Memory is in GiB (2^30 bytes), as device memory is sold ("24 GB" cards hold 24 GiB), so a
+card's figure reads as its data sheet's; only the ZeRO paper's table keeps its decimal GB."""
 
 from __future__ import annotations
 
-from shardwise.training.metrics import human_bytes
+from shardwise.plan.hardware import GiB
 
 CATEGORIES = ("params", "grads", "master", "optimizer", "activations", "buffers")
 
 
-def _gb(n: float) -> str:
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f}"
+
+
+def _gb(n: float) -> str:  # decimal GB: the ZeRO paper's unit (states_table only)
     return f"{n / 1e9:.1f}"
+
+
+def human_gib(n: float) -> str:
+    """Bytes in binary units with the unit named: '512 B', '3.0 MiB', '24.0 GiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def why(rec: dict) -> str:
@@ -31,14 +47,14 @@ def why(rec: dict) -> str:
     over = "".join(f", {k} {100 * v / step:.0f}%" for v, k in top)
     wire = rec.get("compression", "none")
     wire = f"; dp sends {wire}" if wire != "none" else ""
-    return f"{_gb(spare)} GB spare; compute {100 * t['compute_s'] / step:.0f}%{over}{wire}"
+    return f"{_gib(spare)} GiB spare; compute {100 * t['compute_s'] / step:.0f}%{over}{wire}"
 
 
 def table(cands: list[dict], top: int) -> str:
     head = (
         f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'schedule':>13} {'mb':>3} "
         f"{'recompute':>9} {'offload':>16} {'params':>7} {'grads':>6} {'optim':>6} "
-        f"{'act':>6} {'peak GB':>8} {'step s':>8} {'tok/s':>10} {'mfu':>5}  why"
+        f"{'act':>6} {'peak GiB':>8} {'step s':>8} {'tok/s':>10} {'mfu':>5}  why"
     )
     lines = [head]
     for i, r in enumerate(cands[:top], 1):
@@ -49,14 +65,36 @@ def table(cands: list[dict], top: int) -> str:
             else "-"
         )
         lines.append(
-            f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {r['zero']:>4} {sched:>13} "
+            f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {_zero(r):>4} {sched:>13} "
             f"{r['micro_batch']:>3} {r['recompute']:>9} {r['offload']:>16} "
-            f"{_gb(m['params']):>7} {_gb(m['grads']):>6} "
-            f"{_gb(m['master'] + m['optimizer']):>6} {_gb(m['activations']):>6} "
-            f"{_gb(r['peak_bytes']):>8} {r['step_time_s']:>8.3g} {r['tokens_per_s']:>10,.0f} "
+            f"{_gib(m['params']):>7} {_gib(m['grads']):>6} "
+            f"{_gib(m['master'] + m['optimizer']):>6} {_gib(m['activations']):>6} "
+            f"{_gib(r['peak_bytes']):>8} {r['step_time_s']:>8.3g} {r['tokens_per_s']:>10,.0f} "
             f"{100 * r['mfu']:>4.0f}%  {why(r)}"
         )
     return "\n".join(lines)
+
+
+def _zero(r: dict) -> str:
+    """The ZeRO stage, or the stages that predict the same here ('1/2': one replica)."""
+    return "/".join(str(z) for z in (r["zero"], *r.get("equivalent_zero", ())))
+
+
+def train_flags(r: dict) -> list[str]:
+    """The `shardwise train` overrides that run candidate `r`: every layout key, explicitly,
+    so they win over any value a config file sets."""
+    return [
+        f"--parallel.tp={r['tp']}",
+        f"--parallel.pp={r['pp']}",
+        f"--parallel.zero={r['zero']}",
+        f"--parallel.sp={str(r['sp']).lower()}",
+        f"--parallel.pp_schedule={r['pp_schedule']}",
+        f"--parallel.pp_virtual={r['pp_virtual']}",
+        f"--parallel.grad_compression={r.get('compression', 'none')}",
+        f"--train.micro_batch={r['micro_batch']}",
+        f"--memory.recompute={r['recompute']}",
+        f"--memory.offload={r['offload']}",
+    ]
 
 
 def rejected_lines(rejected: dict) -> str:
@@ -69,34 +107,36 @@ def rejected_lines(rejected: dict) -> str:
 def explain_candidate(r: dict, n: int) -> str:
     lines = [f"candidate #{n}: tp={r['tp']} sp={r['sp']} pp={r['pp']} dp={r['dp']}"]
     lines.append(
-        f"  zero={r['zero']} schedule={r['pp_schedule']} v={r['pp_virtual']} "
+        f"  zero={_zero(r)} schedule={r['pp_schedule']} v={r['pp_virtual']} "
         f"micro_batch={r['micro_batch']} recompute={r['recompute']} offload={r['offload']} "
         f"compression={r.get('compression', 'none')}"
     )
     lines.append("  memory per rank (max over ranks):")
     for key, value in r["mem_bytes"].items():
-        lines.append(f"    {key:<15} {human_bytes(value):>10}  ({value:,} B)")
+        lines.append(f"    {key:<15} {human_gib(value):>10}  ({value:,} B)")
     lines.append(
         f"    {'+ backward transient, framework reserve, NCCL buffers':<15} -> peak "
-        f"{human_bytes(r['peak_bytes'])} of {human_bytes(r['device_memory'])}"
+        f"{human_gib(r['peak_bytes'])} of {human_gib(r['device_memory'])}"
     )
     lines.append("  step time:")
     for key, value in r["time"].items():
         lines.append(f"    {key:<15} {value:.4g} s")
     lines.append(
         f"  tokens/s {r['tokens_per_s']:,.0f}   mfu {100 * r['mfu']:.1f}%   "
-        f"traffic/rank dp {human_bytes(r['comm_bytes']['dp'])} tp "
-        f"{human_bytes(r['comm_bytes']['tp'])} pp {human_bytes(r['comm_bytes']['pp'])}"
+        f"traffic/rank dp {human_gib(r['comm_bytes']['dp'])} tp "
+        f"{human_gib(r['comm_bytes']['tp'])} pp {human_gib(r['comm_bytes']['pp'])}"
     )
     lines.append(f"  why: {why(r)}")
     return "\n".join(lines)
 
 
 def states_table(rows: list[dict], params: int, devices: int) -> str:
-    """The ZeRO paper's figure-1 accounting, in decimal GB per device."""
+    """The ZeRO paper's figure-1 accounting, in decimal GB per device (the paper's unit, said
+    in the heading)."""
     lines = [
         f"model states per device: {params:,} parameters on {devices} devices, mixed-precision "
-        "Adam (16-bit params and grads, fp32 master and moments; Rajbhandari et al. 2020 fig. 1)",
+        "Adam (16-bit params and grads, fp32 master and moments; Rajbhandari et al. 2020 fig. 1); "
+        "GB = 10^9 bytes, as the paper",
         f"{'stage':<8} {'params':>8} {'grads':>8} {'master':>8} {'optim':>8} {'total GB':>9}",
     ]
     for r in rows:
@@ -112,19 +152,19 @@ def states_table(rows: list[dict], params: int, devices: int) -> str:
 def misses(unfit: list[dict], k: int, memory: int, host: int) -> str:
     """The `k` layouts closest to fitting, and by how much they miss."""
     lines = [
-        f"closest layouts that do not fit ({memory / 1e9:.1f} GB device, "
-        f"{host / 1e9:.1f} GB host per device):"
+        f"closest layouts that do not fit ({_gib(memory)} GiB device, "
+        f"{_gib(host)} GiB host per device):"
     ]
     for r in unfit[:k]:
         overs = []
         if r["peak_bytes"] > memory:
-            overs.append(f"device over by {(r['peak_bytes'] - memory) / 1e9:.1f} GB")
+            overs.append(f"device over by {_gib(r['peak_bytes'] - memory)} GiB")
         if r["host_bytes"] > host:
-            overs.append(f"host over by {(r['host_bytes'] - host) / 1e9:.1f} GB")
+            overs.append(f"host over by {_gib(r['host_bytes'] - host)} GiB")
         where = ", ".join(overs)
         lines.append(
             f"  zero={r['zero']} mb={r['micro_batch']} recompute={r['recompute']:<9} "
-            f"offload={r['offload']:<16} peak {_gb(r['peak_bytes'])} GB, host "
-            f"{_gb(r['host_bytes'])} GB: {where}"
+            f"offload={r['offload']:<16} peak {_gib(r['peak_bytes'])} GiB, host "
+            f"{_gib(r['host_bytes'])} GiB: {where}"
         )
     return "\n".join(lines)

@@ -13,6 +13,7 @@ from shardwise.errors import ConfigError
 from shardwise.plan import memory as mem
 from shardwise.plan import time as tm
 from shardwise.plan import traffic
+from shardwise.plan.hardware import GiB
 from shardwise.plan.layout import Job, Layout
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb")
@@ -22,7 +23,20 @@ NVME = ("optimizer+nvme", "params+nvme")  # searched where the hardware declares
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of `n`, ascending, from its prime factors (trial division to sqrt(n)):
+    a loop to n took minutes for a billion devices."""
+    divisors, rest, p = [1], n, 2
+    while p * p <= rest:
+        power = 0
+        while rest % p == 0:
+            rest //= p
+            power += 1
+        if power:
+            divisors = [d * p**k for d in divisors for k in range(power + 1)]
+        p += 1 if p == 2 else 2
+    if rest > 1:
+        divisors += [d * rest for d in divisors]
+    return sorted(divisors)
 
 
 def _pow2_upto(n: int) -> list[int]:
@@ -38,7 +52,7 @@ def invalid(job: Job, lay: Layout) -> str | None:
     spec = job.spec
     if any(getattr(lay, k) != v for k, v in job.pinned):
         return "other than the layout keys given"
-    if job.act_lines and (lay.tp > 1 or lay.pp > 1):  # plan/real.py
+    if job.act_lines and (lay.tp > 1 or lay.pp > 1):  # job/real.py
         return "tp/pp searched for Llama-family and GPT-2 configs only"
     if job.act_lines and lay.recompute not in dict(job.act_lines):
         return f"recompute={lay.recompute} not available for this model"
@@ -158,10 +172,67 @@ def _offloads(job: Job) -> tuple[str, ...]:
     return OFFLOAD + NVME if nvme else OFFLOAD
 
 
+def usable_devices(job: Job) -> int:
+    """The most ranks any layout of `job` can occupy: each data-parallel replica needs a sample
+    of the global batch, each pipeline stage a layer, each tensor-parallel rank a head (and tp
+    stays inside a node)."""
+    spec = job.spec
+    tp = min(job.hardware.per_node, spec.n_heads or job.hardware.per_node)
+    return job.global_batch * max(1, spec.n_layers) * tp
+
+
+def check_device_count(job: Job) -> None:
+    """Refuse a device count no layout can use, before enumerating its divisors."""
+    most = usable_devices(job)
+    if job.devices > most:
+        tp = most // (job.global_batch * max(1, job.spec.n_layers))
+        raise ConfigError(
+            f"--devices={job.devices:,} is more than any layout of this job can use: at most "
+            f"global batch {job.global_batch} (dp) x {job.spec.n_layers} layers (pp) x {tp} "
+            f"(tp: heads, within a node) = {most:,} ranks. Fix: --devices {most:,} or fewer, "
+            "or a larger --train.global_batch."
+        )
+
+
+# memory figures closer than this are one row: half the 0.1 GiB the table prints
+SAME_BYTES = 2**30 // 20
+MEMORY_KEYS = ("mem_bytes", "peak_bytes", "host_bytes")
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Two predictions that read the same: equal times and traffic, memory within SAME_BYTES."""
+    rest = [k for k in a if k not in (*MEMORY_KEYS, "zero")]
+    if any(a[k] != b.get(k) for k in rest):
+        return False
+    pairs = [(a["peak_bytes"], b["peak_bytes"]), (a["host_bytes"], b["host_bytes"])]
+    pairs += [(v, b["mem_bytes"].get(k, 0)) for k, v in a["mem_bytes"].items()]
+    return all(abs(x - y) <= SAME_BYTES for x, y in pairs)
+
+
+def merge_equivalent(cands: list[dict]) -> list[dict]:
+    """One row per distinct layout. With one data-parallel replica ZeRO shards nothing, so
+    stages that differ in nothing else are one layout: ZeRO-1 and ZeRO-2 with the optimizer
+    offloaded predict the same but ZeRO-2's few MiB of reduce buffers. The first (faster,
+    leaner: `cands` is ranked) is kept and names the others in `equivalent_zero`."""
+    out: list[dict] = []
+    single: list[dict] = []  # the kept rows with dp = 1
+    for rec in cands:
+        twin = next((k for k in single if _same(k, rec)), None) if rec["dp"] == 1 else None
+        if twin is not None:
+            twin.setdefault("equivalent_zero", []).append(rec["zero"])
+            continue
+        out.append(rec)
+        if rec["dp"] == 1:
+            single.append(rec)
+    return out
+
+
 def search(job: Job) -> Result:
-    """Every valid layout that fits, best first; rejected ones counted by reason."""
+    """Every valid layout that fits, best first (layouts that cannot differ merged); rejected
+    ones counted by reason."""
     if job.spec is None:
         raise ConfigError("search needs a model architecture; --params plans model states only")
+    check_device_count(job)
     out, rejected, unfit = [], Counter(), []
     for lay in layouts(job):
         reason = invalid(job, lay)
@@ -176,6 +247,7 @@ def search(job: Job) -> Result:
             continue
         out.append(rec)
     out.sort(key=lambda r: (-r["tokens_per_s"], r["peak_bytes"]))
+    out = merge_equivalent(out)
     hw = job.hardware
     unfit.sort(key=lambda r: max(r["peak_bytes"] / hw.memory, r["host_bytes"] / hw.host_memory))
     return Result(out, rejected, None if out or not unfit else unfit[0], unfit)
@@ -188,13 +260,15 @@ def nothing_fits(job: Job, result: Result) -> ConfigError:
     need = ""
     if least:
         need = (
-            f" The closest layout ({_short(least)}) needs {least['peak_bytes'] / 1e9:.1f} GB "
-            f"per device and {least['host_bytes'] / 1e9:.1f} GB of host memory per device; "
-            f"{hw.name} has {hw.memory / 1e9:.1f} GB and {hw.host_memory / 1e9:.1f} GB."
+            f" The closest layout ({_short(least)}) needs {least['peak_bytes'] / GiB:.1f} GiB "
+            f"per device and {least['host_bytes'] / GiB:.1f} GiB of host memory per device; "
+            f"{hw.name} has {hw.memory / GiB:.1f} GiB and {hw.host_memory / GiB:.1f} GiB."
         )
     more = ""
     for k in range(1, 11):
         bigger = dataclasses.replace(job, devices=job.devices * 2**k)
+        if bigger.devices > usable_devices(job):
+            break
         if search(bigger).candidates:
             more = f" The smallest device count (doubling) that fits is {bigger.devices}."
             break
