@@ -27,8 +27,57 @@ if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
 
 
+# launcher variables read as integers: (lowest value, what it is, an example)
+INT_ENV = {
+    "RANK": (0, "this rank's index", "0"),
+    "WORLD_SIZE": (1, "the number of ranks", "2"),
+    "LOCAL_RANK": (0, "this rank's index on its node", "0"),
+    "LOCAL_WORLD_SIZE": (1, "the ranks on this node", "2"),
+    "MASTER_PORT": (1, "the rendezvous port", "29500"),
+    "SLURM_NTASKS": (1, "srun's task count", "2"),
+    "SLURM_PROCID": (0, "srun's task index", "0"),
+    "SLURM_LOCALID": (0, "srun's task index on its node", "0"),
+    "SLURM_NTASKS_PER_NODE": (1, "srun's tasks per node", "2"),
+}
+
+
+def check_launch_env() -> None:
+    """Refuse launcher and thread variables that would fail later as a raw ValueError (an
+    `int()` deep in the rendezvous) or silently slow every rank (OMP_NUM_THREADS=0: libgomp
+    warns, then runs one thread per core in each rank)."""
+    for name, (low, what, example) in INT_ENV.items():
+        value = os.environ.get(name)
+        if value is None:
+            continue
+        if not value.strip().isdigit() or int(value) < low:
+            kind = "a positive" if low else "a non-negative"
+            unset = name if name.startswith("SLURM") else "RANK WORLD_SIZE LOCAL_RANK"
+            raise ShardwiseError(
+                f"{name}={value!r} is not {kind} integer ({what}). Fix: export "
+                f"{name}={example} (as torchrun sets it), or unset {unset} and let "
+                "`shardwise train --nproc N` start the ranks."
+            )
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is not None and world is not None and int(rank) >= int(world):
+        raise ShardwiseError(
+            f"RANK={rank} is not below WORLD_SIZE={world} (ranks are 0..WORLD_SIZE-1). Fix: "
+            "export them as the launcher would, or unset both to let shardwise start the ranks."
+        )
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads is not None:
+        parts = threads.split(",")
+        if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            raise ShardwiseError(
+                f"OMP_NUM_THREADS={threads!r} is not a positive thread count: OpenMP ignores "
+                "it and every rank then runs one thread per core (many times slower with "
+                "several ranks). Fix: export OMP_NUM_THREADS=1, or unset it."
+            )
+
+
 def under_external_launcher() -> bool:
-    """True inside torchrun/torch elastic (RANK set) or a multi-task srun step."""
+    """True inside torchrun/torch elastic (RANK set) or a multi-task srun step. The launcher
+    variables are checked first (`check_launch_env`)."""
+    check_launch_env()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return True
     return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
@@ -89,7 +138,8 @@ def rank_main(cfg_dict: dict, hook: str | None = None, local: bool = False) -> N
         raise SystemExit(exc.code) from None
     except ShardwiseError as exc:
         rank = os.environ.get("RANK", "0")
-        print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
+        if rank == "0" or not getattr(exc, "every_rank", False):  # the same on all: once
+            print(f"error (rank {rank}): {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
@@ -103,6 +153,7 @@ def launch_local(cfg: Config, nproc: int, hook: str | None = None, max_restarts:
     restarting). A job stopped by the hang watchdog fails with its report as the message.
     After a failure torch elastic stops every rank and starts them all again, up to
     `max_restarts` times; they resume from the newest valid checkpoint."""
+    check_launch_env()
     if nproc == 1 and not max_restarts:
         train_here(cfg, hook)
         return
@@ -143,14 +194,18 @@ def launch_local(cfg: Config, nproc: int, hook: str | None = None, max_restarts:
         release(held)
 
 
-def _stopped(cfg: Config, signum: int) -> Preempted:
-    """The ranks stopped on `signum` after saving: the step is that of the newest checkpoint."""
+def _stopped(cfg: Config, signum: int, since: float = 0.0) -> Preempted:
+    """The ranks stopped on `signum`: saved if the newest checkpoint was committed after
+    `since` (the job's start), else stopped before saving any (a checkpoint of an earlier
+    job is not this one's)."""
     from shardwise.checkpoint import io as cio
 
     root = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
     newest = cio.latest(root)
     step = int(newest.name.rpartition("-")[2]) if newest is not None else None
-    return Preempted(signum, step, str(root))
+    saved = newest is not None and (newest / cio.INDEX).stat().st_mtime >= since
+    metrics = str(Path(cfg.run.dir) / "metrics.jsonl")
+    return Preempted(signum, step, str(newest) if newest else None, saved, metrics)
 
 
 class _DeathSignalNote(logging.Filter):
@@ -193,13 +248,13 @@ def run_elastic(
     except SignalException as exc:  # the agent was signalled; its ranks saved and stopped
         # while the handler is still held here: torch leaves its keep-alive thread running
         rendezvous.stop_heartbeats()
-        raise _stopped(cfg, int(exc.sigval)) from None
+        raise _stopped(cfg, int(exc.sigval), started) from None
     except ChildFailedError as exc:
         codes = sorted({f.exitcode for f in exc.failures.values()})
         ranks = sorted(exc.failures)
         stopped = {preempt_code(c) for c in codes}
         if None not in stopped:  # every failed rank stopped on a signal after saving
-            raise _stopped(cfg, max(stopped)) from None
+            raise _stopped(cfg, max(stopped), started) from None
         report = Path(cfg.run.dir) / REPORT
         if EXIT_HANG in codes and report.is_file() and report.stat().st_mtime >= started:
             raise ShardwiseError(

@@ -5,22 +5,25 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from shardwise.checkpoint import io
 from shardwise.checkpoint.manager import Checkpointer
 from shardwise.data import GlobalSampler, split_for_rank
 from shardwise.data.prefetch import Fetch
 from shardwise.distributed import device as dev
 from shardwise.distributed.clock import clock
-from shardwise.models import build_model
+from shardwise.errors import CheckpointError
+from shardwise.models import build_on_meta
 from shardwise.models.dropout import random_stream, samples
 from shardwise.optim import lr_at
 from shardwise.parallel.data import sync_buffers
 from shardwise.profile import ledger
 from shardwise.profile.capture import Capture, capture_for
 from shardwise.training.memory import model_state_bytes, step_memory
-from shardwise.training.metrics import MetricsLogger, flops_per_token
+from shardwise.training.metrics import METRICS, MetricsLogger, done_line, flops_per_token
 from shardwise.training.nonfinite import NonFiniteGuard
 from shardwise.training.preempt import Preempted, StopRequest
 from shardwise.training.runtime import Run
@@ -31,17 +34,24 @@ def fit(run: Run) -> list[dict]:
     `checkpoint.resume`); returns the per-step metric records of the steps run here."""
     cfg, d = run.cfg, run.derived
     peak = run.info.peak_flops(cfg.precision.compute)
-    with torch.device("meta"):  # the whole model's FLOPs, not this rank's tensor-parallel slice
-        step_flops = flops_per_token(build_model(d.spec), d) * d.tokens_per_step
+    # the whole model's FLOPs, not this rank's tensor-parallel slice
+    step_flops = flops_per_token(build_on_meta(d.spec), d) * d.tokens_per_step
     ckpt = Checkpointer(run)
     start = ckpt.resume()  # the step to continue from (0: a fresh run)
+    if start >= cfg.train.steps:  # before the logger: a finished run's files stay untouched
+        ckpt.close()
+        _nothing_to_do(run, start, ckpt.root)
+        return []
     logger = MetricsLogger(run, start, ckpt.record)
     guard = NonFiniteGuard(run)
-    stop = StopRequest().install() if cfg.checkpoint.on_signal else StopRequest()
+    stop = StopRequest(ckpt.root)
+    stop = stop.install() if cfg.checkpoint.on_signal else stop
     capture = capture_for(run, start)  # `shardwise profile`: traces of the last steps
     clock().on = cfg.log.ledger or capture.active  # the ledger: where each step's time went
     fetch = Fetch(run.train_data, cfg.data.prefetch)  # loads ahead in threads when asked
-    loop = _Loop(ckpt, logger, guard, stop, capture, fetch, step_flops, peak)
+    # a resumed run saves its last step even with checkpoint.every=0: else the next run (and
+    # export) would take the older checkpoint it resumed from and train the tail again
+    loop = _Loop(ckpt, logger, guard, stop, capture, fetch, step_flops, peak, start > 0)
     try:
         records, signum = _steps(run, start, loop)
         if not signum and records and cfg.checkpoint.on_signal:
@@ -57,9 +67,34 @@ def fit(run: Run) -> list[dict]:
         fetch.close()
     ckpt.close()  # (waits for an async save: a stopped job exits with its checkpoint written)
     logger.close()
+    saved = str(io.step_dir(ckpt.root, ckpt.saving_step)) if ckpt.saving_step else None
     if signum:  # told to stop, and saved: the caller exits 128 + signum
-        raise Preempted(signum, records[-1]["step"], str(ckpt.root))
+        raise Preempted(signum, records[-1]["step"], saved, metrics=str(logger.path))
+    if run.topo.rank == 0:  # the last line: what was written where
+        print(done_line(run.cfg, records[-1]["step"], logger.path, saved), flush=True)
     return records
+
+
+def _nothing_to_do(run: Run, start: int, root: Path) -> None:
+    """A resumed checkpoint at or past `train.steps`: say so instead of exiting silently."""
+    cfg = run.cfg
+    if start > cfg.train.steps:
+        elsewhere = "another --checkpoint.dir" if cfg.checkpoint.dir else "a new --run.dir"
+        raise CheckpointError(
+            f"the checkpoint resumed is at step {start}, past train.steps={cfg.train.steps}: "
+            f"nothing to train. Fix: --train.steps=N with N > {start} to continue it, or "
+            f"{elsewhere} to start over."
+        )
+    if run.topo.rank == 0:
+        resumed = cfg.checkpoint.resume  # a path, or the step's folder in checkpoint.dir
+        if resumed == "auto":
+            resumed = str(io.step_dir(root, start))
+        print(
+            f"shardwise: already complete at step {start}: nothing to do (run dir "
+            f"{cfg.run.dir}, metrics {Path(cfg.run.dir) / METRICS}, checkpoint {resumed}; "
+            f"--train.steps=N with N > {start} trains further)",
+            flush=True,
+        )
 
 
 def _late_signal(run: Run, stop: StopRequest) -> int:
@@ -114,6 +149,7 @@ class _Loop:
     fetch: Fetch
     step_flops: float  # the whole model's FLOPs per step (for MFU)
     peak: float | None  # the devices' peak FLOP/s (None: unknown, no MFU)
+    save_last: bool  # save the last step whatever checkpoint.every says (a resumed run)
 
 
 def _steps(run: Run, start: int, loop: _Loop) -> tuple[list[dict], int]:
@@ -196,7 +232,8 @@ def _steps(run: Run, start: int, loop: _Loop) -> tuple[list[dict], int]:
         # maybe checkpoint (async: a host snapshot only); always when told to stop. Before
         # evaluating: a failure there must not cost the step's checkpoint
         with clk.phase("checkpoint"):
-            ckpt.maybe_save(step + 1, record, force=bool(signum))
+            last = loop.save_last and step + 1 == cfg.train.steps
+            ckpt.maybe_save(step + 1, record, force=bool(signum) or last)
         eval_every = cfg.train.eval_every
         if (
             run.val_data is not None

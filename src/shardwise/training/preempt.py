@@ -18,22 +18,46 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 SAME_REQUEST_S = 2.0
 
 
 class Preempted(Exception):
-    """The job stopped on a signal after saving; `code` is the process's exit status."""
+    """The job stopped on a signal; `code` is the process's exit status. `saved`: it saved a
+    checkpoint of `step` at `where` (False: it stopped before saving any; `where` is then the
+    newest earlier checkpoint, or None)."""
 
-    def __init__(self, signum: int, step: int | None, where: str) -> None:
-        self.signum, self.step, self.code = signum, step, 128 + signum
+    def __init__(
+        self,
+        signum: int,
+        step: int | None,
+        where: str | None,
+        saved: bool = True,
+        metrics: str | None = None,
+    ) -> None:
+        self.signum, self.step, self.code, self.saved = signum, step, 128 + signum, saved
         name = signal.Signals(signum).name
-        after = f" after step {step}" if step is not None else ""
-        super().__init__(
-            f"stopped by {name}{after}: checkpoint saved in {where}. Fix: run the same command "
-            "again to resume from it (checkpoint.resume=auto)."
-        )
+        logged = f"; metrics in {metrics}" if metrics else ""
+        if saved:
+            after = f" after step {step}" if step is not None else ""
+            text = (
+                f"stopped by {name}{after}: checkpoint saved in {where}{logged}. Fix: run the "
+                "same command again with --checkpoint.resume=auto (the default) to resume from "
+                "it."
+            )
+        elif where:
+            text = (
+                f"stopped by {name} before this run saved a checkpoint{logged}. The same "
+                f"command resumes from the newest earlier one, {where} (step {step})."
+            )
+        else:
+            text = (
+                f"stopped by {name} before any checkpoint was saved: nothing to resume{logged}. "
+                "Fix: run the same command again to start over."
+            )
+        super().__init__(text)
 
 
 def preempt_code(code: int) -> int | None:
@@ -44,7 +68,8 @@ def preempt_code(code: int) -> int | None:
 class StopRequest:
     """The first stop signal received by this process (0: none), while installed."""
 
-    def __init__(self) -> None:
+    def __init__(self, checkpoints: Path | None = None) -> None:
+        self.checkpoints = checkpoints  # checkpoint.dir: what an abort says is left there
         self.signum = 0
         self._at = 0.0
         self._old: dict[int, object] = {}
@@ -63,12 +88,22 @@ class StopRequest:
             return
         if now - self._at > SAME_REQUEST_S:  # a second request: abort without saving
             print(
-                f"shardwise: second {signal.Signals(signum).name}: aborting at once (the last "
-                "complete checkpoint stays valid)",
+                f"shardwise: second {signal.Signals(signum).name}: aborting at once without "
+                f"saving; {self._left()}",
                 file=sys.stderr,
                 flush=True,
             )
             os._exit(128 + signum)
+
+    def _left(self) -> str:
+        """What an abort leaves: the newest complete checkpoint (an unfinished save is never
+        loaded), or that there is none."""
+        from shardwise.checkpoint.io import latest  # (loaded by then: fit's Checkpointer)
+
+        newest = latest(self.checkpoints) if self.checkpoints is not None else None
+        if newest is None:
+            return "no checkpoint was saved"
+        return f"the newest complete checkpoint, {newest}, stays valid"
 
     def close(self) -> None:
         for sig, old in self._old.items():
