@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from common import add_smoke, check, command_line, load, median, table
-from shardwise.testing import run_world
+from shardwise.launchers.harness import run_world
 
 NPROC = 2
 MODEL = ["--model.n_layers=4", "--model.dim=256", "--model.vocab_size=8192"]
@@ -51,7 +51,7 @@ def cases(root: Path, rounds: int, smoke: bool = False) -> list[tuple[str, dict]
         for kind in order:
             ckpt = [f"--checkpoint.dir={root}/{kind}{r}", "--checkpoint.resume=none"]
             if kind == "dcp":
-                case = {"overrides": [*run, *ckpt], "peer": "shardwise.testing.ckpt_peers:dcp_peer"}
+                case = {"overrides": [*run, *ckpt], "peer": "support.ckpt_peers:dcp_peer"}
             else:
                 flag = "true" if kind == "async" else "false"
                 every = [f"--checkpoint.every={EVERY}", f"--checkpoint.async={flag}"]

@@ -1,6 +1,7 @@
 """Shared helpers of the benchmark scripts: the command line, medians, tables, a byte-counting
 DDP peer. Imported as `common` (the scripts' own directory is on `sys.path`, also in the
-spawned ranks, which inherit the parent's `sys.path`)."""
+spawned ranks, which inherit the parent's `sys.path`). Importing it also puts the test rigs
+(tests/support/, imported as `support`) on `sys.path`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,18 @@ import time
 from collections.abc import Sequence
 
 import torch
+
+
+def add_test_rigs_to_path() -> None:
+    """Put the repository's tests/ on `sys.path`: the PyTorch peers, fault hooks and chaos
+    rigs the benchmarks run live in tests/support/ (`support.peers:ddp_peer`, ...), not in
+    the installed package. Spawned ranks inherit the parent's `sys.path`."""
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    if tests not in sys.path:
+        sys.path.append(tests)
+
+
+add_test_rigs_to_path()  # before a script's `from support import ...` (sorted after `common`)
 
 WARMUP_STEPS = 5  # first steps pay allocator growth, lazy init and cold caches
 SMOKE_HELP = (
@@ -183,11 +196,11 @@ def _counting_hook(state: dict, bucket):
 
 
 def counting_ddp_peer(cfg) -> dict:
-    """`shardwise.testing.peers.ddp_peer` with a comm hook that counts DDP's gradient bytes.
+    """`support.peers.ddp_peer` with a comm hook that counts DDP's gradient bytes.
 
     Only for measuring bytes: a Python comm hook replaces DDP's C++ all-reduce, so step
     times of this peer are not the ones to compare (the timed peer runs without it)."""
-    from shardwise.testing import peers
+    from support import peers
 
     state = {"bytes": 0.0}
     plain = peers.DistributedDataParallel
@@ -210,7 +223,7 @@ def paired_peer(cfg) -> dict:
     """Alternate single steps of ours (`fit` with one step) and of DDP in the same processes,
     with the order flipped every step: the two see the same load at the same moments, which
     a comparison of whole runs on a busy shared machine cannot promise. The DDP step is the
-    body of `shardwise.testing.peers.ddp_peer` (no accumulation; the same fp64-norm clipping).
+    body of `support.peers.ddp_peer` (no accumulation; the same fp64-norm clipping).
     Timing only: both repeat global batch 0 at the learning rate of step 0."""
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel

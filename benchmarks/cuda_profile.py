@@ -165,7 +165,7 @@ def verify_cause(a: argparse.Namespace, folder: Path) -> None:
     from shardwise.config import load_config
 
     extra = ["--memory.recompute=full"] if a.verify == "recompute" else []
-    hook = "shardwise.testing.hooks:slow_data" if a.verify == "data_wait" else None
+    hook = "support.hooks:slow_data" if a.verify == "data_wait" else None
     cfg = load_config(None, [*overrides(a, folder), *extra, f"--profile.warmup={a.warmup}"])
     verify(cfg, 1, folder / "profile", a.steps, 1, hook=hook, cause=a.verify)
 

@@ -2,7 +2,7 @@
 
 What it measures: on 2 gloo ranks in fp32, the same decoder model, data order, seed,
 AdamW settings and learning-rate schedule are trained by shardwise (bucketed, overlapped
-all-reduce in `parallel/data.py`) and by the PyTorch peer `shardwise.testing.peers:ddp_peer`.
+all-reduce in `parallel/data.py`) and by the PyTorch peer `support.peers:ddp_peer`.
 All cases run in ONE spawned world, interleaved with alternating order (ours, DDP; DDP, ours;
 ...) so that drift on a shared machine hits both alike. Per case: the median step time over
 the steps after warm-up (max over ranks per step). Per size: the median over rounds and the
@@ -39,10 +39,10 @@ from common import (
     steady,
     table,
 )
-from shardwise.testing import run_world
+from shardwise.launchers.harness import run_world
 
 NPROC = 2
-DDP = "shardwise.testing.peers:ddp_peer"
+DDP = "support.peers:ddp_peer"
 COUNTING_DDP = "common:counting_ddp_peer"
 PAIRED = "common:paired_peer"
 SIZES = {  # name -> model overrides; every size measured is printed

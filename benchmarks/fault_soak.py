@@ -3,7 +3,7 @@ moments, 20 times each; every run must finish and end bitwise equal to the unint
 
 Each trial runs `shardwise train --nproc 2 --max-restarts 3 --checkpoint.every=2` on a tiny
 decoder for 12 steps and SIGKILLs one randomly chosen rank from outside
-(`shardwise.testing.chaos`): in half of the trials after a random step, in the other half
+(`support.chaos`): in half of the trials after a random step, in the other half
 while a randomly chosen save is being written (as soon as its `.tmp` directory appears).
 torch elastic restarts both ranks; they resume from the newest valid checkpoint. A trial
 survives when the job exits 0, `metrics.jsonl` holds steps 1..12 once each with the
@@ -33,7 +33,7 @@ import torch
 
 from common import add_smoke, command_line, load
 from shardwise.checkpoint import io as io
-from shardwise.testing.chaos import run_and_kill
+from support.chaos import run_and_kill
 
 STEPS, EVERY = 12, 2
 RUN = [

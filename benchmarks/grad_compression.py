@@ -20,10 +20,10 @@ import argparse
 
 from common import add_smoke, engine_rounds, engine_times, mb, preamble, table
 from ddp_vs_torch import overrides as ddp_overrides
-from shardwise.testing import run_world
+from shardwise.launchers.harness import run_world
 
 NPROC = 2
-DDP = "shardwise.testing.peers:ddp_peer"
+DDP = "support.peers:ddp_peer"
 # DDP refuses its bf16 hook without CUDA/NCCL ("BF16 all reduce communication hook required
 # CUDA 11+ and NCCL 2.10+"): on CPU the 16-bit row is fp16 (the same bytes)
 KINDS = ("none", "fp16", "powersgd")

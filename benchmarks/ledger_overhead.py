@@ -28,8 +28,7 @@ from common import (
     table,
 )
 from shardwise.distributed.clock import clock
-from shardwise.testing import run_world
-from shardwise.testing.harness import run_here
+from shardwise.launchers.harness import run_here, run_world
 
 NPROC = 2
 SIDES = ("on", "off")

@@ -4,8 +4,8 @@ What it measures: a decoder (4 blocks, 256 wide, the stdlib corpus, seq_len 128,
 peft LoRA adapters of rank 16 on every block linear (`--finetune.lora_rank=16`), in ONE
 spawned world of 2 gloo ranks, in alternating rounds: ours dp2 (ZeRO-0) and dp2 ZeRO-3,
 PyTorch's DistributedDataParallel and FSDP2 (`fully_shard` per block, then the root) on the
-same peft-wrapped module, weights, data order, AdamW and clipping (testing.peers.ddp_peer,
-testing.zero_peers.fsdp2_peer); and, for scale, ours full fine-tuning with ZeRO-3 and ours LoRA
+same peft-wrapped module, weights, data order, AdamW and clipping (support.peers.ddp_peer,
+support.zero_peers.fsdp2_peer); and, for scale, ours full fine-tuning with ZeRO-3 and ours LoRA
 with 8-bit AdamW, QLoRA (an NF4 base, split over the ranks) and an int8 base. Printed: median
 step time per engine (steps after warm-up, slowest rank) and the ratio to DDP, the largest
 relative loss difference from one process of ours, and model-state bytes per rank (ours from
@@ -28,12 +28,11 @@ from common import (
     preamble,
     table,
 )
-from shardwise.testing import run_world
-from shardwise.testing.harness import run_here
+from shardwise.launchers.harness import run_here, run_world
 
 NPROC = 2
-DDP = "shardwise.testing.peers:ddp_peer"
-FSDP2 = "shardwise.testing.zero_peers:fsdp2_peer"
+DDP = "support.peers:ddp_peer"
+FSDP2 = "support.zero_peers:fsdp2_peer"
 LORA = ["--finetune.lora_rank=16", "--finetune.lora_alpha=32"]
 
 

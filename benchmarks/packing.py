@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from common import add_smoke, load, median, preamble, steady, table
-from shardwise.testing.harness import run_here
+from shardwise.launchers.harness import run_here
 
 
 def records(limit: int) -> list[dict]:

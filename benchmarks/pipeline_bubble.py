@@ -50,8 +50,8 @@ from common import (
     stolen,
     table,
 )
+from shardwise.launchers.harness import run_world
 from shardwise.parallel.schedules import build_plan, simulate
-from shardwise.testing import run_world
 
 P = 2
 DIM, VOCAB, SEQ, MICRO = 256, 4096, 128, 2

@@ -21,7 +21,7 @@ import statistics
 from common import add_smoke, alternating_rounds, command_line, cpu_jiffies, load, mb, stolen
 from shardwise.cli.verify import STATES, compare, measure
 from shardwise.config import load_config
-from shardwise.plan.explain import explain_record
+from shardwise.job.explain import explain_record
 from shardwise.plan.hardware import cpu_hardware
 
 BASE = [

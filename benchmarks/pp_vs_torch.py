@@ -22,7 +22,7 @@ import time
 import torch
 
 from common import add_smoke, check, command_line, commit, cpu_jiffies, load, median, stolen, table
-from shardwise.testing import run_world
+from shardwise.launchers.harness import run_world
 
 P = 2
 WARMUP = 2

@@ -24,7 +24,7 @@ from pathlib import Path
 from common import add_smoke, load, preamble, table
 from shardwise.config import load_config
 from shardwise.errors import ShardwiseError
-from shardwise.testing.profile_cases import BASE, CAUSES
+from support.profile_cases import BASE, CAUSES
 
 NPROC = 2
 BENCH = [*BASE, "--log.progress=off", "--profile.warmup=2"]

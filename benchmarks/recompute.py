@@ -13,7 +13,7 @@ import statistics
 import sys
 
 from common import add_smoke
-from shardwise.testing import run_world
+from shardwise.launchers.harness import run_world
 
 
 def main() -> int:

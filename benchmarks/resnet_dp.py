@@ -36,7 +36,7 @@ from common import (
     steady,
     table,
 )
-from shardwise.testing import run_world
+from shardwise.launchers.harness import run_world
 
 GLOBAL_BATCH = 72  # divides 360, so 5 eval batches cover the held-out split
 HELD_OUT_SLOTS = 360

@@ -2,7 +2,7 @@
 
 What it measures: on 2 gloo ranks in fp32 (tp = 2, dp = 1), the same decoder, data order,
 seed, AdamW settings, schedule and clipping are trained by shardwise (`parallel/tensor.py`,
-vocabulary-parallel loss) and by `shardwise.testing.tp_peers:dtensor_peer` (DTensor
+vocabulary-parallel loss) and by `support.tp_peers:dtensor_peer` (DTensor
 `parallelize_module` with ColwiseParallel/RowwiseParallel and its `loss_parallel`). All cases
 run in ONE spawned world, interleaved A B, B A, ... so drift on a shared machine hits both
 alike. Per case: the median step time over the steps after warm-up (max over ranks per
@@ -32,10 +32,10 @@ from common import (
     round_medians,
     table,
 )
-from shardwise.testing import run_world
+from shardwise.launchers.harness import run_world
 
 NPROC = 2
-DTENSOR = "shardwise.testing.tp_peers:dtensor_peer"
+DTENSOR = "support.tp_peers:dtensor_peer"
 SIZES = {  # name -> model overrides
     "L4 d256": ["--model.n_layers=4", "--model.dim=256", "--model.ffn_dim=704"],
     "L4 d512": ["--model.n_layers=4", "--model.dim=512", "--model.ffn_dim=1408"],

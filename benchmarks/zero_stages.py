@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from common import add_smoke, command_line, load, mb, median, steady, table
-from shardwise.testing import run_world
+from shardwise.launchers.harness import run_world
 
 LAYOUTS = [
     ("DDP (zero 0)", ["--parallel.zero=0"]),

@@ -2,7 +2,7 @@
 
 What it measures: on 2 gloo ranks in fp32, the same decoder, data order, seed, AdamW groups,
 lr schedule and clipping are trained by shardwise (`--parallel.zero=1|2|3`), by DeepSpeed at
-the same stage (`shardwise.testing.zero_peers:deepspeed_peer`: its defaults, except that its
+the same stage (`support.zero_peers:deepspeed_peer`: its defaults, except that its
 ZeRO-3 runs our algorithm, every parameter sharded, freed after forward, gathered again for
 backward; a second ZeRO-3 row runs DeepSpeed's own ZeRO-3 defaults) and, for ZeRO-3, by
 FSDP2 (`fsdp2_peer`: `fully_shard` per block, then the root). All cases run in ONE spawned
@@ -32,10 +32,10 @@ import sys
 import time
 
 from common import WARMUP_STEPS, add_smoke, check, command_line, mb, median, steady, table
-from shardwise.testing import run_world
+from shardwise.launchers.harness import run_world
 
 NPROC = 2
-PEERS = "shardwise.testing.zero_peers"
+PEERS = "support.zero_peers"
 DS, FSDP2 = f"{PEERS}:deepspeed_peer", f"{PEERS}:fsdp2_peer"
 DS_DEFAULTS = f"{PEERS}:deepspeed_default_peer"
 SIZES = {  # name -> model overrides; every size measured is printed

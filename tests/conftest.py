@@ -1,4 +1,14 @@
 import os
+from pathlib import Path
+
+# The test rigs (tests/support/) are imported as `support`: pytest puts tests/ on sys.path
+# (pyproject's pythonpath), and PYTHONPATH carries it to the processes the tests start (a
+# `python -m support.faultjob`, a `shardwise train` told to run a `support.hooks:` hook).
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p
+    )
 
 # Tests share one tokenizer/token cache per machine (built once, ~30 s) unless told otherwise.
 os.environ.setdefault("SHARDWISE_CACHE", os.path.expanduser("~/.cache/shardwise"))

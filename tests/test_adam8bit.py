@@ -10,10 +10,10 @@ import statistics
 import pytest
 
 from shardwise.config import load_config
-from shardwise.plan.explain import explain_record
+from shardwise.job.explain import explain_record
+from shardwise.launchers.harness import run_named_worlds
 from shardwise.plan.hardware import get_hardware
-from shardwise.testing.compare import case, max_param_diff, max_rel
-from shardwise.testing.harness import run_named_worlds
+from support.compare import case, max_param_diff, max_rel
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("bitsandbytes")

@@ -483,7 +483,7 @@ def test_script_rank_side_error_has_no_traceback(bad: Path) -> None:
 
 def _ram(monkeypatch: pytest.MonkeyPatch, gb: float) -> None:
     """This machine as the planner sees it, with `gb` of RAM (no measurement)."""
-    from shardwise.plan import auto, explain
+    from shardwise.job import auto, explain
     from shardwise.plan.hardware import cpu_hardware
 
     hw = cpu_hardware(measure=False).with_overrides(memory=int(gb * 1e9))
@@ -546,7 +546,7 @@ def test_a_disk_that_fills_later_stops_with_one_message_and_keeps_the_last_check
 
     from shardwise.checkpoint import io
     from shardwise.errors import CheckpointError
-    from shardwise.testing.harness import run_here
+    from shardwise.launchers.harness import run_here
 
     write, calls = io.write_shard, {"n": 0}
 
@@ -590,7 +590,7 @@ def test_the_steps_checkpoint_is_saved_before_evaluation_can_fail(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from shardwise.checkpoint import io
-    from shardwise.testing.harness import run_here
+    from shardwise.launchers.harness import run_here
     from shardwise.training import loop
 
     def broken(run):

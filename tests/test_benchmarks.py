@@ -19,7 +19,7 @@ HELPERS = {"common.py", "smoke_all.py", "published_rows.py"}  # imported, or run
 # suite, and what they drive is tested here: the signal/restart path and the chaos helper
 # (tests/test_preempt.py, tests/test_checkpoint.py), the malloc setting (tests/test_device.py),
 # the default job's start, plan line and training (tests/test_default_job.py). Six more
-# (7-11 s each) call shardwise only through the test harness (`testing.run_world`,
+# (7-11 s each) call shardwise only through the test harness (`run_world`,
 # `run_here`), which every multi-rank test uses, on what tests run too: ResNet and DDP parity
 # (tests/test_parity.py), the async checkpoint (tests/test_checkpoint.py), the MiniLM
 # classifier (tests/test_hf_models.py), LoRA (tests/test_lora.py), gradient compression

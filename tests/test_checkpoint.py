@@ -19,9 +19,8 @@ import pytest
 import torch
 
 from shardwise.checkpoint import io as io
-from shardwise.testing import run_world
-from shardwise.testing.compare import case, max_param_diff, max_rel
-from shardwise.testing.harness import run_here
+from shardwise.launchers.harness import run_here, run_world
+from support.compare import case, max_param_diff, max_rel
 
 RUN = ["--train.steps=8", "--checkpoint.every=4"]
 HALF = "step-00000004"
@@ -226,7 +225,7 @@ def test_explain_counts_per_rank_state_in_the_checkpoint_size() -> None:
     """The disk check before training (check_room) sizes a checkpoint with every rank's
     PowerSGD state when it is kept: at most the fp32 size of the gradients each rank reduces."""
     from shardwise.config import load_config
-    from shardwise.plan.explain import checkpoint_bytes, explain_record
+    from shardwise.job.explain import checkpoint_bytes, explain_record
 
     args = ["--parallel.grad_compression=powersgd", "--model.n_layers=2"]
     kept = explain_record(load_config(None, args), 2)
@@ -338,7 +337,10 @@ def test_damaged_checkpoints_are_detected_and_the_previous_one_used(
 def _files(*roots: Path) -> dict[Path, bytes]:
     """Every file's bytes but the job's own lock (training/lock.py writes its holder there)."""
     return {
-        p: p.read_bytes() for r in roots for p in r.rglob("*") if p.is_file() and p.name != ".lock"
+        p: p.read_bytes()
+        for r in roots
+        for p in r.rglob("*")
+        if p.is_file() and p.name != ".shardwise.lock"
     }
 
 
@@ -457,7 +459,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_bitwise_equal(
     import random
     import sys
 
-    from shardwise.testing.chaos import run_and_kill
+    from support.chaos import run_and_kill
 
     rng = random.Random()
     at = rng.randint(1, 7)

@@ -13,8 +13,8 @@ import torch
 
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
+from shardwise.launchers.harness import run_world
 from shardwise.parallel.compress import PowerSGD
-from shardwise.testing import run_world
 from shardwise.training.validate import derive
 
 SMALL = [
@@ -190,7 +190,7 @@ def test_compression_it_cannot_do_is_refused_with_the_fix(overrides, needle):
 
 
 def test_compression_on_one_data_parallel_rank_says_it_does_nothing():
-    from shardwise.plan.explain import explain_record
+    from shardwise.job.explain import explain_record
     from shardwise.plan.hardware import get_hardware
 
     hw = get_hardware("cpu", calibrate=False)
@@ -207,8 +207,8 @@ def test_plan_ranks_the_asked_compression_beside_the_uncompressed_layouts():
     HDR InfiniBand: a ring's traffic crosses all 8 NICs of a node, so 10x no longer starves it)
     PowerSGD's 1/50 of the bytes wins for a data-parallel-heavy job, and its predicted dp
     bytes follow the formula."""
+    from shardwise.job.predict import job_from_config
     from shardwise.plan.hardware import get_hardware
-    from shardwise.plan.predict import job_from_config
     from shardwise.plan.search import search
 
     hw = get_hardware("a100-80gb", calibrate=False)

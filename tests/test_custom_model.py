@@ -13,11 +13,11 @@ import torch
 
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
-from shardwise.plan.explain import explain_record
+from shardwise.job.explain import explain_record
+from shardwise.launchers.harness import run_here, run_named_worlds
 from shardwise.plan.hardware import get_hardware
-from shardwise.testing.compare import VOCAB, max_param_diff, max_rel
-from shardwise.testing.harness import run_here, run_named_worlds
 from shardwise.training.validate import derive
+from support.compare import VOCAB, max_param_diff, max_rel
 
 USER = Path(__file__).resolve().parent / "user" / "models.py"
 COMMON = [

@@ -8,10 +8,10 @@ One spawned world of 3 ranks (a first, a middle and a last stage). DeepSpeed is 
 
 import pytest
 
-from shardwise.testing import run_world
-from shardwise.testing.compare import case
-from shardwise.testing.zero_peers import DEEPSPEED_INSTALL as INSTALL
-from shardwise.testing.zero_peers import deepspeed_available
+from shardwise.launchers.harness import run_world
+from support.compare import case
+from support.zero_peers import DEEPSPEED_INSTALL as INSTALL
+from support.zero_peers import deepspeed_available
 
 pytestmark = pytest.mark.slow
 
@@ -36,4 +36,4 @@ def test_deepspeed_pipeline_stages_hold_the_received_and_sent_hidden_states():
         assert expected <= r["hidden_states_live"] < expected + 0.25 * in_flight, (stage, r)
 
 
-PEER = "shardwise.testing.pipe_peers:deepspeed_pipeline_peer"
+PEER = "support.pipe_peers:deepspeed_pipeline_peer"

@@ -93,12 +93,12 @@ def test_cpu_affinity_pins_every_thread_of_a_rank_to_its_share():
 def test_run_cpu_affinity_pins_each_rank_of_a_job_and_none_undoes_it():
     import os
 
-    from shardwise.testing import run_world
-    from shardwise.testing.compare import SMALL
+    from shardwise.launchers.harness import run_world
+    from support.compare import SMALL
 
     def case(mode: str) -> dict:
         overrides = [*SMALL, f"--run.cpu_affinity={mode}"]
-        return {"overrides": overrides, "peer": "shardwise.testing.hooks:thread_affinities"}
+        return {"overrides": overrides, "peer": "support.hooks:thread_affinities"}
 
     allowed = sorted(os.sched_getaffinity(0))
     k = max(1, len(allowed) // 2)

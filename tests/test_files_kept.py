@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from shardwise.testing.compare import case
-from shardwise.testing.harness import run_here
+from shardwise.launchers.harness import run_here
+from support.compare import case
 
 pytestmark = pytest.mark.slow
 

@@ -19,12 +19,12 @@ import torch.distributed as dist
 from shardwise.distributed.comm import TraceEntry
 from shardwise.distributed.hangreport import compose, disagreements, groups
 from shardwise.distributed.watchdog import Watchdog
-from shardwise.testing.compare import SMALL
+from support.compare import SMALL
 
 # Short, so the tests stop quickly, but not so short that a rank starved of CPU on a loaded
 # 2-core machine (several ranks per core) looks hung.
 TIMEOUT_S = 8.0
-HOOKS = "shardwise.testing.hooks:"
+HOOKS = "support.hooks:"
 
 
 def _start(hook: str, run_dir: Path, *extra: str) -> subprocess.Popen:
@@ -40,7 +40,7 @@ def _start(hook: str, run_dir: Path, *extra: str) -> subprocess.Popen:
         f"--run.dir={run_dir}",
         *extra,
     ]
-    cmd = [sys.executable, "-m", "shardwise.testing.faultjob", HOOKS + hook, "2", *args]
+    cmd = [sys.executable, "-m", "support.faultjob", HOOKS + hook, "2", *args]
     with (run_dir / "job.out").open("w") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
 

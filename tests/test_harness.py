@@ -4,11 +4,10 @@ cause first; worlds run side by side return each world's results and failures.""
 
 import pytest
 
-from shardwise.testing import run_world
-from shardwise.testing.harness import run_named, run_named_worlds
+from shardwise.launchers.harness import run_named, run_named_worlds, run_world
 
-PEER = {"overrides": [], "peer": "shardwise.testing.hooks:environment"}
-BROKEN = {"overrides": [], "peer": "shardwise.testing.hooks:fail_rank1_first"}
+PEER = {"overrides": [], "peer": "support.hooks:environment"}
+BROKEN = {"overrides": [], "peer": "support.hooks:fail_rank1_first"}
 
 
 def test_each_world_sees_the_callers_current_environment(monkeypatch):

@@ -22,16 +22,16 @@ transformers = pytest.importorskip("transformers")
 
 from shardwise.config import load_config  # noqa: E402
 from shardwise.errors import ConfigError, DataError  # noqa: E402
+from shardwise.job.explain import explain_record  # noqa: E402
+from shardwise.launchers.harness import run_named_worlds  # noqa: E402
 from shardwise.models import build_model, to_empty  # noqa: E402
 from shardwise.models.hf.auto import weight_source  # noqa: E402
 from shardwise.models.hf.weights import load_weights  # noqa: E402
 from shardwise.models.init import restore_buffers  # noqa: E402
-from shardwise.plan.explain import explain_record  # noqa: E402
 from shardwise.plan.hardware import get_hardware  # noqa: E402
-from shardwise.testing.compare import max_param_diff, max_rel  # noqa: E402
-from shardwise.testing.harness import run_named_worlds  # noqa: E402
-from shardwise.testing.stdlib_labels import build as build_labels  # noqa: E402
 from shardwise.training.validate import derive  # noqa: E402
+from support.compare import max_param_diff, max_rel  # noqa: E402
+from support.stdlib_labels import build as build_labels  # noqa: E402
 from test_pretrained_tokenizer import _documents, _tokenizer  # noqa: E402
 
 COMMON = dict(

@@ -14,12 +14,12 @@ transformers = pytest.importorskip("transformers")
 
 from shardwise.config import load_config  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
+from shardwise.launchers.harness import run_named_worlds  # noqa: E402
 from shardwise.models import build_model  # noqa: E402
 from shardwise.models.hf.weights import HFWeights, load_weights  # noqa: E402
-from shardwise.testing.compare import VOCAB as SMALL_VOCAB  # noqa: E402
-from shardwise.testing.compare import case, max_param_diff, max_rel  # noqa: E402
-from shardwise.testing.harness import run_named_worlds  # noqa: E402
 from shardwise.training.validate import derive, model_spec  # noqa: E402
+from support.compare import VOCAB as SMALL_VOCAB  # noqa: E402
+from support.compare import case, max_param_diff, max_rel  # noqa: E402
 
 VOCAB = SMALL_VOCAB  # the tokenizer cache the other tests use
 # lr 3e-4 as test_tensor.py's Hugging Face cases: an entry whose gradient is zero up to fp32
@@ -130,8 +130,8 @@ def test_bad_init_from_is_one_clear_error(hf_dirs, tmp_path):
 def _first_batch_loss(kind: str, path: Path) -> float:
     """transformers' own loss on the first global batch our data pipeline feeds."""
     from shardwise.data import GlobalSampler, load_data
-    from shardwise.testing.compare import SMALL
     from shardwise.training.runtime import data_spec
+    from support.compare import SMALL
 
     cfg = load_config(None, [*SMALL, *_overrides(kind, path)])
     data = load_data(data_spec(cfg, VOCAB), "train")
@@ -280,7 +280,7 @@ def test_export_writes_the_runs_tokenizer_and_a_generation_config(tmp_path):
     from shardwise.checkpoint.export import export_hf
     from shardwise.data import data_spec
     from shardwise.data.tokens import prepare_text
-    from shardwise.testing.harness import run_here
+    from shardwise.launchers.harness import run_here
 
     small = ["--model.name=tiny", "--model.n_layers=1", "--data.seq_len=32"]
     case = {"overrides": [*small, "--train.steps=1", "--checkpoint.every=1"]}

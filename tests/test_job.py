@@ -21,7 +21,7 @@ ENTRY_POINTS = ("train", "train --nnodes 1", "profile", "shardwise.train()")
 
 def _ram(monkeypatch: pytest.MonkeyPatch, gb: float) -> None:
     """This machine as the planner sees it, with `gb` of RAM (no measurement)."""
-    from shardwise.plan import auto, explain
+    from shardwise.job import auto, explain
     from shardwise.plan.hardware import cpu_hardware
 
     hw = cpu_hardware(measure=False).with_overrides(memory=int(gb * 1e9))

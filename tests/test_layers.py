@@ -12,11 +12,10 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # (config, errors, optim) are the ground floor.
 LAYERS = [
     ("cli",),
-    ("testing",),
     ("launchers",),
     ("job",),
-    ("plan",),
     ("training",),
+    ("plan",),
     ("checkpoint", "profile"),
     ("parallel",),
     ("distributed",),
@@ -126,6 +125,35 @@ def test_no_upward_import():
         if floor_of(t) > floor_of(m)
     ]
     assert not upward, "imports that climb a floor:\n" + "\n".join(upward)
+
+
+def test_the_planner_imports_nothing_of_the_runtime():
+    """plan/ prices a description of a job (shapes, layout, hardware): it stands below
+    training/ (the floor order above enforces it) and names no training module at all."""
+    graph = import_graph()
+    assert FLOOR["plan"] < FLOOR["training"]
+    leaning = [
+        f"{m} -> {t}"
+        for m, targets in sorted(graph.items())
+        if m.startswith("shardwise.plan.")
+        for t in sorted(targets)
+        if t.startswith("shardwise.training")
+    ]
+    assert not leaning, "the planner imports the runtime:\n" + "\n".join(leaning)
+
+
+def test_no_test_library_in_the_product():
+    """`unittest` (mock and the like) is for tests: no module of src/ imports it."""
+    found = []
+    for module, path in sorted(_modules().items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            found += [f"{module}: {n}" for n in names if n.split(".")[0] == "unittest"]
+    assert not found, found
 
 
 def test_every_module_is_on_a_floor():

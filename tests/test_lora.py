@@ -15,10 +15,10 @@ import torch
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
 from shardwise.finetune.lora import apply_lora
+from shardwise.launchers.harness import run_named_worlds
 from shardwise.models import build_model, init_weights, to_empty
-from shardwise.testing.compare import case, max_param_diff, max_rel
-from shardwise.testing.harness import run_named_worlds
 from shardwise.training.validate import derive
+from support.compare import case, max_param_diff, max_rel
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ LORA = ["--finetune.lora_rank=4", "--finetune.lora_alpha=8", "--train.steps=8"]
 DROP = ["--finetune.lora_dropout=0.1"]
 NF4 = ["--finetune.base_quant=nf4"]
 INT8 = ["--finetune.base_quant=int8"]
-DDP = "shardwise.testing.peers:ddp_peer"
+DDP = "support.peers:ddp_peer"
 LAYOUTS = {
     "z2": ["--parallel.zero=2"],
     "z3": ["--parallel.zero=3"],
@@ -285,7 +285,7 @@ def test_export_without_an_adapter_is_refused(tmp_path):
 def test_explain_predicts_the_lora_job(worlds, name):
     """`explain` with the same finetune.* keys: model states exact, activations and the peak
     within 5 % (the issue's bounds)."""
-    from shardwise.plan.explain import explain_record
+    from shardwise.job.explain import explain_record
     from shardwise.plan.hardware import get_hardware
 
     extra = {"z3": LAYOUTS["z3"], "tp2": LAYOUTS["tp2"], "z2_drop": [*DROP, *LAYOUTS["z2"]]}
@@ -331,7 +331,7 @@ def test_qlora_stores_half_a_byte_per_base_weight_and_explain_predicts_it(worlds
     absmax per 64, fp32 absmax per 256 blocks, two small maps) replace them in `params`, as the
     planner predicts exactly."""
     from shardwise.finetune.quant import layer_bytes
-    from shardwise.plan.explain import explain_record
+    from shardwise.job.explain import explain_record
     from shardwise.plan.hardware import get_hardware
 
     lora, q = worlds[1]["ref"][0], worlds[1]["q"][0]
@@ -374,7 +374,7 @@ def test_an_int8_base_stores_a_byte_per_weight_and_a_scale_per_row(worlds):
 def test_zero3_with_tp_splits_the_base_over_four_ranks(worlds):
     """dp2 x tp2 with ZeRO-3: a quarter of every NF4 base per rank, gathered over tp, then dp;
     one process's losses and parameters to 1e-5; model states, buffers and dp traffic exact."""
-    from shardwise.plan.explain import explain_record
+    from shardwise.job.explain import explain_record
     from shardwise.plan.hardware import get_hardware
 
     ref, got = worlds[1]["q"][0], worlds[4]["q_z3_tp2"][0]
@@ -421,7 +421,7 @@ def test_explain_predicts_the_split_qlora_job(worlds, llama, name):
     backward only where its input needs a gradient; the frozen embedding is not gathered for
     backward; over tp: the quantised job's traffic minus the same LoRA job's, as the rest of
     the LoRA tp traffic is the planner's tp model); activations and the peak within 5 %."""
-    from shardwise.plan.explain import explain_record
+    from shardwise.job.explain import explain_record
     from shardwise.plan.hardware import get_hardware
 
     def explain(*extra: str) -> dict:

@@ -3,8 +3,8 @@
 import pytest
 
 from shardwise.config import load_config
-from shardwise.plan.explain import explain_record
-from shardwise.testing.harness import run_side_by_side
+from shardwise.job.explain import explain_record
+from shardwise.launchers.harness import run_side_by_side
 
 pytestmark = pytest.mark.slow
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.testing.netns import Host, two_hosts
-from shardwise.testing.slurm import LocalSlurm, ensure_installed
+from support.netns import Host, two_hosts
+from support.slurm import LocalSlurm, ensure_installed
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from shardwise.testing.sockets import is_loopback, listening
+from support.sockets import is_loopback, listening
 
 SMALL = [
     "--model.name=tiny",

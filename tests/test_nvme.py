@@ -20,11 +20,11 @@ import torch
 
 from shardwise.config import load_config
 from shardwise.errors import ConfigError
+from shardwise.job.explain import explain_record
+from shardwise.launchers.harness import run_world
 from shardwise.optim.nvme import NvmeAdamW
-from shardwise.plan.explain import explain_record
 from shardwise.plan.hardware import get_hardware
-from shardwise.testing import run_world
-from shardwise.testing.compare import case, max_param_diff, max_rel
+from support.compare import case, max_param_diff, max_rel
 
 RUN = ["--train.steps=8", "--checkpoint.every=4"]
 HALF = "step-00000004"

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from shardwise.config import load_config
 from shardwise.data import data_spec, load_data
 from shardwise.errors import ConfigError
-from shardwise.testing.compare import max_param_diff, max_rel
-from shardwise.testing.harness import run_named_worlds
+from shardwise.launchers.harness import run_named_worlds
 from shardwise.training.validate import derive
+from support.compare import max_param_diff, max_rel
 
 pytestmark = pytest.mark.slow
 
@@ -173,7 +173,7 @@ def test_packed_runs_reproduce_one_process(worlds, name):
 def test_explain_predicts_the_packed_job(worlds, root):
     """The planner's activations (the fake forward of the HF model sees the packed input and
     its mask) within 5 % of the run's, model states exact."""
-    from shardwise.plan.explain import explain_record
+    from shardwise.job.explain import explain_record
     from shardwise.plan.hardware import get_hardware
 
     cfg = load_config(None, _overrides(root, hf=False))

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from shardwise.testing.compare import case, max_param_diff, max_rel
-from shardwise.testing.harness import run_cases
+from shardwise.launchers.harness import run_cases
 from shardwise.training.metrics import format_line
+from support.compare import case, max_param_diff, max_rel
 
 pytestmark = pytest.mark.slow
 
 
-DDP = "shardwise.testing.peers:ddp_peer"
+DDP = "support.peers:ddp_peer"
 WORLD1 = {
     "ref": case(),
     "ref_accum": case("--train.micro_batch=2"),
@@ -31,10 +31,10 @@ WORLD2 = {
     "fp16_inf": case(
         "--precision.compute=fp16",
         "--train.steps=5",
-        hook="shardwise.testing.hooks:inject_inf_on_rank1_step3",
+        hook="support.hooks:inject_inf_on_rank1_step3",
     ),
 }
-HOOKS = "shardwise.testing.hooks:"
+HOOKS = "support.hooks:"
 WORLD2["nan_loss"] = case("--train.steps=5", hook=HOOKS + "nan_loss_on_rank1_step3")
 WORLD2["inf_grad"] = case("--train.steps=5", hook=HOOKS + "inject_inf_on_rank1_step3")
 WORLD2["z3_inf_grad"] = case(
@@ -51,7 +51,7 @@ RESNET = [
     "--train.steps=2",
     "--train.eval_batches=1",
 ]
-WORLD2["resnet"] = {"overrides": RESNET, "hook": "shardwise.testing.hooks:return_buffers"}
+WORLD2["resnet"] = {"overrides": RESNET, "hook": "support.hooks:return_buffers"}
 WORLD4 = {
     "dp": case(),
     "dp_accum": case("--train.micro_batch=1"),
@@ -196,7 +196,7 @@ def test_synchronised_batchnorm_makes_dp_equal_one_process_with_the_whole_batch(
     """ResNet with BatchNorm: 2 ranks x micro-batch 4 with model.sync_batchnorm (the default)
     give the losses, parameters and running statistics of one process with micro-batch 8;
     unsynchronised, each replica normalises with its own 4 samples and the run differs."""
-    hook = {"hook": "shardwise.testing.hooks:return_buffers"}
+    hook = {"hook": "support.hooks:return_buffers"}
     # Adam's eps at 1e-3: a weight whose gradient is ~1e-8 (8x8 digits leave many such in
     # the deep stages) moves by lr * g / (|g| + eps), which at the default eps of 1e-8 turns
     # float32 rounding of g into a visible step; here the comparison is of the BatchNorm

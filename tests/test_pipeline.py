@@ -8,8 +8,8 @@ the 8-rank 3D world."""
 
 import pytest
 
-from shardwise.testing.compare import VOCAB, case, max_rel
-from shardwise.testing.harness import run_named, run_named_worlds
+from shardwise.launchers.harness import run_named, run_named_worlds
+from support.compare import VOCAB, case, max_rel
 
 pytestmark = pytest.mark.slow
 

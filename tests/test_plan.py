@@ -12,15 +12,15 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardwise.cli.main import main
+from shardwise.job.predict import model_units
 from shardwise.models import build_model, preset
-from shardwise.models.families import family_of
 from shardwise.models.dropout import random_stream, samples
+from shardwise.models.families import family_of
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.plan import activations as act
 from shardwise.plan.hardware import get_hardware
 from shardwise.plan.layout import FineTune, Job, Layout
 from shardwise.plan.memory import NF4_BYTES, predict_memory
-from shardwise.plan.predict import model_units
 from shardwise.plan.search import search
 from shardwise.plan.shapes import non_embedding_params, units
 from shardwise.training.memory import ActivationMeter
@@ -208,7 +208,7 @@ def test_nothing_fits_says_what_is_needed(capsys):
 
 def test_explain_prints_the_planner_record_for_exactly_that_config():
     from shardwise.config import load_config
-    from shardwise.plan.explain import explain_record
+    from shardwise.job.explain import explain_record
 
     cfg = load_config(
         None, ["--parallel.zero=2", "--train.micro_batch=2", "--memory.recompute=full"]
@@ -222,7 +222,7 @@ def test_explain_prints_the_planner_record_for_exactly_that_config():
 
 def test_train_plan_auto_picks_a_runnable_layout(capsys):
     from shardwise.config import load_config
-    from shardwise.plan.auto import auto_config
+    from shardwise.job.auto import auto_config
     from shardwise.training.validate import derive
 
     cfg = load_config(None, ["--train.global_batch=8", "--data.seq_len=64"])
@@ -234,7 +234,7 @@ def test_train_plan_auto_picks_a_runnable_layout(capsys):
 
 
 def test_plan_verify_runs_the_best_candidate_here_and_compares(capsys):
-    from shardwise.testing.compare import SMALL
+    from support.compare import SMALL
 
     code, out, err = _plan(
         capsys, "--hardware", "cpu", "--devices", "1", "--top", "1", "--verify", *SMALL
@@ -268,7 +268,7 @@ def test_a_cpu_without_the_precisions_matrix_units_says_so_exactly_then(
 ):
     from shardwise.config import load_config
     from shardwise.distributed import device
-    from shardwise.plan.explain import explain_record, print_plan
+    from shardwise.job.explain import explain_record, print_plan
     from shardwise.plan.hardware import cpu_hardware, get_hardware
 
     monkeypatch.setattr(device, "cpu_matrix_units", lambda: units)

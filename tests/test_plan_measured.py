@@ -8,9 +8,9 @@ import pytest
 
 from shardwise.cli.verify import STATES, measure
 from shardwise.config import load_config
-from shardwise.plan.explain import explain_record
+from shardwise.job.explain import explain_record
 from shardwise.plan.hardware import get_hardware
-from shardwise.testing.compare import SMALL
+from support.compare import SMALL
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shardwise.checkpoint import io as cio
-from shardwise.testing.compare import SMALL
+from support.compare import SMALL
 
 pytestmark = pytest.mark.slow
 
@@ -117,8 +117,8 @@ def test_a_save_slower_than_half_the_grace_period_warns(tmp_path, monkeypatch, c
     """The launchers tell the job its grace period (Slurm --signal, the pod's
     terminationGracePeriodSeconds); a save that would not fit in half of it says so."""
     from shardwise.checkpoint.manager import GRACE_ENV
-    from shardwise.testing.compare import case
-    from shardwise.testing.harness import run_here
+    from shardwise.launchers.harness import run_here
+    from support.compare import case
 
     monkeypatch.setenv(GRACE_ENV, "0.000001")
     run_here(case("--train.steps=2", "--checkpoint.every=2"), str(tmp_path / "run"))
@@ -134,7 +134,7 @@ def test_a_signal_during_the_last_save_stops_at_once(tmp_path):
     import os
     import random
 
-    from shardwise.testing.chaos import run_and_kill
+    from support.chaos import run_and_kill
 
     steps = 6
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

@@ -16,12 +16,12 @@ import pytest
 
 from shardwise.config import load_config
 from shardwise.distributed.clock import Clock
-from shardwise.plan.remedy import CONTENTION_SHARE, SHARE
+from shardwise.job.remedy import CONTENTION_SHARE, SHARE
+from shardwise.launchers.harness import run_world
 from shardwise.profile.analyze import split_stragglers
 from shardwise.profile.kernels import device_ledger
 from shardwise.profile.ledger import build, total
-from shardwise.testing import run_world
-from shardwise.testing.profile_cases import BASE, CAUSES, HOOKS
+from support.profile_cases import BASE, CAUSES, HOOKS
 
 SMALL = BASE
 WARMUP, MEASURED = 1, 3
@@ -219,7 +219,7 @@ def test_a_trace_the_profiler_cannot_write_leaves_a_note_not_a_failure(tmp_path,
         raise OSError("disk full")
 
     monkeypatch.setattr(capture, "_export", fail)
-    from shardwise.testing.harness import run_here
+    from shardwise.launchers.harness import run_here
 
     run = tmp_path / "run"
     run_here({"overrides": [*SMALL, *PROFILE]}, str(run))
@@ -235,7 +235,7 @@ def test_the_devices_stalls_are_measured_per_step_and_a_failure_is_a_note(tmp_pa
     import time
 
     from shardwise.distributed import device as dev
-    from shardwise.testing.harness import run_here
+    from shardwise.launchers.harness import run_here
 
     monkeypatch.setattr(dev, "stall_marker", lambda info: time.perf_counter)
     monkeypatch.setattr(dev, "stalled_s", lambda a, b: b - a)
@@ -473,8 +473,8 @@ def test_waiting_for_a_late_rank_is_split_off_and_attributed_to_it():
 def test_exposed_dp_traffic_in_full_buckets_is_offered_a_bf16_wire():
     """With buckets already at the default size, fewer calls cannot help: the remedy is half
     the bytes (parallel.grad_compression=bf16), priced by the same alpha-beta model."""
+    from shardwise.job.remedy import findings
     from shardwise.plan.hardware import get_hardware
-    from shardwise.plan.remedy import findings
 
     hw = get_hardware("cpu", calibrate=False)
     ledger = build(0.2, {"comm:dp": 0.08, "forward": 0.12}, {})
@@ -549,7 +549,7 @@ def test_under_torchrun_rank_0_writes_one_report(tmp_path):
 
 
 def test_train_keeps_the_ledger_in_every_metrics_line_unless_told_not_to(tmp_path):
-    from shardwise.testing.harness import run_here
+    from shardwise.launchers.harness import run_here
 
     on = run_here({"overrides": [*SMALL, "--train.steps=2"]}, str(tmp_path / "on"))
     lines = (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()
@@ -576,8 +576,8 @@ def test_train_refuses_profile_steps_and_names_the_command(capsys):
 def test_a_run_on_nvme_is_offered_less_recomputation_when_it_fits():
     """The recompute remedy's memory check counts the run's own disk state as room (it is
     using it), whatever local disk the planner's hardware declares."""
+    from shardwise.job.remedy import _recompute
     from shardwise.plan.hardware import get_hardware
-    from shardwise.plan.remedy import _recompute
 
     nvme = ["--memory.offload=optimizer+nvme", "--parallel.zero=1", "--memory.recompute=full"]
     cfg = load_config(None, [*SMALL, *nvme])
@@ -680,8 +680,8 @@ def test_only_a_wait_for_a_core_is_contention_and_its_remedy_follows_whose_load_
     wait (no schedstat) is not contended; a wait of 10 % of the step or more is, priced as
     that wait. When the job's own ranks keep the cores busy the remedy is to pin them (unless
     pinned already); when they use under half, the load is another's: no config remedy."""
+    from shardwise.job.remedy import findings
     from shardwise.plan.hardware import get_hardware
-    from shardwise.plan.remedy import findings
 
     hw, cfg = get_hardware("cpu", calibrate=False), load_config(None, ["--model.name=tiny"])
     comm = {"comm_calls": {"dp": 1, "tp": 0, "pp": 0}, "comm_bytes": {"dp": 4e6, "tp": 0, "pp": 0}}

@@ -25,7 +25,7 @@ from shardwise.plan import gpu, search, traffic
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import get_hardware
 from shardwise.plan.layout import Engine, Job, Layout
-from shardwise.testing.livepeak import LivePeak
+from support.livepeak import LivePeak
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 A100 = get_hardware("a100-80gb")
@@ -536,7 +536,7 @@ def test_misaligned_gemm_dimensions_are_flagged_on_gpus():
     GEMM dimension is not a multiple of 8, with heads that fix it; not on the CPU, not in fp32,
     not for 13824 x 64 heads."""
     from shardwise.config import load_config
-    from shardwise.plan.explain import alignment_warning, explain_record
+    from shardwise.job.explain import alignment_warning, explain_record
 
     def spec(dim: int, heads: int) -> ModelSpec:
         return ModelSpec("decoder", 2, dim, heads, vocab_size=512, ffn_dim=4 * dim)

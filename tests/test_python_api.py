@@ -13,10 +13,10 @@ import pytest
 
 import shardwise
 from shardwise.errors import ConfigError, DataError
-from shardwise.testing.compare import max_rel
+from support.compare import max_rel
 from user.models import bad_items, regressor, summed_mse, waves
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "models.md"  # the python-api example
 CONFIG = {
     "train": {"steps": 6, "global_batch": 16, "lr": 1e-2, "eval_every": 3, "eval_batches": 2},
     "optim": {"warmup_steps": 1, "eps": 1e-6},

@@ -7,13 +7,13 @@ references."""
 
 import pytest
 
-from shardwise.testing.compare import case, max_param_diff, max_rel
-from shardwise.testing.harness import run_named_worlds
+from shardwise.launchers.harness import run_named_worlds
+from support.compare import case, max_param_diff, max_rel
 
 pytestmark = pytest.mark.slow
 
-DTENSOR = "shardwise.testing.tp_peers:dtensor_peer"
-PROBE = "shardwise.testing.tp_peers:layer_probe"
+DTENSOR = "support.tp_peers:dtensor_peer"
+PROBE = "support.tp_peers:layer_probe"
 GPT2 = "--model.name=gpt2-tiny"
 LOW_LR = "--train.lr=3e-4"  # see test_parity_with_single_process for why
 LLAMA = ("--model.name=hf-llama-tiny", LOW_LR)
@@ -89,7 +89,7 @@ def test_parity_with_single_process(worlds, name):
     seen token's embedding gets cancelling contributions — so their computed gradients are
     rounding noise, which differs with the summation order of any layout, and Adam divides
     each coordinate by its own RMS, so noise moves them by up to lr per step (see
-    shardwise.testing.compare). At lr 3e-4 every entry is within 1e-5. A wrong split or mask
+    support.compare). At lr 3e-4 every entry is within 1e-5. A wrong split or mask
     would move the loss and every upstream gradient instead; tests/test_models.py checks the
     sharded dropout masks against the whole mask exactly."""
     ref = worlds[1][REFERENCE[name]][0]

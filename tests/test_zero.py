@@ -4,8 +4,8 @@ One spawned world per size runs every case."""
 
 import pytest
 
-from shardwise.testing.compare import SMALL, VOCAB, case, max_param_diff, max_rel
-from shardwise.testing.harness import run_named_worlds
+from shardwise.launchers.harness import run_named_worlds
+from support.compare import SMALL, VOCAB, case, max_param_diff, max_rel
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def zero_cases(accum: str) -> dict:
 
 
 FROZEN = ["--train.freeze=embed.weight,blocks.0.*", "--train.steps=10"]
-UNUSED = "shardwise.testing.hooks:skip_mlp_on_even_steps"
+UNUSED = "support.hooks:skip_mlp_on_even_steps"
 WORLD1 = {
     "ref": case(),
     "ref_tied": case("--model.tie_embeddings=true"),
@@ -132,7 +132,7 @@ def test_zero3_holds_at_most_two_unsharded_units(worlds):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_explain_predicts_zero_model_states_exactly(worlds, nproc, stage):
     from shardwise.config import load_config
-    from shardwise.plan.explain import explain_record
+    from shardwise.job.explain import explain_record
 
     cfg = load_config(None, [*SMALL, f"--parallel.zero={stage}", *BF16])
     predicted = explain_record(cfg, nproc)
@@ -193,7 +193,7 @@ def test_offload_trains_identically(worlds, name):
 @pytest.mark.parametrize("name", ["z1_offload", "z2_offload", "z3_offload", "z3_offload_params"])
 def test_offload_moves_state_to_host_exactly(worlds, name):
     from shardwise.config import load_config
-    from shardwise.plan.explain import explain_record
+    from shardwise.job.explain import explain_record
 
     stage = name[1]
     mem = worlds[2][f"{name}_bf16"][0]["records"][-1]["mem_bytes"]

@@ -1,7 +1,7 @@
 """Our ZeRO against the peers that implement the same algorithm: PyTorch FSDP2 (`fully_shard`)
 for ZeRO-3, and DeepSpeed ZeRO-1/2/3 for each stage (our ZeRO-1/2 against DDP are in
 test_zero.py). Same model, data order, seed, AdamW groups, schedule and clipping
-(`shardwise.testing.zero_peers`); losses must agree within 1e-5 relative and the final
+(`support.zero_peers`); losses must agree within 1e-5 relative and the final
 parameters within 1e-5 absolute.
 
 One spawned world of 2 ranks runs every case (~40-60 s on 2 cores). DeepSpeed is the optional
@@ -13,14 +13,14 @@ communication backend then JIT-compiles a shared-memory op (2.5-4 min on 2 cores
 
 import pytest
 
-from shardwise.testing import run_world
-from shardwise.testing.compare import SMALL, case, max_param_diff, max_rel
-from shardwise.testing.zero_peers import DEEPSPEED_INSTALL as INSTALL
-from shardwise.testing.zero_peers import deepspeed_available
+from shardwise.launchers.harness import run_world
+from support.compare import SMALL, case, max_param_diff, max_rel
+from support.zero_peers import DEEPSPEED_INSTALL as INSTALL
+from support.zero_peers import deepspeed_available
 
 pytestmark = pytest.mark.slow
 
-PEERS = "shardwise.testing.zero_peers"
+PEERS = "support.zero_peers"
 
 
 def _cases() -> dict:
@@ -91,10 +91,10 @@ def test_deepspeed_step_allocates_as_planned(world, stage):
     import dataclasses
 
     from shardwise.config import load_config
+    from shardwise.job.predict import job_from_config, layout_from_config
     from shardwise.plan import memory as mem
     from shardwise.plan.hardware import get_hardware
     from shardwise.plan.layout import Engine
-    from shardwise.plan.predict import job_from_config, layout_from_config
     from shardwise.training.validate import derive
 
     cfg = load_config(None, [*SMALL, f"--parallel.zero={stage}", "--precision.compute=bf16"])

@@ -155,7 +155,7 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
     if under_external_launcher():
         adopt_slurm_env()
         if os.environ.get("RANK") == "0":  # the plan line, once, as a local run prints it
-            from shardwise.plan.explain import explain_record, print_plan
+            from shardwise.job.explain import explain_record, print_plan
 
             # (an error: every rank reports it below, not rank 0 alone before the others)
             with contextlib.suppress(ShardwiseError):
@@ -169,7 +169,7 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
 
 def cmd_explain(cfg: Config, args: argparse.Namespace) -> None:
     from shardwise.cli.launch import explain_world
-    from shardwise.plan.explain import explain_record, print_explain
+    from shardwise.job.explain import explain_record, print_explain
 
     if args.max_restarts not in (None, "0"):
         raise ShardwiseError("--max-restarts is an option of train. Fix: drop it here.")

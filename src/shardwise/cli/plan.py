@@ -2,23 +2,28 @@
 
     shardwise plan [CONFIG.toml] [--section.key=value ...] [--hardware NAME] [--devices N |
                    --nodes K] [--model NAME|config.json] [--params N] [--top K] [--json]
-                   [--explain N] [--verify]
+                   [--explain N] [--print-command N] [--verify]
 
 The model, sequence length, global batch, precision and fine-tuning (finetune.*, optim.name)
 come from the config (as for `train`: one source of truth, so `explain` and `train` agree);
-`--params N` without an architecture plans model states only (the ZeRO paper's accounting)."""
+`--params N` without an architecture plans model states only (the ZeRO paper's accounting).
+Memory is printed in GiB (2^30 bytes), the unit device memory is sold in."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import shlex
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.config import load_config
+from shardwise.config import Config, load_config, load_toml, parse_overrides
 from shardwise.errors import ConfigError
+from shardwise.models.families import family_of
 from shardwise.plan import report
-from shardwise.plan.hardware import Hardware, detect_hardware, get_hardware
+from shardwise.plan.hardware import GiB, Hardware, detect_hardware, get_hardware
 from shardwise.plan.layout import Job
 from shardwise.plan.memory import states_only
 from shardwise.plan.search import nothing_fits, search
@@ -49,6 +54,13 @@ def parser() -> argparse.ArgumentParser:
         "--explain", type=int, default=None, metavar="N", help="every term of candidate N's row"
     )
     p.add_argument(
+        "--print-command",
+        type=int,
+        default=None,
+        metavar="N",
+        help="print the `shardwise train` command that runs candidate N",
+    )
+    p.add_argument(
         "--verify", action="store_true", help="run the best candidates here: predicted vs measured"
     )
     p.add_argument("--misses", type=int, default=0, help="also show the K closest misses")
@@ -56,23 +68,43 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# beyond any machine built (the largest runs span ~10^5 devices); the search factorises the
+# count, so the bound keeps that (trial division to its square root) quick too
+MAX_DEVICES = 2**24
+
+
 def _devices(args, hw: Hardware) -> int:
     if args.devices is not None and args.devices < 1:
         raise ConfigError(f"--devices={args.devices} must be >= 1. Fix: --devices 8")
-    if args.nodes is not None:
-        if args.nodes < 1:
-            raise ConfigError(f"--nodes={args.nodes} must be >= 1. Fix: --nodes 1")
-        return args.nodes * hw.per_node
-    if args.devices is not None:
-        return args.devices
+    if args.nodes is not None and args.nodes < 1:
+        raise ConfigError(f"--nodes={args.nodes} must be >= 1. Fix: --nodes 1")
+    if args.nodes is not None or args.devices is not None:
+        n = args.nodes * hw.per_node if args.nodes is not None else args.devices
+        if n > MAX_DEVICES:
+            given = f"--nodes={args.nodes}" if args.nodes is not None else f"--devices={n}"
+            raise ConfigError(
+                f"{given} plans {n:,} devices, more than the planner's limit of "
+                f"{MAX_DEVICES:,} (2^24). Fix: --devices 1024 (or the count you have)."
+            )
+        return n
     from shardwise.distributed.device import local_device_count
 
     return local_device_count()
 
 
-def build_job(args, overrides: list[str]) -> Job:
+@dataclass
+class Planned:
+    """What `plan` prices, and what it was given: the config and its overrides (the model's
+    name included, the hardware's taken out) make the `train` command of a candidate."""
+
+    job: Job
+    cfg: Config
+    overrides: list[str]
+
+
+def build_job(args, overrides: list[str]) -> Planned:
+    from shardwise.job.predict import job_from_config
     from shardwise.plan.hardware import take_hardware_overrides, with_overrides
-    from shardwise.plan.predict import job_from_config
     from shardwise.plan.shapes import resolve_model
 
     hw_args, overrides = take_hardware_overrides(overrides)
@@ -94,18 +126,19 @@ def build_job(args, overrides: list[str]) -> Job:
         if args.params < 1:
             raise ConfigError(f"--params={args.params:g} must be positive. Fix: --params 7.5e9")
         # mixed-precision Adam as in the ZeRO paper: 16-bit parameters and gradients
-        return Job(None, hw, devices, precision="bf16", reduce="bf16", params=int(args.params))
+        job = Job(None, hw, devices, precision="bf16", reduce="bf16", params=int(args.params))
+        return Planned(job, cfg, overrides)
     spec = resolve_model(args.model) if args.model and not named else None
     if named:
         resolve_model(args.model)  # an unknown name: the message that lists the presets
     job = dataclasses.replace(
         job_from_config(cfg, hw, devices, spec), pinned=pinned_layout(cfg, overrides)
     )
-    if spec is not None and spec.arch == "hf":  # a family the formula does not model
-        from shardwise.plan.real import real_job
+    if spec is not None and family_of(spec).from_checkpoint:  # no formula models its blocks
+        from shardwise.job.real import real_job
 
         job = real_job(job, cfg)
-    return job
+    return Planned(job, cfg, overrides)
 
 
 # config key -> the Layout field it pins in the search (sequence parallelism is not a pin: the
@@ -152,7 +185,105 @@ def states_records(job: Job) -> list[dict]:
 
 
 def public(rec: dict) -> dict:
-    return {k: v for k, v in rec.items() if k != "device_memory"}
+    """A candidate as `--json` prints it: the prediction and the train flags that run it."""
+    out = {k: v for k, v in rec.items() if k != "device_memory"}
+    out["train_flags"] = report.train_flags(rec)
+    return out
+
+
+# the job's data settings: planned at the config defaults when not given, which are sized for
+# the tiny preset (seq_len 128, global batch 16, fp32), so `plan` says so
+DATA_KEYS = {
+    "data.seq_len": ("seq_len", "--data.seq_len=2048"),
+    "train.global_batch": ("global batch", "--train.global_batch=512"),
+    "precision.compute": ("precision", "--precision.compute=bf16"),
+}
+
+
+def defaulted(config: str | None, overrides: list[str]) -> list[str]:
+    """The DATA_KEYS neither the config file nor the command line set."""
+    given = {key for key, _ in parse_overrides(overrides)}
+    if config is not None:
+        for section, values in load_toml(config).items():
+            if isinstance(values, dict):
+                given |= {f"{section}.{name}" for name in values}
+    return [key for key in DATA_KEYS if key not in given]
+
+
+def header(planned: Planned, fit: int, assumed: list[str]) -> str:
+    """The plan's first line: the model, the hardware and the job's data settings, each set
+    to its config default marked '(default)'."""
+    from shardwise.plan.shapes import param_count
+
+    job, hw = planned.job, planned.job.hardware
+    mark = {key: " (default)" if key in assumed else "" for key in DATA_KEYS}
+    return (
+        f"plan: {param_count(job.spec) / 1e6:,.1f}M params, {job.spec.n_layers} layers x "
+        f"{job.spec.dim} wide on {job.devices} x {hw.name} "
+        f"({hw.memory / GiB:.1f} GiB, {hw.calibrated}); seq_len {job.seq_len}"
+        f"{mark['data.seq_len']}, global batch {job.global_batch}{mark['train.global_batch']}, "
+        f"{job.precision}{mark['precision.compute']}; {fit:,} layouts fit; memory in GiB"
+    )
+
+
+def defaults_warning(planned: Planned, assumed: list[str]) -> str | None:
+    """One line when the data settings planned are the config defaults, with the fix."""
+    if not assumed:
+        return None
+    job = planned.job
+    values = {
+        "data.seq_len": job.seq_len,
+        "train.global_batch": job.global_batch,
+        "precision.compute": job.precision,
+    }
+    what = ", ".join(f"{DATA_KEYS[k][0]} {values[k]}" for k in assumed)
+    fix = " ".join(DATA_KEYS[k][1] for k in assumed)
+    return (
+        f"warning: {what} planned from the config defaults (sized for the tiny preset), not "
+        f"this job's. Fix: give the job's own, e.g. {fix}"
+    )
+
+
+def train_command(args, planned: Planned, rec: dict) -> str:
+    """The `shardwise train` command running candidate `rec`: the config file and the
+    overrides given here (the layout keys replaced by the candidate's), on its devices."""
+    parts = ["shardwise", "train"] + ([args.config] if args.config else [])
+    parts += [f"--{k}={v}" for k, v in parse_overrides(planned.overrides) if k not in PINS]
+    if args.model and not any(k == "model.name" for k, _ in parse_overrides(planned.overrides)):
+        # a config.json: train reads the sizes from its folder (weights beside it)
+        if family_of(planned.job.spec).from_checkpoint:
+            parts.append("--model.name=hf")
+        parts.append(f"--model.init_from={Path(args.model).parent}")
+    parts += report.train_flags(rec)
+    hw, n = planned.job.hardware, planned.job.devices
+    if n <= hw.per_node or n % hw.per_node:
+        parts.append(f"--nproc={n}")
+        return shlex.join(parts)
+    # one agent per node (torch elastic): each node passes its own index and node 0's address
+    nodes = f"--nnodes={n // hw.per_node} --nproc={hw.per_node}"
+    return f"{shlex.join(parts)} {nodes} --node-rank=$NODE_RANK --rdzv=$MASTER_ADDR:29400"
+
+
+def _pick(option: str, n: int, cands: list[dict]) -> dict:
+    if not 1 <= n <= len(cands):
+        raise ConfigError(
+            f"{option} {n}: there are {len(cands)} candidates. Fix: {option} 1..{len(cands)}."
+        )
+    return cands[n - 1]
+
+
+def _states(args, job: Job) -> int:
+    if args.print_command is not None:
+        raise ConfigError(
+            "--print-command needs a model architecture; --params plans model states only. "
+            "Fix: --model NAME (or a config with model.name)."
+        )
+    rows = states_records(job)
+    if args.json:
+        print(json.dumps({"candidates": rows, "rejected": {}}, indent=2))
+    else:
+        print(report.states_table(rows, job.params, job.devices))
+    return 0
 
 
 def run(argv: list[str], overrides: list[str]) -> int:
@@ -162,56 +293,51 @@ def run(argv: list[str], overrides: list[str]) -> int:
         return 0
     if rest:
         raise ConfigError(f"unexpected argument(s) {rest} for plan. Fix: see `shardwise plan -h`.")
-    job = build_job(args, overrides)
+    if args.json and args.print_command is not None:
+        raise ConfigError(
+            "--print-command prints a command and --json a record: one of them. Fix: drop "
+            "--print-command (--json lists every candidate's train_flags)."
+        )
+    planned = build_job(args, overrides)
+    job = planned.job
     if job.spec is None:
-        rows = states_records(job)
-        if args.json:
-            print(json.dumps({"candidates": rows, "rejected": {}}, indent=2))
-        else:
-            print(report.states_table(rows, job.params, job.devices))
-        return 0
+        return _states(args, job)
     result = search(job)
+    hw = job.hardware
     if not result.candidates:
         if args.misses:
-            print(
-                report.misses(
-                    result.unfit, args.misses, job.hardware.memory, job.hardware.host_memory
-                )
-            )
+            print(report.misses(result.unfit, args.misses, hw.memory, hw.host_memory))
         raise nothing_fits(job, result)
     if args.verify:
         from shardwise.cli.verify import verify
 
         return verify(job, result.candidates, args.config, overrides, args.top)
+    if args.print_command is not None:
+        rec = _pick("--print-command", args.print_command, result.candidates)
+        print(train_command(args, planned, rec))
+        return 0
+    assumed = defaulted(args.config, planned.overrides)
+    warning = defaults_warning(planned, assumed)
     if args.json:
+        if warning:  # stdout stays JSON
+            print(warning, file=sys.stderr)
         cands = [public(c) for c in result.candidates[: args.top]]
         print(json.dumps({"candidates": cands, "rejected": dict(result.rejected)}, indent=2))
         return 0
     if args.explain is not None:
-        if not 1 <= args.explain <= len(result.candidates):
-            raise ConfigError(
-                f"--explain {args.explain}: there are {len(result.candidates)} candidates. "
-                f"Fix: --explain 1..{len(result.candidates)}."
-            )
-        print(report.explain_candidate(result.candidates[args.explain - 1], args.explain))
+        rec = _pick("--explain", args.explain, result.candidates)
+        print(report.explain_candidate(rec, args.explain))
         return 0
-    from shardwise.plan.shapes import param_count
+    print(header(planned, len(result.candidates), assumed))
+    from shardwise.job.explain import alignment_warning, cpu_precision_warning
 
-    hw = job.hardware
-    print(
-        f"plan: {param_count(job.spec) / 1e6:,.1f}M params, {job.spec.n_layers} layers x "
-        f"{job.spec.dim} wide on {job.devices} x {hw.name} "
-        f"({hw.memory / 1e9:.0f} GB, {hw.calibrated}); seq_len {job.seq_len}, global batch "
-        f"{job.global_batch}, {job.precision}; {len(result.candidates):,} layouts fit"
-    )
-    from shardwise.plan.explain import alignment_warning, cpu_precision_warning
-
-    for warning in (
+    for line in (
+        warning,
         cpu_precision_warning(job.precision, hw),
         alignment_warning(job.spec, job.precision, hw),
     ):
-        if warning:
-            print(warning)
+        if line:
+            print(line)
     print(report.table(result.candidates, args.top))
     print(report.rejected_lines(dict(result.rejected)))
     if args.misses:

@@ -101,8 +101,8 @@ def profile(
 def summarise(pcfg: Config, world: int) -> dict:
     """Every rank's capture in `pcfg.run.dir` into summary.json, timeline.json, the report
     and the findings; prints the ledger table and the top findings."""
+    from shardwise.job.remedy import findings
     from shardwise.plan.hardware import detect_hardware
-    from shardwise.plan.remedy import findings
     from shardwise.profile.analyze import (
         device_view,
         load_parts,

@@ -73,8 +73,8 @@ def predicted_run(cfg) -> dict:
     comparison."""
     import torch.distributed as dist
 
+    from shardwise.job.explain import explain_record
     from shardwise.plan import kernels
-    from shardwise.plan.explain import explain_record
     from shardwise.plan.hardware import cpu_hardware
 
     pred = None
@@ -93,7 +93,7 @@ def measure(
     `warmup` of the slowest rank's wall-clock step time (`step_time_s`; its fastest step:
     `step_best_s`) and process CPU time (`step_cpu_s`), or `error`; with `predict`, also the
     prediction made just before (`predicted_run`)."""
-    from shardwise.testing.harness import run_world
+    from shardwise.launchers.harness import run_world
 
     quiet = ["--train.eval_every=0", "--train.eval_batches=0", f"--train.steps={steps}"]
     peer = f"shardwise.cli.verify:{'predicted_run' if predict else 'timed_run'}"

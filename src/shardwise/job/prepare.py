@@ -62,11 +62,11 @@ def prepare(
     checkpoint-dir locks from here (not for one node of a multi-node job: global rank 0
     takes them there). `show`: print the plan line."""
     from shardwise.data import data_spec, load_held_out, prepare_data
-    from shardwise.plan.explain import explain_record, print_plan
+    from shardwise.job.explain import explain_record, print_plan
     from shardwise.training.validate import check_held_out
 
     if plan_auto:
-        from shardwise.plan.auto import auto_config
+        from shardwise.job.auto import auto_config
 
         cfg = auto_config(cfg, world)
     derived = validate(cfg, world)
@@ -76,7 +76,7 @@ def prepare(
     if show:
         print_plan(record)
     if not force:  # refused here, not OOM-killed without a word an hour in
-        from shardwise.plan.auto import refuse_if_too_big
+        from shardwise.job.auto import refuse_if_too_big
 
         refuse_if_too_big(cfg, record, world)
     _check_disk(cfg, record)
@@ -94,10 +94,12 @@ def _check_disk(cfg: Config, record: dict) -> None:
     if not cfg.checkpoint.every:
         return
     from shardwise.checkpoint.io import check_room
-    from shardwise.plan.explain import checkpoint_bytes
+    from shardwise.checkpoint.lineage import alive_at_once
+    from shardwise.job.explain import checkpoint_bytes
 
     root = Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
-    check_room(root, checkpoint_bytes(record), "checkpoint.dir")
+    # those kept plus the one being written, not one alone
+    check_room(root, checkpoint_bytes(record), "checkpoint.dir", alive_at_once(cfg))
 
 
 def check_restarts(raw: object, cfg: Config, external: bool = False) -> int:

@@ -191,7 +191,9 @@ def _gloo(nbytes: int = 4 * 2**20, reps: int = 9, calls: int = 100) -> dict[str,
     return {
         "gloo_bw": bw,
         "gloo_latency": latency,
-        "gloo_sync": t.get("sync", latency),
+        # a call met from compute costs at least an idle one-element call: a loaded machine's
+        # noise can make the measured difference zero, which would price calls as free
+        "gloo_sync": max(t.get("sync", latency), t["latency"]),
         "gloo_rs_cost": 2 * t["reduce_scatter"] / t["all_reduce"],
         "gloo_ag_cost": 2 * t["all_gather"] / t["all_reduce"],
     }

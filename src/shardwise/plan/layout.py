@@ -133,7 +133,7 @@ class Job:
     packed: bool = False  # data.pack: several records per row (models/packing.py)
     # layout fields the user pinned (plan with --parallel.tp=8 ...): ((field, value), ...)
     pinned: tuple = ()
-    # a model priced from its real modules (plan/real.py): module buffers, the parameters
+    # a model priced from its real modules (job/real.py): module buffers, the parameters
     # that cost matmul FLOPs, and saved bytes = a + b·micro_batch per recomputation mode
     buffer_bytes: int = 0
     matmul_params: int = 0

@@ -247,7 +247,7 @@ def finetune_units(us: list[Unit], job: Job, tp: int) -> list[Unit]:
 def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     """Peak bytes saved for backward on one rank of pipeline stage `stage`."""
     spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
-    if job.act_lines:  # a real model measured at 1 and 2 samples (plan/real.py; tp = pp = 1)
+    if job.act_lines:  # a real model measured at 1 and 2 samples (job/real.py; tp = pp = 1)
         a0, a1 = dict(job.act_lines)[layout.recompute]
         return a0 + a1 * b
     p, ft = layout.pp, job.finetune

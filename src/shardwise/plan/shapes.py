@@ -145,7 +145,7 @@ _HF_GPT2 = {
     "tie_word_embeddings": "tie_embeddings",
 }
 # families whose blocks are our decoder's (Qwen2 adds q/k/v biases: 0.1 % of its weights);
-# any other config.json is priced from its real modules (plan/real.py)
+# any other config.json is priced from its real modules (job/real.py)
 _DECODER_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -166,7 +166,7 @@ def spec_from_hf_config(path: str) -> ModelSpec:
         keys, arch, tied = _HF_GPT2, "gpt2", True
     elif kind in _DECODER_TYPES:
         keys, arch, tied = _HF_LLAMA, "decoder", False
-    else:  # priced from its real modules (plan/real.py)
+    else:  # priced from its real modules (job/real.py)
         return real_spec(p, cfg)
     fields = {field: cfg[key] for key, field in keys.items() if cfg.get(key) is not None}
     missing = {"n_layers", "dim", "n_heads", "vocab_size"} - set(fields)

@@ -5,7 +5,7 @@ load, 75 gradient buckets of 0.0001 MB, pipeline pp2 with one micro-batch per st
 
 from __future__ import annotations
 
-HOOKS = "shardwise.testing.hooks:"
+HOOKS = "support.hooks:"
 BASE = [
     "--model.name=tiny",
     "--train.global_batch=8",

@@ -1,4 +1,4 @@
-"""`python -m shardwise.testing.faultjob HOOK NPROC [--section.key=value ...]`: what
+"""`python -m support.faultjob HOOK NPROC [--section.key=value ...]`: what
 `shardwise train --nproc NPROC` does, with a fault hook ("module:function") applied to every
 rank's run before training. The hang-diagnosis tests run faulty jobs through it."""
 

@@ -6,9 +6,9 @@ import copy
 
 from shardwise.config import Config
 from shardwise.errors import ConfigError, NotYetSupportedError
+from shardwise.job.predict import job_from_config, layout_from_config
 from shardwise.plan.hardware import GB, detect_hardware
 from shardwise.plan.memory import device_overhead, kept_in
-from shardwise.plan.predict import job_from_config, layout_from_config
 from shardwise.plan.search import nothing_fits, search
 
 

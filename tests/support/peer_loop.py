@@ -19,9 +19,9 @@ from shardwise.distributed import device as dev
 from shardwise.finetune.lora import apply_lora
 from shardwise.models import build_model, init_weights
 from shardwise.optim import adamw, lr_at
-from shardwise.testing.collectives import CollectiveCounter
 from shardwise.training.runtime import data_spec, freeze, init_distributed
 from shardwise.training.validate import Derived, derive
+from support.collectives import CollectiveCounter
 
 
 @dataclass

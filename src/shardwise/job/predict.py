@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardwise.config import Config
+from shardwise.data.callables import resolve
 from shardwise.distributed import device as dev
 from shardwise.errors import ConfigError
 from shardwise.finetune.lora import apply_lora
@@ -203,7 +204,7 @@ def _loss(tp, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def real_model(cfg: Config, spec) -> tuple[list, int, int, bool]:
     """(ZeRO units, module buffer bytes, matmul parameters, whether its head is tied to the
-    embedding) of `spec`'s real model (plan/real.py): every parameter but lookup tables
+    embedding) of `spec`'s real model (job/real.py): every parameter but lookup tables
     costs matmul FLOPs."""
     model = _meta_model(cfg, spec)
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
@@ -238,6 +239,8 @@ def _fake_activations(model, cfg: Config, derived, recompute: str | None = None,
         shape = (b, derived.spec.in_channels, size, size)
         inputs = torch.zeros(shape, dtype=dev.dtype_of(cfg.precision.compute))
         targets = torch.zeros(b, dtype=torch.long)
+    elif ":" in cfg.data.dataset:  # your dataset (data/user.py): b items shaped as its first
+        inputs, targets = _user_batch(cfg.data.dataset, b)
     elif derived.family.classifier:  # ids and attention mask packed, one label each
         inputs = torch.ones(b, 2, cfg.data.seq_len, dtype=torch.long)
         targets = torch.zeros(b, dtype=torch.long)
@@ -248,11 +251,28 @@ def _fake_activations(model, cfg: Config, derived, recompute: str | None = None,
     else:  # token ids and targets: views of one (b, s+1) window, as the loader makes them
         window = torch.zeros(b, cfg.data.seq_len + 1, dtype=torch.long)
         inputs, targets = window[:, :-1], window[:, 1:]
+    if inputs.is_floating_point():  # images (and your float inputs) enter in compute dtype
+        inputs = inputs.to(dev.dtype_of(cfg.precision.compute))
     with meter.measure(), _as_in_training():
         logits = model(inputs)
-        logits = getattr(logits, "logits", logits)  # a Hugging Face output object
-        _loss(tp, logits, targets)
+        if cfg.train.loss != "cross_entropy":  # yours, on whole outputs (as Run.loss_sum)
+            resolve(cfg.train.loss, "train.loss")(logits, targets)
+        else:
+            logits = getattr(logits, "logits", logits)  # a Hugging Face output object
+            _loss(tp, logits, targets)
     return meter.take_peak()
+
+
+def _user_batch(source: str, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`b` samples shaped as the first item of your dataset (read for real, outside the fake
+    mode the activations are measured in)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from shardwise.data.user import load_user
+
+    with unset_fake_temporarily():
+        x, y = load_user(source, "train").get_batch(torch.tensor([0]))
+    return torch.zeros(b, *x.shape[1:], dtype=x.dtype), torch.zeros(b, *y.shape[1:], dtype=y.dtype)
 
 
 def _stage_model(cfg: Config, derived, layout: Layout, stage: int):

@@ -1,7 +1,7 @@
 """`shardwise explain`: every derived value of a config and the planner's per-rank prediction
 for exactly that config, without starting training.
 
-The prediction is `shardwise.plan`'s (plan/predict.py): model states exact from the engine's
+The prediction is `shardwise.plan`'s (job/predict.py): model states exact from the engine's
 unit layout, activations from the per-layer formula of our blocks (checked byte for byte
 against the engine's saved-tensor accounting), ZeRO buffers by replaying the engine's schedule,
 traffic as comm.py counts it, and the step time on the detected hardware (a catalog GPU, or
@@ -10,10 +10,13 @@ this CPU calibrated on the spot)."""
 from __future__ import annotations
 
 from shardwise.config import Config
+from shardwise.finetune.lora import is_lora_layer
+from shardwise.finetune.quant import quant_layers
+from shardwise.job.predict import _meta_model, predict_config
+from shardwise.optim import EIGHT_BIT
 from shardwise.plan.gpu import ALIGN, misaligned
 from shardwise.plan.hardware import Hardware, detect_hardware
 from shardwise.plan.layout import BYTES
-from shardwise.plan.predict import predict_config
 from shardwise.training.metrics import human_bytes
 from shardwise.training.validate import derive
 
@@ -32,6 +35,10 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
         "model": cfg.model.name,
         "arch": d.spec.arch,
         "params": n,
+        **parameter_counts(cfg, d.spec),
+        "optimizer": cfg.optim.name,
+        "optimizer_state_dtype": "int8" if cfg.optim.name in EIGHT_BIT else "fp32",
+        "sample_unit": "rows" if d.tokens_per_sample == 1 else "tokens",
         "n_layers": d.spec.n_layers,
         "dim": d.spec.dim,
         "global_batch": cfg.train.global_batch,
@@ -95,6 +102,62 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
     return record
 
 
+def parameter_counts(cfg: Config, spec) -> dict:
+    """What the model trains: its parameters trainable, frozen (LoRA's base, train.freeze) and
+    quantised (a low-bit base, no longer parameters), counted on the model as training builds
+    it on meta; and its LoRA adapters (rank 0: none)."""
+    model = _meta_model(cfg, spec)
+    params = {id(p): p for p in model.parameters()}.values()  # a tied weight once
+    ft = cfg.finetune
+    return {
+        "trainable_params": sum(p.numel() for p in params if p.requires_grad),
+        "frozen_params": sum(p.numel() for p in params if not p.requires_grad),
+        "quantised_params": sum(m.shape[0] * m.shape[1] for _, m in quant_layers(model)),
+        "base_quant": ft.base_quant,
+        "lora": {
+            "rank": ft.lora_rank,
+            "alpha": ft.lora_alpha if ft.lora_rank else 0.0,
+            "targets": ft.lora_targets if ft.lora_rank else "",
+            "layers": sum(1 for m in model.modules() if is_lora_layer(m)),
+        },
+    }
+
+
+def _millions(n: int) -> str:
+    """A parameter count for reading: 7.24B, 1.44M, 18.69K."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _trains(r: dict) -> str:
+    """The parameters in a plan line: how many, and which of them train."""
+    if not (r["frozen_params"] or r["quantised_params"]):
+        return f"{_millions(r['params'])} params, all trainable"
+    parts = [f"{_millions(r['trainable_params'])} trainable"]
+    if r["frozen_params"]:
+        parts.append(f"{_millions(r['frozen_params'])} frozen")
+    if r["quantised_params"]:
+        parts.append(f"{_millions(r['quantised_params'])} quantised {r['base_quant']}")
+    return f"{_millions(r['params'])} params: {', '.join(parts)}"
+
+
+def _lora(r: dict) -> str:
+    lora = r["lora"]
+    if not lora["rank"]:
+        return "off"
+    return (
+        f"r={lora['rank']} alpha={lora['alpha']:g} on {lora['targets']} ({lora['layers']} layers)"
+    )
+
+
+def _optimizer(r: dict) -> str:
+    dtype = r["optimizer_state_dtype"]
+    how = " - block-wise: an fp32 scale per 256 values" if dtype == "int8" else ""
+    return f"{r['optimizer']} (state {dtype}{how})"
+
+
 def cpu_precision_warning(precision: str, hw: Hardware) -> str | None:
     """One line when a CPU run computes in a precision the CPU has no matrix units for."""
     from shardwise.distributed.device import cpu_matrix_units
@@ -149,13 +212,15 @@ def checkpoint_bytes(r: dict) -> int:
 def print_plan(r: dict) -> None:
     """The short plan `train` prints before it starts."""
     print(
-        f"shardwise: {r['model']} ({r['params'] / 1e6:.2f}M params) on {r['world']} rank(s): "
+        f"shardwise: {r['model']} ({_trains(r)}) on {r['world']} rank(s): "
         f"pp={r['pp']} dp={r['dp']} tp={r['tp']} zero={r['zero']} | global batch "
         f"{r['global_batch']} = {r['micro_batch']} x {r['micro_batches_per_step']} micro x "
-        f"{r['dp']} dp | {r['tokens_per_step']:,} tokens/step | {r['precision']} | "
+        f"{r['dp']} dp | {r['tokens_per_step']:,} {r['sample_unit']}/step | {r['precision']} | "
         f"predicted memory/rank {human_bytes(r['mem_bytes']['total'])}",
         flush=True,
     )
+    tuned = f" | LoRA {_lora(r)}" if r["lora"]["rank"] else ""
+    print(f"shardwise: optimizer {_optimizer(r)}{tuned}", flush=True)
     for line in r.get("warnings", []):
         print(line, flush=True)
 
@@ -167,11 +232,18 @@ def print_explain(r: dict) -> None:
         ("zero stage", r["zero"]),
         ("model", f"{r['model']} ({r['arch']})"),
         ("parameters", f"{r['params']:,}"),
+        (
+            "trainable / frozen / quantised",
+            f"{r['trainable_params']:,} / {r['frozen_params']:,} / {r['quantised_params']:,}",
+        ),
+        ("base quantisation", r["base_quant"]),
+        ("LoRA", _lora(r)),
+        ("optimizer", _optimizer(r)),
         ("layers / hidden size", f"{r['n_layers']} / {r['dim']}" if r["dim"] else "(its own)"),
         ("global batch", r["global_batch"]),
         ("micro batch", r["micro_batch"]),
         ("micro-batches per step (accumulation)", r["micro_batches_per_step"]),
-        ("tokens per step", f"{r['tokens_per_step']:,}"),
+        (f"{r['sample_unit']} per step", f"{r['tokens_per_step']:,}"),
         ("compute / reduce precision", f"{r['precision']} / {r['reduce']}"),
         ("recompute", r["recompute"]),
         ("data", f"{r['dataset']} (seq_len {r['seq_len']})"),
@@ -188,7 +260,7 @@ def print_explain(r: dict) -> None:
     if "step_time_s" in r:
         rows += [
             ("predicted step time (s)", f"{r['step_time_s']:.4g}"),
-            ("predicted tokens/s", f"{r['tokens_per_s']:,.0f}"),
+            (f"predicted {r['sample_unit']}/s", f"{r['tokens_per_s']:,.0f}"),
             ("predicted mfu", f"{100 * r['mfu']:.1f}%"),
             ("predicted hfu", f"{100 * r['hfu']:.1f}%"),
         ]

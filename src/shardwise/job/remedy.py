@@ -15,10 +15,10 @@ import dataclasses
 import math
 
 from shardwise.config import Config, with_overrides
+from shardwise.job.predict import job_from_config, layout_from_config, predict_config
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.memory import device_overhead
-from shardwise.plan.predict import job_from_config, layout_from_config, predict_config
 from shardwise.plan.search import fits
 from shardwise.training.validate import derive
 

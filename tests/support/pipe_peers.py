@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config import Config
-from shardwise.testing.livepeak import LivePeak
-from shardwise.testing.zero_peers import deepspeed_env
+from support.livepeak import LivePeak
+from support.zero_peers import deepspeed_env
 
 # one micro-batch: B sequences of S tokens, H wide (a hidden state is B*S*H fp32 values);
 # M micro-batches a batch

@@ -2,7 +2,7 @@
 model, data order, AdamW groups, lr schedule, loss normalisation and clipping, as oracles for
 `parallel/zero.py` and as the engines it is benchmarked against.
 
-Same contract as `shardwise.testing.peers.ddp_peer`: a function of the config that runs inside
+Same contract as `support.peers.ddp_peer`: a function of the config that runs inside
 a `run_world` world and returns `losses` (global mean per step), `params` (full-shape fp32 CPU
 tensors by our parameter names, gathered on every rank) and `step_times`; plus
 `step_cpu_times` (process CPU time per step), `state_bytes` (model states this rank holds, by
@@ -33,9 +33,10 @@ from torch import nn
 
 from shardwise.config import Config
 from shardwise.distributed import device as dev
-from shardwise.testing.collectives import count_collectives, patch_deepspeed_backend
-from shardwise.testing.livepeak import LivePeak
-from shardwise.testing.peer_loop import (
+from shardwise.training.validate import Derived
+from support.collectives import count_collectives, patch_deepspeed_backend
+from support.livepeak import LivePeak
+from support.peer_loop import (
     loss_sum,
     optimizer_state_bytes,
     peer_adamw,
@@ -45,7 +46,6 @@ from shardwise.testing.peer_loop import (
     to_local,
     train_loop,
 )
-from shardwise.training.validate import Derived
 
 
 # -- FSDP2 ------------------------------------------------------------------------------------

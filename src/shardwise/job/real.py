@@ -4,7 +4,7 @@ reads its real modules instead of a formula.
 The model is built from the config on the meta device (transformers' own class, no weights),
 adapted as `train` would (LoRA, a quantised base, frozen parameters); its ZeRO units give the
 model states of every layout exactly, as they do for `explain`. Activations come from fake
-forwards (the engine's saved-tensor meter, plan/predict.py) at one and two samples per
+forwards (the engine's saved-tensor meter, job/predict.py) at one and two samples per
 micro-batch, per recomputation mode: a transformer's saved bytes are an intercept plus a
 slope in the micro-batch (every tensor is per sample, or a constant such as the rotary
 tables), so the two points give every micro-batch size. The matmul FLOPs count the real
@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 
 from shardwise.errors import ConfigError
+from shardwise.job.predict import measure_activations, real_model
 from shardwise.plan.layout import Job
-from shardwise.plan.predict import measure_activations, real_model
 
 
 def real_job(job: Job, cfg) -> Job:
