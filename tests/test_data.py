@@ -25,19 +25,9 @@ from shardwise.data import (
     split_for_rank,
 )
 from shardwise.errors import DataError
-
-WORDS = ["the", "a", "data", "model", "rank", "shard", "tensor", "batch", "loss", "step", "mesh"]
-
-
-def _text(seed: int, n_words: int) -> str:
-    rng = random.Random(seed)
-    lines = [" ".join(rng.choices(WORDS, k=12)) for _ in range(n_words // 12)]
-    return "\n".join(lines) + "\n"
-
-
-def _spec(tmp_path: Path, dataset: Path | str, **kw) -> DataSpec:
-    kw = {"seq_len": 16, "vocab_size": 300, "cache_dir": str(tmp_path / "cache"), **kw}
-    return DataSpec(dataset=str(dataset), **kw)
+from support.textdata import WORDS
+from support.textdata import spec as _spec
+from support.textdata import text as _text
 
 
 @pytest.fixture

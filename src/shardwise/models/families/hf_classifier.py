@@ -1,20 +1,12 @@
-"""A Hugging Face encoder checkpoint with a new sequence-classification head."""
+"""A Hugging Face encoder checkpoint with a new sequence-classification head: the causal LM
+family's answers, but one label per row, and no pipeline cut (its plan is a causal LM's)."""
 
 from __future__ import annotations
 
-from shardwise.models.families.base import Family
-from shardwise.models.families.hf_causal import build_checkpoint_model
+import dataclasses
 
-HF_CLASSIFIER = Family(
-    name="hf",
-    kind="a Hugging Face model",
-    archs=("hf",),
-    task="classification",
-    build=build_checkpoint_model,
-    data="any",
-    sized=False,
-    classifier=True,
-    from_checkpoint=True,
-    tensor_parallel="checkpoint",
-    recompute="checkpoint_blocks",
+from shardwise.models.families.hf_causal import HF_CAUSAL_LM
+
+HF_CLASSIFIER = dataclasses.replace(
+    HF_CAUSAL_LM, task="classification", classifier=True, pipeline="none"
 )
