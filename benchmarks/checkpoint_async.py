@@ -10,7 +10,7 @@ PyTorch Distributed Checkpoint on the same model and optimizer state: `dcp.save`
 return time of `dcp.async_save`. Cases run in alternating order over rounds in ONE world so
 that load drift hits all alike; medians over rounds.
 
-Target (issue 7): async stall < 20% of the synchronous save time.
+Target: async stall < 20% of the synchronous save time.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One GPU: `shardwise profile` of a bf16 decoder beside the planner and plain PyTorch AMP.
 
-What it measures (issue 22's CUDA item): on one CUDA device, `shardwise profile` of a
+What it measures: on one CUDA device, `shardwise profile` of a
 decoder (default the 1b preset, seq 2048, bf16) exactly as a user runs it; printed: the host
 ledger of the measured steps, the device's ledger of the traced step (from its CUDA kernels,
 profile/kernels.py), the MFU, the allocator's peak (`max_memory_allocated`) and the planner's

@@ -15,7 +15,7 @@ checked against the formula 2(n-1)/n * psi * 4 bytes. A last cross-check per siz
 alternates single steps of ours and DDP inside one case (`common.paired_peer`), so both see
 the same load at the same moments: on a busy shared machine that is the steadier ratio. The
 two loss curves must agree, which shows that both train the same thing. Why: the engine is
-ours, DDP is the peer to beat (DESIGN.md); a slower engine needs an explanation.
+ours, DDP is the peer to beat (docs/design.md); a slower engine needs an explanation.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fault soak (issues 7 and 26): kill a rank, or stop the job with SIGTERM or SIGINT, at random
+"""Fault soak: kill a rank, or stop the job with SIGTERM or SIGINT, at random
 moments, 20 times each; every run must finish and end bitwise equal to the uninterrupted one.
 
 Each trial runs `shardwise train --nproc 2 --max-restarts 3 --checkpoint.every=2` on a tiny

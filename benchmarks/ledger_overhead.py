@@ -8,7 +8,7 @@ rank) of each round, on and off, and the ratio on / off per round and overall (a
 this 2-core machine: several percent from round to round); then the clock's cost counted
 exactly: regions entered per step (one process running the same case) plus collectives per
 step (from the 2-rank records), times one region's measured cost, as a share of the step.
-The issue's bar: <= 2 %.
+The bar: <= 2 %.
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def main() -> int:
         action="store_true",
         help=f"8 blocks cut 4 | 4 and a {SYMMETRIC_VOCAB}-token vocabulary: the stages run the "
         "same blocks, so they stay balanced however the machine treats matmuls and "
-        "element-wise work (the FLOP-balanced head does not, measured in session 3)",
+        "element-wise work (the FLOP-balanced head does not, measured on 2026-11-21)",
     )
     parser.add_argument(
         "--micro-batch",

@@ -223,7 +223,7 @@ def main() -> int:
     for label, meas in (("wall-clock", meas_t), ("fastest step", best_t), ("CPU time", cpu_t)):
         errs = [abs(p - m) / m for p, m in zip(pred_t, meas, strict=True)]
         rho = spearman(pred_t, meas)
-        # issue 27's bounds: MAPE <= 10 %, no layout off by more than 20 % (earlier: 15 %)
+        # the bounds: MAPE <= 10 %, no layout off by more than 20 % (earlier: 15 %)
         print(
             f"step time vs {label}: MAPE {100 * statistics.mean(errs):.1f}% (bound 10%), "
             f"worst layout {100 * max(errs):.1f}% (bound 20%), Spearman rho {rho:.3f} "

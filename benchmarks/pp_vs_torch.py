@@ -10,7 +10,7 @@ same processes, order flipped every step, so both see the same machine load at t
 moments. Step time per step is the slower rank's; per schedule the median over the steps
 after warm-up, and the ratio ours / torch (target <= 1.00, limit 1.15). The first step's
 losses must agree (both compute the same thing). Why: the pipeline engine is ours; PyTorch's
-is the peer to beat (DESIGN.md).
+is the peer to beat (docs/design.md).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ MEGATRON_2022 = dataclasses.replace(
     MEGATRON, name="megatron-lm-2022", sp_regather=True, tp_overlap_backward=True
 )
 # DeepSpeed's ZeRO-3 in 2021 (Narayanan et al.'s Table 2): a blocking all-gather per parameter
-# (DeepSpeed issue #1069, fixed after the paper by PR #1188, June 2021): nothing overlaps; each
+# (microsoft/DeepSpeed#1069, fixed after the paper by PR #1188, June 2021): nothing overlaps; each
 # into a list of per-rank views (its `_allgather_param`: torch.distributed.all_gather)
 DEEPSPEED_ZERO3 = Engine(
     "deepspeed-zero3-2021", "paper", True, overlap_dp=False, zero3_per_tensor=True,

@@ -1,4 +1,4 @@
-"""DESIGN.md scenario 1: a ResNet-18 that trains on one process, scaled to 2 data-parallel
+"""docs/design.md scenario 1: a ResNet-18 that trains on one process, scaled to 2 data-parallel
 ranks, in fp32 and in bf16 (fp32 master weights and fp32 gradient reduction).
 
 What it measures, for the 4 runs (1 process / 2 ranks x fp32 / bf16) with the same global

@@ -10,7 +10,7 @@ end of the forward:
   pipeline runs it (linear layers and norms keep their weight gradients for W);
 * `graph walk`: the same split for weights of ops that deferred_grads does not know (every
   weight here, the forward run plainly): W restarts autograd at each weight's node (how
-  shardwise split the backward before session 8);
+  shardwise split the backward before 2026-11-22);
 * `torch`: `stage_backward_input` + `stage_backward_weight`.
 Cases run in rotating order, `--rounds` times each; medians. Every split must give the
 gradients of one backward (relative L2 <= 1e-6, same fp32 ops). A split's price is

@@ -1,4 +1,4 @@
-"""Scenario 2 of DESIGN.md at CPU scale: a GPT-style decoder trained at every ZeRO stage, with
+"""Scenario 2 of docs/design.md at CPU scale: a GPT-style decoder trained at every ZeRO stage, with
 and without optimizer offload, in one spawned world of 2 ranks. Prints memory per rank by
 category (device and host), median step time, dp bytes per step and the final loss.
 

@@ -18,7 +18,7 @@ their parameter, gradient, fp32-partition and optimizer-state storages) beside t
 formulas: fp32 for the timed runs (no master copy; Adam's two moments K=8: ZeRO-1
 4Ψ+4Ψ+8Ψ/N, ZeRO-2 4Ψ+12Ψ/N, ZeRO-3 16Ψ/N) and, from short extra runs, bf16 compute with fp32
 masters (Rajbhandari et al. 2020, fig. 1: 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N). Bytes communicated per
-step and rank, ring-equivalent (DESIGN.md): ours from `comm_bytes["dp"]`, the peers' measured
+step and rank, ring-equivalent (docs/design.md): ours from `comm_bytes["dp"]`, the peers' measured
 by counting wrappers around `torch.distributed`'s collectives (`collectives.count_collectives`),
 next to the formula 2(N-1)/N·4Ψ (ZeRO-1/2) or 3(N-1)/N·4Ψ (ZeRO-3).
 """

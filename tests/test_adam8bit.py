@@ -1,4 +1,4 @@
-"""8-bit AdamW (issue 21, item 3): bitsandbytes' block-wise AdamW8bit as the inner optimizer,
+"""8-bit AdamW: bitsandbytes' block-wise AdamW8bit as the inner optimizer,
 its state sharded by ZeRO on quantisation-block boundaries (so every dp layout holds the
 single-process blocks), ~2 bytes per trained parameter, close to fp32 AdamW over 200 steps,
 and predicted exactly by `explain`."""

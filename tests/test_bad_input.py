@@ -1,5 +1,5 @@
 """Every error a user can cause: ONE clear message naming the offending value and the fix,
-exit code 2, no traceback (DESIGN.md, "Errors the user can cause").
+exit code 2, no traceback (docs/design.md, "Errors the user can cause").
 
 Most cases run in-process through `shardwise.cli.main.main(argv)`; `train` validates the
 config and prepares the data before it starts any rank, so data errors need no processes.

@@ -1,4 +1,4 @@
-"""Checkpoints (issue 7): the self-describing sharded format, bitwise resume in the same
+"""Checkpoints: the self-describing sharded format, bitwise resume in the same
 layout, resuming in another layout, and corruption detection.
 
 Two spawned worlds run everything: a 4-rank world saves dp4 ZeRO-3; a 2-rank world runs each
@@ -45,7 +45,7 @@ EXACT = {
         "--train.micro_batch=2",
     ],
 }
-# (resumed case, uninterrupted run it continues): the issue's reshard matrix
+# (resumed case, uninterrupted run it continues): the required reshard matrix
 RESHARD = {
     "dp4_z3_to_dp2_z1": "dp4_z3",
     "z2_to_z3": "z2",
@@ -346,7 +346,7 @@ def _files(*roots: Path) -> dict[Path, bytes]:
 
 @pytest.mark.slow
 def test_all_checkpoints_damaged_is_refused_and_nothing_changes(runs: dict, tmp_path: Path) -> None:
-    """Issue 26, item 2: when every checkpoint is damaged, starting over would throw the run's
+    """When every checkpoint is damaged, starting over would throw the run's
     progress away in silence: refused, naming each checkpoint and what is wrong, with the
     checkpoints and metrics.jsonl left byte for byte."""
     from shardwise.errors import CheckpointError
@@ -494,7 +494,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_bitwise_equal(
 def test_only_our_own_leftovers_are_deleted_and_a_hostile_index_is_refused(
     runs: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 26 items 1 and 6: a directory that looks like an unfinished checkpoint but holds
+    """A directory that looks like an unfinished checkpoint but holds
     a file a save does not write, or a final name that lost its index, is reported and kept
     (with the user's files); our own half-written save is removed; an index naming a file
     outside its checkpoint makes that checkpoint invalid (the previous one is resumed)."""

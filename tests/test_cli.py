@@ -1,5 +1,5 @@
 """End to end: the real `shardwise` CLI in subprocesses on a tiny model, asserting on the files
-it writes (metrics.jsonl contract of DESIGN.md, config.json, TensorBoard events), launcher
+it writes (metrics.jsonl contract of docs/design.md, config.json, TensorBoard events), launcher
 invariance under an external torchrun, and `explain` / help output."""
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ GOLDEN_KEYS = [
     "run.cpu_affinity",
 ]
 
-# Keys DESIGN.md names as a contract other tools rely on: they must never disappear.
+# Keys docs/design.md names as a contract other tools rely on: they must never disappear.
 CONTRACT_KEYS = [
     "model.name",
     "model.n_layers",
@@ -447,7 +447,7 @@ def test_to_dict_has_every_key_and_round_trips() -> None:
             "--precision.compute=bf16",
             "--memory.recompute=full",
             "--log.tensorboard=false",
-            "--run.dir=/tmp/x",
+            "--run.dir=runs/x",
         ],
     )
     assert list(_flat(cfg)) == all_keys()

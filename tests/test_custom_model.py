@@ -1,4 +1,4 @@
-"""Your own nn.Module (issue 20, item 4): a model defined outside the package (tests/user/
+"""Your own nn.Module: a model defined outside the package (tests/user/
 models.py: an MLP on the digits images and a small causal transformer from torch's layers on
 text) trains through `model.name=FILE:FACTORY`; dp2 ZeRO-3 (and full recomputation) reproduce
 the single process, a ZeRO-3 dp2 checkpoint resumes on one process, the planner predicts its

@@ -1,4 +1,4 @@
-"""A new run in a used run.dir never truncates what an earlier run wrote (issue 26, item 2):
+"""A new run in a used run.dir never truncates what an earlier run wrote:
 metrics.jsonl and a different config.json are kept under the next free number, and it says so."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hang diagnosis (issue 7, item 5): a skipped collective and a rank that sleeps forever stop
+"""Hang diagnosis: a skipped collective and a rank that sleeps forever stop
 the job within timeout + 30 s with one report naming the rank and the collective; the report
 analysis itself is checked on hand-made traces (a silent rank, a different collective, the
 groups of a 3-D mesh)."""

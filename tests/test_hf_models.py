@@ -1,4 +1,4 @@
-"""Any Hugging Face checkpoint (issue 20, items 1 and 3): `model.name=hf` trains transformers'
+"""Any Hugging Face checkpoint: `model.name=hf` trains transformers'
 own class for the checkpoint in model.init_from, with its own tokenizer.
 
 * causal LMs of several families (tiny configs, random weights saved with save_pretrained and

@@ -1,4 +1,4 @@
-"""Instruction and chat data (issue 21, item 4): prompts carry no loss, chat uses the tokenizer's
+"""Instruction and chat data: prompts carry no loss, chat uses the tokenizer's
 own template, bad records and tokenizers are refused with the fix."""
 
 from __future__ import annotations

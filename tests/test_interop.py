@@ -1,4 +1,4 @@
-"""Hugging Face interop (issue 7, item 7): weights saved by `transformers` (Llama and GPT-2)
+"""Hugging Face interop: weights saved by `transformers` (Llama and GPT-2)
 load into our decoders with the same logits, and into tp2 / ZeRO-3 / ZeRO-1 / data
 parallelism with the same loss as the single-process run and as transformers itself."""
 

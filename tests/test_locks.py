@@ -1,4 +1,4 @@
-"""One live job per run.dir and per checkpoint.dir (issue 26, item 3): a second job on the same
+"""One live job per run.dir and per checkpoint.dir: a second job on the same
 directory is refused at once, naming the holder; the lock dies with its process."""
 
 from __future__ import annotations

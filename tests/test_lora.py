@@ -1,4 +1,4 @@
-"""LoRA through peft in every layout (issue 21, item 1): the built-in decoder and a Hugging Face
+"""LoRA through peft in every layout: the built-in decoder and a Hugging Face
 Llama, one process vs dp2 ZeRO-2, dp2 ZeRO-3 and tp2, against PyTorch DDP over the same peft
 model; only the adapters change, frozen weights get no gradient buffers or optimizer state.
 
@@ -284,7 +284,7 @@ def test_export_without_an_adapter_is_refused(tmp_path):
 @pytest.mark.parametrize("name", ["z3", "z2_drop", "tp2", "tp2_drop"])
 def test_explain_predicts_the_lora_job(worlds, name):
     """`explain` with the same finetune.* keys: model states exact, activations and the peak
-    within 5 % (the issue's bounds)."""
+    within 5 % (the required bounds)."""
     from shardwise.job.explain import explain_record
     from shardwise.plan.hardware import get_hardware
 

@@ -1,4 +1,4 @@
-"""Packing instruction records into rows (`data.pack=true`, issue 21 item 4): several records
+"""Packing instruction records into rows (`data.pack=true`): several records
 share a row, attention stays within each record and its positions restart, so every record's
 loss is the one it has alone; packed runs reproduce one process in every layout.
 

@@ -47,7 +47,7 @@ WORLD4 = {
     for layout, extra in LAYOUTS.items()
     for s, flags in SCHEDULES.items()
 }
-# Beyond the 20-step matrix, 6 steps against a 6-step reference (a wrong gradient
+# Beyond the required 20-step matrix, 6 steps against a 6-step reference (a wrong gradient
 # shows from step 2; at 20 steps the two cost as much as six matrix cases)
 SHORT_STEPS = 6
 SHORT, SHORT_SUFFIX = f"--train.steps={SHORT_STEPS}", f"_{SHORT_STEPS}steps"

@@ -143,7 +143,7 @@ def test_plan_json_shape(capsys):
     for c in r["candidates"]:
         assert set(c) >= KEYS and set(c["mem_bytes"]) >= MEM
         assert c["tp"] * c["pp"] * c["dp"] == 64
-        # max over ranks per category (DESIGN.md): with pp the first and last stages differ,
+        # max over ranks per category (docs/design.md): with pp the first and last stages differ,
         # so the largest rank's total is at most the sum of the per-category maxima
         parts = sum(c["mem_bytes"][k] for k in MEM - {"total"})
         assert c["mem_bytes"]["total"] <= parts + 8
@@ -246,7 +246,7 @@ def test_plan_verify_runs_the_best_candidate_here_and_compares(capsys):
     )
     row = lines[head + 1].split()
     assert row[0] == "tp1" and "failed:" not in lines[head + 1], lines[head + 1]
-    # predicted vs measured: total memory (error within the issue's 5 %), states, step time
+    # predicted vs measured: total memory (error within the required 5 %), states, step time
     total_err, states = float(row[-7].rstrip("%")), row[-6]
     assert states == "exact" and abs(total_err) <= 5.0, lines[head + 1]
     pred_s, wall_s = float(row[-5]), float(row[-4])
@@ -303,7 +303,7 @@ def _explain(capsys, *args) -> dict:
 
 
 def test_explain_predicts_a_pinned_layout_on_catalog_hardware(capsys):
-    """Issue 27, item 1: explain honours every layout key on any catalog hardware, and
+    """Explain honours every layout key on any catalog hardware, and
     `--hardware.FIELD=VALUE` overrides one field of the entry (a slower network between
     nodes: dp spans 8 nodes of 8 here). MFU and HFU both, with the convention they count."""
     rec = _explain(capsys, *PINNED_7B)

@@ -1,5 +1,5 @@
 """The planner against measured runs: model-state bytes exactly equal to the engine's own
-accounting, and peak memory (`total`) within 5% (the issue's bound; measured: exact), over 29
+accounting, and peak memory (`total`) within 5% (the required bound; measured: exact), over 29
 layouts (DP, gradient compression, ZeRO 1-3, offload to host and disk, recompute,
 accumulation, GPT-2, tied, tp, sp and pp) in one 2-rank world; traffic and collective calls
 per mesh dimension as comm.py counts them."""

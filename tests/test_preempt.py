@@ -1,4 +1,4 @@
-"""Preemption-safe stop (issue 26, item 4): SIGTERM to `shardwise train --nproc 2` mid-run ends
+"""Preemption-safe stop: SIGTERM to `shardwise train --nproc 2` mid-run ends
 it at the next step with a checkpoint of that step and exit status 143, quickly; running the
 same command again resumes and ends bitwise equal to a run never interrupted. SIGINT to a
 one-process run: the same with 130."""

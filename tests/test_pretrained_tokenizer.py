@@ -1,5 +1,5 @@
-"""A model from a checkpoint reads its text through the checkpoint's own tokenizer (issue 20,
-item 2): the ids fed to the model decode back to the source documents, the token cache is
+"""A model from a checkpoint reads its text through the checkpoint's own tokenizer:
+the ids fed to the model decode back to the source documents, the token cache is
 keyed by the tokenizer's content, and a tokenizer the model cannot embed, or a checkpoint
 without one, is one clear error before any process starts."""
 

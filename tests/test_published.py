@@ -147,7 +147,7 @@ def test_other_frameworks_costs_where_they_differ():
 def test_the_published_3d_runs_are_predicted_within_15_percent(runs):
     """Held out from the calibration: every Megatron-LM 3D row (Narayanan et al. 2021 Table 1
     and Table 2's PTD-P rows, Korthikanti et al. 2022, the README's GPT-3 175B on 1,024 A100s)
-    and BLOOM-176B's logged iterations, each within the issue's 15 % and fitting in memory."""
+    and BLOOM-176B's logged iterations, each within the required 15 % and fitting in memory."""
     keep = ("narayanan2021-t1-", "korthikanti2022-t5-", "megatron-readme-gpt3", "bloom-tr11-")
     rows = [r for r in runs.load_rows() if r["id"].startswith(keep) or r["id"].endswith("-ptdp")]
     cases, _ = runs.split_cases(rows)
@@ -161,7 +161,7 @@ def test_the_published_3d_runs_are_predicted_within_15_percent(runs):
 
 
 def test_stated_peak_memory_is_predicted_within_10_percent_like_for_like(runs):
-    """Where a source says what its memory figure counts, the prediction is within the issue's
+    """Where a source says what its memory figure counts, the prediction is within the required
     10 %: our own H200 run's peak allocation against the planner's tensors, torchtitan's
     allocator reservation against the tensors and the reserve. (BLOOM's `Mem`, a whole device's
     use read off nvidia-smi, is not: benchmarks/published_runs.py prints it, 57 of 74 rows

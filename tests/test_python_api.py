@@ -1,4 +1,4 @@
-"""The Python entry point (issue 20, item 4): `shardwise.train(config, model=..., dataset=...,
+"""The Python entry point: `shardwise.train(config, model=..., dataset=...,
 loss=..., nproc=...)` trains your module on your data with your loss, in any layout, and the
 README's complete example runs as written."""
 
@@ -83,7 +83,7 @@ def test_the_readmes_example_runs_as_written(tmp_path):
 
 
 def test_a_held_out_split_smaller_than_dp_is_refused_before_launch(tmp_path):
-    """Issue 26, item 7: not a crash at the first evaluation (global_batch=0) hours in."""
+    """Not a crash at the first evaluation (global_batch=0) hours in."""
     from user.models import one_held_out
 
     with pytest.raises(ConfigError, match=r"has 1 samples, fewer than the 2 data-parallel"):

@@ -78,7 +78,7 @@ def worlds():
 @pytest.mark.parametrize("name", list(REFERENCE))
 def test_parity_with_single_process(worlds, name):
     """fp32, 20 steps: losses within 1e-5 relative, parameters gathered back to full shape
-    within 1e-5 (the issue's bounds), on every rank.
+    within 1e-5 (the required bounds), on every rank.
 
     The Hugging Face and dropout cases run at lr 3e-4 (LOW_LR), the others at SMALL's 1e-3.
     At 1e-3 those cases miss the parameter bound on a handful of entries (measured: 6 of

@@ -1,6 +1,6 @@
 """Byte counting at `torch.distributed` for the peers: every collective a peer (FSDP2,
 DeepSpeed, DTensor, torch pipelining) calls is counted with the ring-equivalent conventions of
-DESIGN.md, so its traffic compares with our Comm's counters key by key."""
+docs/design.md, so its traffic compares with our Comm's counters key by key."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 # name -> (argument holding the full-size tensor(s), ring factor as a function of n), the
-# conventions of DESIGN.md: all-reduce 2(n-1)/n·S, reduce-scatter/all-gather (n-1)/n·S of the
+# conventions of docs/design.md: all-reduce 2(n-1)/n·S, reduce-scatter/all-gather (n-1)/n·S of the
 # full tensor, broadcast (n-1)/n·S.
 _COLLECTIVES: dict[str, tuple[str, Callable[[int], float]]] = {
     "all_reduce": ("tensor", lambda n: 2 * (n - 1) / n),

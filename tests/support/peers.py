@@ -1,5 +1,5 @@
 """The PyTorch peers run on exactly our model, data order, optimizer and schedule, so their
-numbers are oracles for ours (DESIGN.md: tests and benchmarks compare against them)."""
+numbers are oracles for ours (docs/design.md: tests and benchmarks compare against them)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Saving a run and resuming it, in any layout: `Checkpointer` is what `fit()` calls.
 
 Data order and initialisation depend only on the seed and the global sample index
-(DESIGN.md), and the index stores the step, the loss scaler and AdamW's step count, so a
+(docs/design.md), and the index stores the step, the loss scaler and AdamW's step count, so a
 resumed run continues as if it had never stopped — bitwise in the same layout. A save is
 synchronous, or (`checkpoint.async`) a host snapshot written by a background thread.
 """

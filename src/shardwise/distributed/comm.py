@@ -1,6 +1,6 @@
 """The only place collectives are called.
 
-Each call is counted in ring-equivalent bytes sent per rank, per mesh dimension (DESIGN.md):
+Each call is counted in ring-equivalent bytes sent per rank, per mesh dimension (docs/design.md):
 all-reduce of S bytes over n ranks = 2(n-1)/n·S; reduce-scatter / all-gather of a full tensor
 of S bytes = (n-1)/n·S; point-to-point = S (a receive is counted by its sender). The calls are
 counted too (a send is one call; each pays a latency whatever its size), and the time this

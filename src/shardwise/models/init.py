@@ -1,6 +1,6 @@
 """Parameter initialisation as a function of (seed, parameter name) only.
 
-Layout invariance (DESIGN.md): every parameter draws from its own CPU generator seeded by a
+Layout invariance (docs/design.md): every parameter draws from its own CPU generator seeded by a
 stable hash of ``f"{seed}:{name}"``, in float32, whatever the device, dtype, construction
 order, or which other parameters exist. So a model built on meta and materialised per
 shard, a pipeline stage holding a few blocks, or a tensor-parallel rank slicing

@@ -48,7 +48,7 @@ class Hardware:
     # device bytes NCCL allocates for each communicator a rank uses (its channels' buffers,
     # outside PyTorch's allocator), after one all-reduce, measured on four A100s over NVLink
     # with PyTorch (NVIDIA/nccl issue #964): 688 MB a group of more than two ranks, 544 MB a
-    # pair. NCCL's maintainers (issues #864, #986): linear in the channels, no larger beyond
+    # pair. NCCL's maintainers (NVIDIA/nccl #864, #986): linear in the channels, no larger beyond
     # two nodes. 0 on CPUs (gloo's buffers are host memory)
     comm_buffer_bytes: int = 0
     pair_buffer_bytes: int = 0
@@ -141,7 +141,7 @@ CATALOG: dict[str, Hardware] = {
 # each source weighted the same (`benchmarks/published_runs.py --calibrate`, 2026-11-27; every
 # other published row is held out). Without the H200 run the H100 rows leave memory efficiency
 # and the cost per kernel traded off (fits within 0.004 of each other put that run 3-36 % slow;
-# benchmarks/RESULTS.md, session 20).
+# benchmarks/history/published_runs.md, 2026-11-27).
 # H100-PCIe and H200 are the H100's chip (GH100): its fit. Other GPUs keep the
 # data-sheet defaults. The A100's `misaligned_slowdown` is fitted on one named pair of BLOOM
 # runs (published_rows.MISALIGNED_PAIR: 13824 wide, 128 heads of 108 against 96 of 144, one

@@ -1,4 +1,4 @@
-"""Memory per rank by category (the `mem_bytes` keys of DESIGN.md), before launch.
+"""Memory per rank by category (the `mem_bytes` keys of docs/design.md), before launch.
 
 Model states follow the engine's layout exactly (parallel/zero.py, optim.py): ZeRO units are
 flat buffers padded to a multiple of dp; rank r keeps slice r; AdamW keeps two fp32 moments per

@@ -1,6 +1,6 @@
 """What a layout sends: ring-equivalent bytes per rank per step by mesh dimension and
 collective kind, and the calls that carry them, as the comm layer (distributed/comm.py)
-counts them, so predicted and measured `comm_bytes` compare key by key (DESIGN.md). The time
+counts them, so predicted and measured `comm_bytes` compare key by key (docs/design.md). The time
 they take is plan/time.py's."""
 
 from __future__ import annotations

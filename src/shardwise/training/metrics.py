@@ -1,4 +1,4 @@
-"""Per-step records: `run.dir/metrics.jsonl` (the contract in DESIGN.md), TensorBoard scalars,
+"""Per-step records: `run.dir/metrics.jsonl` (the contract in docs/design.md), TensorBoard scalars,
 one log line per logged step and a progress bar on a terminal. Only rank 0 writes."""
 
 from __future__ import annotations

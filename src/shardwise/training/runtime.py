@@ -172,7 +172,7 @@ def freeze(model: nn.Module, patterns: str) -> None:
 def parallelize(
     model: nn.Module, run_cfg: Config, derived: Derived, comm: Comm, info: dev.DeviceInfo
 ) -> tuple[nn.Module, GradReducer | ZeroEngine, TensorParallel, Pipeline | None]:
-    """Apply the parallel transformations in the one order that works (DESIGN.md)."""
+    """Apply the parallel transformations in the one order that works (docs/design.md)."""
     compute = dev.dtype_of(run_cfg.precision.compute)
     reduce = dev.dtype_of(run_cfg.precision.reduce)
     # 1. Pipeline split: the meta model is cut to this rank's chunks (names unchanged), so no
