@@ -106,8 +106,10 @@ def test_sigint_or_sigusr1_to_one_process_saves_and_exits_128_plus_it(tmp_path, 
 
 
 def test_on_signal_off_keeps_the_default_behaviour(tmp_path):
+    # (far more steps than the signal needs: a busy machine may let 80 steps pass before the
+    # watcher sends it, and a finished run has nothing to interrupt)
     status, _, err = _interrupt(
-        tmp_path / "off", 1, signal.SIGINT, ["--checkpoint.on_signal=false"]
+        tmp_path / "off", 1, signal.SIGINT, ["--checkpoint.on_signal=false", "--train.steps=100000"]
     )
     assert status == 130 and "stopped by" not in err  # KeyboardInterrupt: nothing saved
     assert not list((tmp_path / "off").glob("checkpoints/step-*"))
@@ -141,15 +143,15 @@ def test_a_signal_during_the_last_save_stops_at_once(tmp_path):
     for attempt in range(3):  # the save lasts milliseconds: a watcher can miss it, then retry
         run = tmp_path / f"run{attempt}"
         cmd = _cmd(run, 2, f"--train.steps={steps}", "--checkpoint.every=2")
-        t0 = time.monotonic()
         result = run_and_kill(
             cmd, env, run, run / "checkpoints", "save", steps, random.Random(0),
-            timeout=120, sig=signal.SIGINT,
+            timeout=240, sig=signal.SIGINT,
         )  # fmt: skip
-        took = time.monotonic() - t0
         if result.killed_pid is not None:
             break
     assert result.killed_pid is not None, "the final save was never caught in 3 runs"
     assert result.returncode == 130, result.output[-2000:]
-    assert took < 60, took  # (the run itself takes ~10 s here)
+    # from Ctrl-C to the end: seconds, not the agent's 120 s grace (timed from the signal, so
+    # a slow start on a busy machine does not count)
+    assert result.exit_s < 60, result.exit_s
     assert cio.latest(run / "checkpoints").name == f"step-{steps:08d}"

@@ -38,6 +38,7 @@ class KillResult:
     output: str
     killed_pid: int | None  # None: the run ended before the kill point was reached
     killed_at: str  # what the killer saw when it fired
+    exit_s: float = 0.0  # seconds from the signal to the run's end (0: never signalled)
 
 
 def _reached(when: str, at: int, metrics: Path, ckpt_dir: Path) -> str | None:
@@ -82,14 +83,14 @@ def run_and_kill(
         start_new_session=True,  # its own process group, so a timeout can stop every rank
     )
     metrics = run_dir / "metrics.jsonl"
-    killed, seen = None, ""
+    killed, seen, fired = None, "", 0.0
     deadline = time.monotonic() + timeout
     try:
         while proc.poll() is None and killed is None and time.monotonic() < deadline:
             moment = _reached(when, at, metrics, ckpt_dir)
             pids = rank_pids(proc.pid) if moment else []
             if pids:
-                seen = moment
+                seen, fired = moment, time.monotonic()
                 if sig == signal.SIGKILL:
                     killed = rng.choice(pids)
                     os.kill(killed, sig)
@@ -105,4 +106,5 @@ def run_and_kill(
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         output += f"\n[stopped: {type(exc).__name__}: {exc}]"
-    return KillResult(proc.returncode, output, killed, seen)
+    exit_s = time.monotonic() - fired if fired else 0.0
+    return KillResult(proc.returncode, output, killed, seen, exit_s)

@@ -76,9 +76,10 @@ def _split(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 COMMANDS = {
     "train": "Train a model: spawns --nproc local ranks unless under torchrun/srun. The "
-    "model is a preset (--model.name=tiny), a Hugging Face Llama/GPT-2 checkpoint with its "
-    "own tokenizer (--model.init_from=DIR), or your own nn.Module (--model.name=module:factory or "
-    "file.py:factory); from Python, shardwise.train(config, model=..., dataset=..., loss=...).",
+    "model is a preset (--model.name=tiny), a Hugging Face checkpoint with its own tokenizer "
+    "(--model.init_from=DIR: Llama/GPT-2 into our decoders, any other with --model.name=hf), "
+    "or your own nn.Module (--model.name=module:factory or file.py:factory); from Python, "
+    "shardwise.train(config, model=..., dataset=..., loss=...).",
     "explain": "Every derived value of a config and the planner's per-rank prediction of "
     "memory by category and step time.",
 }
