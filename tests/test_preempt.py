@@ -59,7 +59,14 @@ def _final_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
 def _interrupt(run_dir: Path, nproc: int, sig: int, extra=()) -> tuple[int, float, str]:
     """Start a run, signal it once it has logged 20 steps; (exit status, seconds to exit,
     what it printed to stderr)."""
-    proc = subprocess.Popen(_cmd(run_dir, nproc, *extra), stderr=subprocess.PIPE, text=True)
+    # Ctrl-C as from a terminal: a shell's background job inherits SIGINT ignored, and Python
+    # then keeps ignoring it (no KeyboardInterrupt), which is not the case under test
+    proc = subprocess.Popen(
+        _cmd(run_dir, nproc, *extra),
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     while _steps_logged(run_dir) < 20:
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()

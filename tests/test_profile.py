@@ -245,7 +245,10 @@ def test_the_devices_stalls_are_measured_per_step_and_a_failure_is_a_note(tmp_pa
     assert len(part["steps"]) == MEASURED and part["error"] is None
     for s in part["steps"]:
         stall = s["device_stall_s"]["data"]  # the host's wait itself, here
-        assert stall >= 0.08 and stall == pytest.approx(s["ledger"]["data_s"], abs=1e-3)
+        # the marker and the ledger's clock bracket the same wait from two calls a few lines
+        # apart: quiet, within 1 ms; a busy machine can preempt between them for a scheduler
+        # slice (4 ms at 250 Hz), so that is the bound that holds under load
+        assert stall >= 0.08 and stall == pytest.approx(s["ledger"]["data_s"], abs=5e-3)
 
     def broken(a, b):
         raise RuntimeError("no timing")
