@@ -292,6 +292,26 @@ def test_a_failure_every_rank_shares_is_printed_by_rank_0_alone(monkeypatch, cap
     assert err.count("No space left on device") == (1 if rank == "0" else 0), err
 
 
+def test_a_full_disk_on_two_ranks_prints_one_error_line_and_no_launcher_line(tmp_path):
+    """Two ranks whose second save hits a full disk: the job exits 2 with the save's message
+    printed once (rank 0) and no launcher line after it ("rank(s) [0, 1] failed ...") that
+    would bury the fix under noise; the first checkpoint is kept."""
+    from support.compare import SMALL
+
+    run_dir = tmp_path / "run"
+    args = [*SMALL, "--train.steps=3", "--checkpoint.every=1", "--log.tensorboard=false"]
+    args += ["--log.progress=off", "--run.device=cpu", f"--run.dir={run_dir}"]
+    hook = "support.hooks:disk_full_at_second_save"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "support.faultjob", hook, "2", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    err = done.stderr
+    assert done.returncode == 2, err
+    assert err.count("No space left on device") == 1 and "Fix:" in err, err
+    assert "failed with exit code" not in err and "Traceback" not in err, err
+    assert io.latest(run_dir / "checkpoints").name == "step-00000001"
+
+
 # -- the soak -----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_whole_job_kills_during_saves_leave_a_verified_checkpoint(tmp_path):

@@ -1,5 +1,7 @@
 """Errors a user can cause. The CLI prints their message alone (no traceback) and exits 2."""
 
+import sys
+
 
 class ShardwiseError(Exception):
     """Base class: the message names the offending value and the fix."""
@@ -19,3 +21,15 @@ class NotYetSupportedError(ShardwiseError):
 
 class CheckpointError(ShardwiseError):
     """A checkpoint is missing, invalid, or does not fit the model or run being resumed."""
+
+
+class ReportedError(ShardwiseError):
+    """Ranks failed with user errors (exit 2) whose messages they printed themselves: the
+    CLI adds no line of its own; the exception still carries the whole text for the API."""
+
+
+def print_error(exc: ShardwiseError) -> int:
+    """Print a user error the CLI way, once, and return the exit status 2."""
+    if not isinstance(exc, ReportedError):
+        print(f"error: {exc}", file=sys.stderr)
+    return 2

@@ -8,7 +8,7 @@ import sys
 
 from shardwise.config import load_config
 from shardwise.data import prepare_data
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ShardwiseError, print_error
 from shardwise.launchers.local import launch_local
 from shardwise.training.runtime import data_spec
 from shardwise.training.validate import derive
@@ -21,8 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare_data(data_spec(cfg, derive(cfg, int(nproc)).spec.vocab_size))
         launch_local(cfg, int(nproc), hook)
     except ShardwiseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return print_error(exc)
     return 0
 
 

@@ -182,3 +182,20 @@ def slow_rank1(run) -> None:
     above the ~50 ms by which the two ranks' own step times can drift apart on 2 busy cores."""
     if run.topo.rank == 1:
         run.model.register_forward_pre_hook(lambda module, args: time.sleep(0.15))
+
+
+def disk_full_at_second_save(run) -> None:
+    """Every rank's second checkpoint write fails as a full disk does (ENOSPC)."""
+    import errno
+
+    from shardwise.checkpoint import io
+
+    write, calls = io.write_shard, {"n": 0}
+
+    def fills_up(path, tensors):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(path, tensors)
+
+    io.write_shard = fills_up

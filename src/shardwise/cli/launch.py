@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from shardwise.config import Config, load_config, split_overrides
-from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.errors import ConfigError, ShardwiseError, print_error
 
 DESCRIPTION = """targets:
   slurm   write an sbatch script (one task per node running the elastic agent, rendezvous
@@ -150,8 +150,7 @@ def launch_main(argv: list[str]) -> int:
         name = args.name or re.sub(r"[^a-z0-9-]", "-", f"shardwise-{cfg.model.name}".lower())
         (_slurm if args.target == "slurm" else _k8s)(args, cfg, shape, name)
     except ShardwiseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return print_error(exc)
     return 0
 
 

@@ -9,7 +9,7 @@ import os
 import sys
 
 from shardwise.config import Config, load_config, reference_markdown, split_overrides
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ShardwiseError, print_error
 from shardwise.training.preempt import Preempted
 
 
@@ -230,8 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardwise: {exc}", file=sys.stderr)
         return exc.code
     except ShardwiseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return print_error(exc)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

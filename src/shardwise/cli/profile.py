@@ -16,11 +16,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 
 from shardwise.config import Config, load_config, split_overrides, with_overrides
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ShardwiseError, print_error
 
 FOLDER = "profile"
 
@@ -276,6 +275,5 @@ def profile_main(argv: list[str]) -> int:
         else:
             profile(cfg, nproc, folder, steps, force=args.force)
     except ShardwiseError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return print_error(exc)
     return 0

@@ -16,7 +16,7 @@ from shardwise.checkpoint.manager import SIGNAL_GRACE_S
 from shardwise.config import Config, config_from_dict
 from shardwise.distributed.comm import BIND_ENV, free_port
 from shardwise.distributed.watchdog import EXIT_HANG, LOCAL_LAUNCH_ENV, REPORT
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ReportedError, ShardwiseError
 from shardwise.launchers import rendezvous
 from shardwise.training.lock import HELD_ENV, acquire, release
 from shardwise.training.preempt import Preempted, preempt_code
@@ -268,8 +268,11 @@ def run_elastic(
             for r, f in sorted(exc.failures.items())
             if f.exitcode != 2 and _first_line(f.message)
         ]
+        failed = f"rank(s) {ranks} failed with exit code(s) {codes};"
+        if codes == [2]:  # every message is on screen already: the CLI adds no line
+            raise ReportedError(f"{failed} their messages are printed above.") from None
         shown = "".join(crashes) if crashes else " their messages are printed above."
-        raise ShardwiseError(f"rank(s) {ranks} failed with exit code(s) {codes};{shown}") from None
+        raise ShardwiseError(failed + shown) from None
     finally:
         quiet.removeFilter(drop)
         agent.removeFilter(note)
