@@ -1,10 +1,11 @@
 """The published record as cases the planner prices: each row of `benchmarks/published/*.jsonl`
 (one measured GPU training run, with the source's own words in `quote`) turned into a planner
-`Job` and `Layout` and the step time the source measured, by an adapter per source that says
-what that framework did where frameworks differ (plan/layout.Engine). Knobs a source does not
-state (micro-batch, interleaving depth) are the planner's choice, as `plan` makes it when those
-keys are not pinned. A row the planner cannot price says why. Used by published_runs.py and
-tests/test_published.py.
+`Job` and `Layout` and the step time the source measured, by an adapter per source. Where the
+framework that ran it differs from shardwise, the job is a `plan/peers.PeerJob` with that
+framework's `Deviations`, data beside the record (`published/frameworks.toml`). Knobs a source
+does not state (micro-batch, interleaving depth) are the planner's choice, as `plan` makes it
+when those keys are not pinned. A row the planner cannot price says why. Used by
+published_runs.py and tests/test_published.py.
 """
 
 from __future__ import annotations
@@ -12,37 +13,37 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.models.presets import ModelSpec, preset
 from shardwise.plan import search
 from shardwise.plan.hardware import CATALOG
-from shardwise.plan.layout import Engine, Job, Layout
+from shardwise.plan.layout import Job, Layout
+from shardwise.plan.peers import NONE, Deviations, PeerJob
 
 HERE = Path(__file__).resolve().parent / "published"
-# what each framework did where frameworks differ (plan/layout.Engine), from their papers and
-# code: llm-foundry (FSDP) and torchtitan (FSDP2): flash attention, overlapped reduction, their
-# 16-bit blocks (llm-foundry's fused cross entropy); Megatron-LM 2021-22: unfused softmax, the
-# all-reduce after backward, scatter/gather pipeline sends; Megatron-DeepSpeed (BLOOM) the same
-FOUNDRY = Engine("llm-foundry", block_memory="paper", fused_loss=True)  # its loss_fn default
-# torchtitan: its selective recomputation is the per-op policy (llama3_*.toml:
-# selective_ac_option "op"; the performance tables do not say otherwise), its loss
-# F.cross_entropy(pred.flatten(0, 1).float(), ...)
-TORCHTITAN = Engine("torchtitan", "paper", selective_ops=True, loss_upcast=True)
-MEGATRON = Engine("megatron-lm", "paper", True, False, True, recompute_whole_block=True)
-# Megatron-LM of 2022 (Korthikanti et al.): sp re-gathers the norm outputs in backward, and
-# backward's tp collectives run behind its GEMMs (the paper's §4.2.2 and §6.2)
-MEGATRON_2022 = dataclasses.replace(
-    MEGATRON, name="megatron-lm-2022", sp_regather=True, tp_overlap_backward=True
-)
-# DeepSpeed's ZeRO-3 in 2021 (Narayanan et al.'s Table 2): a blocking all-gather per parameter
-# (microsoft/DeepSpeed#1069, fixed after the paper by PR #1188, June 2021): nothing overlaps; each
-# into a list of per-rank views (its `_allgather_param`: torch.distributed.all_gather)
-DEEPSPEED_ZERO3 = Engine(
-    "deepspeed-zero3-2021", "paper", True, overlap_dp=False, zero3_per_tensor=True,
-    list_all_gather=True,
-)  # fmt: skip
+
+
+def load_frameworks(path: Path = HERE / "frameworks.toml") -> dict[str, Deviations]:
+    """Each framework's `Deviations` from `path`: a table per framework of the fields it sets,
+    each `{ value, source }`, and optionally the `base` (a framework above) it starts from."""
+    out: dict[str, Deviations] = {}
+    known = {f.name for f in dataclasses.fields(Deviations)} - {"name"}
+    for name, entry in tomllib.loads(path.read_text()).items():
+        sets = {k: v for k, v in entry.items() if k not in ("about", "base")}
+        if unknown := sorted(sets.keys() - known):
+            raise ValueError(f"{path.name} [{name}]: not a Deviations field: {unknown}")
+        if unsourced := sorted(k for k, v in sets.items() if not v.get("source")):
+            raise ValueError(f"{path.name} [{name}]: no source for {unsourced}")
+        base = out[entry["base"]] if "base" in entry else NONE
+        values = {k: v["value"] for k, v in sets.items()}
+        out[name] = dataclasses.replace(base, name=name, **values)
+    return out
+
+
+FRAMEWORKS = load_frameworks()
 
 
 @dataclass
@@ -156,7 +157,8 @@ def _foundry(row: dict) -> Case | str:
     zero = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2}[lay["sharding"]]
     # amp_bf16 (fp32 sharded parameters, bf16 autocast) and pure bf16 both compute in bf16
     hw = CATALOG[row["hardware"]["gpu"]]
-    job = Job(_gpt(m), hw, n, s, lay["global_batch"], "bf16", "bf16", engine=FOUNDRY)
+    peer = FRAMEWORKS["llm-foundry"]
+    job = PeerJob(_gpt(m), hw, n, s, lay["global_batch"], "bf16", "bf16", deviations=peer)
     layout = Layout(
         dp=n, zero=zero, micro_batch=lay["micro_batch"], recompute=lay["recompute"] or "none"
     )
@@ -171,8 +173,14 @@ def megatron_flops(m: dict, batch: int) -> float:
     return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
-def _megatron_engine(row: dict) -> Engine:
-    return MEGATRON_2022 if row["id"].startswith("korthikanti2022-") else MEGATRON
+def _megatron_framework(row: dict, zero: int) -> Deviations:
+    """DeepSpeed's 2021 ZeRO-3 for ZeRO-3 rows, Megatron-LM of 2022 for Korthikanti et al.'s,
+    of 2021 for the others."""
+    if zero == 3:
+        return FRAMEWORKS["deepspeed-zero3-2021"]
+    if row["id"].startswith("korthikanti2022-"):
+        return FRAMEWORKS["megatron-lm-2022"]
+    return FRAMEWORKS["megatron-lm"]
 
 
 def _megatron(row: dict) -> Case | str:
@@ -188,9 +196,9 @@ def _megatron(row: dict) -> Case | str:
     zero = 3 if lay.get("sharding") == "ZeRO-3" else 0
     n = row["hardware"]["n_gpus"]
     hw = CATALOG[row["hardware"]["gpu"]]
-    job = Job(
+    job = PeerJob(
         _gpt(m, 0.1), hw, n, m["seq_len"], lay["global_batch"], "fp16", "fp16",
-        engine=DEEPSPEED_ZERO3 if zero == 3 else _megatron_engine(row),
+        deviations=_megatron_framework(row, zero),
     )  # fmt: skip
     if meas.get("step_time_s"):
         step = meas["step_time_s"]
@@ -220,7 +228,8 @@ def _torchtitan(row: dict) -> Case | str:
     if not lay.get("global_batch") and not lay.get("micro_batch"):
         return "the batch is not given"
     gb = lay.get("global_batch") or lay["dp"] * lay["micro_batch"]
-    job = Job(_llama(m), hw, n, m["seq_len"], gb, "bf16", "bf16", engine=TORCHTITAN)
+    peer = FRAMEWORKS["torchtitan"]
+    job = PeerJob(_llama(m), hw, n, m["seq_len"], gb, "bf16", "bf16", deviations=peer)
     rc = str(lay.get("recompute") or "none")
     if rc == "selective (layer)":
         return "per-layer selective checkpointing (every k-th block whole, k not stated)"
@@ -252,19 +261,10 @@ def _bloom(row: dict) -> Case | str:
     # the chronicles, 02-28: "from now on the testing is happening with BF16 optimizer that
     # was just written to accumulate gradients in fp32, so it is more memory heavy"
     bf16_optimizer = row["precision"] == "bf16" and ("-0228" in row["id"] or "-tr11-" in row["id"])
-    # before it, DeepSpeed's ZeRO optimizer: its step copies the rank's gradient share twice;
-    # DeepSpeed's pipeline engine keeps each stage's received and sent hidden states, and
-    # sends by broadcast in a 2-rank group per pair of stages (pipe/p2p.py); beside the
-    # world's and tp's and dp's, a rank uses Megatron's model-parallel group (the gradient
-    # norm) and DeepSpeed's pipe group (the loss broadcast); the first and last stages also
-    # the pair that reduces the tied embedding's gradient (Megatron's embedding group)
-    engine = dataclasses.replace(
-        MEGATRON, fp32_grads=bf16_optimizer, step_grad_copies=not bf16_optimizer,
-        pp_stage_copies=True, pp_pairs=True, extra_groups=2, extra_pairs=1,
-    )  # fmt: skip
-    job = Job(
+    peer = FRAMEWORKS["megatron-deepspeed-bf16" if bf16_optimizer else "megatron-deepspeed"]
+    job = PeerJob(
         _gpt(m), hw, row["hardware"]["n_gpus"], m["seq_len"], lay["global_batch"],
-        row["precision"], row["precision"], engine=engine,
+        row["precision"], row["precision"], deviations=peer,
     )  # fmt: skip
     # DeepSpeed's pipeline engine runs one schedule, 1F1B (its TrainSchedule)
     one_f1b = dict(row, layout=dict(lay, pp_schedule=lay.get("pp_schedule") or "1f1b"))

@@ -1,4 +1,4 @@
-"""DeepSpeed's pipeline engine measured where the planner prices it (`plan/layout.Engine.
+"""DeepSpeed's pipeline engine measured where the planner prices it (`plan/peers.Deviations.
 pp_stage_copies`, on for BLOOM's Megatron-DeepSpeed runs in benchmarks/published_rows.py):
 with every layer checkpointed, a stage holds per micro-batch in flight each block's input and,
 beside them, the hidden state it received (cloned for its first block) and the one it sent.

@@ -21,10 +21,11 @@ from torch.utils.checkpoint import (
 
 from shardwise.models.presets import ModelSpec, preset
 from shardwise.plan import activations as act
-from shardwise.plan import gpu, search, traffic
+from shardwise.plan import gpu, peers, search, traffic
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import get_hardware
-from shardwise.plan.layout import Engine, Job, Layout
+from shardwise.plan.layout import Job, Layout
+from shardwise.plan.peers import Deviations, PeerJob, run_by
 from support.livepeak import LivePeak
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -115,10 +116,16 @@ def test_other_frameworks_costs_where_they_differ():
     """Megatron-LM's scatter/gather pipeline sends carry 1/tp of the activation; its
     data-parallel all-reduce after backward is all exposed."""
     spec = preset("175b")
-    megatron = Engine("megatron-lm", "paper", True, False, True)
+    megatron = Deviations(
+        "megatron-lm",
+        block_memory="paper",
+        unfused_attention=True,
+        overlap_dp=False,
+        pp_scatter_gather=True,
+    )
     lay = Layout(tp=8, pp=8, dp=2, micro_batch=1, recompute="full")
     ours = Job(spec, A100, 128, seq_len=2048, global_batch=64)
-    theirs = dataclasses.replace(ours, engine=megatron)
+    theirs = run_by(ours, megatron)
     assert traffic.traffic(theirs, lay)["pp"] == pytest.approx(traffic.traffic(ours, lay)["pp"] / 8)
     t = search.evaluate(theirs, lay)["time"]
     assert t["dp_exposed_s"] == t["dp_comm_s"] > 0
@@ -126,7 +133,7 @@ def test_other_frameworks_costs_where_they_differ():
     # llm-foundry's fused cross entropy keeps 16-bit logits, its gradient written over them
     from shardwise.plan import memory as mem
 
-    fused = dataclasses.replace(ours, engine=Engine("foundry", fused_loss=True))
+    fused = run_by(ours, Deviations("foundry", fused_loss=True))
     one = Layout(dp=128, micro_batch=1)
     logits = 2048 * spec.vocab_size
     saved = mem.activation_bytes(ours, one, 0) - mem.activation_bytes(fused, one, 0)
@@ -135,13 +142,32 @@ def test_other_frameworks_costs_where_they_differ():
     # DeepSpeed's 2021 ZeRO-3: a blocking gather per parameter tensor, so one tensor is held
     # and each layer pays a call per tensor
     ours = dataclasses.replace(ours, global_batch=128)
-    ds = dataclasses.replace(ours, engine=Engine("ds", zero3_per_tensor=True))
+    ds = run_by(ours, Deviations("ds", zero3_per_tensor=True))
     z3 = Layout(dp=128, zero=3, micro_batch=1, recompute="full")
     tensors = sum(len(u.entries) * u.count for u in mem.stage_units(ours, z3, 0))
     units = sum(u.count for u in mem.stage_units(ours, z3, 0))
     assert traffic.collective_calls(ds, z3)["dp"] > traffic.collective_calls(ours, z3)["dp"] * 2
     assert tensors > 2 * units
     assert mem.predict_memory(ds, z3)["buffers"] < mem.predict_memory(ours, z3)["buffers"] / 2
+
+
+def test_other_frameworks_are_data_beside_the_record(tmp_path):
+    """shardwise's own jobs carry no deviations; every other framework's come from
+    published/frameworks.toml, each deviation with its source, a `base` extended."""
+    rows = _bench("published_rows")
+    assert peers.of(Job(preset("7b"), A100, 8)) == peers.NONE == Deviations()
+    mg, mg22 = rows.FRAMEWORKS["megatron-lm"], rows.FRAMEWORKS["megatron-lm-2022"]
+    assert mg.overlap_dp is False and mg.unfused_attention
+    assert mg22 == dataclasses.replace(
+        mg, name="megatron-lm-2022", sp_regather=True, tp_overlap_backward=True
+    )
+    bad = tmp_path / "frameworks.toml"
+    bad.write_text('[x]\nfused_loss = { value = true, source = "" }\n')
+    with pytest.raises(ValueError, match="no source"):
+        rows.load_frameworks(bad)
+    bad.write_text('[x]\nfused_los = { value = true, source = "a paper" }\n')
+    with pytest.raises(ValueError, match="not a Deviations field"):
+        rows.load_frameworks(bad)
 
 
 def test_the_published_3d_runs_are_predicted_within_15_percent(runs):
@@ -270,7 +296,7 @@ def test_per_op_selective_checkpointing_saves_what_torch_keeps():
     assert kept == 3 * act.layer_bytes(act.op_sac_terms(spec, s, b, 2))
     # what it recomputes: every second matmul and the element-wise work, less than a forward
     job = Job(spec, A100, 8, seq_len=s, global_batch=8)
-    titan = dataclasses.replace(job, engine=Engine("titan", selective_ops=True))
+    titan = run_by(job, Deviations("titan", selective_ops=True))
     lay = Layout(dp=8, micro_batch=1, recompute="selective")
     fwd, _, attn = gpu.block_seconds(A100, spec, 1, 1, s, 2, False, A100.peak["bf16"])
     redo = gpu.op_recompute_seconds(A100, spec, 1, 1, s, 2, False, A100.peak["bf16"])
@@ -297,7 +323,7 @@ def test_an_upcast_loss_holds_two_fp32_logit_gradients():
     assert meter.peak == 12 * n * v + 2 * 4  # and two fp32 scalars: the loss, its gradient
     spec = ModelSpec("decoder", 1, h, 4, 4, 64, v)
     job = Job(spec, A100, 1, seq_len=n, global_batch=1)
-    titan = dataclasses.replace(job, engine=Engine("titan", loss_upcast=True))
+    titan = run_by(job, Deviations("titan", loss_upcast=True))
     one = Layout(micro_batch=1)
     assert mem.backward_transient(titan, one) == 8 * n * v
     assert mem.backward_transient(job, one) == (4 + 2) * n * v
@@ -311,14 +337,16 @@ def test_deepspeed_2021_gathers_into_a_list_of_per_rank_views():
     from shardwise.plan import memory as mem
 
     spec = preset("175b")
-    blocking = Engine("ds", "paper", True, overlap_dp=False, zero3_per_tensor=True)
+    blocking = Deviations(
+        "ds", block_memory="paper", unfused_attention=True, overlap_dp=False, zero3_per_tensor=True
+    )
     listed = dataclasses.replace(blocking, list_all_gather=True)
     extra = {}
     for dp in (384, 1536):
-        job = Job(spec, A100, dp, seq_len=2048, global_batch=1536, engine=blocking)
+        job = PeerJob(spec, A100, dp, seq_len=2048, global_batch=1536, deviations=blocking)
         lay = Layout(dp=dp, zero=3, micro_batch=1536 // dp, recompute="full")
         t_block = search.evaluate(job, lay)["time"]["dp_comm_s"]
-        t_list = search.evaluate(dataclasses.replace(job, engine=listed), lay)["time"]
+        t_list = search.evaluate(run_by(job, listed), lay)["time"]
         launches = traffic.zero3_gathers(job, lay) * dp * A100.launch_s
         assert t_list["dp_comm_s"] - t_block > launches
         extra[dp] = t_list["dp_comm_s"] - t_block
@@ -327,7 +355,7 @@ def test_deepspeed_2021_gathers_into_a_list_of_per_rank_views():
     assert extra[1536] > 3 * extra[384]  # the copies' launches grow with the ranks
     # memory: the largest weight (the embedding here, 50,304 x h), gathered twice over or
     # held with its gradient
-    job = Job(spec, A100, 384, seq_len=2048, global_batch=1536, engine=listed)
+    job = PeerJob(spec, A100, 384, seq_len=2048, global_batch=1536, deviations=listed)
     lay = Layout(dp=384, zero=3, micro_batch=4, recompute="full")
     assert spec.vocab_size * spec.dim > spec.ffn_dim * spec.dim
     largest = -(-spec.vocab_size * spec.dim // 384) * 384 * 2
@@ -341,8 +369,8 @@ def test_a_bf16_optimizer_keeps_an_fp32_gradient_of_every_parameter_it_holds(run
     from shardwise.plan import memory as mem
 
     spec = preset("175b")
-    job = Job(spec, A100, 64, seq_len=2048, global_batch=64, engine=Engine("megatron"))
-    bf16 = dataclasses.replace(job, engine=Engine("ds-bf16", fp32_grads=True))
+    job = PeerJob(spec, A100, 64, seq_len=2048, global_batch=64, deviations=Deviations("megatron"))
+    bf16 = run_by(job, Deviations("ds-bf16", fp32_grads=True))
     lay = Layout(tp=8, dp=8, zero=1, micro_batch=1, recompute="full")
 
     def numel(layout: Layout) -> int:
@@ -375,9 +403,7 @@ def test_each_nccl_communicator_a_rank_uses_holds_device_memory():
     job = Job(preset("7b"), A100, 64, seq_len=2048, global_batch=64)
     assert mem.communicator_bytes(job, Layout(tp=2, pp=4, dp=8)) == 4 * group
     assert mem.communicator_bytes(job, Layout(dp=64)) == 2 * group
-    bloom = dataclasses.replace(
-        job, engine=Engine("md", pp_pairs=True, extra_groups=2, extra_pairs=1)
-    )
+    bloom = run_by(job, Deviations("md", pp_pairs=True, extra_groups=2, extra_pairs=1))
     assert mem.communicator_bytes(bloom, Layout(tp=2, pp=4, dp=8)) == 5 * group + 2 * pair
     assert mem.communicator_bytes(bloom, Layout(tp=8, pp=2, dp=4)) == 5 * group + 2 * pair
     assert mem.communicator_bytes(dataclasses.replace(job, devices=1), Layout()) == 0
@@ -390,14 +416,16 @@ def test_each_nccl_communicator_a_rank_uses_holds_device_memory():
 
 
 def test_a_zero1_step_that_copies_gradients_can_set_the_peak():
-    """DeepSpeed's ZeRO-1/2 step (`Engine.step_grad_copies`; measured against DeepSpeed itself
+    """DeepSpeed's ZeRO-1/2 step (`Deviations.step_grad_copies`; measured against DeepSpeed itself
     in test_zero_peers): the other ranks' 16-bit gradients freed, the rank's share copied to a
     16-bit flat buffer and to fp32. With the model states dominating (BLOOM's 02-17 runs) that
     moment, not backward, is the device's peak; shardwise's own step allocates none of it."""
     from shardwise.plan import memory as mem
 
-    job = Job(preset("175b"), A100, 64, seq_len=2048, global_batch=64, engine=Engine("mg"))
-    ds = dataclasses.replace(job, engine=Engine("ds", step_grad_copies=True))
+    job = PeerJob(
+        preset("175b"), A100, 64, seq_len=2048, global_batch=64, deviations=Deviations("mg")
+    )
+    ds = run_by(job, Deviations("ds", step_grad_copies=True))
     for dp in (1, 8):
         lay = Layout(tp=8, dp=dp, zero=1 if dp > 1 else 0, micro_batch=1, recompute="full")
         us = mem.stage_units(job, lay, 0)
@@ -416,15 +444,17 @@ def test_a_zero1_step_that_copies_gradients_can_set_the_peak():
 
 
 def test_deepspeeds_pipeline_stages_keep_the_hidden_states_they_received_and_sent():
-    """DeepSpeed's PipelineEngine (BLOOM's runs; `Engine.pp_stage_copies`) keeps per micro-batch
+    """DeepSpeed's PipelineEngine (BLOOM's runs; `Deviations.pp_stage_copies`) keeps per micro-batch
     in flight the hidden state a stage received and the one it sent, beside the block inputs
     full recomputation saves: one more 16-bit s x b x h tensor on the first stage (what it
     sent), two on a middle one, one on the last (what it received). Model states and the
     step's time do not change."""
     from shardwise.plan import memory as mem
 
-    job = Job(preset("175b"), A100, 64, seq_len=2048, global_batch=64, engine=Engine("mg"))
-    ds = dataclasses.replace(job, engine=Engine("ds", pp_stage_copies=True))
+    job = PeerJob(
+        preset("175b"), A100, 64, seq_len=2048, global_batch=64, deviations=Deviations("mg")
+    )
+    ds = run_by(job, Deviations("ds", pp_stage_copies=True))
     lay = Layout(tp=8, pp=4, pp_schedule="1f1b", dp=2, zero=1, micro_batch=2, recompute="full")
     hidden = 2 * 2048 * 2 * job.spec.dim  # one bf16 hidden state of the micro-batch
     for stage, kept in ((0, 1), (1, 2), (2, 2), (3, 1)):
@@ -445,13 +475,13 @@ def test_deepspeeds_pipeline_stages_keep_the_hidden_states_they_received_and_sen
     }
 
 
-def _gpt22b(engine: Engine) -> Job:
+def _gpt22b(peer: Deviations) -> Job:
     """Korthikanti et al.'s 22B (Table 3) on one A100 node, fp16."""
     spec = ModelSpec(
         arch="gpt2", n_layers=48, dim=6144, n_heads=64, n_kv_heads=64, ffn_dim=24576,
         vocab_size=51200, max_seq_len=2048, dropout=0.1, attn_dropout=0.1,
     )  # fmt: skip
-    return Job(spec, A100, 8, 2048, 4, "fp16", "fp16", engine=engine)
+    return PeerJob(spec, A100, 8, 2048, 4, "fp16", "fp16", deviations=peer)
 
 
 def test_megatron_lm_recomputes_whole_blocks_and_regathers_for_sp():
@@ -459,8 +489,8 @@ def test_megatron_lm_recomputes_whole_blocks_and_regathers_for_sp():
     all-reduces (sp: 4 halves), where ours stops at the last saved tensor (1; sp 3 halves);
     its sp all-gathers each norm's output again in backward (2 more all-gathers per layer).
     Counted in bytes and in calls."""
-    ours, mg = _gpt22b(Engine()), _gpt22b(Engine("mg", recompute_whole_block=True))
-    regather = _gpt22b(Engine("mg", sp_regather=True))
+    ours, mg = _gpt22b(Deviations()), _gpt22b(Deviations("mg", recompute_whole_block=True))
+    regather = _gpt22b(Deviations("mg", sp_regather=True))
     act = 4 * 2048 * 6144 * 2 * 7 / 8  # one half (all-gather or reduce-scatter) of a layer's
     for sp in (False, True):
         full = Layout(tp=8, sp=sp, micro_batch=4, recompute="full")
@@ -484,8 +514,8 @@ def test_megatron_lm_recomputes_whole_blocks_and_regathers_for_sp():
 def test_megatron_2022_hides_backwards_tp_reduction_but_not_the_recomputed_forwards():
     """Korthikanti et al. §6.2: full recomputation costs 39 %, not the expected 33 %, because
     backward's all-reduce runs behind the weight-gradient GEMMs and the recomputed forward's
-    all-reduces have nothing to hide behind (`Engine.tp_overlap_backward`)."""
-    mg = Engine("mg", recompute_whole_block=True, sp_regather=True)
+    all-reduces have nothing to hide behind (`Deviations.tp_overlap_backward`)."""
+    mg = Deviations("mg", recompute_whole_block=True, sp_regather=True)
     plain, hiding = _gpt22b(mg), _gpt22b(dataclasses.replace(mg, tp_overlap_backward=True))
 
     def tp(job, rc, sp=False):
@@ -513,7 +543,7 @@ def test_megatron_2022_hides_backwards_tp_reduction_but_not_the_recomputed_forwa
     # (the reduce-scatter's conjugate) stay exposed
     assert 0 < tp(plain, "none", sp=True) - tp(hiding, "none", sp=True) < tp(plain, "none", sp=True)
     cpu = dataclasses.replace(hiding, hardware=get_hardware("cpu", calibrate=False))
-    assert tp(cpu, "none") == tp(dataclasses.replace(cpu, engine=mg), "none")  # GPUs only
+    assert tp(cpu, "none") == tp(run_by(cpu, mg), "none")  # GPUs only
 
 
 def test_korthikantis_per_layer_overheads_are_predicted(runs):

@@ -82,25 +82,23 @@ def test_deepspeed_matches_ours(world, stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_deepspeed_step_allocates_as_planned(world, stage):
     """DeepSpeed's ZeRO-1/2 optimizer step flattens the rank's share of the 16-bit gradients
-    and casts it to fp32 (the planner's `Engine.step_grad_copies`, with which it prices
+    and casts it to fp32 (the planner's `peers.Deviations.step_grad_copies`, with which it prices
     BLOOM's pre-BF16-optimizer runs): measured at the dispatcher, byte for byte up to
     DeepSpeed's alignment of a group to 2 x dp elements. Today's DeepSpeed steps one param
     group at a time, freeing a group's copies before the next: the peak is the matrices'
     group, the planner's share less the vectors (norm weights, biases) of the no-decay group."""
     pytest.importorskip("deepspeed", reason=INSTALL)
-    import dataclasses
-
     from shardwise.config import load_config
     from shardwise.job.predict import job_from_config, layout_from_config
     from shardwise.plan import memory as mem
     from shardwise.plan.hardware import get_hardware
-    from shardwise.plan.layout import Engine
+    from shardwise.plan.peers import Deviations, run_by
     from shardwise.training.validate import derive
 
     cfg = load_config(None, [*SMALL, f"--parallel.zero={stage}", "--precision.compute=bf16"])
     d = derive(cfg, 2)
     job = job_from_config(cfg, get_hardware("a100-80gb"), 2)
-    job = dataclasses.replace(job, engine=Engine("deepspeed", step_grad_copies=True))
+    job = run_by(job, Deviations("deepspeed", step_grad_copies=True))
     lay = layout_from_config(cfg, d)
     predicted = mem.step_copies(job, lay, mem.stage_units(job, lay, 0))
     assert predicted > 0

@@ -1,6 +1,6 @@
 """DeepSpeed's pipeline engine (`deepspeed.pipe`, the engine of Megatron-DeepSpeed and so of
 BLOOM's runs) measured where the planner prices it: what a stage holds per micro-batch in
-flight when full recomputation saves only each block's input (`plan/layout.Engine.
+flight when full recomputation saves only each block's input (`plan/peers.Deviations.
 pp_stage_copies`). DeepSpeed is the optional `bench` extra; tests skip without it."""
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def paper_block_terms(spec: ModelSpec, s: int, b: int, unfused: bool) -> tuple[T
     torchtitan) runs: the attention's s x s tensors only when it is unfused (FlashAttention
     saves q, k, v, the output and row statistics only), dropout masks only with dropout,
     grouped k/v heads, and a SwiGLU MLP's two activation inputs. Used for published runs of
-    other frameworks (`Job.engine.block_memory = "paper"`); our engine's block is
+    other frameworks (`peers.Deviations.block_memory = "paper"`); our engine's block is
     `block_terms`."""
     sbh, sbf, as2b = s * b * spec.dim, s * b * spec.ffn_dim, spec.n_heads * s * s * b
     kv = spec.n_kv_heads / spec.n_heads
@@ -283,7 +283,7 @@ def edge_terms(
     if last:
         out += norm_terms(spec, s, b, c, "final norm")
         v = -(-spec.vocab_size // tp) * tp  # padded to a multiple of tp
-        if fused_loss:  # flash-attn's cross entropy keeps the 16-bit logits (layout.Engine)
+        if fused_loss:  # flash-attn's cross entropy keeps the 16-bit logits (peers.Deviations)
             out.append(Term("logits (fused loss)", c * s * b * v, True, False))
         else:
             out.append(Term("log-softmax (fp32)", 4 * s * b * v, True, False))

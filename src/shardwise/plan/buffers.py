@@ -2,13 +2,14 @@
 shards (parallel/zero_units.Unit), and the temporary buffers a step holds beside the model
 states (gathered units, gradients being reduced; `zero_transient`), replaying the engine's
 schedule (parallel/zero.py) or, for another framework's blocking per-parameter calls
-(layout.Engine.zero3_per_tensor), one tensor at a time."""
+(peers.Deviations.zero3_per_tensor), one tensor at a time."""
 
 from __future__ import annotations
 
 from functools import lru_cache
 
 from shardwise.optim import QUANT_BLOCK
+from shardwise.plan import peers
 from shardwise.plan.layout import Job
 from shardwise.plan.shapes import Unit
 
@@ -36,10 +37,10 @@ def zero_transient(
 ) -> float:
     """`_zero_transient` for `job`; `wire`: bytes per element of a 16-bit copy each
     reduce-scatter sends (parallel.grad_compression=bf16/fp16), 0 without. An engine that
-    gathers parameter by parameter (layout.Engine.zero3_per_tensor) holds one tensor, not a
+    gathers parameter by parameter (peers.Deviations.zero3_per_tensor) holds one tensor, not a
     unit. `tied`: the first root's units are used again by the last root (a head tied to the
     embedding)."""
-    if job.engine.zero3_per_tensor and stage == 3:
+    if peers.of(job).zero3_per_tensor and stage == 3:
         return _blocking_transient(us, job, dp)
     return _zero_transient(tuple(us), dp, stage, job.bc, job.br, align_of(job), wire, tied)
 
@@ -48,12 +49,12 @@ def _blocking_transient(us: list[Unit], job: Job, dp: int) -> float:
     """ZeRO-3 gathering and reducing parameter by parameter, each call blocking (DeepSpeed
     2021): nothing is prefetched and no reduction is left in flight, so the peak is the
     largest tensor gathered and its gradient; a gather into a list of per-rank views
-    (Engine.list_all_gather) also holds c10d's flat buffer of it until copied out."""
+    (peers.Deviations.list_all_gather) also holds c10d's flat buffer of it until copied out."""
     align, peak = align_of(job), 0.0
     for u in us:
         for e in u.entries:
             full = padded_numel(Unit(u.name, (e,), 1), dp, align)
-            gather = full * job.bc * (2 if job.engine.list_all_gather else 1)
+            gather = full * job.bc * (2 if peers.of(job).list_all_gather else 1)
             peak = max(peak, gather, full * job.bc + (full * job.br if e[1] else 0))
     return peak
 

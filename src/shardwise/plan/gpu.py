@@ -6,7 +6,7 @@ larger of its FLOPs at the GEMM efficiency and its bytes at the achieved memory 
 small shards and small micro-batches do not amortise. Attention is one fused kernel
 (FlashAttention-2, Dao 2023: causal masking skips half the score blocks; backward re-computes
 the scores, 2.5x the forward's FLOPs) unless the model has attention dropout or the framework
-that runs it does not fuse attention (layout.Engine.unfused_attention): then it is Megatron-LM's
+that runs it does not fuse attention (peers.Deviations.unfused_attention): then it is Megatron-LM's
 path, two batched GEMMs over the whole s x s square and the scale-mask-softmax (and dropout)
 kernels reading and writing it. Element-wise work (norms, residual adds, activations, dropout,
 RoPE) is memory-bound: its bytes at the achieved bandwidth, counted kernel by kernel for
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from shardwise.models.families import family_of
 from shardwise.plan import activations as act
+from shardwise.plan import peers
 from shardwise.plan.hardware import Hardware
 
 # 16-bit Tensor Cores want every GEMM dimension a multiple of 16 bytes (NVIDIA, "Matrix
@@ -161,10 +162,10 @@ def layer_seconds(hw: Hardware, job, layout) -> float:
     spec, s, b, t = job.spec, job.seq_len, layout.micro_batch, layout.tp
     peak = hw.peak[job.precision]
     fwd, bwd, attn = block_seconds(
-        hw, spec, t, b, s, job.bc, layout.sp, peak, job.engine.unfused_attention
+        hw, spec, t, b, s, job.bc, layout.sp, peak, peers.of(job).unfused_attention
     )
     redo = {"full": fwd, "selective": attn}.get(layout.recompute, 0.0)
-    if layout.recompute == "selective" and job.engine.selective_ops:
+    if layout.recompute == "selective" and peers.of(job).selective_ops:
         redo = op_recompute_seconds(hw, spec, t, b, s, job.bc, layout.sp, peak)
     per_layer = fwd + bwd + redo
     if job.finetune.lora:  # frozen weights: no weight gradient (a third of the GEMM time)

@@ -71,7 +71,7 @@ class Hardware:
     hop_s: float = 9.6e-6
     nvlink_hop_s: float = 3.4e-6
     # host seconds to launch one small kernel from eager PyTorch (dispatch + cudaLaunchKernel),
-    # where a framework launches one per rank (layout.Engine.list_all_gather): ~5 us, the same
+    # where a framework launches one per rank (peers.Deviations.list_all_gather): ~5 us, the same
     # figure as `block_overhead`'s; an assumption, not fitted
     launch_s: float = 5e-6
     # cost per ring byte of a collective kind ("reduce_scatter", "all_gather", "send")

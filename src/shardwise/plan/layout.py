@@ -35,83 +35,6 @@ class FineTune:
 
 
 @dataclass(frozen=True)
-class Engine:
-    """Where training frameworks differ in what a layout costs. The planner's default is
-    shardwise itself; the published runs of other frameworks (benchmarks/published_runs.py)
-    set theirs from what their papers and code say."""
-
-    name: str = "shardwise"
-    # "engine": our block's saved tensors (activations.block_terms: fp32 norms); "paper":
-    # Korthikanti et al.'s 16-bit block (activations.paper_block_terms)
-    block_memory: str = "engine"
-    # attention materialises the s x s scores (Megatron-LM's fused softmax before
-    # FlashAttention, BLOOM); attention dropout implies it in our engine too
-    unfused_attention: bool = False
-    # gradient reduction overlaps backward (ours, DDP, FSDP: yes; Megatron-LM in 2021-22: no)
-    overlap_dp: bool = True
-    # pipeline sends without sp carry 1/tp of the activation, all-gathered over tp after
-    # (Megatron-LM's scatter/gather optimisation, Narayanan et al. 2021 §4.1)
-    pp_scatter_gather: bool = False
-    # the loss keeps the 16-bit logits and writes their gradient in place (flash-attn's fused
-    # cross entropy, llm-foundry's default) instead of an fp32 log-softmax and a new gradient
-    fused_loss: bool = False
-    # ZeRO-3 gathers and reduces parameter by parameter, each call blocking (DeepSpeed in
-    # 2021: one all-gather per parameter with a device synchronisation each, DeepSpeed issue
-    # #1069 and PR #1188), instead of one call per unit (ours, FSDP)
-    zero3_per_tensor: bool = False
-    # ZeRO-3 gathers into a list of dp views (torch.distributed.all_gather, DeepSpeed 2021's
-    # `_allgather_param`): c10d gathers into a fresh flat buffer, then copies it out slice by
-    # slice, a copy kernel per rank (PyTorch's `_all_gather_base`, 1.9+, made it one call)
-    list_all_gather: bool = False
-    # selective recomputation keeps every other matmul's output and the fused attention's
-    # (torchtitan's per-op policy, selective_ac_option "op": activations.op_sac_terms)
-    # instead of recomputing the attention core only (Korthikanti et al. 2022 §5; ours)
-    selective_ops: bool = False
-    # the loss casts the 16-bit logits to fp32 for PyTorch's cross entropy (torchtitan): in
-    # backward the loss's gradient and log-softmax's input gradient, both fp32, live at once
-    loss_upcast: bool = False
-    # the optimizer accumulates gradients into an fp32 buffer of every parameter the rank
-    # holds, beside the 16-bit ones (DeepSpeed's BF16_Optimizer, BLOOM from 2022-02-28)
-    fp32_grads: bool = False
-    # the optimizer step flattens the rank's share of the gradients into a new 16-bit buffer
-    # and casts that to a new fp32 one, both alive beside the model states (DeepSpeed's ZeRO-1/2
-    # `step`: `self.flatten(self.averaged_gradients[i]).to(fp32)`, in its code since 2020 and
-    # measured in 0.19.8 by tests/test_zero_peers.py)
-    step_grad_copies: bool = False
-    # a pipeline stage keeps, per micro-batch in flight, the hidden state it received (the
-    # engine's receive buffer, cloned again as its blocks' input) and the one it sent (held
-    # to run backward from): DeepSpeed's PipelineEngine (`pipe_buffers["inputs"]` and
-    # `["outputs"]`, freed after that micro-batch's backward; measured in DeepSpeed 0.19.8 by
-    # tests/test_deepspeed_pipeline.py), beside each block's input that full recomputation
-    # saves; ours hands the received tensor to its first block
-    pp_stage_copies: bool = False
-    # full recomputation re-runs a block's whole forward, both its tp collectives too
-    # (Megatron-LM checkpoints a whole layer), instead of stopping at its last saved tensor
-    # (ours: one all-reduce again, sp three halves)
-    recompute_whole_block: bool = False
-    # sp keeps 1/tp of each norm's output for backward and all-gathers it again there for the
-    # weight gradient: two more all-gathers per layer (Korthikanti et al. 2022 §4.2.2)
-    sp_regather: bool = False
-    # backward's tp reduction of the input gradient (all-reduce; sp: reduce-scatter) runs while
-    # the weight gradient is computed, sp's re-gather while the input gradient is (Megatron-LM
-    # from 2022: Korthikanti et al. §4.2.2 and §6.2, whose full recomputation costs 39 % and
-    # not 33 % because the recomputed forward's all-reduces have nothing to hide behind)
-    tp_overlap_backward: bool = False
-    # pipeline sends are broadcasts in a 2-rank group per pair of neighbouring stages, an NCCL
-    # communicator each (DeepSpeed's pipe/p2p.py), instead of batched p2p in the pipeline
-    # group's one (ours); and the groups a rank uses beyond the world's and one per parallel
-    # dimension: Megatron-DeepSpeed's model-parallel group (the gradient norm) and DeepSpeed's
-    # pipe group (the loss broadcast), and the pair of first and last stages that reduces the
-    # tied embedding's gradient (plan/memory.communicator_bytes)
-    pp_pairs: bool = False
-    extra_groups: int = 0
-    extra_pairs: int = 0
-
-
-SHARDWISE = Engine()
-
-
-@dataclass(frozen=True)
 class Job:
     spec: ModelSpec | None  # None: model states only, from `params`
     hardware: Hardware
@@ -142,7 +65,6 @@ class Job:
     # what the search may send ZeRO-0 gradients as: none, plus the config's grad_compression
     compressions: tuple[str, ...] = ("none",)
     nvme_chunk: int = 1 << 22  # memory.nvme_buffer_mb in fp32 elements (optimizer+nvme)
-    engine: Engine = field(default_factory=lambda: SHARDWISE)  # the framework that runs it
 
     @property
     def bc(self) -> int:

@@ -18,7 +18,7 @@ from shardwise.finetune.quant import layer_bytes, split_dims, transient_bytes
 from shardwise.models.families import family_of
 from shardwise.optim import QUANT_BLOCK
 from shardwise.plan import activations as act
-from shardwise.plan import compression
+from shardwise.plan import compression, peers
 from shardwise.plan.buffers import up, zero_transient
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.shapes import Unit, linear_shapes, split_trainable, units
@@ -205,10 +205,10 @@ def job_split(job: Job, layout: Layout) -> tuple[tuple[int, bool, bool], ...]:
 def stage_ranks(job: Job, layout: Layout) -> list[int]:
     """The pipeline ranks whose memory can be the largest: first, last, most blocks (and the
     second, which keeps two hidden states per micro-batch in flight where the engine keeps
-    what a stage received and sent: `Engine.pp_stage_copies`)."""
+    what a stage received and sent: `peers.Deviations.pp_stage_copies`)."""
     split = job_split(job, layout)
     most = max(range(len(split)), key=lambda r: split[r][0])
-    second = {1} if job.engine.pp_stage_copies and layout.pp > 2 else set()
+    second = {1} if peers.of(job).pp_stage_copies and layout.pp > 2 else set()
     return sorted({0, layout.pp - 1, most} | second)
 
 
@@ -255,7 +255,7 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     layers, first, last = job_split(job, layout)[stage]
     if layout.recompute == "full":
         per_layer = act.full_recompute_bytes(spec, s, b, c, t, layout.sp)
-    elif layout.recompute == "selective" and job.engine.selective_ops:
+    elif layout.recompute == "selective" and peers.of(job).selective_ops:
         per_layer = act.layer_bytes(act.op_sac_terms(spec, s, b, c), t, layout.sp)
     else:
         terms = _block_terms(job, b)
@@ -264,7 +264,7 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
         per_layer = act.layer_bytes(terms, t, layout.sp, layout.recompute == "selective")
     m = layout.micro_batches(job)
     held = act.in_flight(layout.pp_schedule, p, m, layout.pp_virtual, stage)
-    edges = act.edge_terms(spec, s, b, c, first, last, t, job.packed, job.engine.fused_loss)
+    edges = act.edge_terms(spec, s, b, c, first, last, t, job.packed, peers.of(job).fused_loss)
     if ft.lora:  # the frozen head and final norm; the first block's input needs no gradient
         edges = act.lora_terms(edges, spec, s, b, c, (), ft.lora_rank, False)
         if first and family_of(spec).block.rms_norm and layout.recompute != "full":
@@ -276,15 +276,16 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     one = layout.pp_schedule in ("1f1b", "interleaved")
     held_edge = 1.0 if (last and p > 1 and one) else held
     copies = 0.0
-    if job.engine.pp_stage_copies and p > 1:  # (layout.Engine) received and sent hidden states
+    if peers.of(job).pp_stage_copies and p > 1:  # received and sent hidden states (peers)
         kept = (0 if first else 1) + (0 if last else 1)
         copies = kept * act.full_recompute_bytes(spec, s, b, c, t, layout.sp) * held
     return per_layer * layers * held + edge * held_edge + copies
 
 
 def _block_terms(job: Job, b: int) -> tuple:
-    if job.engine.block_memory == "paper":  # another framework's 16-bit block
-        return act.paper_block_terms(job.spec, job.seq_len, b, job.engine.unfused_attention)
+    peer = peers.of(job)
+    if peer.block_memory == "paper":  # another framework's 16-bit block
+        return act.paper_block_terms(job.spec, job.seq_len, b, peer.unfused_attention)
     return act.block_terms(job.spec, job.seq_len, b, job.bc, job.packed)
 
 
@@ -295,7 +296,8 @@ def backward_transient(job: Job, layout: Layout) -> float:
     spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
     # (a fused loss writes the gradient over the logits it keeps: nothing new; an upcast
     # loss holds two fp32 gradients of the logits while log-softmax's backward runs)
-    per_logit = 0.0 if job.engine.fused_loss else 8.0 if job.engine.loss_upcast else 4.0 + c
+    peer = peers.of(job)
+    per_logit = 0.0 if peer.fused_loss else 8.0 if peer.loss_upcast else 4.0 + c
     logits = per_logit * s * b * spec.vocab_size / t
     terms = _block_terms(job, b)
     layer = act.layer_bytes(terms, t, layout.sp) if layout.recompute != "none" else 0.0
@@ -313,18 +315,19 @@ def _stage_states(job: Job, layout: Layout, st: int) -> tuple[list, dict[str, fl
     quantised = quantised_layers(job, layout, st)
     shards = quantised_shards(layout)
     mem = model_states(us, job, layout.dp, layout.zero, layout.offload, quantised, shards)
-    if job.engine.fp32_grads:  # (layout.Engine) not sharded over dp
+    if peers.of(job).fp32_grads:  # not sharded over dp
         mem["grads"] += 4 * _trainable(us)
     return us, mem
 
 
 def step_peak(job: Job, layout: Layout) -> float:
     """Device bytes at the optimizer step of an engine that copies gradients there
-    (`Engine.step_grad_copies`), the worst stage; 0 for one that does not. DeepSpeed frees the
-    16-bit gradients of the parameters other ranks update, then flattens its own share into a
-    new 16-bit buffer and casts that to a new fp32 one: its share three times (2 + 2 + 4 bytes
-    an element in bf16/fp16) beside the other model states; the activations are gone by then."""
-    if not job.engine.step_grad_copies:
+    (`peers.Deviations.step_grad_copies`), the worst stage; 0 for one that does not. DeepSpeed
+    frees the 16-bit gradients of the parameters other ranks update, then flattens its own share
+    into a new 16-bit buffer and casts that to a new fp32 one: its share three times (2 + 2 + 4
+    bytes an element in bf16/fp16) beside the other model states; the activations are gone by
+    then."""
+    if not peers.of(job).step_grad_copies:
         return 0.0
     worst = 0.0
     for st in stage_ranks(job, layout):
@@ -336,23 +339,24 @@ def step_peak(job: Job, layout: Layout) -> float:
 
 
 def step_copies(job: Job, layout: Layout, units: list) -> float:
-    """What `Engine.step_grad_copies` allocates at the step on a rank holding `units`: its
-    share of their gradients (1/dp under ZeRO-1/2) flattened, then cast to fp32. DeepSpeed of
-    2021-22 (BLOOM's) kept every param group's fp32 copy until one optimizer step; since it
-    steps group by group, freeing each group's copies first, the peak is its largest group
-    (the matrices': less by the norm weights and biases, ~0.1 % of a transformer)."""
+    """What `peers.Deviations.step_grad_copies` allocates at the step on a rank holding
+    `units`: its share of their gradients (1/dp under ZeRO-1/2) flattened, then cast to fp32.
+    DeepSpeed of 2021-22 (BLOOM's) kept every param group's fp32 copy until one optimizer step;
+    since it steps group by group, freeing each group's copies first, the peak is its largest
+    group (the matrices': less by the norm weights and biases, ~0.1 % of a transformer)."""
     return (job.bc + 4) * _trainable(units) / (layout.dp if layout.zero >= 1 else 1)
 
 
 def communicator_bytes(job: Job, layout: Layout) -> float:
     """Device bytes of the NCCL communicators a rank uses (`Hardware.comm_buffer_bytes`): the
     world's (metrics, checks), one per parallel dimension of more than one rank, the pipeline's
-    (or, `Engine.pp_pairs`, a pair per neighbouring stage: two in the middle, the first stage's
-    neighbour and its tied-embedding pair), and the engine's own (`Engine.extra_groups`)."""
+    (or, `peers.Deviations.pp_pairs`, a pair per neighbouring stage: two in the middle, the first
+    stage's neighbour and its tied-embedding pair), and the framework's own
+    (`peers.Deviations.extra_groups`)."""
     hw = job.hardware
     if job.devices == 1:
         return 0.0
-    e = job.engine
+    e = peers.of(job)
     groups, pairs = 1 + (layout.dp > 1) + (layout.tp > 1), 0
     if layout.pp > 1:
         groups += e.extra_groups + (not e.pp_pairs)

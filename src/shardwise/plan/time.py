@@ -9,7 +9,7 @@ latency per call (the alpha-beta model, Hockney 1994).
 from __future__ import annotations
 
 from shardwise.plan import activations as act
-from shardwise.plan import compression, gpu, kernels
+from shardwise.plan import compression, gpu, kernels, peers
 from shardwise.plan import memory as mem
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.shapes import non_embedding_params
@@ -56,7 +56,7 @@ def hardware_flops_per_token(job: Job, layout: Layout) -> float:
         flops -= 2.0 * n
     if layout.recompute == "full":
         flops += 2.0 * n + attn / 3
-    elif layout.recompute == "selective" and job.engine.selective_ops:
+    elif layout.recompute == "selective" and peers.of(job).selective_ops:
         # every second matmul again (activations.op_sac_terms): 2 FLOPs per weight
         again = sum(k * n for _, k, n, _ in act.linears(spec)[1::2])
         flops += 2.0 * spec.n_layers * again
@@ -67,11 +67,11 @@ def hardware_flops_per_token(job: Job, layout: Layout) -> float:
 
 def tp_hidden_seconds(job: Job, layout: Layout, one: dict[str, float]) -> float:
     """Seconds of tp communication per micro-batch that backward's GEMMs hide on the busiest
-    stage (`Engine.tp_overlap_backward`): per layer the input gradient's reduction (2
+    stage (`peers.Deviations.tp_overlap_backward`): per layer the input gradient's reduction (2
     all-reduces; sp: 2 reduce-scatters) behind the weight-gradient GEMMs, sp's re-gathers
     behind the input-gradient GEMMs. `one` is one call's seconds by kind."""
     hw, spec, t = job.hardware, job.spec, layout.tp
-    if not (job.engine.tp_overlap_backward and t > 1 and hw.kernel_model):
+    if not (peers.of(job).tp_overlap_backward and t > 1 and hw.kernel_model):
         return 0.0
     tokens, peak = layout.micro_batch * job.seq_len, hw.peak[job.precision]
     dgrad, wgrad = gpu.backward_gemm_seconds(hw, spec, t, tokens, job.bc, peak)
@@ -160,7 +160,7 @@ def step_time(
     # pipeline sends go from one rank to one rank, each through its own NIC
     dp_here = max(1, min(dp, hw.per_node // t))
     tp_s, pp_s = comm_s("tp", t), comm_s("pp", t * dp * p)
-    if job.engine.tp_overlap_backward and t > 1:  # one call's seconds of each kind
+    if peers.of(job).tp_overlap_backward and t > 1:  # one call's seconds of each kind
         act = layout.micro_batch * job.seq_len * job.spec.dim * job.bc
         ring = ring_share(t) * act / link(t)
         one = {
@@ -169,7 +169,7 @@ def step_time(
         }
         tp_s -= m * tp_hidden_seconds(job, layout, one)
     dp_s = comm_s("dp", t * dp, dp_here, dp, 2 if layout.zero == 0 else 1)
-    if layout.zero == 3 and dp > 1 and job.engine.list_all_gather:  # dp copies per gather,
+    if layout.zero == 3 and dp > 1 and peers.of(job).list_all_gather:  # dp copies per gather,
         # each launched from the host, and the gathered bytes read and written once more
         copied = 2 * kinds["dp"].get("all_gather", 0.0) * dp / (dp - 1)
         dp_s += slowdown * (
@@ -180,7 +180,7 @@ def step_time(
     # behind forward); ZeRO-1/2's all-gather of updated slices runs after the step, exposed
     hideable = {0: 1.0, 1: job.br / (job.br + job.bc), 2: 1.0 - 1.0 / (m * job.br / job.bc + 1)}
     hide_window = (2 / 3 * t_mb) if layout.zero <= 1 else compute
-    overlap = hw.overlap if job.engine.overlap_dp else 0.0
+    overlap = hw.overlap if peers.of(job).overlap_dp else 0.0
     hidden = min(dp_s * hideable.get(layout.zero, 1.0), overlap * hide_window)
     dp_exposed = dp_s - hidden
     local = mem_bytes.get("master", 0) + mem_bytes.get("host_master", 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from shardwise.finetune.quant import gather_steps
 from shardwise.models.families import family_of
 from shardwise.plan import memory as mem
+from shardwise.plan import peers
 from shardwise.plan.buffers import align_of, padded_numel
 from shardwise.plan.compression import bucket_calls, sent_bytes, wire_bytes
 from shardwise.plan.layout import Job, Layout
@@ -67,7 +68,7 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     # the vocabulary-parallel loss all-reduces 3 fp32 values per token. Full recomputation
     # repeats a block's forward up to its last saved tensor: 1 all-reduce (sp: 3 halves); the
     # whole forward, 2 (sp: 4 halves), where the engine recomputes whole blocks
-    redo = 4 if job.engine.recompute_whole_block else (3 if layout.sp else 2)
+    redo = 4 if peers.of(job).recompute_whole_block else (3 if layout.sp else 2)
     per_mb = 2 * (4 * layers + 2) + redo * layers * (layout.recompute == "full")
     blocks = ring_share(t) * m * act * per_mb
     tp_kinds = {"all_reduce": ring_share(t) * m * 4 * 6 * b * s}
@@ -89,7 +90,7 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     if p > 1:  # activations forward and their gradients backward, per micro-batch and chunk:
         # a rank sends forward from its v chunks (the last chunk's rank one fewer) and backward
         # likewise (the first chunk's rank one fewer); with p = 2 each rank is one of those
-        split = layout.sp or job.engine.pp_scatter_gather
+        split = layout.sp or peers.of(job).pp_scatter_gather
         pp_bytes = m * act / (t if split else 1) * (2 * v - (1 if p == 2 else 0))
     return {"dp": dp_kinds, "tp": tp_kinds, "pp": {"send": pp_bytes}}
 
@@ -130,7 +131,7 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
     every = mem.stage_units(job, layout, 0)
     units = [u for u in every if any(e[1] for e in u.entries)]
     n_units = sum(u.count for u in units)
-    if job.engine.zero3_per_tensor and layout.zero == 3:  # a call per parameter tensor
+    if peers.of(job).zero3_per_tensor and layout.zero == 3:  # a call per parameter tensor
         n_units = sum(u.count * sum(1 for e in u.entries if e[1]) for u in units)
     quantised = _quant_uses(job, layout)  # a split base's gathers per micro-batch, by dim
     dp_calls = 0
@@ -149,7 +150,9 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
         # repeats 1 (sp 3) per layer; the partial gradients' all-reduce once per step
         layers = -(-spec.n_layers // p)
         redo = (
-            (4 if layout.sp else 2) if job.engine.recompute_whole_block else (3 if layout.sp else 1)
+            (4 if layout.sp else 2)
+            if peers.of(job).recompute_whole_block
+            else (3 if layout.sp else 1)
         )
         per_layer = (8 if layout.sp else 4) + redo * (layout.recompute == "full")
         per_layer += regathers(job, layout)
@@ -164,8 +167,8 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
 
 
 def regathers(job: Job, layout: Layout) -> int:
-    """All-gathers per layer that sp's backward runs again (`Engine.sp_regather`)."""
-    return 2 if layout.sp and job.engine.sp_regather else 0
+    """All-gathers per layer that sp's backward runs again (`peers.Deviations.sp_regather`)."""
+    return 2 if layout.sp and peers.of(job).sp_regather else 0
 
 
 def zero3_gathers(job: Job, layout: Layout) -> int:
@@ -173,7 +176,7 @@ def zero3_gathers(job: Job, layout: Layout) -> int:
     that gathers parameter by parameter) before its forward and its backward, but none for the
     backward of the leading frozen units; a tied head gathers the embedding again."""
     m, every = layout.micro_batches(job), mem.stage_units(job, layout, 0)
-    per = (lambda u: len(u.entries)) if job.engine.zero3_per_tensor else (lambda u: 1)
+    per = (lambda u: len(u.entries)) if peers.of(job).zero3_per_tensor else (lambda u: 1)
     calls = 2 * m * sum(u.count * per(u) for u in every)
     calls -= m * sum(u.count * per(u) for u in _leading_frozen(every))
     return calls + (m if job.spec.tie_embeddings and layout.pp == 1 else 0)
