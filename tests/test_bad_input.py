@@ -542,21 +542,13 @@ def test_a_disk_without_room_for_one_checkpoint_is_refused_before_step_1(
 def test_a_disk_that_fills_later_stops_with_one_message_and_keeps_the_last_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import errno
-
     from shardwise.checkpoint import io
     from shardwise.errors import CheckpointError
     from shardwise.launchers.harness import run_here
+    from support.hooks import disk_full_at_second_save
 
-    write, calls = io.write_shard, {"n": 0}
-
-    def fills_up(path, tensors):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return write(path, tensors)
-
-    monkeypatch.setattr(io, "write_shard", fills_up)
+    monkeypatch.setattr(io, "write_shard", io.write_shard)  # restored after the test
+    disk_full_at_second_save(None)
     case = {"overrides": ["--model.name=tiny", "--train.steps=3", "--checkpoint.every=1"]}
     with pytest.raises(CheckpointError) as info:
         run_here(case, str(tmp_path))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from shardwise.checkpoint.io import flock_or_holder
 from shardwise.errors import ShardwiseError
 
 MARKER = ".shardwise-export.json"
@@ -100,12 +100,8 @@ def _locked(out: Path) -> Iterator[None]:
     path = _sibling(out, "lock")
     while True:
         fh = open(path, "a+")  # noqa: SIM115 - held open while exporting
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "a process that has not written its name yet"
-            fh.close()
+        holder = flock_or_holder(fh)
+        if holder is not None:
             raise ShardwiseError(
                 f"another export is writing OUT={out} ({holder}). Fix: wait for it to end, or "
                 "export to another folder."

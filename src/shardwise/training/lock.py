@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import errno
-import fcntl
 import os
 import re
 import socket
@@ -22,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
+from shardwise.checkpoint.io import flock_or_holder
 from shardwise.checkpoint.lineage import check_dir, checkpoint_root
 from shardwise.config import Config
 from shardwise.errors import ConfigError
@@ -74,12 +74,8 @@ def _lock(key: str, path: Path) -> IO[str]:
             "directory>."
         ) from None
     fh = os.fdopen(fd, "r+")
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.seek(0)
-        holder = fh.read().strip() or "a process that has not written its name yet"
-        fh.close()
+    holder = flock_or_holder(fh)
+    if holder is not None:
         raise ConfigError(
             f"{key}={path} is in use by another shardwise job ({holder}): two jobs would "
             f"overwrite each other's metrics and checkpoints. Fix: wait for it to end, or give "
