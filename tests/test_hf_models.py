@@ -601,7 +601,7 @@ def test_labels_are_checked_before_launch(tmp_path):
     spec = derive(cfg, 1).spec
     assert "only-once" not in spec.labels
     with pytest.raises(DataError, match=r"label\(s\) \['only-once'\] that no training row has"):
-        prepare_data(data_spec(cfg, spec.vocab_size))
+        prepare_data(data_spec(cfg, spec.vocab_size, labelled=True))
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gpt_neox"])

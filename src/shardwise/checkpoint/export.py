@@ -102,7 +102,7 @@ def _write_tokenizer(cfg, spec, out: Path) -> None:
     from shardwise.data import data_spec
     from shardwise.data.tokens import prepare_text
 
-    ds = data_spec(cfg, spec.vocab_size)
+    ds = data_spec(cfg, spec.vocab_size, family_of(spec).classifier)
     if ds.dataset == "digits" or ds.label_field:
         return  # images, or a classifier's labels: no text generation
     if ds.tokenizer:  # the checkpoint's own (or data.tokenizer's) files, as they are

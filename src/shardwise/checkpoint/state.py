@@ -24,6 +24,7 @@ import torch
 from shardwise.checkpoint import io as io
 from shardwise.distributed.comm import ControlChannel
 from shardwise.errors import CheckpointError
+from shardwise.models.families import family_of
 from shardwise.models.init import canonical_name, find_spec
 from shardwise.optim import MixedPrecisionAdamW, lr_at
 from shardwise.parallel.compress import PowerSGD
@@ -246,7 +247,9 @@ def run_identity(run) -> dict:
     from shardwise.data.identity import data_identity
 
     cfg = run.cfg
-    out = {"data": data_identity(data_spec(cfg, run.derived.spec.vocab_size), run.train_data)}
+    spec = run.derived.spec
+    labelled = family_of(spec).classifier
+    out = {"data": data_identity(data_spec(cfg, spec.vocab_size, labelled), run.train_data)}
     if cfg.model.init_from:
         from shardwise.models.hf.weights import base_identity
 

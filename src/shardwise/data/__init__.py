@@ -69,15 +69,15 @@ def load_data(
     return load_tokens(spec, split)
 
 
-def data_spec(cfg: Config, vocab_size: int) -> DataSpec:
-    """What the `data.*` section (and the model: its tokenizer, its task) ask for; `vocab_size`
-    is the model's embedding rows (a trained BPE's size, or the bound a tokenizer must fit)."""
-    from shardwise.models.families import classifies
-
+def data_spec(cfg: Config, vocab_size: int, labelled: bool = False) -> DataSpec:
+    """What the `data.*` section (and the model: its tokenizer) ask for; `vocab_size` is the
+    model's embedding rows (a trained BPE's size, or the bound a tokenizer must fit);
+    `labelled`: the model reads one label per row (its family is a classifier), so the rows
+    carry `data.label_field`."""
     d = cfg.data
     return DataSpec(
         tokenizer=tokenizer_dir(d.tokenizer, cfg.model.init_from, d.dataset),
-        label_field=d.label_field if classifies(cfg.model.task) else "",
+        label_field=d.label_field if labelled else "",
         format=d.format,
         fields=(d.prompt_field, d.input_field, d.response_field)
         if d.format == "instruction"
@@ -98,9 +98,9 @@ def data_spec(cfg: Config, vocab_size: int) -> DataSpec:
     )
 
 
-def load_held_out(cfg: Config, vocab_size: int):
+def load_held_out(cfg: Config, vocab_size: int, labelled: bool = False):
     """The held-out split the config asks for (None: it holds nothing out)."""
-    spec = data_spec(cfg, vocab_size)
+    spec = data_spec(cfg, vocab_size, labelled)
     if cfg.data.val_fraction > 0 or cfg.data.dataset == "digits" or spec.is_user:
         return load_data(spec, "val")
     return None

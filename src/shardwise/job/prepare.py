@@ -63,6 +63,7 @@ def prepare(
     takes them there). `show`: print the plan line."""
     from shardwise.data import data_spec, load_held_out, prepare_data
     from shardwise.job.explain import explain_record, print_plan
+    from shardwise.models.families import family_of
     from shardwise.training.validate import check_held_out
 
     if plan_auto:
@@ -70,8 +71,10 @@ def prepare(
 
         cfg = auto_config(cfg, world)
     derived = validate(cfg, world)
-    prepare_data(data_spec(cfg, derived.spec.vocab_size))  # the cache, once, not per rank
-    check_held_out(cfg, derived, load_held_out(cfg, derived.spec.vocab_size))
+    spec = derived.spec
+    labelled = family_of(spec).classifier
+    prepare_data(data_spec(cfg, spec.vocab_size, labelled))  # the cache, once, not per rank
+    check_held_out(cfg, derived, load_held_out(cfg, spec.vocab_size, labelled))
     record = explain_record(cfg, world)
     if show:
         print_plan(record)

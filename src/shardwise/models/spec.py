@@ -165,7 +165,7 @@ def _auto(cfg: Config, recorded: tuple[str, ...] | None = None) -> ModelSpec:
         from shardwise.data import data_spec
         from shardwise.data.classify import label_names
 
-        labels = label_names(data_spec(cfg, int(getattr(text, "vocab_size", 0) or 0)))
+        labels = label_names(data_spec(cfg, int(getattr(text, "vocab_size", 0) or 0), True))
         if len(labels) < 2:
             raise ConfigError(
                 f"data.label_field='{cfg.data.label_field}' has {len(labels)} distinct label(s) "

@@ -25,6 +25,7 @@ from shardwise.errors import ConfigError
 from shardwise.finetune.lora import apply_lora
 from shardwise.finetune.quant import materialise_quantised, quantise_base, split_dims
 from shardwise.models import build_on_meta, init_weights, to_empty
+from shardwise.models.families import family_of
 from shardwise.models.hf.auto import weights_for
 from shardwise.models.hf.weights import load_weights
 from shardwise.models.tp_plans import plan_for
@@ -300,8 +301,9 @@ def _build(
     watchdog: Watchdog | None,
 ) -> Run:
     spec = derived.spec
-    train_data = load_data(data_spec(cfg, spec.vocab_size), "train")
-    val_data = load_held_out(cfg, spec.vocab_size)
+    labelled = family_of(spec).classifier
+    train_data = load_data(data_spec(cfg, spec.vocab_size, labelled), "train")
+    val_data = load_held_out(cfg, spec.vocab_size, labelled)
     check_held_out(cfg, derived, val_data)
     model = build_on_meta(spec)
     apply_lora(model, cfg.finetune)  # adapters on meta, the base frozen (finetune/lora.py)
