@@ -19,7 +19,8 @@ LAYERS = [
     ("checkpoint", "profile"),
     ("parallel",),
     ("distributed",),
-    ("models", "data", "finetune"),
+    ("models", "finetune"),
+    ("data",),
     ("config", "errors", "optim"),
 ]
 FLOOR = {name: len(LAYERS) - i for i, names in enumerate(LAYERS) for name in names}
