@@ -23,9 +23,10 @@ from shardwise.errors import ConfigError
 Precision = Literal["fp32", "bf16", "fp16"]
 
 
-def opt(default: Any, help: str) -> Any:
-    """A dataclass field with a help string."""
-    return field(default=default, metadata={"help": help})
+def opt(default: Any, help: str, check: Any = None) -> Any:
+    """A dataclass field with a help string; `check(key, value)` returns the value to keep
+    (normalised) or raises a ConfigError."""
+    return field(default=default, metadata={"help": help, **({"check": check} if check else {})})
 
 
 @dataclass
@@ -155,6 +156,12 @@ class TrainConfig:
         "cross_entropy",
         "cross_entropy, or your own: module:fn or file.py:fn, fn(output, target) -> the "
         "micro-batch's summed loss (divided by the global sample count).",
+    )
+    loss_chunks: int = opt(
+        0,
+        "Compute the output head and cross-entropy this many chunks of tokens at a time, each "
+        "chunk's gradient in the same pass, so the [tokens, vocab] logits are never held for "
+        "backward (0 or 1 = off; built-in decoders, parallel.tp=1).",
     )
     max_skipped_steps: int = opt(
         10,
@@ -316,16 +323,63 @@ class CheckpointConfig:
     )
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+def _trackers(key: str, value: str) -> str:
+    """A comma list of TRACKERS, normalised ('wandb, mlflow' -> 'wandb,mlflow'; '' = none)."""
+    names = [n.strip().lower() for n in value.split(",") if n.strip()]
+    for name in names:
+        if name not in TRACKERS:
+            close = difflib.get_close_matches(name, TRACKERS, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(
+                f"{key}={value!r} names an unknown tracker '{name}'{hint}. Valid: "
+                f"{', '.join(TRACKERS)} (a comma list, '' for none). Fix: e.g. "
+                f"--{key}=tensorboard,wandb"
+            )
+    return ",".join(dict.fromkeys(names))
+
+
 @dataclass
 class LogConfig:
     every: int = opt(10, "Print a log line every this many steps (metrics.jsonl gets every step).")
-    tensorboard: bool = opt(True, "Write TensorBoard scalars to run.dir/tb.")
+    tensorboard: bool = opt(
+        True, "Write TensorBoard scalars to run.dir/tb; false drops tensorboard from log.backends."
+    )
+    backends: str = opt(
+        "tensorboard",
+        "Experiment trackers fed every metrics.jsonl scalar and the config, from rank 0: a comma "
+        "list of tensorboard, wandb (offline under run.dir/wandb unless logged in or WANDB_MODE "
+        "is set), mlflow (log.mlflow_uri). A missing package or a failing tracker: one warning.",
+        check=_trackers,
+    )
+    project: str = opt("shardwise", "W&B project and MLflow experiment name (run: run.dir's name).")
+    mlflow_uri: str = opt(
+        "",
+        "MLflow tracking URI, e.g. sqlite:///mlflow.db or http://host:5000 ('' = a local file "
+        "store in run.dir/mlruns). Needs mlflow in log.backends.",
+    )
     progress: Literal["auto", "on", "off"] = opt("auto", "Progress bar (auto: on a terminal).")
     ledger: bool = opt(
         True,
         "Time every step by category (compute, exposed communication, bubble, data, optimizer, "
         "checkpoint) into metrics.jsonl's `ledger` (rank 0's; `shardwise profile` for all ranks).",
     )
+
+    def trackers(self) -> tuple[str, ...]:
+        """The trackers this run feeds: log.backends, less tensorboard if log.tensorboard=false."""
+        names = [n for n in self.backends.split(",") if n]
+        return tuple(n for n in names if n != "tensorboard" or self.tensorboard)
+
+    def check(self) -> None:
+        """Cross-key checks: no option left without effect."""
+        if self.mlflow_uri and "mlflow" not in self.trackers():
+            raise ConfigError(
+                f"log.mlflow_uri={self.mlflow_uri!r} is set, but log.backends="
+                f"{self.backends!r} has no mlflow, so nothing would log there. Fix: "
+                f"--log.backends={','.join([*self.trackers(), 'mlflow'])}, or drop log.mlflow_uri."
+            )
 
 
 @dataclass
@@ -478,7 +532,11 @@ def _set(cfg: Config, key: str, raw: Any) -> None:
     if name not in hints:
         raise _unknown(key, all_keys())
     attr, typ = hints[name]
-    setattr(getattr(cfg, section), attr, _parse(key, raw, typ))
+    value = _parse(key, raw, typ)
+    check = next(f for f in dataclasses.fields(secs[section]) if f.name == attr).metadata.get(
+        "check"
+    )
+    setattr(getattr(cfg, section), attr, check(key, value) if check else value)
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -564,6 +622,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _set(cfg, key, raw)
         given.add(key)
     _infer(cfg, given)
+    cfg.log.check()
     return cfg
 
 

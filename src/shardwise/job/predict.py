@@ -51,6 +51,7 @@ def job_from_config(
         devices=devices,
         seq_len=cfg.data.seq_len,
         packed=cfg.data.pack,
+        loss_chunks=cfg.train.loss_chunks,
         global_batch=cfg.train.global_batch,
         precision=cfg.precision.compute,
         reduce=cfg.precision.reduce,

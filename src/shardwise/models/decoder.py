@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.errors import ConfigError
+from shardwise.models.chunked_loss import LMHead
 from shardwise.models.dropout import LayoutFreeDropout, name_sites
 from shardwise.models.packing import Packed, is_packed, unpack
 from shardwise.models.presets import ModelSpec
@@ -222,7 +224,8 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Causal language model: tokens [B, S] -> logits [B, S, vocab] (no loss inside).
+    """Causal language model: tokens [B, S] -> logits [B, S, vocab]; given the targets and
+    `loss_chunks` > 1, the summed loss instead, the logits never whole (models/chunked_loss.py).
 
     Built with torch's default initialisation; call `shardwise.models.init_weights`.
     """
@@ -240,7 +243,7 @@ class Decoder(nn.Module):
             Block(spec) for _ in range(spec.n_layers)
         )
         self.norm: nn.Module | None = _norm(spec)
-        self.head: nn.Linear | None = nn.Linear(spec.dim, spec.vocab_size, bias=False)
+        self.head: nn.Linear | None = LMHead(spec.dim, spec.vocab_size, bias=False)
         # every block's attention core, told each forward whether its rows are packed (the
         # transformations after this wrap forwards, never replace the cores)
         self._cores = [m for m in self.blocks.modules() if isinstance(m, AttentionCore)]
@@ -257,9 +260,11 @@ class Decoder(nn.Module):
             self.head.weight = self.embed.weight
         return out
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, loss_chunks: int = 0
+    ) -> torch.Tensor:
         """tokens [B, S], or packed records [B, 2, S] (models/packing.py), or hidden states
-        [B, S, dim] when `embed` is None."""
+        [B, S, dim] when `embed` is None; with `targets`, see `output`."""
         packed = None
         if is_packed(tokens):
             tokens, packed = unpack(tokens, self.embed.weight.dtype)
@@ -269,7 +274,7 @@ class Decoder(nn.Module):
         blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
         for block in blocks:
             h = block(h)
-        return self.output(h)
+        return self.output(h, targets, loss_chunks)
 
     def embed_tokens(self, tokens: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
         """Token (and learned position) embeddings; hidden states pass through unchanged."""
@@ -285,8 +290,20 @@ class Decoder(nn.Module):
             h = h + self.pos_embed(packed.positions if packed is not None else positions)
         return self.embed_drop(h) if self.embed is not None else h
 
-    def output(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and head (each skipped when a pipeline stage does not hold it)."""
+    def output(
+        self, h: torch.Tensor, targets: torch.Tensor | None = None, loss_chunks: int = 0
+    ) -> torch.Tensor:
+        """Final norm and head (each skipped when a pipeline stage does not hold it). With
+        `targets` [B, S], the summed cross-entropy, computed `loss_chunks` chunks of tokens
+        at a time (train.loss_chunks)."""
         if self.norm is not None:
             h = self.norm(h)
-        return self.head(h) if self.head is not None else h
+        if targets is None:
+            return self.head(h) if self.head is not None else h
+        if not isinstance(self.head, LMHead):  # e.g. a LoRA adapter on the head
+            raise ConfigError(
+                f"train.loss_chunks={loss_chunks} computes the loss inside the output head, but "
+                f"the head is a {type(self.head).__name__}. Fix: --train.loss_chunks=0, or "
+                "leave 'head' out of finetune.lora_targets."
+            )
+        return self.head(h, targets, loss_chunks)

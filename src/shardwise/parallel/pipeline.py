@@ -126,9 +126,12 @@ class Pipeline:
             embedded = None
             if chunk.first and self.split:  # I stops at the embedding output; W does the rest
                 embedded, h = h, h.detach().requires_grad_(True)
-            out = self._blocks(chunk, h)
+            chunks = run.cfg.train.loss_chunks if chunk.last else 0
+            loss = (self._batches.targets(a.mb), chunks) if chunks > 1 else ()
+            out = self._blocks(chunk, h, loss)  # with `loss`: the head's chunked loss sum
             if chunk.last:
-                out = run.tp.loss_sum(out, self._batches.targets(a.mb)) / global_count
+                out = out if loss else run.tp.loss_sum(out, self._batches.targets(a.mb))
+                out = out / global_count
         nbytes = run.meter.take_peak()
         leaf = h if embedded is not None else (None if chunk.first else inputs)
         # a first chunk whose parameters are all frozen has no graph: nothing to run backward
@@ -158,10 +161,10 @@ class Pipeline:
             del held[(a.chunk, a.mb)]
             self._grow(-state.nbytes, -1)
 
-    def _blocks(self, chunk: Chunk, h: torch.Tensor) -> torch.Tensor:
+    def _blocks(self, chunk: Chunk, h: torch.Tensor, loss: tuple = ()) -> torch.Tensor:
         for i in chunk.blocks:
             h = self.model.blocks[str(i)](h)
-        return self.model.output(h) if chunk.last else h
+        return self.model.output(h, *loss) if chunk.last else h
 
     def _chunk_params(self, chunk: Chunk) -> list[nn.Parameter]:
         mods = [self.model.blocks[str(i)] for i in chunk.blocks]

@@ -188,6 +188,7 @@ def block_terms(spec: ModelSpec, s: int, b: int, c: int, packed: bool = False) -
 
 
 # the saved inputs that only a linear's weight gradient reads, and which linears read them
+CHUNKED_WEIGHT_GRAD = "head weight gradient (chunked loss)"  # none when the head is frozen
 _WEIGHT_INPUTS = {
     "attn_norm output": ("wq", "wk", "wv"),
     "mlp_norm output": ("w1", "w3"),
@@ -205,7 +206,7 @@ def lora_terms(
     its own 1-byte mask and dropped input (A's input) instead of the shared one."""
     out = []
     for term in terms:
-        if term.name.endswith("normalised (fp32)"):
+        if term.name.endswith("normalised (fp32)") or term.name == CHUNKED_WEIGHT_GRAD:
             continue
         readers = _WEIGHT_INPUTS.get(term.name)
         if readers is not None and (dropout or not set(readers) & set(targets)):
@@ -258,6 +259,7 @@ def edge_terms(
     tp: int = 1,
     packed: bool = False,
     fused_loss: bool = False,
+    loss_chunks: int = 0,
 ) -> tuple[Term, ...]:
     """Outside the blocks: token ids (a view of the (b, s+1) window the loader reads, shared
     with the targets), learned positions, the final norm, fp32 log-softmax of the logits
@@ -266,7 +268,10 @@ def edge_terms(
     its shifted ids (int64) and a mask of the ids it owns (bool) instead (the loss also a mask
     of the targets that count). Packed rows (models/packing.py) come as [b, 2, s] ids and
     record numbers, their targets apart, and one additive attention mask [b, 1, s, s] in
-    compute dtype that every layer's attention shares."""
+    compute dtype that every layer's attention shares. With `loss_chunks` > 1
+    (models/chunked_loss.py, tp = 1) the head keeps the gradients it made in forward instead:
+    of its input ([tokens, dim], in place of the norm output) and of its weight ([vocab, dim]);
+    no logits, no targets."""
     out = []
     if first:
         if packed:
@@ -280,7 +285,14 @@ def edge_terms(
             out.append(Term("position ids", 8 * s, False, True))
         if spec.dropout:
             out.append(Term("embedding dropout mask", s * b * spec.dim, False, True))
-    if last:
+    if last and loss_chunks > 1:
+        norm = norm_terms(spec, s, b, c, "final norm")
+        out += [term for term in norm if term.name != "final norm output"]
+        out += [
+            Term("head input gradient (chunked loss)", c * s * b * spec.dim, False, False),
+            Term(CHUNKED_WEIGHT_GRAD, c * spec.vocab_size * spec.dim, False, False),
+        ]
+    elif last:
         out += norm_terms(spec, s, b, c, "final norm")
         v = -(-spec.vocab_size // tp) * tp  # padded to a multiple of tp
         if fused_loss:  # flash-attn's cross entropy keeps the 16-bit logits (peers.Deviations)

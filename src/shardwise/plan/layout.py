@@ -54,6 +54,7 @@ class Job:
     # whether each of them is used in backward (its input needs a gradient; () = all are)
     quantised_backward: tuple[bool, ...] = ()
     packed: bool = False  # data.pack: several records per row (models/packing.py)
+    loss_chunks: int = 0  # train.loss_chunks: > 1, the head and loss by chunks of tokens
     # layout fields the user pinned (plan with --parallel.tp=8 ...): ((field, value), ...)
     pinned: tuple = ()
     # a model priced from its real modules (job/real.py): module buffers, the parameters

@@ -264,7 +264,8 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
         per_layer = act.layer_bytes(terms, t, layout.sp, layout.recompute == "selective")
     m = layout.micro_batches(job)
     held = act.in_flight(layout.pp_schedule, p, m, layout.pp_virtual, stage)
-    edges = act.edge_terms(spec, s, b, c, first, last, t, job.packed, peers.of(job).fused_loss)
+    fused = peers.of(job).fused_loss
+    edges = act.edge_terms(spec, s, b, c, first, last, t, job.packed, fused, job.loss_chunks)
     if ft.lora:  # the frozen head and final norm; the first block's input needs no gradient
         edges = act.lora_terms(edges, spec, s, b, c, (), ft.lora_rank, False)
         if first and family_of(spec).block.rms_norm and layout.recompute != "full":
@@ -298,7 +299,8 @@ def backward_transient(job: Job, layout: Layout) -> float:
     # loss holds two fp32 gradients of the logits while log-softmax's backward runs)
     peer = peers.of(job)
     per_logit = 0.0 if peer.fused_loss else 8.0 if peer.loss_upcast else 4.0 + c
-    logits = per_logit * s * b * spec.vocab_size / t
+    tokens = s * b if job.loss_chunks <= 1 else -(-s * b // job.loss_chunks)  # one chunk's
+    logits = per_logit * tokens * spec.vocab_size / t
     terms = _block_terms(job, b)
     layer = act.layer_bytes(terms, t, layout.sp) if layout.recompute != "none" else 0.0
     return max(logits, layer)

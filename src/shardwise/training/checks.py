@@ -5,6 +5,8 @@ launch)."""
 
 from __future__ import annotations
 
+import fnmatch
+
 from shardwise.config import Config
 from shardwise.errors import ConfigError
 from shardwise.models import ModelSpec, build_on_meta
@@ -52,6 +54,45 @@ def check_loss(cfg: Config, tp: int, pp: int) -> None:
             "sees whole outputs, which tensor and pipeline parallelism split. Fix: "
             "--parallel.tp=1 --parallel.pp=1 (data parallelism and ZeRO keep them whole)."
         )
+
+
+def check_loss_chunks(cfg: Config, spec: ModelSpec, tp: int, pp: int) -> None:
+    """train.loss_chunks > 1: the built-in decoders' head computes the loss in chunks."""
+    n = cfg.train.loss_chunks
+    if n < 0:
+        raise ConfigError(f"train.loss_chunks={n} must be >= 0. Fix: e.g. 8, or 0 for off.")
+    if n <= 1:
+        return
+    family, why = family_of(spec), ""
+    lora_head = cfg.finetune.lora_rank and any(
+        p.strip() == "head" or fnmatch.fnmatchcase("head", p.strip())
+        for p in cfg.finetune.lora_targets.split(",")
+    )
+    if not family.chunked_loss:
+        why = (
+            f"model.name='{cfg.model.name}' is {family.kind}, whose head and loss are not "
+            "ours to split. Fix: --train.loss_chunks=0 (or a built-in decoder)."
+        )
+    elif cfg.train.loss != "cross_entropy":
+        why = f"train.loss='{cfg.train.loss}' needs whole logits. Fix: --train.loss_chunks=0."
+    elif tp > 1:
+        why = (
+            f"parallel.tp={tp} splits the vocabulary and its loss over tp ranks (already 1/tp "
+            "of the logits each). Fix: --train.loss_chunks=0, or --parallel.tp=1."
+        )
+    elif pp > 1 and cfg.parallel.pp_schedule == "zb":
+        why = (
+            "parallel.pp_schedule=zb defers weight gradients to a later pass, and the chunked "
+            "loss makes the head's in its forward. Fix: --train.loss_chunks=0, or "
+            "--parallel.pp_schedule=1f1b."
+        )
+    elif lora_head:
+        why = (
+            "finetune.lora_targets puts an adapter on 'head'. Fix: --train.loss_chunks=0, or "
+            "leave 'head' out of the targets."
+        )
+    if why:
+        raise ConfigError(f"train.loss_chunks={n} computes the head and loss in chunks, but {why}")
 
 
 def check_checkpoint_tp(spec: ModelSpec, cfg: Config) -> None:

@@ -1,5 +1,6 @@
 """Per-step records: `run.dir/metrics.jsonl` (the contract in docs/design.md), TensorBoard scalars,
-one log line per logged step and a progress bar on a terminal. Only rank 0 writes."""
+W&B and MLflow (trackers.py), one log line per logged step and a progress bar on a terminal.
+Only rank 0 writes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 from shardwise.errors import ShardwiseError
 from shardwise.models import count_params
 from shardwise.training.nonfinite import describe
+from shardwise.training.trackers import Trackers
 
 LABELS = "labels.json"
 METRICS = "metrics.jsonl"
@@ -67,7 +69,7 @@ def format_line(r: dict, total_steps: int, unit: str = "tok") -> str:
 
 def done_line(cfg, step: int, metrics: Path, saved: str | None) -> str:
     """A finished run's last line: what it wrote where."""
-    tb = f", tensorboard {Path(cfg.run.dir) / TB}" if cfg.log.tensorboard else ""
+    tb = f", tensorboard {Path(cfg.run.dir) / TB}" if "tensorboard" in cfg.log.trackers() else ""
     kept = (
         f"checkpoint {saved}"
         if saved
@@ -161,13 +163,14 @@ class MetricsLogger:
                 _rotate(out / TB)  # its curves with its metrics: never stacked on this run's
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self.tb = None
-        if run.cfg.log.tensorboard:
+        if "tensorboard" in run.cfg.log.trackers():
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step drops a previous attempt's events from the resumed step on
             self.tb = SummaryWriter(
                 str(out / TB), purge_step=start_step + 1 if start_step else None
             )
+        self.trackers = Trackers(run.cfg, out, start_step)  # W&B, MLflow
         self._start_progress(run.cfg.log.progress)
 
     def _write_run_files(self, run, out: Path) -> None:
@@ -219,6 +222,7 @@ class MetricsLogger:
         if self.tb is not None:
             with _writing(self.path.parent / TB, self.path.parent):  # (its thread's error)
                 self._scalars(r)
+        self.trackers.log(r)
         if r["step"] % self.cfg.log.every == 0 or r["step"] in (1, self.total) or r["skipped"]:
             line = format_line(r, self.total, self.unit)
             if self.progress is not None:
@@ -248,6 +252,7 @@ class MetricsLogger:
         if self.progress is not None:
             self.progress.stop()
         os.close(self.fd)
+        self.trackers.close()
         if self.tb is not None:
             with _writing(self.path.parent / TB, self.path.parent):
                 self.tb.close()

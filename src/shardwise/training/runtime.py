@@ -141,6 +141,9 @@ class Run:
         of the global batch over ranks and micro-batches yields the same gradient."""
         if inputs.is_floating_point():  # images enter in the compute dtype
             inputs = inputs.to(dev.dtype_of(self.cfg.precision.compute))
+        chunks = self.cfg.train.loss_chunks
+        if chunks > 1 and not return_logits:  # the head and loss by chunks of tokens (checks)
+            return self.model(inputs, targets=targets, loss_chunks=chunks)
         logits = self.model(inputs)
         if self.user_loss is not None:  # yours: the micro-batch's sum (validate: tp = pp = 1)
             loss = self.user_loss(logits, targets)

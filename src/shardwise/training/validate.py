@@ -20,6 +20,7 @@ from shardwise.training.checks import (
     check_checkpoint_tp,
     check_lora,
     check_loss,
+    check_loss_chunks,
     check_packing,
     check_pipeline,
     check_tensor_parallel,
@@ -215,6 +216,7 @@ def derive(cfg: Config, world: int) -> Derived:
     is_image = family.data == "images"
     user_data = ":" in cfg.data.dataset  # your dataset (data/user.py): one sample per item
     check_loss(cfg, tp, pp)
+    check_loss_chunks(cfg, spec, tp, pp)
     if tp > 1 and family.tp_refusal:
         raise ConfigError(family.tp_refusal.format(tp=tp, name=cfg.model.name))
     check_lora(spec, cfg)

@@ -49,6 +49,7 @@ class Family:
     grouped_query: bool = True  # k/v heads may be fewer than query heads
     pipeline: Literal["blocks", "checkpoint", "none"] = "none"
     packs_rows: bool = True  # masks attention per record (data.pack)
+    chunked_loss: bool = False  # its head computes the loss in chunks (train.loss_chunks)
     recompute: Recompute = "plans"
     block: BlockShape = BlockShape()
     # `shardwise export --format hf` of our own modules: the config.json transformers reads

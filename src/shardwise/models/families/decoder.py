@@ -11,6 +11,7 @@ _OURS = dict(
     formula=True,
     sequence_parallel=True,
     pipeline="blocks",
+    chunked_loss=True,  # models/chunked_loss.LMHead
     kind="a shardwise decoder",
 )
 
