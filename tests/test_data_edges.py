@@ -295,7 +295,8 @@ def test_resuming_on_other_data_or_a_grown_file_is_refused(tmp_path: Path) -> No
     message = str(info.value)
     for needle in (f"data.dataset='{corpus}'", f"data.dataset='{other}'", "vocabulary differs"):
         assert needle in message, message
-    assert "Fix: resume on the data it was trained on" in message and "resume=none" in message
+    assert "Fix: resume on the data it was trained on" in message
+    assert "--run.dir=<another directory>" in message, message
     with open(corpus, "a") as f:
         f.write("zyxw vuts " * 400 + "\n")
     with pytest.raises(CheckpointError, match=r"a\.txt' \(1 file, \d[\d,]* bytes\)"):

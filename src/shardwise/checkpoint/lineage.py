@@ -122,6 +122,13 @@ def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
 
 
+def new_run(cfg: Config) -> str:
+    """The flag that starts a new run beside the checkpoints in this job's checkpoint.dir
+    (resume=auto finds none in a fresh directory, so nothing else is needed)."""
+    flag = "checkpoint.dir" if cfg.checkpoint.dir else "run.dir"
+    return f"--{flag}=<another directory>"
+
+
 def fresh_refusal(root: Path, step: int) -> str:
     """The refusal of a fresh start (resume=none) in a checkpoint.dir holding checkpoints."""
     return (

@@ -23,8 +23,10 @@ from shardwise.checkpoint.state import (
     adam_step,
     assign_writers,
     build_index,
+    every_rank,
     load_state,
     local_state,
+    order_refusal,
 )
 from shardwise.distributed import device as dev
 from shardwise.distributed.comm import ControlChannel
@@ -52,12 +54,6 @@ def _attempt(action, doing: str):
         return ("refused", str(exc))
     except OSError as exc:
         return f"{doing}: {exc.strerror or exc}"
-
-
-def _every_rank(exc: CheckpointError) -> CheckpointError:
-    """Mark a failure every rank raises alike: only rank 0 prints it (launchers/local.py)."""
-    exc.every_rank = True
-    return exc
 
 
 def _restart() -> str:
@@ -95,7 +91,7 @@ class Checkpointer:
         if mode == "none":
             found = io.list_complete(self.root)
             if found and (self.cfg.every or self.cfg.on_signal):
-                raise CheckpointError(lineage.fresh_refusal(self.root, found[0][0]))
+                raise every_rank(CheckpointError(lineage.fresh_refusal(self.root, found[0][0])))
             return 0
         if mode == "auto":
             path = self._newest_valid()
@@ -147,15 +143,17 @@ class Checkpointer:
             bad.append(f"\n  {entry.path.name}: " + "; ".join(problems))
             if self.rank == 0:
                 _warn(f"skipping checkpoint {entry.path}: " + "; ".join(problems))
-        if bad:  # starting over would silently throw the run's progress away
+        if bad:  # starting over would silently throw the run's progress away (gathered: alike)
             others = ", ".join(e.path.name for e in off)
-            raise CheckpointError(
-                f"checkpoint.dir {self.root} holds {len(bad)} checkpoint(s) and none is valid:"
-                f"{''.join(bad)}\n"
-                + (f"Not tried (off the line `latest` names): {others}.\n" if others else "")
-                + "Nothing was changed. Fix: restore a checkpoint, name one with "
-                "--checkpoint.resume=PATH, or start over with --checkpoint.resume=none and "
-                "another --checkpoint.dir."
+            raise every_rank(
+                CheckpointError(
+                    f"checkpoint.dir {self.root} holds {len(bad)} checkpoint(s) and none is valid:"
+                    f"{''.join(bad)}\n"
+                    + (f"Not tried (off the line `latest` names): {others}.\n" if others else "")
+                    + "Nothing was changed. Fix: restore a checkpoint, name one with "
+                    "--checkpoint.resume=PATH, or start over with --checkpoint.resume=none and "
+                    "another --checkpoint.dir."
+                )
             )
         return None
 
@@ -200,24 +198,21 @@ class Checkpointer:
         if not (path / io.INDEX).is_file() and (path / io.LATEST).is_file():
             path = path / (path / io.LATEST).read_text().strip()  # a checkpoint.dir
         problems = self._problems(path)
-        if problems:
-            raise CheckpointError(
-                f"checkpoint.resume={path} is not a valid checkpoint: {'; '.join(problems)}. "
-                "Fix: name a checkpoint directory (step-NNNNNNNN) or use "
-                "--checkpoint.resume=auto to take the newest valid one."
+        if problems:  # gathered: every rank raises it alike
+            raise every_rank(
+                CheckpointError(
+                    f"checkpoint.resume={path} is not a valid checkpoint: {'; '.join(problems)}. "
+                    "Fix: name a checkpoint directory (step-NNNNNNNN) or use "
+                    "--checkpoint.resume=auto to take the newest valid one."
+                )
             )
         return path
 
     def _load(self, path: Path) -> int:
         index = io.read_index(path)
-        data, t = index["loop"]["data"], self.run.cfg.train
-        if (data["global_batch"], data["seed"]) != (t.global_batch, t.seed):
-            raise CheckpointError(
-                f"checkpoint {path} was saved with train.global_batch={data['global_batch']} "
-                f"and train.seed={data['seed']}; this run has {t.global_batch} and {t.seed}, "
-                "which would change the data order. Fix: --train.global_batch="
-                f"{data['global_batch']} --train.seed={data['seed']}."
-            )
+        refusal = order_refusal(index, self.run.cfg, path)
+        if refusal:  # every rank reads the same index
+            raise every_rank(CheckpointError(refusal))
         note = self.run.resume_note = load_state(self.run, path, index, self.channel)
         self.history = lineage.start(index, index["step"])  # a new job on that line
         if path.parent.resolve() == self.root.resolve():
@@ -375,7 +370,7 @@ class Checkpointer:
         """Raise one message for every rank's failures (each rank raises it)."""
         refusals = [r[1] for r in reports if isinstance(r, tuple) and r[0] == "refused"]
         if refusals:
-            raise _every_rank(CheckpointError(refusals[0]))
+            raise every_rank(CheckpointError(refusals[0]))
         errors: dict[str, list[int]] = {}
         for rank, r in enumerate(reports):
             if isinstance(r, str):
@@ -388,7 +383,7 @@ class Checkpointer:
             for text, ranks in errors.items()
         )
         left = f"the last complete checkpoint, {kept}, is kept" if kept else "no checkpoint yet"
-        raise _every_rank(
+        raise every_rank(
             CheckpointError(
                 f"saving step {step} failed ({said}); {left}. Fix: free space in (or repair) "
                 f"{self.root}, or point --checkpoint.dir elsewhere, and run again with "

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint import io as io
+from shardwise.checkpoint import lineage
 from shardwise.distributed.comm import ControlChannel
 from shardwise.errors import CheckpointError
 from shardwise.models.families import family_of
@@ -292,7 +293,8 @@ def _identity_problems(run, index: dict, path: Path) -> tuple[str | None, str | 
     from shardwise.data.identity import compare_data
 
     saved = index.get("identity", {})
-    refusal, note = compare_data(saved.get("data"), run_identity(run)["data"], path)
+    now = run_identity(run)["data"]
+    refusal, note = compare_data(saved.get("data"), now, path, lineage.new_run(run.cfg))
     return refusal or base_change(index, run.cfg, path), note
 
 
@@ -322,7 +324,22 @@ def _fit_problems(index: dict, locals_: list[Local]) -> list[tuple[str, str]]:
     return problems
 
 
-def _mismatch_message(path: Path, problems: list[tuple[str, str]]) -> str:
+def order_refusal(index: dict, cfg, path: Path) -> str | None:
+    """The refusal of a checkpoint saved with another data order (global batch or seed)."""
+    data, t = index["loop"]["data"], cfg.train
+    if (data["global_batch"], data["seed"]) == (t.global_batch, t.seed):
+        return None
+    return (
+        f"checkpoint {path} was saved with train.global_batch={data['global_batch']} "
+        f"and train.seed={data['seed']}; this run has {t.global_batch} and {t.seed}, "
+        "which would change the data order. Fix: --train.global_batch="
+        f"{data['global_batch']} --train.seed={data['seed']}."
+    )
+
+
+def mismatch_message(path: Path, problems: list[tuple[str, str]], cfg, index: dict) -> str:
+    """One line: what of the checkpoint at `path` does not fit this run's model, and how to
+    start a new run instead (the model it was saved with named, when another)."""
     parts = []
     for kind, title in (
         ("missing", "missing"),
@@ -337,11 +354,19 @@ def _mismatch_message(path: Path, problems: list[tuple[str, str]]) -> str:
         if items:
             shown = ", ".join(items[:12]) + (", ..." if len(items) > 12 else "")
             parts.append(f"{len(items)} {title}: {shown}")
+    was = index.get("config", {}).get("model", {}).get("name")
+    names = f" (saved by model.name={was!r}; this run has {cfg.model.name!r})"
     return (
-        f"checkpoint {path} does not fit this model: {'; '.join(parts)}. Fix: resume with the "
-        f"model config it was saved with (see {path / io.INDEX}), or start fresh with "
-        "--checkpoint.resume=none and another --checkpoint.dir."
+        f"checkpoint {path}{names if was and was != cfg.model.name else ''} does not fit this "
+        f"model: {'; '.join(parts)}. Fix: resume with the model config it was saved with (see "
+        f"{path / io.INDEX}), or start a new run with {lineage.new_run(cfg)}."
     )
+
+
+def every_rank(exc: CheckpointError) -> CheckpointError:
+    """Mark a failure every rank raises alike: only rank 0 prints it (launchers/local.py)."""
+    exc.every_rank = True
+    return exc
 
 
 def _restorable(index: dict, run, own: list[Local]) -> bool:
@@ -369,8 +394,8 @@ def load_state(run, path: Path, index: dict, channel: ControlChannel) -> str | N
         (_fit_problems(index, locals_), names, _restorable(index, run, own), bool(own), refusal)
     )
     refusals = [g[4] for g in gathered if g[4]]
-    if refusals:  # every rank raises the same message
-        raise CheckpointError(refusals[0])
+    if refusals:  # every rank raises the same message (printed once)
+        raise every_rank(CheckpointError(refusals[0]))
     note = None
     if all(g[2] for g in gathered):
         locals_ += own
@@ -387,8 +412,8 @@ def load_state(run, path: Path, index: dict, channel: ControlChannel) -> str | N
     problems += [
         ("extra", k) for k in index["tensors"] if k.startswith("param/") and k not in needed
     ]
-    if problems:
-        raise CheckpointError(_mismatch_message(path, problems))
+    if problems:  # gathered: every rank raises the same message (printed once)
+        raise every_rank(CheckpointError(mismatch_message(path, problems, run.cfg, index)))
     reader = io.ShardReader(path)
     try:
         for local in locals_:

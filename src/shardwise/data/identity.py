@@ -85,14 +85,17 @@ def _describe(ident: dict) -> str:
     return f"data.dataset={ident['dataset']!r} ({n} file{'s' * (n != 1)}, {ident['bytes']:,} bytes)"
 
 
-def compare_data(saved: dict | None, now: dict, path) -> tuple[str | None, str | None]:
+def compare_data(
+    saved: dict | None, now: dict, path, new_run: str = "--run.dir=<another directory>"
+) -> tuple[str | None, str | None]:
     """(refusal, note) for resuming the checkpoint at `path`, trained on `saved` data, on the
-    data `now`: another tokenizer or other labels are refused; other data is noted."""
+    data `now`: another tokenizer or other labels are refused; other data is noted.
+    `new_run`: the flag that starts a new run elsewhere (checkpoint/lineage.new_run)."""
     if not saved:  # saved before checkpoints recorded their data
         return None, None
     fix = (
         f"Fix: resume on the data it was trained on, unchanged ({_describe(saved)}), or start "
-        "a new run on this data with --checkpoint.resume=none and another --run.dir."
+        f"a new run on this data with {new_run}."
     )
     was, tok = saved.get("tokenizer"), now.get("tokenizer")
     if was and tok and was["key"] != tok["key"]:

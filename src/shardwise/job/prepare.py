@@ -3,7 +3,8 @@
 `shardwise train`, `train --nnodes`, `shardwise profile`, `plan --verify` and
 `shardwise.train()` all call `prepare` (or, for candidates that are only measured, its first
 step `validate`), so a job one entry point refuses is refused by every one, with the same
-message: validate and derive the config for the world size, prepare the data once, predict
+message: validate and derive the config for the world size, prepare the data once, check
+that the checkpoint it would resume fits the model and the data, predict
 memory and step time, refuse what will not fit (memory: `force` overrides; disk), print the
 plan, and hold the run-dir lock until the job ends."""
 
@@ -61,6 +62,7 @@ def prepare(
     take the planner's best layout first (`--plan auto`). `lock`: hold the run-dir and
     checkpoint-dir locks from here (not for one node of a multi-node job: global rank 0
     takes them there). `show`: print the plan line."""
+    from shardwise.checkpoint.precheck import check_resume
     from shardwise.data import data_spec, load_held_out, prepare_data
     from shardwise.job.explain import explain_record, print_plan
     from shardwise.models.families import family_of
@@ -75,6 +77,7 @@ def prepare(
     labelled = family_of(spec).classifier
     prepare_data(data_spec(cfg, spec.vocab_size, labelled))  # the cache, once, not per rank
     check_held_out(cfg, derived, load_held_out(cfg, spec.vocab_size, labelled))
+    check_resume(cfg, spec)  # the checkpoint it would resume fits (its index only), not per rank
     record = explain_record(cfg, world)
     if show:
         print_plan(record)

@@ -14,11 +14,23 @@ def _build(spec: ModelSpec) -> nn.Module:
     return build_hf(spec)
 
 
-HF_LLAMA = Family(name="hf-llama", kind="a Hugging Face model", archs=("hf-llama",), build=_build)
+def _export_config(spec: ModelSpec, dtype: str) -> dict:
+    from shardwise.models.hf.build import export_config
+
+    return export_config(spec, dtype)
+
+
+# `shardwise export --format hf`: the config it trained with, its dropout (none) included
+_EXPORT = dict(hf_config=_export_config, hf_keeps_dropout=True)
+
+HF_LLAMA = Family(
+    name="hf-llama", kind="a Hugging Face model", archs=("hf-llama",), build=_build, **_EXPORT
+)
 HF_GPT2 = Family(
     name="hf-gpt2",
     kind="a Hugging Face model",
     archs=("hf-gpt2",),
     build=_build,
     grouped_query=False,
+    **_EXPORT,
 )

@@ -29,8 +29,34 @@ def _transformers():
 def build_hf(spec: ModelSpec) -> nn.Module:
     """The Hugging Face model for `spec` on the current default device (meta is fine)."""
     tf = _transformers()
+    config = _config(spec)
+    cls = tf.LlamaForCausalLM if spec.arch == "hf-llama" else tf.GPT2LMHeadModel
+    model = cls(config)
+    model.spec = spec  # read by init (find_spec) like our own models'
+    take_packed_tokens(model)  # data.pack=true: records packed in rows
+    model.shardwise_buffers = _rope_buffers(model)
+    return model
+
+
+def export_config(spec: ModelSpec, dtype: str) -> dict:
+    """config.json of a trained hf-* preset (`shardwise export --format hf`): the very config
+    it was built and trained with, so transformers' `from_pretrained` rebuilds that model; the
+    weights keep transformers' own names (weights.rule_for)."""
+    config = _config(spec)
+    config.use_cache = True  # off while training (no generation); generation wants it
+    config.architectures = [
+        "LlamaForCausalLM" if spec.arch == "hf-llama" else "GPT2LMHeadModel",
+    ]
+    out = config.to_dict()
+    out["dtype"] = dtype
+    return out
+
+
+def _config(spec: ModelSpec):
+    """The transformers config of the hf-* preset `spec`."""
+    tf = _transformers()
     if spec.arch == "hf-llama":
-        config = tf.LlamaConfig(
+        return tf.LlamaConfig(
             vocab_size=spec.vocab_size,
             hidden_size=spec.dim,
             intermediate_size=spec.ffn_dim,
@@ -44,32 +70,25 @@ def build_hf(spec: ModelSpec) -> nn.Module:
             use_cache=False,
             attn_implementation="sdpa",
         )
-        model = tf.LlamaForCausalLM(config)
-    else:
-        # dropout off: GPT-2 draws it from torch's global generator, so its masks would depend
-        # on the layout (model.dropout is the decoders' layout-free dropout, models/dropout.py)
-        config = tf.GPT2Config(
-            vocab_size=spec.vocab_size,
-            n_positions=spec.max_seq_len,
-            n_embd=spec.dim,
-            n_layer=spec.n_layers,
-            n_head=spec.n_heads,
-            n_inner=spec.ffn_dim,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            layer_norm_epsilon=spec.norm_eps,
-            tie_word_embeddings=spec.tie_embeddings,
-            use_cache=False,
-            attn_implementation="sdpa",
-            bos_token_id=None,  # GPT-2's 50256 is outside a smaller vocabulary
-            eos_token_id=None,
-        )
-        model = tf.GPT2LMHeadModel(config)
-    model.spec = spec  # read by init (find_spec) like our own models'
-    take_packed_tokens(model)  # data.pack=true: records packed in rows
-    model.shardwise_buffers = _rope_buffers(model)
-    return model
+    # dropout off: GPT-2 draws it from torch's global generator, so its masks would depend
+    # on the layout (model.dropout is the decoders' layout-free dropout, models/dropout.py)
+    return tf.GPT2Config(
+        vocab_size=spec.vocab_size,
+        n_positions=spec.max_seq_len,
+        n_embd=spec.dim,
+        n_layer=spec.n_layers,
+        n_head=spec.n_heads,
+        n_inner=spec.ffn_dim,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=spec.norm_eps,
+        tie_word_embeddings=spec.tie_embeddings,
+        use_cache=False,
+        attn_implementation="sdpa",
+        bos_token_id=None,  # GPT-2's 50256 is outside a smaller vocabulary
+        eos_token_id=None,
+    )
 
 
 def _rope_buffers(model: nn.Module) -> dict[str, torch.Tensor]:

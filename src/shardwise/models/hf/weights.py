@@ -15,6 +15,7 @@ import torch
 from shardwise.errors import ConfigError
 from shardwise.models.hf import gpt2, llama
 from shardwise.models.hf.rule import Rule, hf_shape
+from shardwise.models.presets import HF_ARCHS
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -32,8 +33,8 @@ _IGNORED = re.compile(r"(^|\.)attn\.(bias|masked_bias)$|rotary_emb\.inv_freq$")
 
 def rule_for(arch: str, name: str) -> tuple[Rule, str]:
     """The rule mapping our parameter `name` and the Hugging Face tensor name it reads
-    (`hf`: transformers' own model, its names are the checkpoint's)."""
-    if arch == "hf":
+    (`hf` and the hf-* presets: transformers' own model, its names are the checkpoint's)."""
+    if arch == "hf" or arch in HF_ARCHS:
         return Rule(re.escape(name), name), name
     for rule in RULES[arch]:
         m = re.fullmatch(rule.ours, name)
