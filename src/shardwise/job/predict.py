@@ -27,6 +27,7 @@ from shardwise.models import build_on_meta, count_params
 from shardwise.optim import EIGHT_BIT
 from shardwise.optim.nvme import chunk_elements
 from shardwise.parallel.recompute import apply_recompute
+from shardwise.parallel.sync_batchnorm import apply_sync_batchnorm
 from shardwise.parallel.zero_units import unit_roots
 from shardwise.plan import activations as act
 from shardwise.plan import compression, traffic
@@ -227,12 +228,26 @@ def measure_activations(cfg: Config, spec, recompute: str, micro_batch: int) -> 
         return _fake_activations(model, cfg, derived, recompute)
 
 
+def _as_trained(model, cfg: Config, derived, recompute: str) -> None:
+    """The forward transformations training applies to the model (runtime.parallelize, same
+    order): recomputation, then BatchNorm over every dp replica whenever
+    `model.sync_batchnorm` is on (any world size: at dp = 1 its arithmetic is the same), whose
+    fp32 statistics save more for backward than torch's fused BatchNorm; then the compute
+    dtype. A fake BatchNorm skips its running-statistics update: it reads the global count's
+    value (which fake tensors do not have) and, under no_grad, saves nothing for backward."""
+    apply_recompute(model, derived.family, recompute)
+    if cfg.model.sync_batchnorm and apply_sync_batchnorm(model, _PlanComm(1)):
+        for module in model.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                module.track_running_stats = False
+    cast_for_compute(model, dev.dtype_of(cfg.precision.compute))
+
+
 def _fake_activations(model, cfg: Config, derived, recompute: str | None = None, tp=None) -> int:
     """Bytes saved for backward by one micro-batch's forward and loss, on fake tensors (for
     models without a formula: image models and Hugging Face definitions); `tp`: the shard's
     tensor parallelism (`_split_tp`)."""
-    apply_recompute(model, derived.family, recompute or cfg.memory.recompute)
-    cast_for_compute(model, dev.dtype_of(cfg.precision.compute))
+    _as_trained(model, cfg, derived, recompute or cfg.memory.recompute)
     meter = ActivationMeter(model)
     b = derived.micro_batch
     if cfg.data.dataset == "digits":  # images: a ResNet, or your module on images
@@ -322,8 +337,7 @@ def _hf_stage(cfg: Config, derived, job: Job, layout: Layout, stage: int) -> tup
         _to_fake(model)
         states["buffers"] = _buffers(us, job, layout, tensor_bytes(model.buffers()))
         states["buffers"] += mem.quantised_transient(job, layout, stage, quantised)
-        apply_recompute(model, derived.family, cfg.memory.recompute)
-        cast_for_compute(model, dev.dtype_of(cfg.precision.compute))
+        _as_trained(model, cfg, derived, cfg.memory.recompute)
         meter = ActivationMeter(model)
         with meter.measure(), _as_in_training():
             first, last = any(c.first for c in mine), any(c.last for c in mine)
