@@ -167,3 +167,12 @@ def test_print_command_needs_an_architecture(capsys):
     refused with the fix (not silently ignored)."""
     code, _, err = _plan(capsys, "--params", "7e9", "--devices", "8", "--print-command", "1")
     assert code == 2 and "--print-command needs a model architecture" in err
+
+
+def test_a_model_without_transformer_blocks_is_sent_to_explain(capsys):
+    """A ResNet has no blocks the layout search can price (it used to answer "no layout of
+    0-layer, 0-wide model fits", as if the model were empty): one line naming the model and
+    `shardwise explain`, which predicts its memory exactly."""
+    code, _, err = _plan(capsys, "--model.name=resnet18", "--devices", "2", "--hardware", "cpu")
+    assert code == 2 and "model.name='resnet18'" in err and "shardwise explain" in err, err
+    assert "0-layer" not in err and err.count("\n") == 1, err

@@ -134,7 +134,14 @@ def build_job(args, overrides: list[str]) -> Planned:
     job = dataclasses.replace(
         job_from_config(cfg, hw, devices, spec), pinned=pinned_layout(cfg, overrides)
     )
-    if spec is not None and family_of(spec).from_checkpoint:  # no formula models its blocks
+    family = family_of(job.spec)
+    if not family.sized and not family.from_checkpoint:  # no blocks the search can price
+        raise ConfigError(
+            f"shardwise plan searches the layouts of transformer models; model.name="
+            f"'{cfg.model.name}' has no layout but data parallelism and ZeRO to search. Fix: "
+            "`shardwise explain` with the same config and --nproc N predicts its memory per rank."
+        )
+    if family.from_checkpoint:  # no formula models its blocks
         from shardwise.job.real import real_job
 
         job = real_job(job, cfg)
