@@ -168,6 +168,9 @@ def lm_runs(world):
     lora = ["--finetune.lora_rank=4", "--finetune.lora_alpha=8"]
     worlds[1]["llama_lora"] = {"overrides": _lm(world, "llama", *STEPS, *lora)}
     worlds[2]["pp2_llama_lora"] = {"overrides": _lm(world, "llama", *STEPS, *PP2, *lora)}
+    worlds[2]["llama_lora_z3"] = {
+        "overrides": _lm(world, "llama", *STEPS, *lora, "--parallel.zero=3")
+    }
     return run_named_worlds(worlds)
 
 
@@ -372,6 +375,15 @@ def test_offload_and_full_recomputation_run_a_checkpoint_alike(lm_runs):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_zero3_on_two_ranks_reproduces_one_process(lm_runs, name):
     one, two = lm_runs[1][name][0], lm_runs[2][name][0]
+    assert max_rel(two["losses"], one["losses"]) <= 1e-5, (two["losses"], one["losses"])
+    assert max_param_diff(two["params"], one["params"]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_zero3_with_lora_on_two_ranks_reproduces_one_process(lm_runs):
+    """LoRA splits every unit into its trainable adapters and its frozen base: both are
+    gathered again for the backward."""
+    one, two = lm_runs[1]["llama_lora"][0], lm_runs[2]["llama_lora_z3"][0]
     assert max_rel(two["losses"], one["losses"]) <= 1e-5, (two["losses"], one["losses"])
     assert max_param_diff(two["params"], one["params"]) <= 1e-5
 

@@ -23,10 +23,11 @@ gathers twice per micro-batch).
 
 from __future__ import annotations
 
-import warnings
+from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
 
 from shardwise.distributed.comm import Comm
 from shardwise.errors import ShardwiseError
@@ -34,13 +35,21 @@ from shardwise.models.init import canonical_name, find_spec, initial_local, rest
 from shardwise.optim import Target
 from shardwise.parallel.zero_units import Sharding, Unit, unit_roots
 
-# The embedding's inputs are token ids: its backward pre-hook fires on the output gradient,
-# which is exactly when ZeRO-3 must gather it, so torch's warning about that is expected.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
-
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    """Every tensor in a module's output: a tensor, or one nested in tuples, lists and
+    mappings (a transformers `ModelOutput` is an OrderedDict)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, Mapping):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    return []
 
 
 class ZeroEngine:
@@ -114,11 +123,15 @@ class ZeroEngine:
         restore_buffers(model)
 
     def _hook_modules(self, model: nn.Module) -> None:
+        # The backward gather hangs on the gradient of the module's output tensors, not on a
+        # module full-backward pre-hook: torch never calls the latter for an output that is
+        # not a tensor or a tuple of them (a transformers `ModelOutput`, a dict), and a unit
+        # left un-gathered there ran its backward on an unwaited prefetch and its next
+        # forward on the values from before the optimizer step. (FSDP hooks the outputs too.)
         for unit in self.units:
             for module in unit.modules:
                 module.register_forward_pre_hook(lambda m, a, u=unit: self._before(u, 1))
-                module.register_forward_hook(lambda m, a, o, u=unit: self._after_forward(u))
-                module.register_full_backward_pre_hook(lambda m, g, u=unit: self._before(u, -1))
+                module.register_forward_hook(lambda m, a, o, u=unit: self._after_forward(u, o))
 
     # -- ZeRO-3 gather / free -------------------------------------------------------------------
     def _gather(self, unit: Unit, async_op: bool) -> None:
@@ -180,7 +193,10 @@ class ZeroEngine:
         if 0 <= i < len(self.units) and not (direction < 0 and self.units[i].done):
             self._gather(self.units[i], async_op=True)
 
-    def _after_forward(self, unit: Unit) -> None:
+    def _after_forward(self, unit: Unit, output) -> None:
+        needs_grad = [t for t in _tensors(output) if t.requires_grad]
+        if needs_grad:  # the first output gradient computed: this unit's backward is next
+            register_multi_grad_hook(needs_grad, lambda g, u=unit: self._before(u, -1), mode="any")
         if not _in_backward():  # a recomputation inside backward still needs it
             self._free(unit)
 
@@ -290,7 +306,18 @@ class ZeroEngine:
             while self._pending:
                 self._complete()
         for unit in self.units:
-            self._free(unit)
+            self._settle(unit)
+
+    def _settle(self, unit: Unit) -> None:
+        """Free `unit` at the end of a backward, a gather prefetched for a backward that never
+        came (its outputs got no gradient) included: a trainable unit's copy would outlive
+        the optimizer step and feed the next forward stale values. A frozen unit's cannot
+        change, so it stays for the next forward (the traffic it saves is the prefetch's)."""
+        if unit.handle is not None:
+            self._ensure(unit)
+            if unit.n_trainable == 0:
+                return
+        self._free(unit)
 
     def _check_same_units(self) -> None:
         """ZeRO-3 gathers units collectively, so every dp rank must run the same units. A
