@@ -199,3 +199,27 @@ def test_off_by_default_and_negative_refused():
     cfg = load_config(None, ["--train.loss_chunks=-1"])
     with pytest.raises(ConfigError, match=r"train\.loss_chunks=-1"):
         derive(cfg, 1)
+
+
+def test_evaluation_never_holds_the_full_logits_either(tmp_path, monkeypatch):
+    """The held-out loss goes through the chunked head too (a job that needs the chunks to fit
+    would otherwise run out of memory at its first evaluation, the logits of a rank's whole
+    share of the batch alive at once), and equals the full-logits held-out loss."""
+    from shardwise.launchers.harness import run_here
+    from shardwise.models.chunked_loss import LMHead
+
+    calls, forward = [], LMHead.forward
+
+    def spy(self, x, targets=None, chunks=0):
+        calls.append((targets is not None, torch.is_grad_enabled()))
+        return forward(self, x, targets, chunks)
+
+    monkeypatch.setattr(LMHead, "forward", spy)
+    steps = ["--train.steps=2", "--train.global_batch=4", "--train.eval_every=2"]
+    steps += ["--data.val_fraction=0.1", "--train.eval_batches=1"]
+    chunked = run_here(case(*steps, "--train.loss_chunks=3"), str(tmp_path / "chunked"))
+    assert (True, False) in calls and (False, False) not in calls, calls  # eval: chunked
+    plain = run_here(case(*steps), str(tmp_path / "plain"))
+    ours, ref = chunked["records"][-1], plain["records"][-1]
+    assert "eval_loss" in ref, ref
+    assert abs(ours["eval_loss"] - ref["eval_loss"]) <= 1e-6

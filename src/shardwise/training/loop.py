@@ -283,10 +283,12 @@ def evaluate(run: Run) -> dict[str, float]:
         else:
             for idx in parts:
                 inputs, targets = (t.to(run.info.device) for t in run.val_data.get_batch(idx))
-                loss, logits = run.loss_sum(inputs, targets, return_logits=True)
-                sums[0] += loss.double()
                 if classifies:  # labels (a split vocabulary has no local argmax)
+                    loss, logits = run.loss_sum(inputs, targets, return_logits=True)
                     sums[1] += (logits.argmax(-1) == targets).sum().double()
+                else:  # the loss alone: train.loss_chunks keeps the logits unwhole here too
+                    loss = run.loss_sum(inputs, targets)
+                sums[0] += loss.double()
         count += counted(sampler.global_indices(step)) if counted else batch * d.tokens_per_sample
     run.model.train()
     run.comm.all_reduce(sums, "dp", control=True)
