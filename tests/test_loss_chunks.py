@@ -176,6 +176,7 @@ def test_explain_prices_the_chunked_loss():
             ["pp_schedule=zb", "--parallel.pp_schedule=1f1b"],
         ),
         (["--finetune.lora_rank=4", "--finetune.lora_targets=wq,head"], ["'head'"]),
+        (["--precision.compute=fp16"], ["precision.compute=fp16", "--precision.compute=bf16"]),
     ],
 )
 def test_refused_where_it_does_not_apply(extra, needles):

@@ -86,6 +86,12 @@ def check_loss_chunks(cfg: Config, spec: ModelSpec, tp: int, pp: int) -> None:
             "loss makes the head's in its forward. Fix: --train.loss_chunks=0, or "
             "--parallel.pp_schedule=1f1b."
         )
+    elif cfg.precision.compute == "fp16":
+        why = (
+            "precision.compute=fp16 would hold the head's weight gradient, summed over the "
+            "micro-batch's tokens, in fp16 before the loss scale divides it: it can overflow. "
+            "Fix: --precision.compute=bf16 (or fp32), or --train.loss_chunks=0."
+        )
     elif lora_head:
         why = (
             "finetune.lora_targets puts an adapter on 'head'. Fix: --train.loss_chunks=0, or "
