@@ -105,3 +105,16 @@ def test_nothing_to_resume_is_not_checked(tmp_path: Path) -> None:
     assert resume_target(cfg) is None
     cfg = load_config(None, [f"--run.dir={tmp_path}", "--checkpoint.resume=none"])
     assert resume_target(cfg) is None
+
+
+def test_an_unreadable_latest_is_left_to_the_ranks(tmp_path: Path) -> None:
+    """An explicit checkpoint.resume=DIR whose `latest` cannot be read (here bytes that are not
+    text) is not the launcher's to judge: no traceback before launch, the ranks say what is
+    wrong with it."""
+    from shardwise.checkpoint import io
+    from shardwise.checkpoint.precheck import resume_target
+    from shardwise.config import load_config
+
+    (tmp_path / io.LATEST).write_bytes(b"\xff\xfe\x00step")
+    cfg = load_config(None, [f"--run.dir={tmp_path / 'run'}", f"--checkpoint.resume={tmp_path}"])
+    assert resume_target(cfg) is None

@@ -37,7 +37,10 @@ def resume_target(cfg: Config) -> Path | None:
         return next((e.path for e in order if e.index is not None), None)
     path = Path(mode)
     if not (path / io.INDEX).is_file() and (path / io.LATEST).is_file():
-        path = path / (path / io.LATEST).read_text().strip()  # a checkpoint.dir
+        try:
+            path = path / (path / io.LATEST).read_text().strip()  # a checkpoint.dir
+        except (OSError, UnicodeDecodeError):  # an unreadable `latest`: the ranks report it
+            return None
     return path if (path / io.INDEX).is_file() else None
 
 
@@ -117,6 +120,8 @@ def _data_identity(index: dict, cfg: Config, spec: ModelSpec, path: Path) -> str
     from shardwise.models.families import family_of
 
     ds = data_spec(cfg, spec.vocab_size, family_of(spec).classifier)
+    if ds.is_user or ds.dataset == "digits":  # no tokenizer or labels to differ: not loaded
+        return None
     now = data_identity(ds, load_data(ds, "train"))
     refusal, _ = compare_data(saved, now, path, lineage.new_run(cfg))
     return refusal

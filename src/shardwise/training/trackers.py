@@ -92,6 +92,10 @@ class _Mlflow:
     def __init__(self, cfg, out: Path, run_id: str | None) -> None:
         from mlflow.tracking import MlflowClient
 
+        # MLflow's client retries a server 7 times with a 120 s timeout each: minutes in which
+        # the other ranks wait in a collective. A tracker that cannot answer fails fast.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         uri = cfg.log.mlflow_uri
         if not uri:  # MLflow 3 keeps the file store behind this switch (no database needed)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
