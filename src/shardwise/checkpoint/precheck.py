@@ -75,14 +75,9 @@ def _base(index: dict, cfg: Config, spec: ModelSpec, path: Path) -> str | None:
 def _meta_model(cfg: Config, spec: ModelSpec):
     """The model as the ranks build it before parallelising (training/runtime.py): on meta,
     LoRA adapters added, a quantised base's weights no longer parameters."""
-    from shardwise.finetune.lora import apply_lora
-    from shardwise.finetune.quant import quantise_base
-    from shardwise.models import build_on_meta
+    from shardwise.finetune import build_adapted
 
-    model = build_on_meta(spec)
-    apply_lora(model, cfg.finetune)
-    quantise_base(model, cfg.finetune.base_quant)
-    return model
+    return build_adapted(spec, cfg.finetune)[0]
 
 
 def _model_fit(index: dict, cfg: Config, spec: ModelSpec, path: Path) -> str | None:

@@ -21,9 +21,9 @@ from shardwise.config import Config
 from shardwise.data.callables import resolve
 from shardwise.distributed import device as dev
 from shardwise.errors import ConfigError
-from shardwise.finetune.lora import apply_lora
-from shardwise.finetune.quant import quant_layers, quantise_base
-from shardwise.models import build_on_meta, count_params
+from shardwise.finetune import build_adapted
+from shardwise.finetune.quant import quant_layers
+from shardwise.models import count_params
 from shardwise.optim import EIGHT_BIT
 from shardwise.optim.nvme import chunk_elements
 from shardwise.parallel.recompute import apply_recompute
@@ -46,8 +46,9 @@ def job_from_config(
 ) -> Job:
     from shardwise.training.validate import model_spec
 
+    spec = spec or model_spec(cfg)
     return Job(
-        spec=spec or model_spec(cfg),
+        spec=spec,
         hardware=hardware,
         devices=devices,
         seq_len=cfg.data.seq_len,
@@ -56,7 +57,7 @@ def job_from_config(
         global_batch=cfg.train.global_batch,
         precision=cfg.precision.compute,
         reduce=cfg.precision.reduce,
-        finetune=finetune or finetune_of(cfg, spec or model_spec(cfg)),
+        finetune=finetune or finetune_of(cfg, spec),
         pp_split=cfg.parallel.pp_split,
         bucket_mb=cfg.parallel.bucket_mb,
         powersgd_rank=cfg.parallel.powersgd_rank,
@@ -152,9 +153,7 @@ def _as_in_training() -> Iterator[None]:
 
 def _meta_model(cfg: Config, spec):
     """The model on meta as training builds it: adapters added, the base quantised, frozen."""
-    model = build_on_meta(spec)
-    apply_lora(model, cfg.finetune)
-    quantise_base(model, cfg.finetune.base_quant)
+    model = build_adapted(spec, cfg.finetune)[0]
     freeze(model, cfg.train.freeze)
     return model
 
@@ -219,9 +218,10 @@ def real_model(cfg: Config, spec) -> tuple[list, int, int, bool]:
 
 def measure_activations(cfg: Config, spec, recompute: str, micro_batch: int) -> int:
     """Saved bytes of one micro-batch of `micro_batch` samples on `spec`'s real model."""
+    from shardwise.models.families import family_of
     from shardwise.training.validate import Derived
 
-    derived = Derived(1, 1, 1, 1, micro_batch, 1, cfg.data.seq_len, spec)
+    derived = Derived(1, 1, 1, 1, micro_batch, 1, cfg.data.seq_len, spec, family_of(spec))
     model = _meta_model(cfg, spec)
     with FakeTensorMode():
         _to_fake(model)
@@ -299,7 +299,8 @@ def _stage_model(cfg: Config, derived, layout: Layout, stage: int):
     model = _meta_model(cfg, derived.spec)
     p, v = layout.pp, layout.pp_virtual
     chunks = plan_chunks(derived.spec, p, v, cfg.parallel.pp_split, cfg.data.seq_len)
-    mine, view = prune_to_stage(model, chunks, stage, p, derived.spec)
+    hf = derived.spec if derived.family.from_checkpoint else None  # cut by its own plan
+    mine, view = prune_to_stage(model, chunks, stage, p, hf)
     tp = _split_tp(model, cfg, derived)
     return (model, view, mine, tp), model_units(model)
 

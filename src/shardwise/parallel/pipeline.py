@@ -314,5 +314,6 @@ def apply_pipeline(model: nn.Module, cfg: Config, derived, comm: Comm) -> Pipeli
     """Cut the meta model to this rank's chunks (in place) and return what runs them."""
     p, v = comm.topo.pp, cfg.parallel.pp_virtual
     chunks = plan_chunks(derived.spec, p, v, cfg.parallel.pp_split, cfg.data.seq_len)
-    mine, stages = prune_to_stage(model, chunks, comm.topo.coord("pp"), p, derived.spec)
+    hf = derived.spec if derived.family.from_checkpoint else None  # cut by its own plan
+    mine, stages = prune_to_stage(model, chunks, comm.topo.coord("pp"), p, hf)
     return Pipeline(stages, mine, len(chunks), cfg, comm)

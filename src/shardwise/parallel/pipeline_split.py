@@ -130,7 +130,7 @@ def plan_chunks(spec: ModelSpec, pp: int, v: int, split: str, seq_len: int) -> l
     return out
 
 
-def prune_to_stage(model: nn.Module, chunks: list[Chunk], rank: int, pp: int, spec=None):
+def prune_to_stage(model: nn.Module, chunks: list[Chunk], rank: int, pp: int, checkpoint_spec=None):
     """Keep only what pipeline rank `rank` runs (in place, on meta: no memory involved);
     returns (its chunks, the model the engine runs: the Decoder, or a Hugging Face causal LM's
     decoder-shaped view, parallel/pipeline_hf.py).
@@ -138,14 +138,16 @@ def prune_to_stage(model: nn.Module, chunks: list[Chunk], rank: int, pp: int, sp
     Blocks move into an `nn.ModuleDict` keyed by their original index, so parameter names —
     and so their (seed, name) initialisation and checkpoints — are those of the full model.
     With tied embeddings the first and the last stage each keep the shared weight (as
-    `embed.weight` and `head.weight`; init maps both names to the same values)."""
+    `embed.weight` and `head.weight`; init maps both names to the same values).
+    `checkpoint_spec`: the spec of a transformers class's model (its family's
+    `from_checkpoint`), cut by its own plan; None for shardwise's decoders."""
     mine = [c for c in chunks if c.index % pp == rank]
     keep = {i for c in mine for i in c.blocks}
-    if spec is not None and family_of(spec).from_checkpoint:
+    if checkpoint_spec is not None:
         from shardwise.parallel.pipeline_hf import prune_hf
 
         first, last = any(c.first for c in mine), any(c.last for c in mine)
-        return mine, prune_hf(model, spec, keep, first, last)
+        return mine, prune_hf(model, checkpoint_spec, keep, first, last)
     if not isinstance(model, Decoder):
         raise ConfigError(
             f"pipeline parallelism cuts transformer blocks; {type(model).__name__} has none. "

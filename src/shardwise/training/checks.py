@@ -10,11 +10,11 @@ import fnmatch
 from shardwise.config import Config
 from shardwise.errors import ConfigError
 from shardwise.models import ModelSpec, build_on_meta
-from shardwise.models.families import family_of
+from shardwise.models.families import Family
 from shardwise.parallel.pipeline_split import plan_chunks
 
 
-def check_packing(cfg: Config, spec: ModelSpec, pp: int) -> None:
+def check_packing(cfg: Config, family: Family, pp: int) -> None:
     """data.pack=true: records in rows, attention masked per record by the model."""
     why = ""
     if cfg.data.format == "text":
@@ -22,7 +22,7 @@ def check_packing(cfg: Config, spec: ModelSpec, pp: int) -> None:
             "text data is one stream of documents cut into data.seq_len windows already. "
             "Fix: --data.format=instruction (or chat) for records, or --data.pack=false."
         )
-    elif not family_of(spec).packs_rows:
+    elif not family.packs_rows:
         why = (
             f"model.name='{cfg.model.name}' takes [B, S] ids; packed rows need a model that masks "
             "attention per record (the built-in decoders and Hugging Face causal LMs do). "
@@ -56,14 +56,14 @@ def check_loss(cfg: Config, tp: int, pp: int) -> None:
         )
 
 
-def check_loss_chunks(cfg: Config, spec: ModelSpec, tp: int, pp: int) -> None:
+def check_loss_chunks(cfg: Config, family: Family, tp: int, pp: int) -> None:
     """train.loss_chunks > 1: the built-in decoders' head computes the loss in chunks."""
     n = cfg.train.loss_chunks
     if n < 0:
         raise ConfigError(f"train.loss_chunks={n} must be >= 0. Fix: e.g. 8, or 0 for off.")
     if n <= 1:
         return
-    family, why = family_of(spec), ""
+    why = ""
     lora_head = cfg.finetune.lora_rank and any(
         p.strip() == "head" or fnmatch.fnmatchcase("head", p.strip())
         for p in cfg.finetune.lora_targets.split(",")
@@ -101,19 +101,19 @@ def check_loss_chunks(cfg: Config, spec: ModelSpec, tp: int, pp: int) -> None:
         raise ConfigError(f"train.loss_chunks={n} computes the head and loss in chunks, but {why}")
 
 
-def check_checkpoint_tp(spec: ModelSpec, cfg: Config) -> None:
+def check_checkpoint_tp(spec: ModelSpec, family: Family, cfg: Config) -> None:
     """model.name=hf with tp > 1: the model's published plan, and the sizes it splits."""
     from shardwise.models.tp_plans import checkpoint_plan
 
     checkpoint_plan(build_on_meta(spec))
-    check_tensor_parallel(spec, cfg)
+    check_tensor_parallel(spec, family, cfg)
 
 
 def check_lora(spec: ModelSpec, cfg: Config) -> None:
     """LoRA's keys, and its targets must name linear layers of this model (applied on meta
     before launch)."""
-    from shardwise.finetune.lora import apply_lora, check
-    from shardwise.finetune.quant import quantise_base
+    from shardwise.finetune import build_adapted
+    from shardwise.finetune.lora import check
 
     check(cfg.finetune)
     quant = cfg.finetune.base_quant
@@ -124,12 +124,12 @@ def check_lora(spec: ModelSpec, cfg: Config) -> None:
         )
     if cfg.finetune.lora_rank == 0:
         return
-    model = build_on_meta(spec)
-    apply_lora(model, cfg.finetune)
-    quantise_base(model, quant)
+    build_adapted(spec, cfg.finetune)
 
 
-def check_pipeline(cfg: Config, spec: ModelSpec, pp: int, dp: int, micro: int, m: int) -> None:
+def check_pipeline(
+    cfg: Config, spec: ModelSpec, family: Family, pp: int, dp: int, micro: int, m: int
+) -> None:
     """Pipeline options: only with pp > 1, a transformer, ZeRO <= 1, a schedule that fits m,
     and a split that covers the model (pipeline_split.plan_chunks)."""
     p = cfg.parallel
@@ -151,7 +151,6 @@ def check_pipeline(cfg: Config, spec: ModelSpec, pp: int, dp: int, micro: int, m
             f"the pipeline schedule (parallel.pp={pp}) loads its own when a stage needs them. "
             "Fix: --data.prefetch=0 with parallel.pp > 1."
         )
-    family = family_of(spec)
     if family.pipeline == "checkpoint":  # cut as its base_model_pp_plan says
         from shardwise.models.hf.auto import read_hf_config
         from shardwise.parallel.pipeline_hf import check_hf_pipeline
@@ -188,7 +187,7 @@ def check_pipeline(cfg: Config, spec: ModelSpec, pp: int, dp: int, micro: int, m
     plan_chunks(spec, pp, p.pp_virtual, p.pp_split, cfg.data.seq_len)
 
 
-def check_tensor_parallel(spec: ModelSpec, cfg: Config) -> None:
+def check_tensor_parallel(spec: ModelSpec, family: Family, cfg: Config) -> None:
     """Every size that tensor (and sequence) parallelism splits, against t. The vocabulary
     is padded instead (parallel/tensor.py), so it needs no check."""
     tp, sp = cfg.parallel.tp, cfg.parallel.sp
@@ -207,7 +206,6 @@ def check_tensor_parallel(spec: ModelSpec, cfg: Config) -> None:
             f"(split) or be a multiple of them (replicated). Fix: change parallel.tp or "
             "model.n_kv_heads."
         )
-    family = family_of(spec)
     if kv < tp and not family.grouped_query:
         raise ConfigError(
             f"{family.name} has no grouped-query attention: n_kv_heads={kv} < tp={tp}."

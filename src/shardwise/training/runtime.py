@@ -22,10 +22,9 @@ from shardwise.distributed.comm import BIND_ENV, Comm, rank_store
 from shardwise.distributed.topology import Topology, build_topology
 from shardwise.distributed.watchdog import Watchdog, start_watchdog
 from shardwise.errors import ConfigError
-from shardwise.finetune.lora import apply_lora
-from shardwise.finetune.quant import materialise_quantised, quantise_base, split_dims
-from shardwise.models import build_on_meta, init_weights, to_empty
-from shardwise.models.families import family_of
+from shardwise.finetune import build_adapted
+from shardwise.finetune.quant import materialise_quantised, split_dims
+from shardwise.models import init_weights, to_empty
 from shardwise.models.hf.auto import weights_for
 from shardwise.models.hf.weights import load_weights
 from shardwise.models.tp_plans import plan_for
@@ -304,13 +303,11 @@ def _build(
     watchdog: Watchdog | None,
 ) -> Run:
     spec = derived.spec
-    labelled = family_of(spec).classifier
+    labelled = derived.family.classifier
     train_data = load_data(data_spec(cfg, spec.vocab_size, labelled), "train")
     val_data = load_held_out(cfg, spec.vocab_size, labelled)
     check_held_out(cfg, derived, val_data)
-    model = build_on_meta(spec)
-    apply_lora(model, cfg.finetune)  # adapters on meta, the base frozen (finetune/lora.py)
-    quantised = quantise_base(model, cfg.finetune.base_quant)  # QLoRA: an NF4 base
+    model, quantised = build_adapted(spec, cfg.finetune)  # LoRA, QLoRA's base (finetune/)
     freeze(model, cfg.train.freeze)
     model, reducer, tp, pipeline = parallelize(model, cfg, derived, comm, info)
     if quantised:  # every rank quantises the values an unquantised run would start from

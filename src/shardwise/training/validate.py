@@ -37,11 +37,7 @@ class Derived:
     micro_batches: int  # per rank per step (gradient accumulation steps)
     tokens_per_sample: int
     spec: ModelSpec
-
-    @property
-    def family(self) -> Family:
-        """What the model's family answers (models/families/)."""
-        return family_of(self.spec)
+    family: Family  # what the model's family answers (models/families/), resolved once
 
     @property
     def tokens_per_step(self) -> int:
@@ -51,13 +47,20 @@ class Derived:
 def model_spec(cfg: Config) -> ModelSpec:
     """The model the config names (models.spec.spec_from_config), checked against the
     sequence length and tensor parallelism it will run with."""
+    return resolve_model(cfg)[0]
+
+
+def resolve_model(cfg: Config) -> tuple[ModelSpec, Family]:
+    """The model the config names and its family (resolved here once per job), the spec
+    checked against the sequence length and tensor parallelism it will run with."""
     spec = spec_from_config(cfg)
-    if family_of(spec).sized:
-        _check_transformer(spec, cfg)
-    return spec
+    family = family_of(spec)
+    if family.sized:
+        _check_transformer(spec, family, cfg)
+    return spec, family
 
 
-def _check_transformer(spec: ModelSpec, cfg: Config) -> None:
+def _check_transformer(spec: ModelSpec, family: Family, cfg: Config) -> None:
     if spec.dim % spec.n_heads:
         raise ConfigError(
             f"model.dim={spec.dim} is not divisible by model.n_heads="
@@ -68,7 +71,7 @@ def _check_transformer(spec: ModelSpec, cfg: Config) -> None:
             f"model.n_heads={spec.n_heads} is not divisible by model.n_kv_heads="
             f"{spec.n_kv_heads}. Fix: n_kv_heads must divide n_heads."
         )
-    check_tensor_parallel(spec, cfg)
+    check_tensor_parallel(spec, family, cfg)
     if cfg.data.seq_len > spec.max_seq_len:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len="
@@ -210,18 +213,17 @@ def derive(cfg: Config, world: int) -> Derived:
             "run.device='cuda' but no CUDA device is visible. Fix: --run.device=cpu or auto."
         )
     _check_compression(cfg)
-    spec = model_spec(cfg)
+    spec, family = resolve_model(cfg)
     pp, dp, tp = degrees(world, p.tp, p.pp)
-    family = family_of(spec)
     is_image = family.data == "images"
     user_data = ":" in cfg.data.dataset  # your dataset (data/user.py): one sample per item
     check_loss(cfg, tp, pp)
-    check_loss_chunks(cfg, spec, tp, pp)
+    check_loss_chunks(cfg, family, tp, pp)
     if tp > 1 and family.tp_refusal:
         raise ConfigError(family.tp_refusal.format(tp=tp, name=cfg.model.name))
     check_lora(spec, cfg)
     if family.tensor_parallel == "checkpoint" and tp > 1:
-        check_checkpoint_tp(spec, cfg)
+        check_checkpoint_tp(spec, family, cfg)
     if cfg.data.format != "text" and (is_image or user_data or family.classifier):
         what = "a classifier" if family.classifier else f"'{cfg.data.dataset}'"
         raise ConfigError(
@@ -230,7 +232,7 @@ def derive(cfg: Config, world: int) -> Derived:
             "causal LM with a .jsonl/.json/.parquet file of records."
         )
     if cfg.data.pack:
-        check_packing(cfg, spec, pp)
+        check_packing(cfg, family, pp)
     yours = family.data == "any" or user_data  # the pairing is yours / the checkpoint's
     if not yours and is_image != (cfg.data.dataset == "digits"):
         kind = "an image model" if is_image else "a text model"
@@ -255,10 +257,10 @@ def derive(cfg: Config, world: int) -> Derived:
         )
     _checkpoint(cfg)
     m = t.global_batch // (micro * dp)
-    check_pipeline(cfg, spec, pp, dp, micro, m)
+    check_pipeline(cfg, spec, family, pp, dp, micro, m)
     per_row = cfg.data.dataset == "digits" or user_data or family.classifier
     tokens = 1 if per_row else cfg.data.seq_len
-    return Derived(world, pp, dp, tp, micro, m, tokens, spec)
+    return Derived(world, pp, dp, tp, micro, m, tokens, spec, family)
 
 
 def check_held_out(cfg: Config, derived: Derived, held_out) -> None:
