@@ -1,7 +1,9 @@
-"""The validated parallel layout: degrees pp × dp × tp and the DeviceMesh holding their groups."""
+"""The validated parallel layout: degrees pp × dp × tp and the DeviceMesh holding their groups,
+with context parallelism (cp) as runs of cp consecutive ranks inside each dp line."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass, field
 
@@ -11,19 +13,26 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.errors import ConfigError
 
-DIMS = ("pp", "dp", "tp")
+DIMS = ("pp", "dp", "tp")  # the mesh's lines; "cp" and "data" are parts of a dp line
 
 
 @dataclass(frozen=True)
 class Topology:
     """Degrees and groups of one rank. Ranks are laid out row-major over (pp, dp, tp), so tp
-    neighbours are adjacent ranks (inside a node) and pp is the outermost dimension."""
+    neighbours are adjacent ranks (inside a node) and pp is the outermost dimension.
+
+    `dp` counts the replicas that share the parameters: gradients are reduced, and ZeRO
+    shards, over it. With context parallelism a dp line is cut into runs of `cp`
+    consecutive coordinates that split one sample's sequence between them (Megatron reduces
+    over dp × cp the same way): "cp" is the position in the run, "data" which sample stream
+    the run reads (dp / cp of them)."""
 
     world: int
     rank: int
     pp: int
     dp: int
     tp: int
+    cp: int = 1
     mesh: DeviceMesh | None = field(default=None, compare=False)
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, compare=False)
 
@@ -33,15 +42,23 @@ class Topology:
                 f"pp({self.pp}) * dp({self.dp}) * tp({self.tp}) = "
                 f"{self.pp * self.dp * self.tp} != world size {self.world}"
             )
+        if self.cp < 1 or self.dp % self.cp:
+            raise ConfigError(
+                f"parallel.cp={self.cp} must be >= 1 and divide the {self.dp} ranks that share "
+                "the parameters (world / (tp * pp)). Fix: a cp dividing that number."
+            )
 
     def size(self, dim: str) -> int:
+        if dim == "data":
+            return self.dp // self.cp
         return getattr(self, dim)
 
     def coord(self, dim: str) -> int:
         """This rank's index along `dim`."""
         pp_i, rest = divmod(self.rank, self.dp * self.tp)
         dp_i, tp_i = divmod(rest, self.tp)
-        return {"pp": pp_i, "dp": dp_i, "tp": tp_i}[dim]
+        data_i, cp_i = divmod(dp_i, self.cp)
+        return {"pp": pp_i, "dp": dp_i, "tp": tp_i, "cp": cp_i, "data": data_i}[dim]
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.groups[dim]
@@ -62,22 +79,30 @@ def degrees(world: int, tp: int, pp: int) -> tuple[int, int, int]:
     return pp, world // (tp * pp), tp
 
 
-def build_topology(tp: int, pp: int, device_type: str, timeout_s: float) -> Topology:
-    """Create one process group per mesh line (each with the configured timeout) and the mesh.
+def build_topology(tp: int, pp: int, device_type: str, timeout_s: float, cp: int = 1) -> Topology:
+    """Create one process group per mesh line (each with the configured timeout) and the mesh,
+    and with cp > 1 one per run of cp consecutive ranks of a dp line.
 
     Every rank creates every group in the same order, as `new_group` requires."""
     world, rank = dist.get_world_size(), dist.get_rank()
     pp_, dp_, tp_ = degrees(world, tp, pp)
+    topo = Topology(world, rank, pp_, dp_, tp_, cp)  # checks the degrees before any group
     layout = torch.arange(world).view(pp_, dp_, tp_)
     timeout = datetime.timedelta(seconds=timeout_s)
     groups: dict[str, dist.ProcessGroup] = {}
-    for axis, name in enumerate(DIMS):
-        lines = layout.movedim(axis, -1).reshape(-1, layout.shape[axis])
-        for line in lines.tolist():
+
+    def make(name: str, lines: list[list[int]]) -> None:
+        for line in lines:
             group = dist.new_group(line, timeout=timeout, use_local_synchronization=False)
             if rank in line:
                 groups[name] = group
+
+    for axis, name in enumerate(DIMS):
+        make(name, layout.movedim(axis, -1).reshape(-1, layout.shape[axis]).tolist())
+    if cp > 1:
+        runs = layout.movedim(1, -1).reshape(pp_, tp_, dp_ // cp, cp)
+        make("cp", runs.reshape(-1, cp).tolist())
     mesh = DeviceMesh.from_group(
         [groups[d] for d in DIMS], device_type, mesh=layout, mesh_dim_names=DIMS
     )
-    return Topology(world, rank, pp_, dp_, tp_, mesh, groups)
+    return dataclasses.replace(topo, mesh=mesh, groups=groups)
