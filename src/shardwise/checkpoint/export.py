@@ -119,18 +119,17 @@ def _write_tokenizer(cfg, spec, out: Path) -> None:
 def _quantised_base(cfg, spec) -> dict[str, torch.Tensor]:
     """A QLoRA run's base linears as it computed with them: quantised to NF4 from the values it
     started from (checkpoints do not store them; finetune/quant.py), dequantised; by name."""
-    from shardwise.finetune.quant import materialise_quantised, quant_layers, quantise_base
+    from shardwise.finetune import build_adapted
+    from shardwise.finetune.quant import materialise_quantised, quant_layers
     from shardwise.models.hf.auto import weights_for
 
-    model = build_on_meta(spec)
-    apply_lora(model, cfg.finetune)
-    quantise_base(model, cfg.finetune.base_quant)
+    model = build_adapted(spec, cfg.finetune)[0]
     source = weights_for(spec, cfg.model.init_from, model)
     materialise_quantised(model, source, cfg.train.seed, torch.device("cpu"))
     return {f"{path}.weight": layer.dequantised() for path, layer in quant_layers(model)}
 
 
-def _merging(read, cfg, spec):
+def merging(read, cfg, spec):
     """`read`, with a LoRA layer's base weight read as W + (alpha / r)·B·A (peft's merge); a
     quantised base (QLoRA) is the dequantised NF4 weight the run trained against."""
     scale = cfg.finetune.lora_alpha / max(cfg.finetune.lora_rank, 1)
@@ -161,7 +160,7 @@ def _write(src: Source, out: Path, max_shard_bytes: int) -> None:
     kind = "master" if f"master/{first}" in index["tensors"] else "param"
     dtype = index["tensors"][f"{kind}/{first}"]["dtype"]
     shards = _shards(spec, plan, getattr(torch, dtype).itemsize, max_shard_bytes)
-    read = _merging(src.read, cfg, spec)
+    read = merging(src.read, cfg, spec)
     weight_map, total = {}, 0
     for i, keys in enumerate(shards):  # one output file in memory at a time
         fname = (

@@ -1,4 +1,5 @@
-"""`shardwise export RUN_DIR --format hf OUT`: a run's newest checkpoint to another format."""
+"""`shardwise export RUN_DIR --format hf|peft|dcp OUT`: a run's newest checkpoint to another
+format."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shardwise export",
         add_help=False,
-        usage="%(prog)s RUN_DIR --format {hf,peft} OUT [--max-shard-size 2GB] [--step N] "
+        usage="%(prog)s RUN_DIR --format {hf,peft,dcp} OUT [--max-shard-size 2GB] [--step N] "
         "[--overwrite]",
         description="A run's newest checkpoint in another format.",
     )
@@ -35,12 +36,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--format",
-        choices=["hf", "peft"],
+        choices=["hf", "peft", "dcp"],
         help="hf: Hugging Face safetensors shards + index + config.json (a LoRA run's adapters "
         "merged in), loadable with transformers' from_pretrained(OUT); peft: a LoRA run's "
-        "adapter alone, loadable with peft.PeftModel.from_pretrained(base, OUT)",
+        "adapter alone, loadable with peft.PeftModel.from_pretrained(base, OUT); dcp: a "
+        "PyTorch distributed checkpoint of the plain model's state dict (adapters merged in), "
+        "loadable with torch.distributed.checkpoint.load",
     )
-    p.add_argument("--max-shard-size", default="2GB", help="largest file written (default 2GB)")
+    p.add_argument(
+        "--max-shard-size", default=None, help="--format hf: largest file written (default 2GB)"
+    )
     p.add_argument(
         "--step",
         type=int,
@@ -70,15 +75,26 @@ def export_main(argv: list[str]) -> int:
                 "Fix: shardwise export runs/default --format hf exported/"
             )
         run_dir, out = args.paths
+        if args.max_shard_size is not None and args.format != "hf":
+            raise ShardwiseError(
+                f"--max-shard-size {args.max_shard_size} sizes the safetensors shards of "
+                f"--format hf; --format {args.format} writes its own files. Fix: leave "
+                "--max-shard-size out."
+            )
         if args.format == "peft":
             from shardwise.checkpoint.export_peft import export_peft
 
             ckpt = export_peft(run_dir, out, step=args.step, overwrite=args.overwrite)
             what = "peft LoRA adapter"
+        elif args.format == "dcp":
+            from shardwise.checkpoint.export_dcp import export_dcp
+
+            ckpt = export_dcp(run_dir, out, step=args.step, overwrite=args.overwrite)
+            what = "PyTorch distributed checkpoint"
         else:
             from shardwise.checkpoint.export import export_hf
 
-            size = parse_size(args.max_shard_size)
+            size = parse_size(args.max_shard_size or "2GB")
             ckpt = export_hf(run_dir, out, size, step=args.step, overwrite=args.overwrite)
             what = "Hugging Face safetensors + config.json"
     except ShardwiseError as exc:
