@@ -178,9 +178,18 @@ def _write(src: Source, out: Path, max_shard_bytes: int) -> None:
         from shardwise.models.hf.auto import export_config
 
         (out / "config.json").write_text(json.dumps(export_config(spec, dtype), indent=2))
-        _copy_tokenizer(Path(spec.source), out)
     else:
         (out / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2))
+    write_tokenizer(cfg, spec, out)
+
+
+def write_tokenizer(cfg, spec, out: Path) -> None:
+    """The tokenizer of the run beside its exported weights: a checkpoint's own files, or
+    the one the run trained with (so `model.init_from=OUT` and from_pretrained(OUT) read text
+    as the model was trained to)."""
+    if family_of(spec).from_checkpoint:
+        _copy_tokenizer(Path(spec.source), out)
+    else:
         _write_tokenizer(cfg, spec, out)
 
 

@@ -7,7 +7,8 @@ adapters merged into their layers, a quantised base as the dequantised weight it
 against, as `--format hf` does), so a plain model of the same family takes it with
 `dcp.load(sd := model.state_dict(), checkpoint_id=OUT)` and `model.load_state_dict(sd)`,
 whatever layout trained it (DCP reshards on load into any sharded state dict too). The fp32
-master weights are written where the run kept them, else the parameters.
+master weights are written where the run kept them, else the parameters. The run's tokenizer
+is written beside them, so `model.init_from=OUT` reads text with the ids the weights know.
 
 DCP writes a state dict in one call: the whole model is in host memory once, in its stored
 dtype (the Hugging Face export streams one shard at a time instead).
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from shardwise.checkpoint.export import merging
+from shardwise.checkpoint.export import merging, write_tokenizer
 from shardwise.checkpoint.export_dir import writing
 from shardwise.checkpoint.export_source import Source, open_source
 from shardwise.checkpoint.state import check_base
@@ -64,4 +65,5 @@ def export_dcp(
             # torch warns that it assumes one process: it is one
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             dcp.save(plain_state(src), checkpoint_id=tmp, no_dist=True)
+            write_tokenizer(src.cfg, src.spec, Path(tmp))
     return src.path

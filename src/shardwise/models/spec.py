@@ -100,9 +100,13 @@ def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> Mode
                 f"model.name='{m.name}' is {what}. Fix: --model.name=tiny (Llama) or gpt2-tiny "
                 "(GPT-2), or --model.name=hf to train transformers' own class of the checkpoint."
             )
+        from shardwise.models.dcp import check_dcp, is_dcp
         from shardwise.models.hf.weights import adapt_spec
 
-        spec = adapt_spec(spec, m, m.init_from)
+        if is_dcp(m.init_from):  # no config inside: the shape is the config's
+            check_dcp(spec, m.init_from)
+        else:
+            spec = adapt_spec(spec, m, m.init_from)
     return spec
 
 

@@ -171,7 +171,9 @@ def weights_for(spec, init_from: str, model: nn.Module) -> HFWeights | None:
     if spec.arch == "hf":
         return weight_source(spec, model)
     if init_from:
-        return HFWeights(init_from, spec.arch)
+        from shardwise.models.dcp import DCPWeights, is_dcp
+
+        return DCPWeights(init_from, spec) if is_dcp(init_from) else HFWeights(init_from, spec.arch)
     return None
 
 

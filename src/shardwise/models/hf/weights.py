@@ -117,11 +117,13 @@ SAMPLE = 65536
 
 def base_identity(path: str | Path) -> dict[str, list]:
     """file name -> [size, hash of sampled blocks] of a checkpoint folder's weights, index and
-    config (cheap: three blocks per file)."""
+    config (cheap: three blocks per file); of a distributed checkpoint's data files and
+    metadata."""
     import hashlib
 
     p, out = Path(path), {}
-    names = sorted({f.name for f in p.glob("*.safetensors")} | {INDEX, CONFIG})
+    weights = {f.name for pattern in ("*.safetensors", "*.distcp") for f in p.glob(pattern)}
+    names = sorted(weights | {INDEX, CONFIG, ".metadata"})
     for name in names:
         f = p / name
         if not f.is_file():
