@@ -3,6 +3,8 @@ the README's example train them through `model.name=tests/user/models.py:NAME`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -89,3 +91,52 @@ def one_held_out(split: str):
     """64 training samples and a single held-out one: two ranks cannot each evaluate one."""
     data = waves(split)
     return data if split == "train" else torch.utils.data.Subset(data, [0])
+
+
+@dataclasses.dataclass
+class Hidden:
+    """A block's output as a dataclass (as some model code returns)."""
+
+    states: torch.Tensor
+
+
+class _Wrapped:
+    """A block's output in a plain object: no structure a framework can look into."""
+
+    def __init__(self, states: torch.Tensor) -> None:
+        self.states = states
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, box) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU())
+        self.box = box
+
+    def forward(self, x):
+        return self.box(x.states + self.body(x.states))
+
+
+class BoxedLM(nn.Module):
+    """A small language model whose blocks pass their hidden states in a box."""
+
+    def __init__(self, vocab_size: int, box, dim: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.box = box
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.blocks = nn.ModuleList(_Block(dim, box) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.box(self.embed(ids))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.states)
+
+
+def dataclass_blocks(vocab_size: int) -> nn.Module:
+    return BoxedLM(vocab_size, Hidden)
+
+
+def opaque_blocks(vocab_size: int) -> nn.Module:
+    return BoxedLM(vocab_size, _Wrapped)

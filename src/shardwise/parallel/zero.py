@@ -23,6 +23,7 @@ gathers twice per micro-batch).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -41,10 +42,12 @@ def _in_backward() -> bool:
 
 
 def _tensors(output) -> list[torch.Tensor]:
-    """Every tensor in a module's output: a tensor, or one nested in tuples, lists and
-    mappings (a transformers `ModelOutput` is an OrderedDict)."""
+    """Every tensor in a module's output: a tensor, or one nested in tuples, lists,
+    mappings (a transformers `ModelOutput` is an OrderedDict) and dataclasses."""
     if isinstance(output, torch.Tensor):
         return [output]
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        output = [getattr(output, f.name) for f in dataclasses.fields(output)]
     if isinstance(output, Mapping):
         output = list(output.values())
     if isinstance(output, (tuple, list)):
@@ -194,9 +197,18 @@ class ZeroEngine:
             self._gather(self.units[i], async_op=True)
 
     def _after_forward(self, unit: Unit, output) -> None:
-        needs_grad = [t for t in _tensors(output) if t.requires_grad]
+        found = _tensors(output)
+        needs_grad = [t for t in found if t.requires_grad]
         if needs_grad:  # the first output gradient computed: this unit's backward is next
             register_multi_grad_hook(needs_grad, lambda g, u=unit: self._before(u, -1), mode="any")
+        elif not found and output is not None and unit.n_trainable and torch.is_grad_enabled():
+            # its backward would run on freed parameters: stop with the reason instead
+            raise ShardwiseError(
+                f"ZeRO-3: unit '{unit.name}' returned a {type(output).__name__}, in which no "
+                "tensor was found to gather its parameters for backward on (ZeRO-3 looks into "
+                "tensors, tuples, lists, mappings and dataclasses). Fix: return one of those "
+                "from that module, or --parallel.zero=2."
+            )
         if not _in_backward():  # a recomputation inside backward still needs it
             self._free(unit)
 
