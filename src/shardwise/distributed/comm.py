@@ -150,7 +150,7 @@ class Comm:
     def take_step(self) -> dict[str, dict]:
         """The step's `comm_bytes`, `comm_calls` and `comm_wait_s` per dimension (the
         metrics.jsonl keys), then start counting again."""
-        dims = ("dp", "tp", "pp")
+        dims = ("dp", "tp", "pp") + (("cp",) if getattr(self.topo, "cp", 1) > 1 else ())
         out = {
             "comm_bytes": {d: self.step_bytes.get(d, 0.0) for d in dims},
             "comm_calls": {d: self.step_calls.get(d, 0) for d in dims},
@@ -201,6 +201,18 @@ class Comm:
         entry = self._record("all_gather", dim, full, (n - 1) / n, False)
         group = self.topo.group(dim)
         return self._issue(entry, _all_gather, full, part, group=group, async_op=async_op)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, dim: str, async_op: bool = False):
+        """Split `inp` into n equal slices along dim 0, send slice j to the rank at index j
+        along `dim`, and put the slice received from index i at slice i of `out`. Each rank
+        keeps 1/n of its tensor, so it sends (n-1)/n of it."""
+        n = self.topo.size(dim)
+        if n == 1:
+            out.copy_(inp)
+            return _Done() if async_op else None
+        entry = self._record("all_to_all", dim, inp, (n - 1) / n, False)
+        group = self.topo.group(dim)
+        return self._issue(entry, dist.all_to_all_single, out, inp, group=group, async_op=async_op)
 
     def broadcast(self, t: torch.Tensor, dim: str, src_coord: int = 0, control: bool = False):
         """Broadcast from the rank at index `src_coord` along `dim`."""
