@@ -33,9 +33,10 @@ def opt(default: Any, help: str, check: Any = None) -> Any:
 class ModelConfig:
     name: str = opt(
         "tiny",
-        "Named model: tiny, 125m, 1b, 7b, 13b, 70b, 175b (decoder), "
-        "gpt2-tiny, gpt2-125m (GPT-2 style), hf-llama-tiny, hf-gpt2-tiny (Hugging Face "
-        "LlamaForCausalLM / GPT2LMHeadModel), resnet18, resnet50 (images), or your own "
+        "Named model: tiny, 125m, 1b, 7b, 13b, 70b, 175b (decoder), moe-tiny, moe-1b "
+        "(mixture of experts), gpt2-tiny, gpt2-125m (GPT-2 style), hf-llama-tiny, hf-gpt2-tiny "
+        "(Hugging Face LlamaForCausalLM / GPT2LMHeadModel), resnet18, resnet50 (images), or "
+        "your own "
         "nn.Module: module:factory or file.py:factory, or hf: transformers' own class for "
         "the checkpoint in model.init_from (any architecture it builds).",
     )
@@ -76,6 +77,26 @@ class ModelConfig:
         "BatchNorm normalises with the statistics of every data-parallel replica's micro-batch "
         "together (one all-reduce per BatchNorm forward), so dp ranks x micro-batch b equals one "
         "process with micro-batch dp*b; false: each replica's own (faster, layout-dependent).",
+    )
+    n_experts: int = opt(
+        0,
+        "Routed experts per MoE layer (0 = the preset's: none for dense presets; > 0 turns a "
+        "decoder preset's MLPs into MoE layers of that many SwiGLU experts of model.ffn_dim).",
+    )
+    top_k: int = opt(0, "Experts each token is routed to (token choice; 0 = the preset's, 2).")
+    n_shared_experts: int = opt(
+        -1, "Always-on shared experts per MoE layer, beside the routed ones (-1 = the preset's)."
+    )
+    moe_every: int = opt(1, "Every k-th block has an MoE layer, the others a dense MLP (1 = all).")
+    router: Literal["softmax", "sigmoid"] = opt(
+        "softmax",
+        "MoE router scores: softmax (top-k weights are the probabilities) or sigmoid (weights "
+        "normalised over the chosen, DeepSeek-V3).",
+    )
+    capacity_factor: float = opt(
+        0.0,
+        "Expert capacity per sequence, ceil(factor * seq_len * top_k / n_experts) tokens; "
+        "later tokens of the sequence are dropped and counted (0 = dropless).",
     )
 
 
@@ -168,6 +189,16 @@ class TrainConfig:
         "Stop with a diagnosis after this many steps in a row skipped for a non-finite loss "
         "or gradient norm (fp16 loss-scale overflows do not count; 0 = never stop).",
     )
+    moe_aux_loss: float = opt(
+        0.0,
+        "Coefficient of the MoE load-balancing loss n_experts * sum_i f_i * P_i per sequence "
+        "(Switch Transformers; e.g. 0.01; 0 = off). MoE models only.",
+    )
+    moe_bias_balance: float = opt(
+        0.0,
+        "Auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's routing "
+        "bias moves by this times sign(mean load - its load) (e.g. 0.001; 0 = off). MoE only.",
+    )
 
 
 @dataclass
@@ -234,6 +265,18 @@ class ParallelConfig:
         "",
         "Transformer blocks per pipeline chunk, first to last, e.g. '3,3,2' (pp * pp_virtual "
         "entries summing to the layer count); '' balances parameters and FLOPs automatically.",
+    )
+    cp: int = opt(
+        1,
+        "Context-parallel degree: each sample's sequence split over this many ranks, which "
+        "share the parameters with the data-parallel ranks (dp = world / (tp * pp * cp) "
+        "sample streams). Built-in decoders, tp = pp = 1.",
+    )
+    cp_mode: Literal["ring", "ulysses"] = opt(
+        "ring",
+        "Context-parallel attention: ring (K/V blocks passed around the cp ranks, Liu et al. "
+        "2023) or ulysses (all-to-all from sequence to heads, Jacobs et al. 2023; n_heads % cp "
+        "== 0).",
     )
     bucket_mb: float = opt(
         25.0, "Gradient bucket size in MB for the overlapped all-reduce (25 MB, like PyTorch DDP)."

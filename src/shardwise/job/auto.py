@@ -28,6 +28,12 @@ def auto_config(cfg: Config, nproc: int) -> Config:
     """Search, then take the best candidate this version of the engine can run; print it."""
     from shardwise.training.validate import derive
 
+    if cfg.parallel.cp > 1:  # (the candidates would keep cp with degrees chosen without it)
+        raise ConfigError(
+            f"--plan auto searches layouts without context parallelism, and parallel.cp="
+            f"{cfg.parallel.cp}. Fix: pass the layout explicitly (drop --plan auto), or "
+            "--parallel.cp=1."
+        )
     hw = detect_hardware()
     job = job_from_config(cfg, hw, nproc)
     result = search(job)

@@ -29,6 +29,7 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
         "world": world,
         "pp": d.pp,
         "dp": d.dp,
+        "cp": d.cp,
         "tp": d.tp,
         "zero": cfg.parallel.zero,
         "grad_compression": _compression(cfg),
@@ -87,7 +88,16 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
         cpu_precision_warning(cfg.precision.compute, hw),
         alignment_warning(d.spec, cfg.precision.compute, hw, d.tp),
     ]
-    if cfg.parallel.grad_compression != "none" and d.dp == 1:
+    if d.cp > 1:
+        warnings.append(
+            f"shardwise: parallel.cp={d.cp} is priced as dp x cp = {d.dp * d.cp} replicas "
+            f"each seeing data.seq_len / cp = {cfg.data.seq_len // d.cp} tokens per sample "
+            "(states sharded over all of them, activations at the local length). Not priced: "
+            "the cp attention's K/V exchange (comm_bytes has no cp key, its time is not in the "
+            "step), the ring's K/V blocks in flight, and attention over the whole sequence "
+            "(its FLOPs are counted at the local length): memory and step time are lower bounds."
+        )
+    if cfg.parallel.grad_compression != "none" and d.dp * d.cp == 1:
         warnings.append(
             f"shardwise: parallel.grad_compression={cfg.parallel.grad_compression} has no "
             "effect here: dp=1, no gradient is all-reduced over data-parallel ranks."
@@ -201,11 +211,12 @@ def checkpoint_bytes(r: dict) -> int:
     """A checkpoint's predicted size from an explain record: every rank's model states, each
     stored once (replicated copies, over dp, are written by one rank)."""
     mem, shards = r["mem_bytes"], r["tp"] * r["pp"]
+    replicas = r["dp"] * r.get("cp", 1)  # ZeRO shards over every rank sharing the parameters
     zero = r["zero"]
     total = r.get("checkpoint_per_rank_bytes", 0) * r["world"]  # written by every rank
     for key, sharded in (("params", zero >= 3), ("master", zero >= 1), ("optimizer", zero >= 1)):
         for name in (key, f"host_{key}"):
-            total += mem.get(name, 0) * shards * (r["dp"] if sharded else 1)
+            total += mem.get(name, 0) * shards * (replicas if sharded else 1)
     return int(total)
 
 
@@ -213,7 +224,7 @@ def print_plan(r: dict) -> None:
     """The short plan `train` prints before it starts."""
     print(
         f"shardwise: {r['model']} ({_trains(r)}) on {r['world']} rank(s): "
-        f"pp={r['pp']} dp={r['dp']} tp={r['tp']} zero={r['zero']} | global batch "
+        f"pp={r['pp']} dp={r['dp']}{_cp(r)} tp={r['tp']} zero={r['zero']} | global batch "
         f"{r['global_batch']} = {r['micro_batch']} x {r['micro_batches_per_step']} micro x "
         f"{r['dp']} dp | {r['tokens_per_step']:,} {r['sample_unit']}/step | {r['precision']} | "
         f"predicted memory/rank {human_bytes(r['mem_bytes']['total'])}",
@@ -228,7 +239,7 @@ def print_plan(r: dict) -> None:
 def print_explain(r: dict) -> None:
     rows = [
         ("world size", r["world"]),
-        ("mesh", f"pp={r['pp']} x dp={r['dp']} x tp={r['tp']}"),
+        ("mesh", f"pp={r['pp']} x dp={r['dp']}{_cp(r, ' x')} x tp={r['tp']}"),
         ("zero stage", r["zero"]),
         ("model", f"{r['model']} ({r['arch']})"),
         ("parameters", f"{r['params']:,}"),
@@ -274,6 +285,11 @@ def print_explain(r: dict) -> None:
         print(f"flops: {r['flop_convention']}")
     for line in r.get("warnings", []):
         print(line)
+
+
+def _cp(r: dict, sep: str = "") -> str:
+    """The context-parallel degree in a mesh line, when the sequence is split."""
+    return f"{sep} cp={r['cp']}" if r.get("cp", 1) > 1 else ""
 
 
 def _compression(cfg: Config) -> str:

@@ -99,6 +99,7 @@ def layout_from_config(cfg: Config, derived) -> Layout:
         recompute=cfg.memory.recompute,
         offload=cfg.memory.offload,
         compression=p.grad_compression,
+        cp=derived.cp,
     )
 
 

@@ -102,15 +102,20 @@ class AttentionCore(nn.Module):
         self.rope_theta = rope_theta
         self.drop = LayoutFreeDropout(attn_dropout, "heads")
         self.packed: Packed | None = None  # set by Decoder.forward for packed rows
+        # set by parallel/context.py when ranks split the sequence: `positions(local_len,
+        # device)` of this rank's tokens and `attend(q, k, v)` ([B, H, S, D]) over all of them
+        self.context = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n_heads, n_kv = q.shape[2], k.shape[2]
         if n_heads % n_kv:
             raise ValueError(f"{n_heads} query heads are not a multiple of {n_kv} kv heads")
-        packed = self.packed
+        packed, context = self.packed, self.context
         if self.rope_theta is not None:
             if packed is not None:  # each record from position 0 (models/packing.py)
                 positions = packed.positions
+            elif context is not None:  # this rank's part of the sequence, not 0..S-1
+                positions = context.positions(q.shape[1], q.device)
             else:
                 positions = torch.arange(q.shape[1], device=q.device)
             q, k = (
@@ -124,6 +129,8 @@ class AttentionCore(nn.Module):
             k = k.repeat_interleave(n_heads // n_kv, dim=2)
             v = v.repeat_interleave(n_heads // n_kv, dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if context is not None:  # causal over the whole sequence the ranks hold together
+            return context.attend(q, k, v).transpose(1, 2)
         if self.training and self.drop.p > 0:
             return self._explicit(q, k, v).transpose(1, 2)
         if packed is not None:  # causal within each record only

@@ -38,7 +38,7 @@ _WRAPPER_SEGMENTS = (
 )
 _LORA_A = re.compile(r"\.lora_A\.[^.]+\.weight$")
 _LORA_B = re.compile(r"\.lora_B\.[^.]+\.weight$")
-_OUT_PROJ = re.compile(r"(^|\.)(attn\.wo|mlp\.w2)\.weight$")
+_OUT_PROJ = re.compile(r"(^|\.)(attn\.wo|mlp\.w2|mlp\.shared\.w2)\.weight$")
 _NORMS = (RMSNorm, LayerNorm, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
 
@@ -112,6 +112,9 @@ def init_rule(module: nn.Module, leaf: str, name: str, spec: ModelSpec | None) -
         return _normal(BASE_STD / math.sqrt(2 * spec.n_layers))
     if isinstance(module, (nn.Linear, nn.Embedding)) or type(module).__name__ == "Conv1D":
         return _normal(BASE_STD)  # Conv1D: GPT-2's transposed Linear in transformers
+    stacked = getattr(module, "init_std", None)  # stacked weights (models/moe.py experts)
+    if callable(stacked) and spec is not None:
+        return _normal(stacked(leaf, spec))
     raise ValueError(
         f"no init rule for parameter {name!r} of {type(module).__name__}; "
         "add one to shardwise.models.init.init_rule"

@@ -8,7 +8,9 @@ from typing import Literal, get_args
 
 from shardwise.errors import ConfigError
 
-Arch = Literal["decoder", "gpt2", "resnet18", "resnet50", "hf-llama", "hf-gpt2", "custom", "hf"]
+Arch = Literal[
+    "decoder", "gpt2", "moe", "resnet18", "resnet50", "hf-llama", "hf-gpt2", "custom", "hf"
+]
 ARCHS: tuple[str, ...] = get_args(Arch)
 TRANSFORMER_ARCHS = ("decoder", "gpt2")
 HF_ARCHS = ("hf-llama", "hf-gpt2")  # Hugging Face transformers models (models/hf.py)
@@ -49,6 +51,13 @@ class ModelSpec:
     source: str = ""  # hf only: the checkpoint folder transformers builds it from (auto.py)
     task: str = "causal_lm"  # hf only: causal_lm | classification
     labels: tuple[str, ...] = ()  # hf classification: the label names, in id order
+    # moe only (models/moe.py): routed SwiGLU experts of ffn_dim each in every moe_every-th block
+    n_experts: int = 0
+    top_k: int = 2  # experts per token (token choice)
+    n_shared_experts: int = 0  # always-on experts of ffn_dim each (DeepSeekMoE)
+    moe_every: int = 1  # every k-th block is MoE (1: all)
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    capacity_factor: float = 0.0  # 0: dropless; > 0: slots per expert and sequence (moe.py)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -69,6 +78,8 @@ class ModelSpec:
             ffn = 4 * self.dim if self.arch in ("gpt2", "hf-gpt2") else llama_ffn_dim(self.dim)
             object.__setattr__(self, "ffn_dim", ffn)
         _require_positive(self, ("n_kv_heads", "ffn_dim"))
+        if self.arch == "moe":
+            _check_moe(self)
         if self.dim % self.n_heads:
             raise ConfigError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}. "
@@ -79,7 +90,7 @@ class ModelSpec:
                 f"model.n_heads={self.n_heads} is not divisible by "
                 f"model.n_kv_heads={self.n_kv_heads}. Fix: n_kv_heads must divide n_heads."
             )
-        if self.arch in ("decoder", "hf-llama") and self.head_dim % 2:
+        if self.arch in ("decoder", "moe", "hf-llama") and self.head_dim % 2:
             raise ConfigError(
                 f"head dim dim/n_heads={self.dim}/{self.n_heads}={self.head_dim} is odd; "
                 "RoPE rotates pairs of channels. Fix: choose dim and n_heads with an even ratio."
@@ -103,6 +114,29 @@ def _require_positive(spec: ModelSpec, names: tuple[str, ...]) -> None:
             raise ConfigError(
                 f"model.{name}={value} must be > 0 for arch {spec.arch!r}. Fix: set it positive."
             )
+
+
+def _check_moe(spec: ModelSpec) -> None:
+    _require_positive(spec, ("n_experts", "top_k", "moe_every"))
+    bad = ""
+    if spec.top_k > spec.n_experts:
+        bad = (
+            f"model.top_k={spec.top_k} > model.n_experts={spec.n_experts}. Fix: top_k <= n_experts."
+        )
+    elif spec.moe_every > spec.n_layers:
+        bad = (
+            f"model.moe_every={spec.moe_every} > model.n_layers={spec.n_layers}: no block would "
+            f"be MoE. Fix: moe_every <= {spec.n_layers} (1: every block)."
+        )
+    elif spec.n_shared_experts < 0 or spec.capacity_factor < 0:
+        bad = (
+            f"model.n_shared_experts={spec.n_shared_experts}, model.capacity_factor="
+            f"{spec.capacity_factor} must be >= 0. Fix: 0 for none / dropless."
+        )
+    elif spec.router not in ("softmax", "sigmoid"):
+        bad = f"model.router={spec.router!r} is unknown. Fix: softmax or sigmoid."
+    if bad:
+        raise ConfigError(bad)
 
 
 def _decoder(
@@ -130,6 +164,13 @@ PRESETS: dict[str, ModelSpec] = {
     # of 4d = 49152; a SwiGLU block has 3 matrices, so it uses 2/3 * 4d = 32768 to keep the
     # 175B parameter count (Shazeer 2020). 49152 with SwiGLU would be 233B.
     "175b": _decoder(96, 12288, 96, 96, 32768, 50304),
+    # tiny with its MLPs as 4 experts (top-2) of half its width: as many active parameters
+    "moe-tiny": ModelSpec("moe", 4, 128, 4, 2, 176, 4096, 512, n_experts=4, top_k=2),
+    # benchmark shape: 16 experts top-2 + 1 shared expert of 1024 in 16 blocks of 1024;
+    # counted (models.count_params, moe.inactive_params): 988.6M total, 283.9M active
+    "moe-1b": ModelSpec(
+        "moe", 16, 1024, 16, 16, 1024, 32000, n_experts=16, top_k=2, n_shared_experts=1
+    ),
     "gpt2-tiny": _gpt2(4, 128, 4, 4096, 512),
     # GPT-2 small (Radford et al. 2019) with the vocabulary padded to a multiple of 64.
     "gpt2-125m": _gpt2(12, 768, 12, 50304, 1024),

@@ -58,7 +58,7 @@ def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> Mode
                 f"model.{key}={value} is not a probability in [0, 1). Fix: e.g. "
                 f"--model.{key}=0.1, or 0 for none."
             )
-        if value and not spec.is_transformer:
+        if value and not (spec.is_transformer or spec.arch == "moe"):
             raise ConfigError(
                 f"model.{key}={value} applies to the shardwise decoders only, and "
                 f"model.name='{m.name}' is not one: {_no_dropout(spec)} Fix: "
@@ -87,6 +87,7 @@ def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> Mode
             "bytes of the byte-level BPE plus its end-of-text token. Fix: "
             "--model.vocab_size=4096 (or 0 for the preset's)."
         )
+    overrides.update(_moe(cfg, spec))
     spec = dataclasses.replace(spec, **overrides)
     if m.init_from:
         if not spec.is_transformer:
@@ -108,6 +109,58 @@ def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> Mode
         else:
             spec = adapt_spec(spec, m, m.init_from)
     return spec
+
+
+_MOE_OFF = {  # each MoE key's "not given" value (config.py)
+    "n_experts": 0,
+    "top_k": 0,
+    "n_shared_experts": -1,
+    "moe_every": 1,
+    "router": "softmax",
+    "capacity_factor": 0.0,
+}
+
+
+def _moe(cfg: Config, spec: ModelSpec) -> dict[str, object]:
+    """The MoE keys as spec overrides: an MoE preset's experts, or a Llama-style decoder
+    preset's MLPs turned into experts by model.n_experts > 0 (arch "moe", models/moe.py)."""
+    m, t = cfg.model, cfg.train
+    given = [k for k, off in _MOE_OFF.items() if getattr(m, k) != off]
+    given += [f"train.{k}" for k in ("moe_aux_loss", "moe_bias_balance") if getattr(t, k)]
+    if spec.arch != "moe" and m.n_experts <= 0:
+        if given:
+            key = given[0] if "." in given[0] else f"model.{given[0]}"
+            raise ConfigError(
+                f"{key} applies to mixture-of-experts models, and model.name='{m.name}' has "
+                "none. Fix: --model.name=moe-tiny (or moe-1b), or --model.n_experts=8 on a "
+                "decoder preset (tiny, 125m, ...), or remove it."
+            )
+        return {}
+    if spec.arch not in ("decoder", "moe"):
+        raise ConfigError(
+            f"model.n_experts={m.n_experts} turns the MLPs of shardwise's Llama-style decoder "
+            f"into experts, and model.name='{m.name}' is not one. Fix: --model.name=moe-tiny, "
+            "or a decoder preset (tiny, 125m, 1b, ...)."
+        )
+    for key, low in (("n_experts", 0), ("top_k", 0), ("n_shared_experts", -1), ("moe_every", 1)):
+        if getattr(m, key) < low:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be >= {low}. Fix: e.g. 2.")
+    for key in ("moe_aux_loss", "moe_bias_balance"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0. Fix: 0 for off.")
+    if m.init_from or cfg.finetune.lora_rank:
+        key = "model.init_from" if m.init_from else "finetune.lora_rank"
+        raise ConfigError(
+            f"{key} is not built for MoE models yet (model.name='{m.name}': no checkpoint "
+            "maps a dense MLP onto experts, and LoRA adapts nn.Linear layers, not stacked "
+            f"expert weights). Fix: remove {key}, or a dense decoder preset."
+        )
+    out: dict[str, object] = {"arch": "moe"}
+    out.update({k: getattr(m, k) for k in ("n_experts", "top_k") if getattr(m, k) > 0})
+    if m.n_shared_experts >= 0:
+        out["n_shared_experts"] = m.n_shared_experts
+    out.update(moe_every=m.moe_every, router=m.router, capacity_factor=m.capacity_factor)
+    return out
 
 
 def _no_dropout(spec: ModelSpec) -> str:

@@ -23,6 +23,8 @@ from shardwise.parallel.deferred_grads import recompute_context
 PLANS: dict[str, dict[str, list[str]]] = {
     "decoder": {"full": ["blocks.*"], "selective": ["blocks.*.attn.core", "blocks.*.mlp.act"]},
     "gpt2": {"full": ["blocks.*"], "selective": ["blocks.*.attn.core", "blocks.*.mlp.act"]},
+    # an MoE layer names its experts' SwiGLU product `act` too (models/moe.py)
+    "moe": {"full": ["blocks.*"], "selective": ["blocks.*.attn.core", "blocks.*.mlp.act"]},
     "resnet": {"full": ["layer*.*"]},
 }
 
@@ -94,10 +96,27 @@ def _hf_blocks(model: nn.Module, mode: str) -> list[str] | None:
     return [n for n, m in model.named_modules() if n and type(m).__name__ in blocks]
 
 
+def block_names(model: nn.Module, family: Family) -> list[str]:
+    """The names of `model`'s blocks: what full recomputation wraps (and compilation
+    compiles, parallel/compile.py); a transformers class without a recomputation plan of
+    ours (the hf-* presets): each instance of its repeated block class."""
+    if family.recompute == "plans" and "full" not in PLANS.get(family.name, {}):
+        return _matching(model, _hf_blocks(model, "full"))
+    return _matching(model, _patterns(model, family, "full"))
+
+
 def apply_recompute(model: nn.Module, family: Family, mode: str) -> int:
     """Wrap the modules that `mode` names for `family`; returns how many were wrapped."""
     if mode == "none":
         return 0
+    names = set(_matching(model, _patterns(model, family, mode)))
+    for name, module in model.named_modules():
+        if name in names:
+            module.forward = _checkpointed(module.forward)
+    return len(names)
+
+
+def _patterns(model: nn.Module, family: Family, mode: str) -> list[str]:
     if family.recompute == "checkpoint_blocks":
         patterns = _hf_blocks(model, mode)
     elif family.recompute == "containers":
@@ -110,11 +129,12 @@ def apply_recompute(model: nn.Module, family: Family, mode: str) -> int:
             f"memory.recompute='{mode}' is not available for {family.name} models. "
             f"Fix: choose one of {modes}."
         )
-    wrapped = 0
-    for name, module in model.named_modules():
-        if any(
-            fnmatch.fnmatchcase(name, pat) and name.count(".") == pat.count(".") for pat in patterns
-        ):
-            module.forward = _checkpointed(module.forward)
-            wrapped += 1
-    return wrapped
+    return patterns
+
+
+def _matching(model: nn.Module, patterns: list[str]) -> list[str]:
+    return [
+        name
+        for name, _ in model.named_modules()
+        if any(fnmatch.fnmatchcase(name, p) and name.count(".") == p.count(".") for p in patterns)
+    ]

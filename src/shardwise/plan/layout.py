@@ -4,7 +4,7 @@ compression)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from shardwise.models import ModelSpec
 from shardwise.plan.hardware import Hardware
@@ -93,6 +93,7 @@ class Layout:
     recompute: str = "none"
     offload: str = "none"
     compression: str = "none"  # parallel.grad_compression: what the ZeRO-0 all-reduce sends
+    cp: int = 1  # parallel.cp: ranks splitting each sample's sequence (dp: the sample streams)
 
     def micro_batches(self, job: Job) -> int:
         """Micro-batches per rank per step (gradient accumulation / pipeline micro-batches)."""
@@ -107,9 +108,25 @@ class Layout:
             sched = f" {self.pp_schedule}" + (f"x{self.pp_virtual}" if self.pp_virtual > 1 else "")
         return (
             f"tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp}{sched} dp{self.dp} "
-            f"z{self.zero} mb{self.micro_batch} rc={self.recompute} off={self.offload}"
+            + (f"cp{self.cp} " if self.cp > 1 else "")
+            + f"z{self.zero} mb{self.micro_batch} rc={self.recompute} off={self.offload}"
             + (f" wire={self.compression}" if self.compression != "none" else "")
         )
 
 
 _FIELDS = tuple(f.name for f in fields(Layout))
+
+
+def as_data_parallel(job: Job, layout: Layout) -> tuple[Job, Layout]:
+    """A context-parallel layout priced as the data-parallel job each rank's work resembles:
+    dp x cp replicas that each see seq_len / cp tokens of a sample. Model states are sharded
+    and reduced over all of them, activations are those of the local length, and the tokens
+    per step are unchanged. Not priced: the cp attention's K/V exchange (bytes, time, NCCL
+    buffers), the ring's K/V blocks in flight, and the attention FLOPs of the local queries
+    over the whole sequence (counted at the local length), so the time is a lower bound
+    (job/explain.py says so). cp = 1: unchanged."""
+    if layout.cp == 1:
+        return job, layout
+    cp = layout.cp
+    shorter = replace(job, seq_len=job.seq_len // cp, global_batch=job.global_batch * cp)
+    return shorter, replace(layout, dp=layout.dp * cp, cp=1)

@@ -20,7 +20,7 @@ from shardwise.optim import QUANT_BLOCK
 from shardwise.plan import activations as act
 from shardwise.plan import compression, peers
 from shardwise.plan.buffers import up, zero_transient
-from shardwise.plan.layout import Job, Layout
+from shardwise.plan.layout import Job, Layout, as_data_parallel
 from shardwise.plan.shapes import Unit, linear_shapes, split_trainable, units
 
 ADAM8_MAPS = 2 * 256 * 4  # bitsandbytes' signed and unsigned dynamic maps, fp32
@@ -369,6 +369,7 @@ def communicator_bytes(job: Job, layout: Layout) -> float:
 def device_overhead(job: Job, layout: Layout) -> float:
     """What a rank's device holds beyond the tensors `predict_memory` counts: the hardware's
     reserve (CUDA context, workspaces, fragmentation) and NCCL's communicators."""
+    job, layout = as_data_parallel(job, layout)  # (a cp group's buffers are not priced)
     return job.hardware.reserve + communicator_bytes(job, layout)
 
 

@@ -14,7 +14,7 @@ from shardwise.plan import memory as mem
 from shardwise.plan import time as tm
 from shardwise.plan import traffic
 from shardwise.plan.hardware import GiB
-from shardwise.plan.layout import Job, Layout
+from shardwise.plan.layout import Job, Layout, as_data_parallel
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb")
 RECOMPUTE = ("none", "selective", "full")
@@ -92,6 +92,8 @@ class Result:
 
 def evaluate(job: Job, lay: Layout) -> dict:
     """The full prediction for one layout: the candidate record of `plan --json`."""
+    asked, whole = lay, job
+    job, lay = as_data_parallel(job, lay)  # cp > 1: its data-parallel equivalent per rank
     hw = job.hardware
     mb = mem.predict_memory(job, lay)
     kinds, calls = traffic.traffic_by_kind(job, lay), traffic.collective_calls(job, lay)
@@ -102,10 +104,10 @@ def evaluate(job: Job, lay: Layout) -> dict:
     step = parts["step_s"]
     tokens = job.tokens_per_step / step
     peak_flops = job.devices * hw.peak[job.precision]
-    mfu = tm.model_flops_per_token(job) * tokens / peak_flops
-    hfu = tm.hardware_flops_per_token(job, lay) * tokens / peak_flops
+    mfu = tm.model_flops_per_token(whole) * tokens / peak_flops  # the whole sequence's
+    hfu = tm.hardware_flops_per_token(whole, lay) * tokens / peak_flops
     return {
-        **lay.record(),
+        **asked.record(),
         "mem_bytes": {k: round(v) for k, v in mb.items()},
         "peak_bytes": int(peak),
         "device_memory": hw.memory,
@@ -114,7 +116,7 @@ def evaluate(job: Job, lay: Layout) -> dict:
         "tokens_per_s": tokens,
         "mfu": mfu,
         "hfu": hfu,
-        "mfu_causal": tm.model_flops_per_token(job, causal=True) * tokens / peak_flops,
+        "mfu_causal": tm.model_flops_per_token(whole, causal=True) * tokens / peak_flops,
         "flop_convention": tm.FLOP_CONVENTION,
         "time": parts,
         "comm_bytes": traffic.traffic_totals(kinds),

@@ -225,3 +225,67 @@ def check_tensor_parallel(spec: ModelSpec, family: Family, cfg: Config) -> None:
             f"parallel.sp=true is not available for {cfg.model.name}: Hugging Face models build "
             "positions and masks from the local sequence length. Fix: --parallel.sp=false."
         )
+
+
+def check_context_parallel(cfg: Config, spec: ModelSpec, family: Family, tp: int, pp: int) -> None:
+    """parallel.cp > 1: what context parallelism runs in this first step (parallel/context.py,
+    docs/parallelism.md); each refusal names the value and the fix."""
+    p, cp, s = cfg.parallel, cfg.parallel.cp, cfg.data.seq_len
+    if cp < 1:
+        raise ConfigError(f"parallel.cp={cp} must be >= 1. Fix: --parallel.cp=1 (off).")
+    if cp == 1:
+        if p.cp_mode != "ring":
+            raise ConfigError(
+                f"parallel.cp_mode={p.cp_mode!r} has no effect with parallel.cp=1. Fix: "
+                "--parallel.cp=2 (or more), or leave parallel.cp_mode at its default."
+            )
+        return
+    ft = cfg.finetune
+    dropout = {"model.dropout": spec.dropout, "model.attn_dropout": spec.attn_dropout}
+    if ft.lora_rank:
+        dropout["finetune.lora_dropout"] = ft.lora_dropout
+    dropping = {k: v for k, v in dropout.items() if v > 0}
+    why = ""
+    if not family.context_parallel:
+        why = (
+            f"model.name='{cfg.model.name}' is {family.kind}, whose attention is not ours to "
+            "split. Fix: --parallel.cp=1, or a built-in decoder."
+        )
+    elif tp > 1 or pp > 1:
+        why = (
+            f"parallel.tp={tp} and parallel.pp={pp}: this first step composes cp with data "
+            "parallelism and ZeRO only. Fix: --parallel.tp=1 --parallel.pp=1."
+        )
+    elif s % (2 * cp):
+        why = (
+            f"data.seq_len={s} is not divisible by 2 * cp = {2 * cp}: each rank holds two of "
+            f"2 * cp equal chunks (the zig-zag split that balances causal attention's work). "
+            f"Fix: a data.seq_len that is a multiple of {2 * cp}."
+        )
+    elif p.cp_mode == "ulysses" and spec.n_heads % cp:
+        why = (
+            f"parallel.cp_mode=ulysses gives each rank n_heads / cp heads, and model.n_heads="
+            f"{spec.n_heads} is not divisible by {cp} (k/v heads are repeated to n_heads "
+            "before attention, so only n_heads counts). Fix: a cp dividing n_heads, or "
+            "--parallel.cp_mode=ring."
+        )
+    elif dropping:
+        named = ", ".join(f"{k}={v}" for k, v in dropping.items())
+        why = (
+            f"{named}: dropout masks are drawn per contiguous sequence shard, not for the "
+            "zig-zag positions a cp rank holds. Fix: set them to 0, or --parallel.cp=1."
+        )
+    elif cfg.data.pack:
+        why = (
+            "data.pack=true masks attention per record, which the cp attention kernels do "
+            "not. Fix: --data.pack=false, or --parallel.cp=1."
+        )
+    elif cfg.train.loss != "cross_entropy":
+        why = (
+            f"train.loss='{cfg.train.loss}' sees whole outputs, and a cp rank holds 1/{cp} of "
+            "each sequence. Fix: --train.loss=cross_entropy, or --parallel.cp=1."
+        )
+    if why:
+        raise ConfigError(
+            f"parallel.cp={cp} splits each sample's sequence over {cp} ranks, but {why}"
+        )

@@ -128,6 +128,8 @@ def _micro_steps(run: Run, micro, ahead, global_count: int, scale: float, fetch)
         with samples(idx):
             with run.meter.measure(), clk.phase("forward"):
                 loss = run.loss_sum(inputs, targets) / global_count
+                if run.experts is not None:  # MoE: the balance loss's gradient, loads
+                    loss = run.experts.after_forward(loss, global_count)
             act_peak = max(act_peak, run.meter.take_peak())
             with clk.phase("backward"):  # recomputation redraws the same masks
                 (loss * scale).backward()
@@ -197,6 +199,8 @@ def _steps(run: Run, start: int, loop: _Loop) -> tuple[list[dict], int]:
             # every tp rank holds the whole loss of its dp replica: sum over dp only
             run.comm.all_reduce(loss_sum, "dp", control=True)
             result = run.optimizer.step(skip=not math.isfinite(float(loss_sum)))
+            # MoE: loads summed over the global batch move every rank's bias alike
+            moe = run.experts.after_step(run.comm, result.skipped) if run.experts else {}
             sync_buffers(model, run.comm)
             dev.synchronize(run.info)
         step_time = time.perf_counter() - t0
@@ -225,6 +229,7 @@ def _steps(run: Run, start: int, loop: _Loop) -> tuple[list[dict], int]:
             "loss_scale": scale,
             "time": time.time(),  # when the step ended (unix s): gaps between steps show
         }
+        record.update(moe)  # moe_load_max_mean, moe_dropped, moe_aux_loss (MoE models)
         if result.skipped:  # which tensors / ranks (the guard pools every rank's view)
             record["nonfinite"] = guard.diagnose(local_loss, result.nonfinite)
         if run.pipeline is not None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from shardwise.errors import ShardwiseError
 from shardwise.models import count_params
+from shardwise.models.moe import inactive_params
 from shardwise.training.nonfinite import describe
 from shardwise.training.trackers import Trackers
 
@@ -30,6 +31,7 @@ def flops_per_token(model: nn.Module, derived) -> float:
     if not derived.family.flops_per_token:
         return 0.0  # (a user's module: no formula knows what its parameters do per token)
     n = count_params(model, exclude_embedding=True)  # a tied head stays counted
+    n -= inactive_params(model)  # MoE: the experts a token is not routed to do no work
     return 6.0 * n + 12.0 * spec.n_layers * spec.dim * derived.tokens_per_sample
 
 

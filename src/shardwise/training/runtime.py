@@ -30,6 +30,7 @@ from shardwise.models.hf.weights import load_weights
 from shardwise.models.tp_plans import plan_for
 from shardwise.optim import EIGHT_BIT, QUANT_BLOCK, MixedPrecisionAdamW, replicated_targets
 from shardwise.parallel.compress import WIRE, make_compression
+from shardwise.parallel.context import apply_context_parallel, sequence_part
 from shardwise.parallel.data import GradReducer, apply_data_parallel
 from shardwise.parallel.pipeline import Pipeline, apply_pipeline
 from shardwise.parallel.recompute import apply_recompute
@@ -39,6 +40,7 @@ from shardwise.parallel.zero import ZeroEngine, apply_zero
 from shardwise.parallel.zero_units import Sharding
 from shardwise.training.lock import HELD_ENV, acquire, release
 from shardwise.training.memory import ActivationMeter
+from shardwise.training.moe import ExpertTally, expert_tally
 from shardwise.training.validate import Derived, check_held_out, derive
 
 
@@ -119,6 +121,7 @@ class Run:
     user_loss: Callable | None = None  # train.loss=module:fn
     locks: list = dataclasses.field(default_factory=list)  # run.dir / checkpoint.dir (lock.py)
     resume_note: str | None = None  # what a resume could not restore (checkpoint/state.py)
+    experts: ExpertTally | None = None  # MoE models: balance loss, loads, bias (moe.py)
 
     def close(self, error: BaseException | None = None) -> None:
         """Leave training (finished, or failed with `error`): stop the hang watchdog (this
@@ -133,13 +136,16 @@ class Run:
 
     @property
     def dp_rank(self) -> int:
-        return self.topo.coord("dp")
+        """The sample stream this rank reads: the cp ranks of a run read the same samples."""
+        return self.topo.coord("data")
 
     def loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor, return_logits: bool = False):
         """Summed (not averaged) loss: the caller divides by the *global* count, so any split
         of the global batch over ranks and micro-batches yields the same gradient."""
         if inputs.is_floating_point():  # images enter in the compute dtype
             inputs = inputs.to(dev.dtype_of(self.cfg.precision.compute))
+        # context parallelism: this rank's part of every sequence (the count stays global)
+        inputs, targets = sequence_part(inputs, self.topo), sequence_part(targets, self.topo)
         chunks = self.cfg.train.loss_chunks
         if chunks > 1 and not return_logits:  # the head and loss by chunks of tokens (checks)
             return self.model(inputs, targets=targets, loss_chunks=chunks)
@@ -190,7 +196,11 @@ def parallelize(
         plan_for(model, derived.spec.arch) if derived.tp > 1 else None,
         run_cfg.parallel.sp,
     )
-    # 3. Recomputation wraps module forwards; names stay, so init and checkpoints are unchanged.
+    # 3. Context parallelism hands the attention cores this rank's positions of each sequence
+    #    and the cp attention kernels; no parameter changes, so recomputation, ZeRO and init
+    #    below see the same model, and gradients are summed over dp, which holds the cp ranks.
+    apply_context_parallel(model, comm, run_cfg.parallel.cp_mode)
+    # 4. Recomputation wraps module forwards; names stay, so init and checkpoints are unchanged.
     #    BatchNorm forwards take their statistics over every dp replica (layout-invariant).
     apply_recompute(model, derived.family, run_cfg.memory.recompute)
     if run_cfg.model.sync_batchnorm:
@@ -198,7 +208,7 @@ def parallelize(
     stage = run_cfg.parallel.zero
     source = weights_for(derived.spec, run_cfg.model.init_from, model)
     if stage:
-        # 4. ZeRO flattens the still-meta parameters into units and materialises only what
+        # 5. ZeRO flattens the still-meta parameters into units and materialises only what
         #    this rank keeps (its slices under ZeRO-3), straight from the (seed, name) init.
         offload_params = run_cfg.memory.offload == "optimizer+params"
         if run_cfg.memory.offload == "params+nvme":  # the slices in files under nvme_dir
@@ -217,7 +227,7 @@ def parallelize(
         )
         engine = apply_zero(model, comm, how, run_cfg.train.seed, source)
         return model, engine, tp, pipeline
-    # 4. Materialise: without ZeRO the local shard is the whole model. Values depend only on
+    # 5. Materialise: without ZeRO the local shard is the whole model. Values depend only on
     #    (seed, parameter name), so every rank builds identical weights without a broadcast.
     to_empty(model, info.device)
     if source is not None:
@@ -225,7 +235,7 @@ def parallelize(
     else:
         init_weights(model, run_cfg.train.seed)
     cast_for_compute(model, compute)
-    # 5. Data parallelism attaches gradient buckets to the materialised parameters.
+    # 6. Data parallelism attaches gradient buckets to the materialised parameters.
     par = run_cfg.parallel
     compression = make_compression(
         par.grad_compression, par.powersgd_rank, par.powersgd_warm_start, run_cfg.train.seed
@@ -277,7 +287,8 @@ def build_run(cfg: Config) -> Run:
     if info.type == "cpu":
         dev.set_cpu_threads()
         dev.keep_freed_memory()
-    topo = build_topology(cfg.parallel.tp, cfg.parallel.pp, info.type, cfg.parallel.timeout_s)
+    p = cfg.parallel
+    topo = build_topology(p.tp, p.pp, info.type, p.timeout_s, p.cp)
     comm = Comm(topo)
     watchdog = start_watchdog(comm, cfg.parallel.timeout_s, cfg.run.dir)
     locks = []
@@ -355,4 +366,5 @@ def _build(
         user_loss=resolve(cfg.train.loss, "train.loss")
         if cfg.train.loss != "cross_entropy"
         else None,
+        experts=expert_tally(model, cfg.train),
     )

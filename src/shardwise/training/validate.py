@@ -18,6 +18,7 @@ from shardwise.models.families import Family, family_of
 from shardwise.models.spec import spec_from_config
 from shardwise.training.checks import (
     check_checkpoint_tp,
+    check_context_parallel,
     check_lora,
     check_loss,
     check_loss_chunks,
@@ -38,6 +39,7 @@ class Derived:
     tokens_per_sample: int
     spec: ModelSpec
     family: Family  # what the model's family answers (models/families/), resolved once
+    cp: int = 1  # ranks splitting each sample's sequence; dp counts the sample streams
 
     @property
     def tokens_per_step(self) -> int:
@@ -215,6 +217,16 @@ def derive(cfg: Config, world: int) -> Derived:
     _check_compression(cfg)
     spec, family = resolve_model(cfg)
     pp, dp, tp = degrees(world, p.tp, p.pp)
+    cp = p.cp
+    check_context_parallel(cfg, spec, family, tp, pp)
+    if dp % cp:  # the topology's dp (every rank sharing the parameters) is dp x cp here
+        raise ConfigError(
+            f"world size {world} = pp({pp}) * dp * cp({cp}) * tp({tp}) leaves no whole dp: "
+            f"{world} / {pp * cp * tp} = {world / (pp * cp * tp):g}. Fix: a parallel.cp "
+            f"dividing world / (tp * pp) = {dp}, or a world size that is a multiple of "
+            f"{pp * cp * tp}."
+        )
+    dp //= cp  # the sample streams: the global batch is split over them
     is_image = family.data == "images"
     user_data = ":" in cfg.data.dataset  # your dataset (data/user.py): one sample per item
     check_loss(cfg, tp, pp)
@@ -246,21 +258,21 @@ def derive(cfg: Config, world: int) -> Derived:
         raise ConfigError(
             f"train.global_batch={t.global_batch} < dp({dp}): every data-parallel "
             f"rank needs at least one sample. Fix: --train.global_batch={dp} or "
-            "more (dp = world / (tp * pp))."
+            "more (dp = world / (tp * pp * cp))."
         )
     micro = t.micro_batch or t.global_batch // dp
     if micro == 0 or t.global_batch % (micro * dp):
         raise ConfigError(
             f"train.global_batch={t.global_batch} is not divisible by "
             f"train.micro_batch({micro}) * dp({dp}) = {micro * dp}. Fix: make "
-            "global_batch a multiple of micro_batch * dp (dp = world / (tp * pp))."
+            "global_batch a multiple of micro_batch * dp (dp = world / (tp * pp * cp))."
         )
     _checkpoint(cfg)
     m = t.global_batch // (micro * dp)
     check_pipeline(cfg, spec, family, pp, dp, micro, m)
     per_row = cfg.data.dataset == "digits" or user_data or family.classifier
     tokens = 1 if per_row else cfg.data.seq_len
-    return Derived(world, pp, dp, tp, micro, m, tokens, spec, family)
+    return Derived(world, pp, dp, tp, micro, m, tokens, spec, family, cp)
 
 
 def check_held_out(cfg: Config, derived: Derived, held_out) -> None:

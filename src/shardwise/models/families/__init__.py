@@ -14,12 +14,14 @@ from shardwise.models.families.decoder import DECODER, GPT2
 from shardwise.models.families.hf_causal import HF_CAUSAL_LM
 from shardwise.models.families.hf_classifier import HF_CLASSIFIER
 from shardwise.models.families.hf_preset import HF_GPT2, HF_LLAMA
+from shardwise.models.families.moe import MOE
 from shardwise.models.families.resnet import RESNET
 from shardwise.models.presets import ModelSpec
 
 FAMILIES: tuple[Family, ...] = (
     DECODER,
     GPT2,
+    MOE,
     RESNET,
     HF_LLAMA,
     HF_GPT2,

@@ -50,6 +50,8 @@ class Family:
     pipeline: Literal["blocks", "checkpoint", "none"] = "none"
     packs_rows: bool = True  # masks attention per record (data.pack)
     chunked_loss: bool = False  # its head computes the loss in chunks (train.loss_chunks)
+    # its attention cores take a context (parallel/context.py): parallel.cp splits the sequence
+    context_parallel: bool = False
     recompute: Recompute = "plans"
     block: BlockShape = BlockShape()
     # `shardwise export --format hf` of our own modules: the config.json transformers reads
