@@ -61,6 +61,7 @@ GOLDEN_KEYS = [
     "data.val_fraction",
     "data.image_size",
     "data.cache_dir",
+    "data.blend",
     "train.steps",
     "train.global_batch",
     "train.micro_batch",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.cli import data as cli_data
 from shardwise.cli import export as cli_export
 from shardwise.cli import launch as cli_launch
 from shardwise.cli import main as cli_main
@@ -123,6 +124,10 @@ def _parse(argv: list[str]) -> None:
     elif command == "export":
         args, leftover = cli_export._parser().parse_known_intermixed_args(own)
         assert not leftover and len(args.paths) == 2 and args.format, argv
+        return
+    elif command == "data":
+        args = cli_data._parser().parse_args(own)
+        assert args.verb == "prepare" and args.inputs and args.out, argv
         return
     else:
         raise AssertionError(f"unknown command {command}")

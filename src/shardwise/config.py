@@ -105,7 +105,8 @@ class DataConfig:
     dataset: str = opt(
         "stdlib",
         "stdlib (Python's own sources), digits (scikit-learn images), a "
-        "path/dir/glob of .txt, .jsonl, .json, .csv, .parquet files, or your own dataset: "
+        "path/dir/glob of .txt, .jsonl, .json, .csv, .parquet files, a directory "
+        "`shardwise data prepare` wrote, or your own dataset: "
         "module:factory or file.py:factory, factory(split) -> (input, target) items or None.",
     )
     seq_len: int = opt(128, "Tokens per sample (text).")
@@ -153,6 +154,12 @@ class DataConfig:
     val_fraction: float = opt(0.02, "Fraction of documents held out for evaluation.")
     image_size: int = opt(32, "Digits are resized from 8x8 to this many pixels per side.")
     cache_dir: str = opt("", "Tokenizer/token cache ('' = $SHARDWISE_CACHE or ~/.cache/shardwise).")
+    blend: str = opt(
+        "",
+        "Weighted blend of text corpora instead of data.dataset (leave that at its default): "
+        "'dirA:0.7,dirB:0.3', prepared directories or raw corpora with one tokenizer; weights "
+        "are normalised, sample i's source is a fixed function of i ('' = off).",
+    )
 
 
 @dataclass

@@ -100,6 +100,8 @@ USAGE = """usage: shardwise {train,explain,profile,plan,launch,export} [CONFIG.t
             (`shardwise plan -h` for its options)
   launch    write (and submit) a job for a cluster: `shardwise launch {slurm,k8s} --help`
   export    RUN_DIR --format hf OUT: the newest checkpoint as Hugging Face safetensors
+  data      prepare INPUT... --out DIR: tokenise a corpus once into memory-mapped shards
+            (resumable), to train on with --data.dataset=DIR (`shardwise data prepare -h`)
 
   --help-config   list every config key with its default and meaning
 """
@@ -206,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         from shardwise.cli.launch import launch_main
 
         return launch_main(rest)
+    if command == "data":
+        from shardwise.cli.data import data_main
+
+        return data_main(rest)
     commands = {"train": cmd_train, "explain": cmd_explain, "plan": None}
     try:
         if command == "plan":

@@ -8,19 +8,23 @@
 from __future__ import annotations
 
 from shardwise.config import Config
+from shardwise.data.blend import BlendDataset, load_blend
 from shardwise.data.classify import ClassifyDataset, load_classify, prepare_classify
 from shardwise.data.corpus import DataSpec
 from shardwise.data.images import ImageDataset, load_digits
 from shardwise.data.instruct import InstructDataset, load_instruct
 from shardwise.data.pretrained import tokenizer_dir
 from shardwise.data.sampler import GlobalSampler, split_for_rank
+from shardwise.data.shards import ShardedTokenDataset, is_prepared, load_prepared
 from shardwise.data.tokens import TokenDataset, load_tokens, prepare_text
 from shardwise.data.user import UserDataset, load_user
 
 __all__ = [
+    "BlendDataset",
     "DataSpec",
     "GlobalSampler",
     "ImageDataset",
+    "ShardedTokenDataset",
     "TokenDataset",
     "data_spec",
     "load_data",
@@ -38,6 +42,9 @@ def prepare_data(spec: DataSpec) -> None:
     Idempotent and safe when several processes call it at once (file lock, atomic writes).
     Raises DataError for missing, empty, unreadable or too-small data.
     """
+    if spec.blend or is_prepared(spec.dataset):  # checked and mapped; tokenised already
+        load_data(spec, "train")  # (a blend's raw corpora: their caches are built here)
+        return
     if spec.dataset == "digits":
         return  # bundled with scikit-learn and tiny: loaded in memory, nothing to cache
     if spec.is_user:  # your dataset: imported and its first item read, nothing to cache
@@ -58,6 +65,10 @@ def load_data(
     """The "train" or "val" split of `spec.dataset` (prepares the cache first if needed)."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {SPLITS}")
+    if spec.blend:
+        return load_blend(spec, split)
+    if is_prepared(spec.dataset):
+        return load_prepared(spec, split)
     if spec.dataset == "digits":
         return load_digits(spec, split)
     if spec.is_user:
@@ -95,6 +106,7 @@ def data_spec(cfg: Config, vocab_size: int, labelled: bool = False) -> DataSpec:
         pack=d.pack,
         # the run's own outputs are never its data (a dataset folder may hold the run)
         exclude=(cfg.run.dir, cfg.checkpoint.dir),
+        blend=d.blend,
     )
 
 

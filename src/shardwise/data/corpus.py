@@ -58,6 +58,7 @@ class DataSpec:
     max_bad_rows: int = 100  # rows without a text value skipped (counted) before refusing
     # directories a dataset scan leaves out: the run's own outputs (run.dir, checkpoint.dir)
     exclude: tuple[str, ...] = ()
+    blend: str = ""  # "PATH:WEIGHT,..." of text corpora, instead of `dataset` (data/blend.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataset, str) or not self.dataset.strip():

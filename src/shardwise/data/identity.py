@@ -45,7 +45,7 @@ def data_identity(spec: DataSpec, train_data) -> dict:
         return _KNOWN[train_data]
     except (KeyError, TypeError):  # TypeError: an object that takes no weak reference
         pass
-    ident: dict = {"dataset": spec.dataset}
+    ident: dict = {"dataset": spec.dataset} if not spec.blend else {"dataset": spec.blend}
     # a save must not fail because a data file went away meanwhile: what cannot be read is
     # left out of the identity, and left unchecked on resume
     with contextlib.suppress(Exception):
@@ -67,8 +67,19 @@ def data_identity(spec: DataSpec, train_data) -> dict:
 def _files(spec: DataSpec) -> dict:
     """How many files, how many bytes, and a hash of their names and sizes (not mtimes: a
     copy of the same data is the same data)."""
-    if spec.dataset == "digits" or spec.is_user:
+    if spec.dataset == "digits" or spec.is_user or spec.blend:
         return {}
+    from shardwise.data.shards import is_prepared, read_manifest
+
+    if is_prepared(spec.dataset):  # its shards and their checksums are the data
+        m = read_manifest(spec.dataset)
+        shards = [s for split in ("train", "val") for s in m["splits"][split]["shards"]]
+        itemsize = 4 if m["dtype"] == "uint32" else 2
+        return {
+            "files": len(shards),
+            "bytes": sum(s["tokens"] * itemsize for s in shards),
+            "content": _digest([s["sha256"] for s in shards]),
+        }
     source = resolve_source(spec)
     sizes = [(rel, p.stat().st_size) for rel, p in zip(source.ids, source.files, strict=True)]
     return {

@@ -1,0 +1,272 @@
+"""`shardwise data prepare` and `data.blend`: the manifest, the prepared token stream against the
+token cache training builds, resuming after a kill, blend proportions, and every refusal."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shardwise.cli.main import main
+from shardwise.data import GlobalSampler, load_data
+from shardwise.data.blend import BlendDataset, assign
+from shardwise.data.identity import vocab_key
+from shardwise.data.prepare import Options, prepare
+from shardwise.data.shards import PARTIAL
+from shardwise.data.tokens import load_tokens
+from shardwise.errors import DataError
+from shardwise.launchers.harness import run_here
+from support.compare import VOCAB, case
+from support.textdata import spec as _spec
+from support.textdata import text as _text
+
+SMALL_SHARDS = 0.004  # MB of text per shard: ~8 shards of the corpora below
+
+
+def _corpus(root: Path, seed: int = 0, docs: int = 24) -> Path:
+    """`docs` .txt documents and a .jsonl of more, all of WORDS, in `root`."""
+    root.mkdir(parents=True)
+    for i in range(docs):
+        (root / f"d{i:02d}.txt").write_text(_text(seed * 1000 + i, 300))
+    rows = [{"text": _text(seed * 1000 + 500 + i, 120)} for i in range(10)]
+    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def _prepare(inputs, out: Path, **kw) -> dict:
+    kw = {"vocab_size": VOCAB, "shard_mb": SMALL_SHARDS, "workers": 1, **kw}
+    return prepare(Options(inputs=tuple(str(i) for i in inputs), out=str(out), **kw))
+
+
+def _stream(out: Path, manifest: dict, split: str) -> np.ndarray:
+    shards = manifest["splits"][split]["shards"]
+    return np.concatenate([np.fromfile(out / s["name"], dtype=manifest["dtype"]) for s in shards])
+
+
+def _hf_tokenizer(root: Path) -> Path:
+    """A Hugging Face tokenizer folder: a byte-level BPE with an end-of-text token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([_text(7, 600)], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return _corpus(tmp_path_factory.mktemp("c") / "corpus")
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("p") / "prepared"
+    return out, _prepare([corpus], out, workers=2)
+
+
+def test_manifest_records_tokenizer_shards_and_checksums(prepared, corpus):
+    """The manifest is what a reader needs to trust the shards: each shard's sha256 and
+    token count match its file, the tokenizer (kind, size, eos id, vocabulary hash of the
+    tokenizer.json beside it) and dtype are recorded, as are the inputs and the split."""
+    out, m = prepared
+    assert m["kind"] == "shardwise-prepared" and m["dtype"] == "uint16"
+    assert m["inputs"] == [str(corpus)] and m["val_fraction"] == 0.02
+    tok = m["tokenizer"]
+    assert tok["kind"] == "bpe" and tok["vocab_size"] <= VOCAB and m["eos_id"] == tok["eos_id"]
+    assert tok["vocab_key"] == vocab_key(out / "tokenizer.json")
+    assert len(m["splits"]["train"]["shards"]) > 2 and m["splits"]["val"]["shards"]
+    assert m["splits"]["train"]["docs"] + m["splits"]["val"]["docs"] == 24 + 10
+    for split in ("train", "val"):
+        shards = m["splits"][split]["shards"]
+        for s in shards:
+            data = (out / s["name"]).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == s["sha256"]
+            assert len(data) == 2 * s["tokens"]
+        assert m["splits"][split]["tokens"] == sum(s["tokens"] for s in shards)
+    assert not (out / PARTIAL).exists()
+    assert json.loads((out / "manifest.json").read_text()) == m
+
+
+def test_prepared_stream_equals_the_token_cache(prepared, corpus, tmp_path):
+    """Training on a prepared directory must be training on the raw corpus: its train and val
+    shards concatenated equal, token for token, the arrays the token cache builds (same
+    documents, order, end-of-text tokens, held-out split, BPE), and every window, including
+    those across shard boundaries, is the same sample."""
+    out, m = prepared
+    spec = _spec(tmp_path, corpus, vocab_size=VOCAB, seq_len=32)
+    for split in ("train", "val"):
+        raw = load_tokens(spec, split)
+        assert np.array_equal(_stream(out, m, split), np.asarray(raw.tokens))
+        mine = load_data(_spec(tmp_path, out, vocab_size=VOCAB, seq_len=32), split)
+        assert len(mine) == len(raw) > 0
+        every = torch.arange(len(raw))
+        for a, b in zip(mine.get_batch(every), raw.get_batch(every), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_hf_tokenizer_and_a_saved_dataset_give_the_cache_s_stream(corpus, tmp_path):
+    """With --tokenizer DIR the shards equal the cache built with data.tokenizer=DIR; a folder
+    `Dataset.save_to_disk` wrote is read row by row, every non-empty row one document."""
+    import datasets
+
+    tok = _hf_tokenizer(tmp_path / "tok")
+    m = _prepare([corpus], tmp_path / "out", tokenizer=str(tok), workers=2)
+    raw = load_tokens(_spec(tmp_path, corpus, tokenizer=str(tok), vocab_size=VOCAB), "train")
+    assert np.array_equal(_stream(tmp_path / "out", m, "train"), np.asarray(raw.tokens))
+    rows = [_text(i, 60) for i in range(12)] + [""]
+    datasets.Dataset.from_dict({"text": rows}).save_to_disk(str(tmp_path / "saved"))
+    m = _prepare([tmp_path / "saved"], tmp_path / "out2", tokenizer=str(tok))
+    assert m["splits"]["train"]["docs"] + m["splits"]["val"]["docs"] == 12
+
+
+def test_a_short_run_has_the_losses_of_the_raw_corpus(prepared, corpus, tmp_path):
+    """Three steps of one process on the prepared directory and on the raw corpus (its own
+    cache, the same BPE size and held-out fraction) give equal losses."""
+    out, _ = prepared
+    common = ["--train.steps=3", "--model.n_layers=1", f"--data.cache_dir={tmp_path / 'cache'}"]
+    raw = run_here(case(*common, f"--data.dataset={corpus}"), str(tmp_path / "raw"))
+    mine = run_here(case(*common, f"--data.dataset={out}"), str(tmp_path / "mine"))
+    assert len(raw["losses"]) == 3
+    assert mine["losses"] == raw["losses"]
+
+
+def test_a_rerun_after_a_kill_keeps_finished_shards(corpus, tmp_path, capsys):
+    """A prepare stopped after its first recorded shard (two workers, others in flight) is
+    finished by rerunning it: recorded shards are kept untouched (same inode and mtime), a
+    temporary file the kill left is removed, and the result equals an uninterrupted run."""
+    out = tmp_path / "out"
+
+    def stop(name: str) -> None:
+        raise KeyboardInterrupt(f"killed after {name}")
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare(Options((str(corpus),), str(out), vocab_size=VOCAB, shard_mb=SMALL_SHARDS,
+                        workers=2), on_shard=stop)  # fmt: skip
+    partial = json.loads((out / PARTIAL).read_text())
+    done = sorted(partial["done"])
+    assert done and len(done) < len(partial["plan"]) and not (out / "manifest.json").exists()
+    (out / "train-00005.bin.tmp999").write_bytes(b"half")  # what a killed worker leaves
+    before = {n: ((out / n).stat().st_ino, (out / n).stat().st_mtime_ns) for n in done}
+    capsys.readouterr()
+    m = _prepare([corpus], out, workers=2)
+    assert f"kept {len(done)} of {len(partial['plan'])} shards" in capsys.readouterr().err
+    after = {n: ((out / n).stat().st_ino, (out / n).stat().st_mtime_ns) for n in done}
+    assert after == before
+    assert not list(out.glob("*.tmp*")) and not (out / PARTIAL).exists()
+    whole = _prepare([corpus], tmp_path / "whole", workers=1)
+    assert m["splits"] == whole["splits"] and m["tokenizer"] == whole["tokenizer"]
+    capsys.readouterr()
+    assert _prepare([corpus], out)["splits"] == m["splits"]  # finished: nothing redone
+    assert "already prepared" in capsys.readouterr().err
+
+
+def test_a_blend_draws_each_source_by_its_weight(tmp_path):
+    """Over 10,000 samples drawn by the global sampler, each source's share is within 1 % of
+    its normalised weight; every row is its source's sample; the map from sample to (source,
+    index) is a pure function of the index (the same when built again, so a blend resumes
+    mid-epoch), and a longer blend extends a shorter one."""
+    tok = _hf_tokenizer(tmp_path / "tok")
+    a = _prepare([_corpus(tmp_path / "a", seed=1)], tmp_path / "pa", tokenizer=str(tok))
+    b = _prepare([_corpus(tmp_path / "b", seed=2, docs=8)], tmp_path / "pb", tokenizer=str(tok))
+    assert a["splits"]["train"]["tokens"] > 2 * b["splits"]["train"]["tokens"]
+    spec = _spec(tmp_path, "stdlib", blend=f"{tmp_path / 'pa'}:7,{tmp_path / 'pb'}:3")
+    blend = load_data(spec, "train")
+    assert isinstance(blend, BlendDataset)
+    idx = torch.cat([GlobalSampler(len(blend), 100, 0).global_indices(s) for s in range(100)])
+    share = np.bincount(blend.source[idx.numpy()], minlength=2) / len(idx)
+    assert abs(share[0] - 0.7) < 0.01 and abs(share[1] - 0.3) < 0.01, share
+    x, y = blend.get_batch(idx[:64])
+    for row, i in enumerate(idx[:64].tolist()):
+        src = blend.sources[blend.source[i]]
+        sx, sy = src.get_batch(torch.tensor([blend.index[i]]))
+        assert torch.equal(x[row], sx[0]) and torch.equal(y[row], sy[0])
+    again = load_data(spec, "train")
+    assert np.array_equal(again.source, blend.source) and np.array_equal(again.index, blend.index)
+    s_short, d_short = assign([0.7, 0.3], 1000)
+    s_long, d_long = assign([0.7, 0.3], 10_000)
+    assert np.array_equal(s_long[:1000], s_short) and np.array_equal(d_long[:1000], d_short)
+    assert abs(np.bincount(s_long)[0] - 7000) <= 2
+
+
+def _refused(match: str, fn, *args, **kw) -> str:
+    with pytest.raises(DataError, match=match) as info:
+        fn(*args, **kw)
+    message = str(info.value)
+    assert "\n" not in message and "Fix:" in message, message
+    return message
+
+
+def test_prepare_refusals_name_the_value_and_the_fix(corpus, tmp_path, capsys):
+    """Each refusal is one line naming the value and the fix: an empty input, an output
+    holding others' files (left untouched), and a rerun with another tokenizer or other
+    inputs than the unfinished prepare it would continue."""
+    (tmp_path / "empty.txt").write_text("")
+    _refused(
+        "INPUT '.*empty.txt' holds no text", _prepare, [tmp_path / "empty.txt"], tmp_path / "o"
+    )
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    _refused("did not write .*'notes.txt'", _prepare, [corpus], theirs)
+    assert [p.name for p in theirs.iterdir()] == ["notes.txt"]
+    assert (theirs / "notes.txt").read_text() == "mine"
+    # the command line says it in one line and exits 2
+    assert main(["data", "prepare", str(corpus), "--out", str(theirs)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --out") and "Fix:" in err[0]
+    # an unfinished prepare, then reruns that would mix two tokenizers or two corpora
+    out, copy = tmp_path / "out", tmp_path / "copy"
+    copy.mkdir()
+    for f in corpus.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+
+    def stop(name: str) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare(Options((str(copy),), str(out), vocab_size=VOCAB, shard_mb=SMALL_SHARDS,
+                        workers=1), on_shard=stop)  # fmt: skip
+    _refused("the trained BPE of --vocab-size 400 differs from the unfinished prepare .*Fix: "
+             "rerun with the trained BPE of --vocab-size 512", _prepare, [copy], out,
+             vocab_size=400)  # fmt: skip
+    _refused("--val-fraction 0.1 differs .*Fix: rerun with --val-fraction 0.02", _prepare,
+             [copy], out, val_fraction=0.1)  # fmt: skip
+    (copy / "d03.txt").write_text("changed")
+    _refused(r"the inputs .* differ .*d03.txt' changed\)", _prepare, [copy], out)
+
+
+def test_training_and_blend_refusals_name_the_value_and_the_fix(prepared, corpus, tmp_path):
+    """Training on a prepared directory with another held-out fraction, and blends with a bad
+    weight, a missing directory, sources of two vocabularies or data.dataset also set, are
+    refused in one line with the fix."""
+    out, _ = prepared
+    spec = _spec(tmp_path, out, vocab_size=VOCAB, val_fraction=0.05)
+    _refused(r"data.val_fraction=0.05 but .* --val-fraction 0.02", load_data, spec, "train")
+    for blend, match in (
+        (f"{out}:0", "weight '0' of .* must be a number > 0"),
+        (f"{out}:x", "weight 'x'"),
+        (f"{out}", "is not PATH:WEIGHT"),
+    ):
+        _refused(match, load_data, _spec(tmp_path, "stdlib", blend=blend), "train")
+    spec = _spec(tmp_path, corpus, blend=f"{out}:1")
+    _refused("both name the training data", load_data, spec, "train")
+    spec = _spec(tmp_path, "stdlib", vocab_size=VOCAB, blend=f"{out}:1,{tmp_path / 'no'}:1")
+    _refused("source '.*no' does not exist", load_data, spec, "train")
+    other = _prepare([_corpus(tmp_path / "other", seed=5)], tmp_path / "other_p")
+    assert (
+        other["tokenizer"]["vocab_key"]
+        != json.loads((out / "manifest.json").read_text())["tokenizer"]["vocab_key"]
+    )
+    spec = _spec(tmp_path, "stdlib", vocab_size=VOCAB, blend=f"{out}:1,{tmp_path / 'other_p'}:1")
+    _refused("another tokenizer or vocabulary", load_data, spec, "train")
