@@ -40,6 +40,7 @@ ELSEWHERE = {
     "packing.py", "zero_stages.py", "recompute.py", "tp_vs_dtensor.py",
     "zero_vs_peers.py", "pipeline_bubble.py", "pp_vs_torch.py",
     "soak_kill_saves.py",  # its smoke run is tests/test_checkpoint_safety.py's soak test
+    "compile_speed.py",  # compiles through the harness as tests/test_compile.py does
 }  # fmt: skip
 # the slowest smoke runs first, dealt alternately to the two runners so both finish together
 SLOW_FIRST = ["profile_remedies.py", "ledger_overhead.py"]

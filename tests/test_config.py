@@ -71,6 +71,7 @@ GOLDEN_KEYS = [
     "train.eval_batches",
     "train.freeze",
     "train.loss",
+    "train.compile",
     "train.loss_chunks",
     "train.max_skipped_steps",
     "train.moe_aux_loss",

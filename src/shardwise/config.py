@@ -185,6 +185,12 @@ class TrainConfig:
         "cross_entropy, or your own: module:fn or file.py:fn, fn(output, target) -> the "
         "micro-batch's summed loss (divided by the global sample count).",
     )
+    compile: Literal["false", "blocks"] = opt(
+        "false",
+        "blocks: compile each transformer block's forward with torch.compile (TorchInductor) "
+        "once for all blocks of a shape; graph breaks are counted and reported after the "
+        "first step. false: eager.",
+    )
     loss_chunks: int = opt(
         0,
         "Compute the output head and cross-entropy this many chunks of tokens at a time, each "

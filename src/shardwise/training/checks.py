@@ -56,6 +56,31 @@ def check_loss(cfg: Config, tp: int, pp: int) -> None:
         )
 
 
+def check_compile(cfg: Config, family: Family) -> None:
+    """train.compile=blocks: the families and layouts whose compiled blocks are tested."""
+    if cfg.train.compile == "false":
+        return
+    why = ""
+    if not family.compiles:
+        why = (
+            f"model.name='{cfg.model.name}' is {family.kind}, whose compiled blocks are not "
+            "tested yet (the built-in decoders and the hf-* presets are)"
+        )
+    elif cfg.memory.recompute == "selective":
+        why = (
+            "memory.recompute=selective recomputes parts inside each block, and torch.compile "
+            "cannot trace that recomputation. Fix: --memory.recompute=full (it wraps the "
+            "compiled block) or none"
+        )
+    elif cfg.parallel.pp_schedule == "zb" and cfg.parallel.pp > 1:
+        why = "parallel.pp_schedule=zb splits each linear layer's backward in two, untraced"
+    elif cfg.parallel.cp > 1:
+        why = f"parallel.cp={cfg.parallel.cp} attends with communicating kernels, untraced"
+    if why:
+        fix = "" if "Fix:" in why else " Fix: --train.compile=false."
+        raise ConfigError(f"train.compile={cfg.train.compile}: {why}.{fix}")
+
+
 def check_loss_chunks(cfg: Config, family: Family, tp: int, pp: int) -> None:
     """train.loss_chunks > 1: the built-in decoders' head computes the loss in chunks."""
     n = cfg.train.loss_chunks

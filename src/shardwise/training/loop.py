@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from shardwise.errors import CheckpointError
 from shardwise.models import build_on_meta
 from shardwise.models.dropout import random_stream, samples
 from shardwise.optim import lr_at
+from shardwise.parallel.compile import compile_summary
 from shardwise.parallel.data import sync_buffers
 from shardwise.profile import ledger
 from shardwise.profile.capture import Capture, capture_for
@@ -234,6 +236,16 @@ def _steps(run: Run, start: int, loop: _Loop) -> tuple[list[dict], int]:
             record["nonfinite"] = guard.diagnose(local_loss, result.nonfinite)
         if run.pipeline is not None:
             record["pipeline"] = run.pipeline.report(device)
+        if cfg.train.compile != "false" and step == start:  # what compiling did, once
+            record["compile"] = compile_summary()
+            if run.topo.rank == 0:
+                c = record["compile"]
+                print(
+                    f"shardwise: compiled blocks: {c['graphs']} graph(s), "
+                    f"{c['graph_breaks']} graph break(s) {c['break_reasons'] or ''}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         # maybe checkpoint (async: a host snapshot only); always when told to stop. Before
         # evaluating: a failure there must not cost the step's checkpoint
         with clk.phase("checkpoint"):

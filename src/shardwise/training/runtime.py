@@ -29,6 +29,7 @@ from shardwise.models.hf.auto import weights_for
 from shardwise.models.hf.weights import load_weights
 from shardwise.models.tp_plans import plan_for
 from shardwise.optim import EIGHT_BIT, QUANT_BLOCK, MixedPrecisionAdamW, replicated_targets
+from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.compress import WIRE, make_compression
 from shardwise.parallel.context import apply_context_parallel, sequence_part
 from shardwise.parallel.data import GradReducer, apply_data_parallel
@@ -200,7 +201,10 @@ def parallelize(
     #    and the cp attention kernels; no parameter changes, so recomputation, ZeRO and init
     #    below see the same model, and gradients are summed over dp, which holds the cp ranks.
     apply_context_parallel(model, comm, run_cfg.parallel.cp_mode)
-    # 4. Recomputation wraps module forwards; names stay, so init and checkpoints are unchanged.
+    # 4. Compilation replaces each block's forward by a compiled one (its hooks stay eager);
+    #    full recomputation below then wraps the compiled forward and replays compiled code.
+    apply_compile(model, derived.family, run_cfg.train.compile)
+    # 5. Recomputation wraps module forwards; names stay, so init and checkpoints are unchanged.
     #    BatchNorm forwards take their statistics over every dp replica (layout-invariant).
     apply_recompute(model, derived.family, run_cfg.memory.recompute)
     if run_cfg.model.sync_batchnorm:
@@ -208,7 +212,7 @@ def parallelize(
     stage = run_cfg.parallel.zero
     source = weights_for(derived.spec, run_cfg.model.init_from, model)
     if stage:
-        # 5. ZeRO flattens the still-meta parameters into units and materialises only what
+        # 6. ZeRO flattens the still-meta parameters into units and materialises only what
         #    this rank keeps (its slices under ZeRO-3), straight from the (seed, name) init.
         offload_params = run_cfg.memory.offload == "optimizer+params"
         if run_cfg.memory.offload == "params+nvme":  # the slices in files under nvme_dir
@@ -227,7 +231,7 @@ def parallelize(
         )
         engine = apply_zero(model, comm, how, run_cfg.train.seed, source)
         return model, engine, tp, pipeline
-    # 5. Materialise: without ZeRO the local shard is the whole model. Values depend only on
+    # 6. Materialise: without ZeRO the local shard is the whole model. Values depend only on
     #    (seed, parameter name), so every rank builds identical weights without a broadcast.
     to_empty(model, info.device)
     if source is not None:
@@ -235,7 +239,7 @@ def parallelize(
     else:
         init_weights(model, run_cfg.train.seed)
     cast_for_compute(model, compute)
-    # 6. Data parallelism attaches gradient buckets to the materialised parameters.
+    # 7. Data parallelism attaches gradient buckets to the materialised parameters.
     par = run_cfg.parallel
     compression = make_compression(
         par.grad_compression, par.powersgd_rank, par.powersgd_warm_start, run_cfg.train.seed

@@ -18,6 +18,7 @@ from shardwise.models.families import Family, family_of
 from shardwise.models.spec import spec_from_config
 from shardwise.training.checks import (
     check_checkpoint_tp,
+    check_compile,
     check_context_parallel,
     check_lora,
     check_loss,
@@ -231,6 +232,7 @@ def derive(cfg: Config, world: int) -> Derived:
     user_data = ":" in cfg.data.dataset  # your dataset (data/user.py): one sample per item
     check_loss(cfg, tp, pp)
     check_loss_chunks(cfg, family, tp, pp)
+    check_compile(cfg, family)
     if tp > 1 and family.tp_refusal:
         raise ConfigError(family.tp_refusal.format(tp=tp, name=cfg.model.name))
     check_lora(spec, cfg)

@@ -50,6 +50,7 @@ class Family:
     pipeline: Literal["blocks", "checkpoint", "none"] = "none"
     packs_rows: bool = True  # masks attention per record (data.pack)
     chunked_loss: bool = False  # its head computes the loss in chunks (train.loss_chunks)
+    compiles: bool = False  # train.compile=blocks compiles its blocks (tested: parity)
     # its attention cores take a context (parallel/context.py): parallel.cp splits the sequence
     context_parallel: bool = False
     recompute: Recompute = "plans"

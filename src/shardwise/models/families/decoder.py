@@ -12,6 +12,7 @@ _OURS = dict(
     sequence_parallel=True,
     pipeline="blocks",
     chunked_loss=True,  # models/chunked_loss.LMHead
+    compiles=True,
     context_parallel=True,  # AttentionCore.context; GPT-2's positions through pos_embed
     kind="a shardwise decoder",
 )

@@ -21,7 +21,7 @@ def _export_config(spec: ModelSpec, dtype: str) -> dict:
 
 
 # `shardwise export --format hf`: the config it trained with, its dropout (none) included
-_EXPORT = dict(hf_config=_export_config, hf_keeps_dropout=True)
+_EXPORT = dict(hf_config=_export_config, hf_keeps_dropout=True, compiles=True)
 
 HF_LLAMA = Family(
     name="hf-llama", kind="a Hugging Face model", archs=("hf-llama",), build=_build, **_EXPORT
