@@ -37,8 +37,14 @@ def build_corpus(root: Path, gb: float) -> int:
     done = root / "complete.marker"  # not a corpus suffix: prepare skips it
     if done.is_file() and json.loads(done.read_text())["gb"] == gb:
         return json.loads(done.read_text())["bytes"]
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
+    if root.is_dir() and any(p.name != done.name for p in root.iterdir()):
+        if not done.is_file():  # never delete what this script did not write
+            sys.exit(
+                f"--corpus {root} holds files this benchmark did not write. Fix: an "
+                "empty or new directory."
+            )
+        shutil.rmtree(root)  # our own corpus, of another size
+    root.mkdir(parents=True, exist_ok=True)
     texts = []
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
         if "site-packages" not in path.parts:
