@@ -225,15 +225,20 @@ def _gb(x: float | None) -> str:
     return f"{x / 2**30:.2f} GiB" if x else "-"
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_run_args(p: argparse.ArgumentParser, warmup: int) -> None:
+    """The decoder, batch and step counts of a one-GPU run (this script and cuda_speed.py)."""
     p.add_argument("--model", default="1b")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--precision", default="bf16")
     p.add_argument("--steps", type=int, default=5, help="measured steps")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=warmup, help="steps left out")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_run_args(p, warmup=2)
     p.add_argument("--ledger-rounds", type=int, default=0, help="rounds of the ledger A/B")
     p.add_argument("--ledger-steps", type=int, default=30, help="steps per ledger run")
     p.add_argument("--ledger-only", action="store_true", help="skip the profile and the peer")

@@ -30,7 +30,16 @@ from pathlib import Path
 import torch
 
 from common import add_smoke, preamble, table
-from cuda_profile import overrides, peer, predicted, published_row, shardwise
+from cuda_profile import (
+    _gb,
+    _pct,
+    add_run_args,
+    overrides,
+    peer,
+    predicted,
+    published_row,
+    shardwise,
+)
 
 ENGINES = [("eager", "false"), ("compiled blocks", "blocks")]
 LLAMA3 = ["--model.dim=4096", "--model.n_heads=32", "--model.n_kv_heads=8", "--model.ffn_dim=14336"]
@@ -70,23 +79,9 @@ def train(a: argparse.Namespace, folder: Path, compile_mode: str) -> dict:
     }
 
 
-def _pct(x: float | None) -> str:
-    return f"{100 * x:.1f}%" if x else "-"
-
-
-def _gb(x: float | None) -> str:
-    return f"{x / 2**30:.2f} GiB" if x else "-"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="1b")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--micro", type=int, default=4)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--precision", default="bf16")
-    p.add_argument("--steps", type=int, default=5, help="measured steps")
-    p.add_argument("--warmup", type=int, default=3, help="steps left out (compilation)")
+    add_run_args(p, warmup=3)  # the first steps compile
     p.add_argument("--llama3-layers", type=int, default=0, help="a trimmed Llama-3-8B shape")
     p.add_argument("--row", type=Path, help="append each shardwise run as a published row")
     add_smoke(p)
