@@ -64,6 +64,28 @@ def _matches(path: str, pattern: str) -> bool:
     return path.rpartition(".")[2] == pattern
 
 
+def _refuse_experts(model: nn.Module, pattern: str) -> None:
+    """A pattern naming transformers' stacked experts (or their parameters) is refused with
+    why: they are [E, out, in] parameters, not nn.Linear layers, and peft adapts them only
+    through `target_parameters` (one adapter over all experts), which shardwise does not
+    apply (its adapters are valued, split and sharded per nn.Linear)."""
+    from shardwise.models.hf.experts import experts_modules
+
+    owners = {id(m) for m in experts_modules(model)}
+    for name, module in model.named_modules():
+        if id(module) not in owners:
+            continue
+        paths = [name] + [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)]
+        if any(_matches(path, pattern) for path in paths):
+            raise ConfigError(
+                f"finetune.lora_targets pattern '{pattern}' names the stacked experts "
+                f"'{name}' of {type(model).__name__}: [experts, out, in] parameters, not "
+                "nn.Linear layers; peft adapts those only through target_parameters, which "
+                "shardwise does not apply. Fix: adapt the attention projections "
+                "(q_proj,k_proj,v_proj,o_proj), or train the experts whole without LoRA."
+            )
+
+
 def target_modules(model: nn.Module, patterns: str, new: set[str] = frozenset()) -> list[str]:
     """The paths of the linear layers `patterns` (finetune.lora_targets) names, in model order;
     every pattern must match one."""
@@ -74,6 +96,7 @@ def target_modules(model: nn.Module, patterns: str, new: set[str] = frozenset())
         return [n for n in linear if n not in heads]
     for pat in pats:
         if not any(_matches(n, pat) for n in linear):
+            _refuse_experts(model, pat)
             short = ", ".join(dict.fromkeys(n.rpartition(".")[2] for n in linear))
             raise ConfigError(
                 f"finetune.lora_targets pattern '{pat}' matches no linear layer of "

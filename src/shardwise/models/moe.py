@@ -54,14 +54,19 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype, values: bool = Tru
         return dtype == torch.bfloat16
     key = (device.type, dtype)
     if key not in _GROUPED:
-        try:
-            a = torch.ones(2, 8, device=device, dtype=dtype, requires_grad=True)
-            b = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
-            offs = torch.tensor([0, 2], device=device, dtype=torch.int32)  # group 0 empty
-            torch._grouped_mm(a, b, offs=offs).backward(torch.ones(2, 8, device=device))
-            _GROUPED[key] = True
-        except (RuntimeError, NotImplementedError):
-            _GROUPED[key] = False
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        # the answer is cached for the process: probe with real tensors and gradients on,
+        # whatever the first caller runs under (no_grad evaluation, a fake planner forward)
+        with unset_fake_temporarily(), torch.enable_grad():
+            try:
+                a = torch.ones(2, 8, device=device, dtype=dtype, requires_grad=True)
+                b = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
+                offs = torch.tensor([0, 2], device=device, dtype=torch.int32)  # group 0 empty
+                torch._grouped_mm(a, b, offs=offs).backward(torch.ones(2, 8, device=device))
+                _GROUPED[key] = True
+            except (RuntimeError, NotImplementedError):
+                _GROUPED[key] = False
     return _GROUPED[key]
 
 

@@ -213,6 +213,16 @@ def _auto(cfg: Config, recorded: tuple[str, ...] | None = None) -> ModelSpec:
             f"model.{key} does not apply to model.name=hf: the checkpoint's config.json sets "
             "the shape (and dropout is off: its masks would depend on the layout). Fix: remove it."
         )
+    moe = [f"model.{k}" for k, off in _MOE_OFF.items() if getattr(m, k) != off]
+    moe += [f"train.{k}" for k in ("moe_aux_loss", "moe_bias_balance") if getattr(cfg.train, k)]
+    if moe:
+        raise ConfigError(
+            f"{moe[0]} applies to shardwise's own MoE decoder, not to model.name=hf: a "
+            "checkpoint's experts and router are its config.json's, and shardwise adds no "
+            "balance loss or bias to transformers' routers (their router aux loss multiplies "
+            "two means over the whole batch, so it would change with the micro-batch split). "
+            "Fix: remove it (docs/moe.md, Hugging Face MoE checkpoints)."
+        )
     config = read_hf_config(m.init_from)
     text = getattr(config, "text_config", None) or config
     labels: tuple[str, ...] = ()

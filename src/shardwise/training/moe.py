@@ -12,6 +12,7 @@ from torch import nn
 
 from shardwise.config import TrainConfig
 from shardwise.distributed.comm import Comm
+from shardwise.models.hf.experts import router_stats
 from shardwise.models.moe import moe_layers
 
 
@@ -20,9 +21,12 @@ class ExpertTally:
     dropped assignments, the sum of per-sequence balance losses, sequences."""
 
     def __init__(self, model: nn.Module, train: TrainConfig) -> None:
-        self.layers = moe_layers(model)
+        # shardwise's MoE layers, or a transformers MoE model's routers (loads only: dropless,
+        # no balance loss or bias of ours; models/hf/experts.py)
+        self.layers = moe_layers(model) or router_stats(model)
+        self.balance = all(getattr(layer, "balance", True) for layer in self.layers)
         self.coef, self.rate = train.moe_aux_loss, train.moe_bias_balance
-        width = self.layers[0].n_experts + 3
+        width = self.layers[0].n_experts + 3 if self.layers else 0
         self.sums = torch.zeros(len(self.layers), width, dtype=torch.float64)
 
     def after_forward(self, loss: torch.Tensor, global_count: int) -> torch.Tensor:
@@ -54,13 +58,17 @@ class ExpertTally:
                 layer.expert_bias += step.to(layer.expert_bias)
         out = {
             "moe_load_max_mean": [round(float(v), 6) for v in load.max(-1).values / mean[:, 0]],
-            "moe_dropped": [int(v) for v in dropped],
-            "moe_aux_loss": float((aux / seqs).mean()),
         }
+        if self.balance:
+            out.update(
+                moe_dropped=[int(v) for v in dropped], moe_aux_loss=float((aux / seqs).mean())
+            )
         self.sums = torch.zeros_like(sums)
         return out
 
 
 def expert_tally(model: nn.Module, train: TrainConfig) -> ExpertTally | None:
-    """The tally of `model`'s MoE layers; None for a model without any."""
-    return ExpertTally(model, train) if moe_layers(model) else None
+    """The tally of `model`'s MoE layers (or a transformers MoE model's routers); None for a
+    model without any."""
+    tally = ExpertTally(model, train)
+    return tally if tally.layers else None

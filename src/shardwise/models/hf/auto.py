@@ -13,6 +13,7 @@ depend on the layout.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -69,6 +70,10 @@ def training_config(spec):
             if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
                 setattr(holder, key, 0.0)
     config.use_cache = False
+    # MoE classes: shardwise trains on the LM loss of the logits alone (docs/moe.md), so the
+    # router logits transformers would gather for its aux loss are not asked for
+    if getattr(config, "output_router_logits", False):
+        config.output_router_logits = False
     if spec.task == "classification":
         config.num_labels = len(spec.labels)
         config.id2label = dict(enumerate(spec.labels))
@@ -79,11 +84,13 @@ def training_config(spec):
 def build_auto(spec) -> nn.Module:
     """The transformers model of `spec` (meta under `torch.device("meta")`)."""
     from shardwise.models.custom import on_meta
+    from shardwise.models.hf.experts import use_shardwise_experts
 
     tf = _transformers()
     config = training_config(spec)
     cls = getattr(tf, TASKS[spec.task])
     model = on_meta(lambda: cls.from_config(config))
+    use_shardwise_experts(model)  # MoE classes: stacked experts through our expert matmul
     if spec.task == "classification":
         _take_packed_inputs(model)
     else:  # data.pack=true: records packed in rows (models/packing.py)
@@ -109,32 +116,65 @@ class AutoWeights(HFWeights):
     a time. Checkpoint keys are renamed as transformers renames them on load (its conversion
     mapping: `embed_out` -> `lm_head`, legacy `gamma`/`beta`, ...); a checkpoint of the bare
     model (BertModel) serves a model with a head (its names under `bert.`) and the other way
-    round; a parameter the checkpoint does not hold (a new head) is `has() == False`."""
+    round; a parameter the checkpoint does not hold (a new head) is `has() == False`.
+
+    Mixture-of-experts classes (Mixtral, Qwen2/3-MoE, OLMoE) hold each layer's experts as one
+    stacked parameter [E, ...] that checkpoints store as one tensor per expert: such a
+    parameter's row e (dim 0) is expert e's tensors, concatenated as transformers' loader
+    concatenates them, so a rank still reads only the experts its rows cover."""
 
     def __init__(self, path: str | Path, model: nn.Module) -> None:
         super().__init__(path, "hf")
         prefix = getattr(model, "base_model_prefix", "")
         self.prefix = f"{prefix}." if prefix else ""
-        self.names = _renamed(model, list(self.files), path)  # model name -> checkpoint key
+        # model name -> checkpoint key; stacked experts: name -> (concat dim, [part][expert] keys)
+        self.names, self.stacked = _renamed(model, list(self.files), path)
 
-    def key(self, name: str) -> str | None:
+    def _name(self, name: str) -> str | None:
         p = self.prefix
         for candidate in (name, name[len(p) :] if p and name.startswith(p) else None, p + name):
-            if candidate in self.names:
-                return self.names[candidate]
+            if candidate in self.names or candidate in self.stacked:
+                return candidate
         return None
 
+    def key(self, name: str) -> str | None:
+        """The checkpoint key of `name` (of a stacked parameter: its first expert's first)."""
+        found = self._name(name)
+        if found is None:
+            return None
+        return self.names[found] if found in self.names else self.stacked[found][1][0][0]
+
     def has(self, name: str) -> bool:
-        return self.key(name) is not None
+        return self._name(name) is not None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape the checkpoint gives parameter `name` (stacked experts: [E, ...])."""
+        found = self._name(name)
+        if found in self.names:
+            return tuple(self._slice(self.names[found]).get_shape())
+        dim, parts = self.stacked[found]
+        shapes = [[tuple(self._slice(k).get_shape()) for k in keys] for keys in parts]
+        one = list(shapes[0][0])
+        one[dim] = sum(s[0][dim] for s in shapes)
+        if any(s != shapes[0] for s in shapes) or any(len(set(s)) > 1 for s in shapes):
+            return (-1,)  # experts of unequal shapes or counts: no stacked parameter fits
+        return (len(parts[0]), *one)
 
     def rows(self, name: str, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:
-        sl = self._slice(self.key(name))
-        return sl[r0:r1].float().contiguous()
+        found = self._name(name)
+        if found in self.names:
+            return self._slice(self.names[found])[r0:r1].float().contiguous()
+        dim, parts = self.stacked[found]
+        experts = [
+            torch.cat([self._slice(keys[e])[:] for keys in parts], dim) for e in range(r0, r1)
+        ]
+        return torch.stack(experts).float().contiguous()
 
 
-def _renamed(model: nn.Module, keys: list[str], path) -> dict[str, str]:
-    """The model's name for each checkpoint key, as transformers' loader renames it; a key
-    that needs a conversion beyond renaming (fused or split experts) is refused."""
+def _renamed(model: nn.Module, keys: list[str], path) -> tuple[dict, dict]:
+    """The model's name for each checkpoint key, as transformers' loader renames it, and the
+    stacked expert parameters it merges from one tensor per expert (`_stacking`); a key that
+    needs any other conversion is refused."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming
 
@@ -142,22 +182,63 @@ def _renamed(model: nn.Module, keys: list[str], path) -> dict[str, str]:
         transforms = get_model_conversion_mapping(model)
     except Exception:  # a plain (non-PreTrainedModel) module: names as they are
         transforms = []
-    out = {}
+    out: dict[str, str] = {}
+    stacked: dict[str, tuple[int, list[dict[int, str]]]] = {}
     for key in keys:
         name = key
         for transform in transforms:
             renamed, matched = transform.rename_source_key(name)
             if matched is None:
                 continue
-            if not isinstance(transform, WeightRenaming):
+            if isinstance(transform, WeightRenaming):
+                name = renamed
+                continue
+            dim = _stacking(transform)
+            expert = re.search(re.escape(matched).replace(r"\*", r"(\d+)"), name)
+            if dim is None or expert is None:
                 raise ConfigError(
                     f"model.init_from='{path}': tensor '{key}' needs transformers' "
                     f"{type(transform).__name__} conversion, which shardwise does not apply "
                     "slice by slice. Fix: a checkpoint saved in the model's own layout."
                 )
-            name = renamed
-        out[name] = key
-    return out
+            part = transform.source_patterns.index(matched)
+            slot = stacked.setdefault(renamed, (dim, [{} for _ in transform.source_patterns]))
+            slot[1][part][int(expert.group(1))] = key
+            name = None
+            break
+        if name is not None:
+            out[name] = key
+    return out, {
+        name: (dim, _in_order(name, parts, path)) for name, (dim, parts) in stacked.items()
+    }
+
+
+def _stacking(transform) -> int | None:
+    """For transformers' expert merge (each expert's tensors stacked on a new dim 0, parts
+    then concatenated along dim d >= 1), the dim d - 1 along which one expert's parts join;
+    None for any other conversion."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = list(getattr(transform, "operations", []))
+    if not ops or not isinstance(ops[0], MergeModulelist) or ops[0].dim != 0:
+        return None
+    if len(ops) == 1:
+        return 0
+    if len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim >= 1:
+        return ops[1].dim - 1
+    return None
+
+
+def _in_order(name: str, parts: list[dict[int, str]], path) -> list[list[str]]:
+    """Each part's keys by expert number, refused unless every part has experts 0..E-1."""
+    count = len(parts[0])
+    if any(sorted(p) != list(range(count)) for p in parts):
+        raise ConfigError(
+            f"model.init_from='{path}': the experts stacked into '{name}' are not numbered "
+            f"0..{count - 1} in every part ({[sorted(p) for p in parts]}). Fix: the checkpoint "
+            "as save_pretrained wrote it."
+        )
+    return [[p[e] for e in range(count)] for p in parts]
 
 
 def weight_source(spec, model: nn.Module) -> AutoWeights:
@@ -189,7 +270,7 @@ def check_checkpoint(spec) -> list[str]:
         if key is None:
             missing.append(name)
             continue
-        shape = tuple(source._slice(key).get_shape())
+        shape = source.shape(name)
         if shape != tuple(p.shape):
             raise ConfigError(
                 f"model.init_from='{spec.source}': '{key}' has shape {list(shape)} but the "
