@@ -139,8 +139,10 @@ def test_derived_dp_counts_the_sample_streams():
 
 def test_the_plan_prices_cp_as_its_data_parallel_equivalent_and_says_what_it_leaves_out():
     """The planner is not silently wrong about a cp job: states are sharded over dp × cp
-    (as ZeRO shards them), activations are those of seq_len / cp, and the record says what
-    it does not price; `--plan auto` refuses cp rather than dropping it."""
+    (as ZeRO shards them), activations are those of seq_len / cp plus what the cp kernels
+    save (tests/test_context_parallel_measured.py: exact), the exchange has its own cp key,
+    and the record says what it does not price; `--plan auto` refuses cp rather than
+    dropping it."""
     from shardwise.config import load_config
     from shardwise.errors import ConfigError
     from shardwise.job.auto import auto_config
@@ -154,10 +156,15 @@ def test_the_plan_prices_cp_as_its_data_parallel_equivalent_and_says_what_it_lea
     short = rec(4, "--data.seq_len=32", "--train.global_batch=16")  # 4 samples x 32 a rank
     assert (cp["dp"], cp["cp"]) == (2, 2) and cp["tokens_per_step"] == dp4["tokens_per_step"]
     assert cp["mem_bytes"]["params"] == dp4["mem_bytes"]["params"]  # 1/4 each
-    # a cp rank holds 4 samples x 32 tokens of a micro-batch, as a dp 4 rank at seq_len 32
-    assert cp["mem_bytes"]["activations"] == short["mem_bytes"]["activations"]
-    assert cp["mem_bytes"]["activations"] < dp4["mem_bytes"]["activations"]
-    assert any("Not priced" in w and "K/V" in w for w in cp["warnings"])
+    # a cp rank holds 4 samples x 32 tokens of a micro-batch, as a dp 4 rank at seq_len 32,
+    # and its kernels' fp32 outputs (4 layers x 4 samples x 32 tokens x 128 x 4 bytes) with
+    # its ids and targets copied (8 bytes a token each) instead of one window of 33
+    extra = 4 * 4 * 32 * 128 * 4 - 8 * 4
+    assert cp["mem_bytes"]["activations"] == short["mem_bytes"]["activations"] + extra
+    # and less than the same 2 sample streams without cp: 4 samples x 64 tokens a rank
+    assert cp["mem_bytes"]["activations"] < rec(2)["mem_bytes"]["activations"]
+    assert cp["comm_bytes"]["cp"] > 0 and "cp" not in dp4["comm_bytes"]
+    assert any("Not priced" in w and "time of that exchange" in w for w in cp["warnings"])
     cfg = load_config(None, [*TINY, "--parallel.cp=2"])
     with pytest.raises(ConfigError, match="--plan auto searches layouts without context"):
         auto_config(cfg, 4)

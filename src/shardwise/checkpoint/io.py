@@ -9,7 +9,7 @@ A checkpoint is a directory `<checkpoint.dir>/step-00000042/`:
   ```
   {"format": "shardwise-checkpoint", "version": 1, "step": 42,
    "config": {...the resolved config...},
-   "layout": {"world": 4, "pp": 1, "dp": 4, "tp": 1, "zero": 3, "compute": "fp32"},
+   "layout": {"world": 4, "pp": 1, "dp": 4, "cp": 1, "tp": 1, "zero": 3, "compute": "fp32"},
    "loop": {"step": 42, "data": {"seed": 0, "global_batch": 8, "position": 336},
             "lr_schedule": {"step": 42, "next_lr": 0.0009},
             "loss_scaler": {"enabled": false, "scale": 1.0, "good_steps": 0},

@@ -227,6 +227,8 @@ class Checkpointer:
             saved = " ".join(f"{k} {was[k]}" for k in ("world", "dp", "tp", "pp", "zero"))
             here = f"world {now.world} dp {now.dp} tp {now.tp} pp {now.pp} zero "
             here += str(self.run.cfg.parallel.zero)
+            if max(was.get("cp", 1), now.cp) > 1:  # (older checkpoints: cp 1, not recorded)
+                saved, here = f"{saved} cp {was.get('cp', 1)}", f"{here} cp {now.cp}"
             print(
                 f"resumed{after} from {path} at step {index['step']} (saved with {saved}; "
                 f"now {here})" + (f"; {note}" if note else ""),

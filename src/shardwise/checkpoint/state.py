@@ -230,6 +230,7 @@ def build_index(run, step: int, owner: dict[io.Piece, int], adam: int) -> dict:
             "world": d.world,
             "pp": d.pp,
             "dp": d.dp,
+            "cp": d.cp,  # ranks splitting each sample's sequence (dp: the sample streams)
             "tp": d.tp,
             "zero": run.cfg.parallel.zero,
             "compute": run.cfg.precision.compute,

@@ -90,12 +90,14 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
     ]
     if d.cp > 1:
         warnings.append(
-            f"shardwise: parallel.cp={d.cp} is priced as dp x cp = {d.dp * d.cp} replicas "
-            f"each seeing data.seq_len / cp = {cfg.data.seq_len // d.cp} tokens per sample "
-            "(states sharded over all of them, activations at the local length). Not priced: "
-            "the cp attention's K/V exchange (comm_bytes has no cp key, its time is not in the "
-            "step), the ring's K/V blocks in flight, and attention over the whole sequence "
-            "(its FLOPs are counted at the local length): memory and step time are lower bounds."
+            f"shardwise: parallel.cp={d.cp} ({cfg.parallel.cp_mode}) is priced as dp x cp = "
+            f"{d.dp * d.cp} replicas each seeing data.seq_len / cp = {cfg.data.seq_len // d.cp} "
+            "tokens per sample (states sharded over all of them, activations at the local "
+            "length), plus what its attention saves (in activations), sends (comm_bytes and "
+            "comm_calls under cp) and holds in flight (in the fit check). Not priced: the time "
+            "of that exchange, the attention FLOPs over the whole sequence (counted at the "
+            "local length) and the cp group's communicator buffers: the step time is a lower "
+            "bound."
         )
     if cfg.parallel.grad_compression != "none" and d.dp * d.cp == 1:
         warnings.append(
@@ -262,6 +264,11 @@ def print_explain(r: dict) -> None:
         ("offload", r["offload"]),
         ("pipeline schedule / virtual", f"{r['pp_schedule']} / {r['pp_virtual']}"),
         ("dp traffic per step/rank", human_bytes(r["comm_bytes"]["dp"])),
+        *(
+            [("cp traffic per step/rank", human_bytes(r["comm_bytes"]["cp"]))]
+            if "cp" in r["comm_bytes"]
+            else []
+        ),
         ("hardware", r["hardware"]),
     ]
     if r.get("grad_compression", "none") != "none":

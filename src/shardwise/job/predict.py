@@ -100,6 +100,7 @@ def layout_from_config(cfg: Config, derived) -> Layout:
         offload=cfg.memory.offload,
         compression=p.grad_compression,
         cp=derived.cp,
+        cp_mode=p.cp_mode,
     )
 
 

@@ -94,6 +94,7 @@ class Layout:
     offload: str = "none"
     compression: str = "none"  # parallel.grad_compression: what the ZeRO-0 all-reduce sends
     cp: int = 1  # parallel.cp: ranks splitting each sample's sequence (dp: the sample streams)
+    cp_mode: str = "ring"  # parallel.cp_mode: ring | ulysses (what the cp ranks exchange)
 
     def micro_batches(self, job: Job) -> int:
         """Micro-batches per rank per step (gradient accumulation / pipeline micro-batches)."""
@@ -108,7 +109,7 @@ class Layout:
             sched = f" {self.pp_schedule}" + (f"x{self.pp_virtual}" if self.pp_virtual > 1 else "")
         return (
             f"tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp}{sched} dp{self.dp} "
-            + (f"cp{self.cp} " if self.cp > 1 else "")
+            + (f"cp{self.cp} {self.cp_mode} " if self.cp > 1 else "")
             + f"z{self.zero} mb{self.micro_batch} rc={self.recompute} off={self.offload}"
             + (f" wire={self.compression}" if self.compression != "none" else "")
         )
@@ -121,8 +122,10 @@ def as_data_parallel(job: Job, layout: Layout) -> tuple[Job, Layout]:
     """A context-parallel layout priced as the data-parallel job each rank's work resembles:
     dp x cp replicas that each see seq_len / cp tokens of a sample. Model states are sharded
     and reduced over all of them, activations are those of the local length, and the tokens
-    per step are unchanged. Not priced: the cp attention's K/V exchange (bytes, time, NCCL
-    buffers), the ring's K/V blocks in flight, and the attention FLOPs of the local queries
+    per step are unchanged. What the cp attention adds is priced from the cp layout itself:
+    its exchange (traffic.cp_traffic), what its kernels save beyond plain attention and the
+    ring's blocks in flight (memory.cp_saved_bytes, memory.cp_transient). Not priced: the
+    exchange's time, its communicator buffers and the attention FLOPs of the local queries
     over the whole sequence (counted at the local length), so the time is a lower bound
     (job/explain.py says so). cp = 1: unchanged."""
     if layout.cp == 1:

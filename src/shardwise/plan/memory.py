@@ -306,6 +306,54 @@ def backward_transient(job: Job, layout: Layout) -> float:
     return max(logits, layer)
 
 
+def cp_saved_bytes(job: Job, layout: Layout) -> float:
+    """What a cp rank saves for backward beyond its data-parallel equivalent at seq_len / cp
+    (`as_data_parallel`), from the kernels of parallel/context_comm.py; 0 at cp = 1.
+
+    Per layer, with e = b·H·(s/cp)·head_dim elements (k/v heads repeated to H): plain SDPA's
+    output is the wo input (a [B, S, H, D] layout), the kernels' is not, so their output is
+    saved apart: the ring's merged output in fp32 (4e; its log-sum-exp [B, H, S/cp] in fp32,
+    as SDPA's); Ulysses' SDPA output in fp32 (4e) over q/k/v cast to fp32 (3(4 - c)e beyond
+    the compute-dtype q/k/v plain SDPA keeps) and its two int64 reorderings of the whole
+    sequence. A recomputed core or block keeps only its inputs: nothing more. Outside the
+    blocks: the rank's token ids and targets are copies taken at its positions (8·b·s/cp
+    each), not views of one (b, s/cp + 1) window."""
+    n = layout.cp
+    if n == 1:
+        return 0.0
+    spec, b, c = job.spec, layout.micro_batch, job.bc
+    local = job.seq_len // n
+    e = b * spec.n_heads * local * spec.head_dim
+    per_layer = 0.0
+    if layout.recompute == "none":
+        per_layer = 4 * e
+        if layout.cp_mode == "ulysses":
+            per_layer += 3 * (4 - c) * e + 2 * 8 * job.seq_len
+    # the formula's ids are the (b, s+1) window, its flattened targets a copy of it for b > 1
+    # and the window itself for one sample
+    edge = -8 * b + (8 * local if b == 1 and job.loss_chunks <= 1 else 0)
+    return per_layer * spec.n_layers + edge
+
+
+def cp_transient(job: Job, layout: Layout) -> float:
+    """The ring's buffers during one layer's attention backward (not saved, so not in
+    `total`; in the fit check as `backward_transient`): the K/V block in hand and the one
+    arriving (2·2e in the compute dtype), dQ and the output gradient in fp32, the dK/dV sum,
+    the block's dK/dV being sent and the one arriving (3·2e in fp32), and one block pair's
+    scores, probabilities and their gradient (3·b·H·(s/cp)² in fp32). Ulysses: the stacked
+    q/k/v going out and coming in (2·3e in the compute dtype). 0 at cp = 1."""
+    n = layout.cp
+    if n == 1:
+        return 0.0
+    spec, b, c = job.spec, layout.micro_batch, job.bc
+    local = job.seq_len // n
+    e = b * spec.n_heads * local * spec.head_dim
+    if layout.cp_mode == "ulysses":
+        return 2 * 3 * e * c
+    scores = 3 * 4 * b * spec.n_heads * local * local
+    return 2 * 2 * e * c + 2 * 4 * e + 3 * 2 * 4 * e + scores
+
+
 def _trainable(units) -> int:
     return sum(u.count * sum(e[0] for e in u.entries if e[1]) for u in units)
 
@@ -369,7 +417,7 @@ def communicator_bytes(job: Job, layout: Layout) -> float:
 def device_overhead(job: Job, layout: Layout) -> float:
     """What a rank's device holds beyond the tensors `predict_memory` counts: the hardware's
     reserve (CUDA context, workspaces, fragmentation) and NCCL's communicators."""
-    job, layout = as_data_parallel(job, layout)  # (a cp group's buffers are not priced)
+    job, layout = as_data_parallel(job, layout)  # (a cp group's communicator: not priced)
     return job.hardware.reserve + communicator_bytes(job, layout)
 
 

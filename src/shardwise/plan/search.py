@@ -96,9 +96,15 @@ def evaluate(job: Job, lay: Layout) -> dict:
     job, lay = as_data_parallel(job, lay)  # cp > 1: its data-parallel equivalent per rank
     hw = job.hardware
     mb = mem.predict_memory(job, lay)
+    if asked.cp > 1:  # what the cp kernels save beyond the equivalent's plain attention
+        extra = mem.cp_saved_bytes(whole, asked)
+        mb["activations"] += extra
+        mb["total"] += extra
     kinds, calls = traffic.traffic_by_kind(job, lay), traffic.collective_calls(job, lay)
+    if asked.cp > 1:  # the attention's exchange, from the sequence split itself
+        kinds["cp"], calls["cp"] = traffic.cp_traffic(whole, asked)
     parts = tm.step_time(job, lay, mb, kinds, calls)
-    transient = mem.backward_transient(job, lay)
+    transient = max(mem.backward_transient(job, lay), mem.cp_transient(whole, asked))
     peak = max(mb["total"] + transient, mem.step_peak(job, lay)) + mem.device_overhead(job, lay)
     host = mem.kept_in(mb, "host")
     step = parts["step_s"]

@@ -95,6 +95,45 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     return {"dp": dp_kinds, "tp": tp_kinds, "pp": {"send": pp_bytes}}
 
 
+def cp_traffic(job: Job, layout: Layout) -> tuple[dict[str, float], int]:
+    """(bytes by kind, calls) each rank sends per step over cp for the attention's exchange
+    (parallel/context_comm.py), as comm.py counts them; ({}, 0) at cp = 1. `layout` is the
+    cp layout itself (dp: the sample streams), not its data-parallel equivalent.
+
+    Per layer and micro-batch, with a K/V block of e = b·H·(s/cp)·head_dim elements (k/v
+    heads repeated to H) and n = cp: every forward all-gathers the n·s/cp int64 positions
+    ((n-1)/n of them sent). Ring: forward n-1 K/V blocks [2, e] in the compute dtype; backward
+    the same n-1 and n-1 dK/dV blocks [2, e] in fp32 (with the zig-zag split every block pair
+    has a visible key, so none is skipped). Ulysses: forward q/k/v [3, e] and the output [e]
+    through all-to-alls, (n-1)/n of each sent; backward their gradients. A recomputed forward
+    runs again up to its last saved tensor: the ring's whole Function (its saved out and lse
+    are its end), a recomputed block's Ulysses exchanges too (its output projection saves the
+    output), but a recomputed attention core's (selective) stops at the output's reordering,
+    before the second all-to-all."""
+    n = layout.cp
+    if n == 1:
+        return {}, 0
+    spec, m, b = job.spec, layout.micro_batches(job), layout.micro_batch
+    local = job.seq_len // n
+    e = b * spec.n_heads * local * spec.head_dim
+    gather = (n - 1) * local * 8  # (n-1)/n of the n·local int64 positions
+    again = layout.recompute in ("selective", "full")
+    forwards = 1 + again
+    if layout.cp_mode == "ring":
+        sends = (n - 1) * (forwards + 1) * 2 * e * job.bc + (n - 1) * 2 * e * 4
+        kinds = {"all_gather": gather * forwards, "send": sends}
+        calls = forwards + (n - 1) * (forwards + 2)
+    else:
+        # all-to-alls: q/k/v [3, e] and the output [e] forward, their gradients backward; a
+        # recomputed core (selective) redoes only the first
+        redo = {"none": 0, "selective": 3, "full": 4}[layout.recompute]
+        kinds = {"all_gather": gather * forwards, "all_to_all": (8 + redo) * e * job.bc}
+        kinds["all_to_all"] *= (n - 1) / n
+        calls = forwards + 4 + {"none": 0, "selective": 1, "full": 2}[layout.recompute]
+    scale = m * spec.n_layers
+    return {k: v * scale for k, v in kinds.items()}, calls * scale
+
+
 def _leading_frozen(us: list) -> list:
     """The units, in forward order, before the first one with a trainable parameter."""
     out = []
