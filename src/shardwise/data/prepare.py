@@ -16,7 +16,9 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -175,7 +177,7 @@ def _encode_all(todo, splits, encoder, out, partial, opts, on_shard) -> None:
     bar = tqdm(total=n, initial=n - len(todo), desc="shardwise: shards", unit="shard")
     tokens, start = 0, time.perf_counter()
     tasks = [(p["name"], p["split"], p["start"], p["stop"]) for p in todo]
-    pool = mp.get_context("fork").Pool(workers, _quiet) if workers > 1 and todo else None
+    pool = _fork_pool(workers) if workers > 1 and todo else None
     try:
         results = pool.imap_unordered(_encode_shard, tasks) if pool else map(_encode_shard, tasks)
         for name, count, digest in results:
@@ -193,9 +195,25 @@ def _encode_all(todo, splits, encoder, out, partial, opts, on_shard) -> None:
         _JOB.clear()
 
 
+def _fork_pool(workers: int):
+    """Worker processes forked with SIGTERM's default action: terminate() ends them with it,
+    and a worker that inherited a Python handler of the caller's (or stuck before running
+    any Python) would ignore it, and terminate() would wait for it forever."""
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL) if main else None
+    try:
+        return mp.get_context("fork").Pool(workers, _quiet)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, old)
+
+
 def _quiet() -> None:
     # one encoding thread per worker process: the processes are the parallelism
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # the parent's stop handlers are not the worker's: it ends when the pool ends it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _encode_shard(task: tuple[str, str, int, int]) -> tuple[str, int, str]:
