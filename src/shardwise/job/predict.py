@@ -34,7 +34,7 @@ from shardwise.plan import compression, traffic
 from shardwise.plan import memory as mem
 from shardwise.plan.buffers import zero_transient
 from shardwise.plan.hardware import Hardware
-from shardwise.plan.layout import FineTune, Job, Layout
+from shardwise.plan.layout import FineTune, Job, Layout, as_data_parallel
 from shardwise.plan.search import evaluate
 from shardwise.plan.shapes import Unit, linear_shapes, split_trainable
 from shardwise.training.memory import ActivationMeter, tensor_bytes
@@ -281,6 +281,30 @@ def _fake_activations(model, cfg: Config, derived, recompute: str | None = None,
     return meter.take_peak()
 
 
+def _repeated_kv_bytes(job: Job, layout: Layout) -> float:
+    """What transformers' attention through the cp kernels saves beyond its own SDPA: SDPA
+    attends to k/v at their KV heads (`enable_gqa` for head dims up to 256, transformers'
+    sdpa_attention `use_gqa_in_sdpa`), the kernels keep them repeated to H heads
+    (context_hf.py): 2·(H − KV)·b·(s/cp)·head_dim more elements a layer, in the compute
+    dtype. A recomputed block keeps only its input. 0 at cp = 1."""
+    spec = job.spec
+    gqa_sdpa = spec.n_kv_heads < spec.n_heads and spec.head_dim <= 256
+    if layout.cp == 1 or layout.recompute != "none" or not gqa_sdpa:
+        return 0.0
+    local = job.seq_len // layout.cp
+    extra = 2 * (spec.n_heads - spec.n_kv_heads) * layout.micro_batch * local * spec.head_dim
+    return extra * job.bc * spec.n_layers
+
+
+def _local(cfg: Config, cp: int) -> Config:
+    """`cfg` with the sequence a cp rank holds of each sample (cp = 1: `cfg`)."""
+    if cp == 1:
+        return cfg
+    return dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, seq_len=cfg.data.seq_len // cp)
+    )
+
+
 def _user_batch(source: str, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`b` samples shaped as the first item of your dataset (read for real, outside the fake
     mode the activations are measured in)."""
@@ -386,8 +410,8 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         module_buffers = tensor_bytes(model.buffers())
         # the whole model's saved bytes (a pipeline measures each stage below), and which
         # quantised linears backward uses
-        if (not formula and layout.pp == 1) or quantised:
-            activations = _fake_activations(model, cfg, derived, tp=tp)
+        if (not formula and layout.pp == 1) or quantised:  # (cp > 1: at the local length)
+            activations = _fake_activations(model, _local(cfg, layout.cp), derived, tp=tp)
     if quantised:
         backward = tuple(m.input_needs_grad for _, m in quant_layers(model))
         job = dataclasses.replace(job, quantised_backward=backward)
@@ -407,20 +431,30 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
             "comm_calls": traffic.collective_calls(real, layout),
         }
     if not formula:  # states + the fake forward's bytes (unsharded models only)
+        # cp > 1: dp x cp replicas at seq_len / cp, as `evaluate` prices our decoders
+        whole, asked = job, layout
+        job, layout = as_data_parallel(job, layout)
         # a quantised base is split over tp (and dp under ZeRO-3) as the engine splits it
         shards = mem.quantised_shards(layout)
         states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload, None, shards)
         states["buffers"] = _buffers(us, job, layout, module_buffers)
         states["buffers"] += mem.quantised_transient(job, layout) if quantised else 0
-        states["activations"] = activations
+        # what transformers' attention through the cp kernels saves beyond the fake forward's
+        # SDPA (parallel/context_hf.py: the same kernels as our decoders')
+        states["activations"] = activations + mem.cp_saved_bytes(whole, asked)
+        states["activations"] += _repeated_kv_bytes(whole, asked)
         states["total"] = sum(v for k, v in states.items() if not k.startswith(("host_", "disk_")))
         # data-parallel traffic and calls from the real units (of tp rank 0's shard)
         real = dataclasses.replace(job, frozen=tuple(us))
+        comm, calls = traffic.traffic(real, layout), traffic.collective_calls(real, layout)
+        if asked.cp > 1:  # the attention's exchange, from the sequence split itself
+            kinds, calls["cp"] = traffic.cp_traffic(whole, asked)
+            comm["cp"] = sum(kinds.values())
         return n, {
-            **layout.record(),
+            **asked.record(),
             "mem_bytes": {k: int(v) for k, v in states.items()},
-            "comm_bytes": traffic.traffic(real, layout),
-            "comm_calls": traffic.collective_calls(real, layout),
+            "comm_bytes": comm,
+            "comm_calls": calls,
         }
     if layout.pp == 1 and layout.tp == 1:  # the real model's units: frozen parameters exact
         job = dataclasses.replace(job, frozen=tuple(us))

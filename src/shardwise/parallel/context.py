@@ -7,7 +7,9 @@ Megatron-LM and Llama 3), so causal attention costs every rank the same. The eng
 model only those tokens and targets (`sequence_part`); the attention cores get a
 `SequenceContext` that hands RoPE the global positions and attends over the whole sequence
 with the kernels of parallel/context_comm.py; a learned position table (GPT-2) is read at the
-global positions too. Everything else in a block works token by token and needs nothing.
+global positions too. transformers' Llama-style models attend through the same kernels from
+their attention registry (parallel/context_hf.py). Everything else in a block works token by
+token and needs nothing.
 
 Why the numbers do not change: the loss is the sum over this rank's tokens divided by the
 *global* token count, and gradients are summed over dp, which holds the cp ranks
@@ -24,6 +26,7 @@ from shardwise.distributed.comm import Comm
 from shardwise.distributed.topology import Topology
 from shardwise.models.decoder import AttentionCore, Decoder
 from shardwise.parallel.context_comm import ring_attention, ulysses_attention, zigzag_positions
+from shardwise.parallel.context_hf import apply_to_transformers
 
 
 class SequenceContext:
@@ -58,10 +61,13 @@ def apply_context_parallel(
     model: nn.Module, comm: Comm, mode: Literal["ring", "ulysses"]
 ) -> SequenceContext | None:
     """Hand every attention core of `model` the cp context (and a learned position table its
-    positions); a no-op at cp = 1. Parameters are untouched: names, init and ZeRO units stay."""
+    positions), or a transformers model's attention and positions (context_hf.py); a no-op at
+    cp = 1. Parameters are untouched: names, init and ZeRO units stay."""
     if comm.topo.size("cp") == 1:
         return None
     context = SequenceContext(comm, mode)
+    if apply_to_transformers(model, context):
+        return context
     for module in model.modules():
         if isinstance(module, AttentionCore):
             module.context = context

@@ -274,7 +274,8 @@ def check_context_parallel(cfg: Config, spec: ModelSpec, family: Family, tp: int
     if not family.context_parallel:
         why = (
             f"model.name='{cfg.model.name}' is {family.kind}, whose attention is not ours to "
-            "split. Fix: --parallel.cp=1, or a built-in decoder."
+            "split. Fix: --parallel.cp=1, or a built-in decoder, an hf-llama preset or a "
+            "Llama, Mistral or Qwen2 checkpoint (model.name=hf)."
         )
     elif tp > 1 or pp > 1:
         why = (
@@ -310,6 +311,11 @@ def check_context_parallel(cfg: Config, spec: ModelSpec, family: Family, tp: int
             f"train.loss='{cfg.train.loss}' sees whole outputs, and a cp rank holds 1/{cp} of "
             "each sequence. Fix: --train.loss=cross_entropy, or --parallel.cp=1."
         )
+    elif family.cp_model_types:  # a checkpoint's class: its model_type decides
+        from shardwise.models.hf.auto import read_hf_config
+        from shardwise.parallel.context_hf import hf_cp_refusal
+
+        why = hf_cp_refusal(read_hf_config(spec.source), family.cp_model_types, s)
     if why:
         raise ConfigError(
             f"parallel.cp={cp} splits each sample's sequence over {cp} ranks, but {why}"

@@ -51,8 +51,12 @@ class Family:
     packs_rows: bool = True  # masks attention per record (data.pack)
     chunked_loss: bool = False  # its head computes the loss in chunks (train.loss_chunks)
     compiles: bool = False  # train.compile=blocks compiles its blocks (tested: parity)
-    # its attention cores take a context (parallel/context.py): parallel.cp splits the sequence
+    # its attention cores take a context (parallel/context.py), or transformers' attention
+    # calls the cp kernels (parallel/context_hf.py): parallel.cp splits the sequence
     context_parallel: bool = False
+    # for a checkpoint's class: the config model_types whose attention and positions the cp
+    # transformation reaches (each checked against one process); empty: any it builds
+    cp_model_types: tuple[str, ...] = ()
     recompute: Recompute = "plans"
     block: BlockShape = BlockShape()
     # `shardwise export --format hf` of our own modules: the config.json transformers reads

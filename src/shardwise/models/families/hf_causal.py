@@ -27,4 +27,8 @@ HF_CAUSAL_LM = Family(
     tensor_parallel="checkpoint",
     pipeline="checkpoint",
     recompute="checkpoint_blocks",
+    # Llama-style attention: RoPE from position_ids, attention through transformers' registry
+    # with the plain 1/sqrt(D) scale (parallel/context_hf.py)
+    context_parallel=True,
+    cp_model_types=("llama", "mistral", "qwen2"),
 )

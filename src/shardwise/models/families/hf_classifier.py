@@ -1,5 +1,6 @@
 """A Hugging Face encoder checkpoint with a new sequence-classification head: the causal LM
-family's answers, but one label per row, and no pipeline cut (its plan is a causal LM's)."""
+family's answers, but one label per row, and no pipeline cut (its plan is a causal LM's) or
+sequence split."""
 
 from __future__ import annotations
 
@@ -8,5 +9,10 @@ import dataclasses
 from shardwise.models.families.hf_causal import HF_CAUSAL_LM
 
 HF_CLASSIFIER = dataclasses.replace(
-    HF_CAUSAL_LM, task="classification", classifier=True, pipeline="none"
+    HF_CAUSAL_LM,
+    task="classification",
+    classifier=True,
+    pipeline="none",
+    context_parallel=False,  # one label per row from the last token: a row is not split
+    cp_model_types=(),
 )

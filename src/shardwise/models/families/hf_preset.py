@@ -24,7 +24,12 @@ def _export_config(spec: ModelSpec, dtype: str) -> dict:
 _EXPORT = dict(hf_config=_export_config, hf_keeps_dropout=True, compiles=True)
 
 HF_LLAMA = Family(
-    name="hf-llama", kind="a Hugging Face model", archs=("hf-llama",), build=_build, **_EXPORT
+    name="hf-llama",
+    kind="a Hugging Face model",
+    archs=("hf-llama",),
+    build=_build,
+    context_parallel=True,  # its attention through transformers' registry (context_hf.py)
+    **_EXPORT,
 )
 HF_GPT2 = Family(
     name="hf-gpt2",
