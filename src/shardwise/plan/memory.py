@@ -306,6 +306,14 @@ def backward_transient(job: Job, layout: Layout) -> float:
     return max(logits, layer)
 
 
+def _cp_shape(job: Job, layout: Layout):
+    """(spec, micro-batch b, local length s/cp, e = b·H·(s/cp)·head_dim): the sizes both cp
+    terms below are made of (k/v heads repeated to H)."""
+    spec, b = job.spec, layout.micro_batch
+    local = job.seq_len // layout.cp
+    return spec, b, local, b * spec.n_heads * local * spec.head_dim
+
+
 def cp_saved_bytes(job: Job, layout: Layout) -> float:
     """What a cp rank saves for backward beyond its data-parallel equivalent at seq_len / cp
     (`as_data_parallel`), from the kernels of parallel/context_comm.py; 0 at cp = 1.
@@ -318,12 +326,10 @@ def cp_saved_bytes(job: Job, layout: Layout) -> float:
     sequence. A recomputed core or block keeps only its inputs: nothing more. Outside the
     blocks: the rank's token ids and targets are copies taken at its positions (8·b·s/cp
     each), not views of one (b, s/cp + 1) window."""
-    n = layout.cp
-    if n == 1:
+    if layout.cp == 1:
         return 0.0
-    spec, b, c = job.spec, layout.micro_batch, job.bc
-    local = job.seq_len // n
-    e = b * spec.n_heads * local * spec.head_dim
+    spec, b, local, e = _cp_shape(job, layout)
+    c = job.bc
     per_layer = 0.0
     if layout.recompute == "none":
         per_layer = 4 * e
@@ -342,12 +348,10 @@ def cp_transient(job: Job, layout: Layout) -> float:
     the block's dK/dV being sent and the one arriving (3·2e in fp32), and one block pair's
     scores, probabilities and their gradient (3·b·H·(s/cp)² in fp32). Ulysses: the stacked
     q/k/v going out and coming in (2·3e in the compute dtype). 0 at cp = 1."""
-    n = layout.cp
-    if n == 1:
+    if layout.cp == 1:
         return 0.0
-    spec, b, c = job.spec, layout.micro_batch, job.bc
-    local = job.seq_len // n
-    e = b * spec.n_heads * local * spec.head_dim
+    spec, b, local, e = _cp_shape(job, layout)
+    c = job.bc
     if layout.cp_mode == "ulysses":
         return 2 * 3 * e * c
     scores = 3 * 4 * b * spec.n_heads * local * local
