@@ -94,10 +94,11 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
             f"{d.dp * d.cp} replicas each seeing data.seq_len / cp = {cfg.data.seq_len // d.cp} "
             "tokens per sample (states sharded over all of them, activations at the local "
             "length), plus what its attention saves (in activations), sends (comm_bytes and "
-            "comm_calls under cp) and holds in flight (in the fit check). Not priced: the time "
-            "of that exchange, the attention FLOPs over the whole sequence (counted at the "
-            "local length) and the cp group's communicator buffers: the step time is a lower "
-            "bound."
+            "comm_calls under cp) and holds in flight (in the fit check); the step time adds "
+            "the attention of the local queries over the whole sequence (time.cp_attention_s) "
+            "and the exchange (time.cp_comm_s; the ring's hidden behind its blocks' attention, "
+            "Ulysses' all-to-alls exposed: time.cp_exposed_s). Not priced: the cp group's "
+            "communicator buffers."
         )
     if cfg.parallel.grad_compression != "none" and d.dp * d.cp == 1:
         warnings.append(

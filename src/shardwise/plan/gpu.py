@@ -184,3 +184,9 @@ def micro_batch_seconds(hw: Hardware, job, layout, layers: int) -> float:
 def _weight_grad(hw: Hardware, spec, t: int, tokens: float, c: int, peak: float) -> float:
     """Seconds of a block's weight-gradient GEMMs (what frozen weights skip)."""
     return sum(_gemm(hw, c, k, n, m, peak) for m, n, k in _gemms(spec, t, tokens))
+
+
+def attention_seconds(hw: Hardware, spec, t, b, s, c, peak, unfused: bool = False) -> tuple:
+    """(forward, backward) seconds of one block's attention core for `b` sequences of `s`
+    tokens on one tensor-parallel rank (what context parallelism multiplies: plan/context.py)."""
+    return _attention(hw, spec, t, b, s, c, peak, unfused)

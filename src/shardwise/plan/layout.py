@@ -124,10 +124,8 @@ def as_data_parallel(job: Job, layout: Layout) -> tuple[Job, Layout]:
     and reduced over all of them, activations are those of the local length, and the tokens
     per step are unchanged. What the cp attention adds is priced from the cp layout itself:
     its exchange (traffic.cp_traffic), what its kernels save beyond plain attention and the
-    ring's blocks in flight (memory.cp_saved_bytes, memory.cp_transient). Not priced: the
-    exchange's time, its communicator buffers and the attention FLOPs of the local queries
-    over the whole sequence (counted at the local length), so the time is a lower bound
-    (job/explain.py says so). cp = 1: unchanged."""
+    ring's blocks in flight (memory.cp_saved_bytes, memory.cp_transient), the attention over
+    the rest of the sequence and the exchange's time (plan/context.py). cp = 1: unchanged."""
     if layout.cp == 1:
         return job, layout
     cp = layout.cp

@@ -354,7 +354,7 @@ def cp_transient(job: Job, layout: Layout) -> float:
     c = job.bc
     if layout.cp_mode == "ulysses":
         return 2 * 3 * e * c
-    scores = 3 * 4 * b * spec.n_heads * local * local
+    scores = 0 if peers.of(job).cp_fused_blocks else 3 * 4 * b * spec.n_heads * local * local
     return 2 * 2 * e * c + 2 * 4 * e + 3 * 2 * 4 * e + scores
 
 

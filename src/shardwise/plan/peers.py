@@ -86,6 +86,11 @@ class Deviations:
     pp_pairs: bool = False
     extra_groups: int = 0
     extra_pairs: int = 0
+    # the ring attention runs each block pair through the fused (flash) kernel, which returns
+    # its log-sum-exp and keeps the scores on chip (PyTorch's context_parallel, which
+    # torchtitan uses), instead of materialising one block pair's fp32 scores (ours:
+    # parallel/context_comm.py, in the fit check's transient: memory.cp_transient)
+    cp_fused_blocks: bool = False
 
 
 NONE = Deviations()  # shardwise's own engine

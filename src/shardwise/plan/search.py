@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from shardwise.errors import ConfigError
+from shardwise.plan import context as cp_time
 from shardwise.plan import memory as mem
 from shardwise.plan import time as tm
 from shardwise.plan import traffic
@@ -104,6 +105,9 @@ def evaluate(job: Job, lay: Layout) -> dict:
     if asked.cp > 1:  # the attention's exchange, from the sequence split itself
         kinds["cp"], calls["cp"] = traffic.cp_traffic(whole, asked)
     parts = tm.step_time(job, lay, mb, kinds, calls)
+    if asked.cp > 1:  # the attention over the rest of the sequence, and its exchange
+        parts.update(cp_time.cp_seconds(whole, asked, job, lay, kinds["cp"], calls["cp"], parts))
+        parts["step_s"] += parts["cp_attention_s"] + parts["cp_exposed_s"]
     transient = max(mem.backward_transient(job, lay), mem.cp_transient(whole, asked))
     peak = max(mb["total"] + transient, mem.step_peak(job, lay)) + mem.device_overhead(job, lay)
     host = mem.kept_in(mb, "host")

@@ -1,0 +1,87 @@
+"""Context parallelism's step time beyond its data-parallel equivalent.
+
+`layout.as_data_parallel` prices a cp layout as dp x cp replicas that each see seq_len / cp
+tokens: right for every matmul, norm and collective of the model states, short in two places
+that this module adds back.
+
+- Attention: a rank's local queries attend over the whole sequence, not only the local keys.
+  With the causal mask balanced over the ranks (the zig-zag split of parallel/context.py) a
+  rank computes 1/cp of the whole s x s triangle, cp times the (s/cp)^2 triangle the
+  equivalent prices: (cp - 1) more of the equivalent's attention per layer, forward and
+  backward (and again in a recomputed forward).
+- The exchange (traffic.cp_traffic's bytes and calls): the ring's K/V blocks travel while the
+  block in hand is computed (Liu et al. 2023, "Ring Attention", §3), so only what exceeds the
+  attention's own time is exposed; Ulysses' all-to-alls (Jacobs et al. 2023) sit on the
+  critical path between the projections and the attention, all exposed. The positions'
+  all-gather is exposed in both.
+"""
+
+from __future__ import annotations
+
+from shardwise.plan import gpu, peers
+from shardwise.plan.layout import Job, Layout
+
+
+def _attention_seconds(job: Job, layout: Layout) -> float:
+    """Forward + backward (+ recomputed forward) seconds of one layer's attention core for one
+    micro-batch of the data-parallel equivalent `job` (its local sequence length)."""
+    hw, spec, s, b, t = job.hardware, job.spec, job.seq_len, layout.micro_batch, layout.tp
+    again = layout.recompute in ("selective", "full")
+    if hw.kernel_model:  # a GPU: the fused (flash) attention kernel's roofline
+        peak = hw.peak[job.precision]
+        fwd, bwd = gpu.attention_seconds(
+            hw, spec, t, b, s, job.bc, peak, peers.of(job).unfused_attention
+        )
+        return fwd * (1 + again) + bwd
+    # one rate: QK^T and AV (4·s·h FLOPs per token and layer forward, 2x backward), causal
+    # (half the square); the planner's CPU kernels time whole blocks, attention inside them
+    flops = 4.0 * s * spec.dim / t * b * s / 2 * (3 + again)
+    return flops / hw.flops(job.precision)
+
+
+def _link(job: Job, asked: Layout) -> float:
+    """Bytes/s of the cp group's slowest link: cp runs of tp-wide ranks, in one node while
+    cp x tp devices fit there, else through each rank's own NIC."""
+    hw = job.hardware
+    bw = hw.intra_bw if asked.cp * asked.tp <= hw.per_node else min(hw.intra_bw, hw.inter_bw)
+    return bw * hw.comm_eff
+
+
+def cp_seconds(
+    whole: Job,
+    asked: Layout,
+    job: Job,
+    layout: Layout,
+    kinds: dict[str, float],
+    calls: int,
+    parts: dict[str, float],
+) -> dict[str, float]:
+    """Seconds per step that cp adds to `parts` (tm.step_time of the data-parallel equivalent
+    `job`/`layout` of the cp layout `asked` of `whole`): `cp_attention_s` (the attention over
+    the rest of the sequence, bubble included), `cp_comm_s` (the exchange of `kinds`/`calls`,
+    traffic.cp_traffic), `cp_exposed_s` (what of it no computation hides)."""
+    hw, n = job.hardware, asked.cp
+    if n == 1:
+        return {}
+    m = layout.micro_batches(job)
+    ranks_here = min(job.devices, hw.per_node)
+    slowdown = max(1.0, ranks_here / hw.cores) if hw.cores else 1.0
+    layers = -(-whole.spec.n_layers // asked.pp)  # the busiest stage's
+    attention = slowdown * layers * _attention_seconds(job, layout)  # one micro-batch
+    extra = (n - 1) * attention
+    t_mb = parts["compute_s"] / m
+    bubble_units = parts["bubble_s"] / t_mb if t_mb else 0.0
+    gather = kinds.get("all_gather", 0.0)
+    exchange = sum(kinds.values()) - gather
+    # calls per step: one positions' all-gather per forward, the rest carry the blocks
+    comm = slowdown * ((gather + exchange) / _link(job, asked) + calls * hw.latency)
+    if asked.cp_mode == "ring":  # behind the attention of the block in hand (all of it now)
+        hidden_part = exchange / (gather + exchange) if gather + exchange else 0.0
+        hidden = min(comm * hidden_part, hw.overlap * m * n * attention)
+    else:
+        hidden = 0.0
+    return {
+        "cp_attention_s": extra * (m + bubble_units),
+        "cp_comm_s": comm,
+        "cp_exposed_s": comm - hidden,
+    }
