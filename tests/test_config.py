@@ -35,6 +35,7 @@ GOLDEN_KEYS = [
     "model.ffn_dim",
     "model.vocab_size",
     "model.tie_embeddings",
+    "model.max_seq_len",
     "model.dropout",
     "model.attn_dropout",
     "model.init_from",

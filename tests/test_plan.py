@@ -121,7 +121,7 @@ def test_search_over_1024_devices_is_fast():
     elapsed = time.process_time() - t0
     assert result.candidates and elapsed < 5.0, elapsed
     best = result.candidates[0]
-    assert best["tp"] * best["pp"] * best["dp"] == 1024
+    assert best["tp"] * best["pp"] * best["dp"] * best["cp"] == 1024
     assert all(
         a["tokens_per_s"] >= b["tokens_per_s"]
         for a, b in zip(result.candidates, result.candidates[1:], strict=False)
@@ -142,7 +142,7 @@ def test_plan_json_shape(capsys):
     assert set(r) == {"candidates", "rejected"} and len(r["candidates"]) == 3
     for c in r["candidates"]:
         assert set(c) >= KEYS and set(c["mem_bytes"]) >= MEM
-        assert c["tp"] * c["pp"] * c["dp"] == 64
+        assert c["tp"] * c["pp"] * c["dp"] * c["cp"] == 64  # cp: the sequence split
         # max over ranks per category (docs/design.md): with pp the first and last stages differ,
         # so the largest rank's total is at most the sum of the per-category maxima
         parts = sum(c["mem_bytes"][k] for k in MEM - {"total"})

@@ -5,10 +5,16 @@ against the bytes traffic.cp_traffic counts, so the cp terms follow from the mod
 rather than restating the code."""
 
 import dataclasses
+import json
 
 import pytest
 
+from shardwise.cli.main import main
+from shardwise.config import Config
+from shardwise.errors import ConfigError
+from shardwise.job.auto import apply_layout
 from shardwise.models.presets import preset
+from shardwise.models.spec import spec_from_config
 from shardwise.plan import gpu, peers, search, traffic
 from shardwise.plan import memory as mem
 from shardwise.plan.hardware import CATALOG, get_hardware
@@ -23,19 +29,36 @@ def _job(seq: int, hw=H100, devices: int = 8, batch: int = 1) -> Job:
 
 
 @pytest.mark.parametrize("cp", [2, 4, 8])
-def test_a_rank_computes_one_cp_th_of_the_whole_attention(cp):
+@pytest.mark.parametrize("fused", ["ulysses", "peer flash ring"])
+def test_a_rank_computes_one_cp_th_of_the_whole_attention(cp, fused):
     """With the causal mask balanced over the ranks each one computes 1/cp of the s x s
-    triangle: the equivalent's attention at s/cp plus the added time equals the attention
-    kernel priced at the whole length, divided by cp (to the launch cost of the extra kernels)."""
+    triangle: on fused kernels the equivalent's attention at s/cp plus the added time equals
+    the attention kernel priced at the whole length, divided by cp (to the launch cost of the
+    extra kernels)."""
     seq = 16384 * cp
     job = _job(seq, batch=8 // cp)
-    lay = Layout(dp=8 // cp, cp=cp, zero=3, micro_batch=1, recompute="none")
+    if fused == "peer flash ring":
+        job = peers.run_by(job, peers.Deviations(name="peer", cp_fused_blocks=True))
+    mode = "ulysses" if fused == "ulysses" else "ring"
+    lay = Layout(dp=8 // cp, cp=cp, cp_mode=mode, zero=3, micro_batch=1, recompute="none")
     added = search.evaluate(job, lay)["time"]["cp_attention_s"]
     peak = H100.peak["bf16"]
     local = sum(gpu.attention_seconds(H100, SPEC, 1, 1, seq // cp, 2, peak))
     whole = sum(gpu.attention_seconds(H100, SPEC, 1, 1, seq, 2, peak))
     mine = SPEC.n_layers * local + added  # one micro-batch a step here
     assert mine == pytest.approx(SPEC.n_layers * whole / cp, rel=1e-3)
+
+
+def test_our_ring_is_priced_as_the_fp32_blocks_it_computes():
+    """Our ring kernel multiplies each block pair's scores in fp32 (parallel/context_comm.py):
+    on an H100 its attention costs more than the fused bf16 kernel a peer's ring or Ulysses
+    runs, by more than the fp32/bf16 peak ratio's half, so `plan` prefers Ulysses there."""
+    job = _job(131072, batch=2)
+    ours = search.evaluate(job, Layout(dp=2, cp=4, zero=3))
+    uly = search.evaluate(job, Layout(dp=2, cp=4, cp_mode="ulysses", zero=3))
+    ratio = ours["time"]["cp_attention_s"] / uly["time"]["cp_attention_s"]
+    assert ratio > H100.peak["bf16"] / H100.peak["fp32"] / 2
+    assert ours["step_time_s"] > uly["step_time_s"]
 
 
 def test_the_ring_hides_its_sends_behind_long_attention_and_ulysses_does_not():
@@ -102,3 +125,60 @@ def test_a_peer_ring_on_fused_blocks_holds_no_block_scores():
     local = 65536 // 2
     scores = 3 * 4 * 1 * SPEC.n_heads * local * local
     assert mem.cp_transient(job, lay) - mem.cp_transient(peer, lay) == scores
+
+
+LONG = [
+    "--model.name=7b", "--model.max_seq_len=131072", "--data.seq_len=131072",
+    "--hardware", "h100-sxm", "--devices", "8", "--train.global_batch=8",
+    "--precision.compute=bf16", "--precision.reduce=bf16", "--json", "--top", "3",
+]  # fmt: skip
+
+
+def _plan_json(capsys, *args) -> dict:
+    assert main(["plan", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_searches_cp_and_prints_the_flags_that_run_it(capsys):
+    """A 7B at 128K tokens on 8 H100s: only a sequence split fits the activations, so the
+    search's best layouts split it, and their train flags carry the cp degree and mode."""
+    best = _plan_json(capsys, *LONG)["candidates"][0]
+    assert best["cp"] > 1 and best["tp"] * best["pp"] * best["dp"] * best["cp"] == 8
+    assert f"--parallel.cp={best['cp']}" in best["train_flags"]
+    assert f"--parallel.cp_mode={best['cp_mode']}" in best["train_flags"]
+
+
+def test_a_pinned_cp_is_kept(capsys):
+    """--parallel.cp pins the search like the other layout keys."""
+    got = _plan_json(capsys, *LONG, "--parallel.cp=8", "--parallel.cp_mode=ulysses")
+    assert {(c["cp"], c["cp_mode"]) for c in got["candidates"]} == {(8, "ulysses")}
+
+
+def test_cp_is_not_searched_where_the_engine_does_not_split_attention(capsys):
+    """GPT-2 with dropout (its masks would change with the split) is never given a cp > 1."""
+    got = _plan_json(
+        capsys, "--model.name=gpt2-125m", "--model.dropout=0.1", "--hardware", "h100-sxm",
+        "--devices", "8", "--data.seq_len=1024", "--train.global_batch=64", "--json", "--top", "50",
+    )  # fmt: skip
+    assert got["candidates"] and all(c["cp"] == 1 for c in got["candidates"])
+
+
+def test_plan_auto_applies_the_chosen_cp():
+    """--plan auto runs what the search chose: the candidate's cp and mode reach the config."""
+    cfg = Config()
+    chosen = apply_layout(
+        cfg, {**search.evaluate(_job(8192, batch=4), Layout(dp=4, cp=2)), "sp": False}
+    )
+    assert (chosen.parallel.cp, chosen.parallel.cp_mode) == (2, "ring")
+    assert (cfg.parallel.cp, chosen.parallel.zero) == (1, 0)
+
+
+def test_model_max_seq_len_overrides_the_preset():
+    """model.max_seq_len lifts a RoPE preset's limit (its angles exist for any position), and
+    transformers' own class (model.name=hf) refuses it: its config.json sets positions."""
+    cfg = Config()
+    cfg.model.name, cfg.model.max_seq_len = "7b", 131072
+    assert spec_from_config(cfg).max_seq_len == 131072
+    cfg.model.name, cfg.model.init_from = "hf", "some-dir"
+    with pytest.raises(ConfigError, match=r"model\.max_seq_len does not apply"):
+        spec_from_config(cfg)

@@ -58,6 +58,11 @@ class ModelConfig:
     tie_embeddings: Literal["preset", "true", "false"] = opt(
         "preset", "Share input embedding and output head: true, false or preset."
     )
+    max_seq_len: int = opt(
+        0,
+        "Override the longest sequence the model takes (0 = preset): RoPE decoders compute "
+        "their angles for any position; GPT-2's learned position table grows to it.",
+    )
     dropout: float = opt(
         0.0,
         "Dropout on the embeddings and each residual branch (decoder/gpt2 models); masks "

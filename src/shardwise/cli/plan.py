@@ -157,6 +157,8 @@ PINS = {
     "parallel.pp_schedule": "pp_schedule",
     "parallel.pp_virtual": "pp_virtual",
     "parallel.grad_compression": "compression",
+    "parallel.cp": "cp",
+    "parallel.cp_mode": "cp_mode",
     "train.micro_batch": "micro_batch",
     "memory.recompute": "recompute",
     "memory.offload": "offload",

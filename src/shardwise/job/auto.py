@@ -21,6 +21,7 @@ def apply_layout(cfg: Config, cand: dict) -> Config:
     out.train.micro_batch = cand["micro_batch"]
     out.memory.recompute, out.memory.offload = cand["recompute"], cand["offload"]
     p.grad_compression = cand.get("compression", "none")  # the search's choice (ZeRO-0 only)
+    p.cp, p.cp_mode = cand.get("cp", 1), cand.get("cp_mode", "ring")
     return out
 
 
@@ -28,12 +29,6 @@ def auto_config(cfg: Config, nproc: int) -> Config:
     """Search, then take the best candidate this version of the engine can run; print it."""
     from shardwise.training.validate import derive
 
-    if cfg.parallel.cp > 1:  # (the candidates would keep cp with degrees chosen without it)
-        raise ConfigError(
-            f"--plan auto searches layouts without context parallelism, and parallel.cp="
-            f"{cfg.parallel.cp}. Fix: pass the layout explicitly (drop --plan auto), or "
-            "--parallel.cp=1."
-        )
     hw = detect_hardware()
     job = job_from_config(cfg, hw, nproc)
     result = search(job)
@@ -49,7 +44,8 @@ def auto_config(cfg: Config, nproc: int) -> Config:
             continue
         print(
             f"shardwise: --plan auto on {nproc} x {hw.name}: tp={cand['tp']} pp={cand['pp']} "
-            f"dp={cand['dp']} zero={cand['zero']} micro_batch={cand['micro_batch']} "
+            f"dp={cand['dp']} cp={cand.get('cp', 1)} zero={cand['zero']} "
+            f"micro_batch={cand['micro_batch']} "
             f"recompute={cand['recompute']} offload={cand['offload']} "
             f"grad_compression={cand.get('compression', 'none')} | predicted "
             f"{cand['step_time_s']:.3g} s/step, {cand['tokens_per_s']:,.0f} tokens/s, "
@@ -77,6 +73,8 @@ def _overrides(cfg: Config, chosen: Config) -> list[str]:
         ("memory", "recompute"),
         ("memory", "offload"),
         ("parallel", "grad_compression"),
+        ("parallel", "cp"),
+        ("parallel", "cp_mode"),
     ]
     out = []
     for section, key in keys:

@@ -36,7 +36,15 @@ def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> Mode
     spec = preset(m.name)
     overrides = {
         k: getattr(m, k)
-        for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+        for k in (
+            "n_layers",
+            "dim",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_dim",
+            "vocab_size",
+            "max_seq_len",
+        )
         if getattr(m, k)
     }
     for key, value in overrides.items():
@@ -181,7 +189,8 @@ def _custom(cfg: Config) -> ModelSpec:
     from shardwise.models.custom import build_custom, check_initialisable
 
     m = cfg.model
-    shaped = [k for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim") if getattr(m, k)]
+    keys = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+    shaped = [k for k in keys if getattr(m, k)]
     if shaped or m.init_from or m.tie_embeddings != "preset" or m.dropout or m.attn_dropout:
         given = shaped or ["init_from/tie_embeddings/dropout"]
         raise ConfigError(
@@ -205,7 +214,7 @@ def _auto(cfg: Config, recorded: tuple[str, ...] | None = None) -> ModelSpec:
     from shardwise.models.hf.auto import check_checkpoint, read_hf_config
 
     m = cfg.model
-    shaped = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+    shaped = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
     given = [k for k in shaped if getattr(m, k)]
     if given or m.tie_embeddings != "preset" or m.dropout or m.attn_dropout:
         key = given[0] if given else "tie_embeddings/dropout"

@@ -8,7 +8,9 @@ that this module adds back.
   With the causal mask balanced over the ranks (the zig-zag split of parallel/context.py) a
   rank computes 1/cp of the whole s x s triangle, cp times the (s/cp)^2 triangle the
   equivalent prices: (cp - 1) more of the equivalent's attention per layer, forward and
-  backward (and again in a recomputed forward).
+  backward (and again in a recomputed forward), where a fused kernel runs it (Ulysses' SDPA,
+  a peer's flash ring). Our ring computes each block pair's scores in fp32 matmuls and
+  element-wise passes: on a GPU that is the unfused attention at the fp32 peak.
 - The exchange (traffic.cp_traffic's bytes and calls): the ring's K/V blocks travel while the
   block in hand is computed (Liu et al. 2023, "Ring Attention", §3), so only what exceeds the
   attention's own time is exposed; Ulysses' all-to-alls (Jacobs et al. 2023) sit on the
@@ -22,21 +24,30 @@ from shardwise.plan import gpu, peers
 from shardwise.plan.layout import Job, Layout
 
 
-def _attention_seconds(job: Job, layout: Layout) -> float:
-    """Forward + backward (+ recomputed forward) seconds of one layer's attention core for one
-    micro-batch of the data-parallel equivalent `job` (its local sequence length)."""
+def _attention_seconds(job: Job, layout: Layout, mode: str, n: int) -> float:
+    """Seconds the cp attention adds to one layer's, for one micro-batch of the data-parallel
+    equivalent `job` (its local length s/n), forward + backward (+ a recomputed forward)."""
     hw, spec, s, b, t = job.hardware, job.spec, job.seq_len, layout.micro_batch, layout.tp
-    again = layout.recompute in ("selective", "full")
-    if hw.kernel_model:  # a GPU: the fused (flash) attention kernel's roofline
-        peak = hw.peak[job.precision]
-        fwd, bwd = gpu.attention_seconds(
-            hw, spec, t, b, s, job.bc, peak, peers.of(job).unfused_attention
-        )
-        return fwd * (1 + again) + bwd
-    # one rate: QK^T and AV (4·s·h FLOPs per token and layer forward, 2x backward), causal
-    # (half the square); the planner's CPU kernels time whole blocks, attention inside them
-    flops = 4.0 * s * spec.dim / t * b * s / 2 * (3 + again)
-    return flops / hw.flops(job.precision)
+    passes = 1 + (layout.recompute in ("selective", "full"))  # forwards
+
+    def core(c: int, peak: float, unfused: bool) -> float:
+        fwd, bwd = gpu.attention_seconds(hw, spec, t, b, s, c, peak, unfused)
+        return fwd * passes + bwd
+
+    if not hw.kernel_model:  # one rate: QK^T and AV, 4·s·h FLOPs per token and layer
+        # forward (2x backward), causal: n - 1 more triangles of the local length
+        flops = 4.0 * s * spec.dim / t * b * s / 2 * (passes + 2)
+        return (n - 1) * flops / hw.flops(job.precision)
+    fused = core(job.bc, hw.peak[job.precision], peers.of(job).unfused_attention)
+    if mode == "ring" and not peers.of(job).cp_fused_blocks:
+        # ours: each block pair's scores in fp32 matmuls and element-wise passes
+        # (parallel/context_comm.py), the rank's own pair whole and, with the zig-zag split,
+        # half of each of the n - 1 others: (n + 1) / 2 local squares, for the fused one
+        # the equivalent priced
+        return (n + 1) / 2 * core(4, hw.peak["fp32"], True) - fused
+    # fused kernels (Ulysses' SDPA over the whole length for 1/n of the heads, or a peer's
+    # flash blocks): 1/n of the whole triangle = n local ones
+    return (n - 1) * fused
 
 
 def _link(job: Job, asked: Layout) -> float:
@@ -67,8 +78,9 @@ def cp_seconds(
     ranks_here = min(job.devices, hw.per_node)
     slowdown = max(1.0, ranks_here / hw.cores) if hw.cores else 1.0
     layers = -(-whole.spec.n_layers // asked.pp)  # the busiest stage's
-    attention = slowdown * layers * _attention_seconds(job, layout)  # one micro-batch
-    extra = (n - 1) * attention
+    # one micro-batch's added attention: the ring's steps after the first, behind which the
+    # next block's sends travel
+    extra = slowdown * layers * _attention_seconds(job, layout, asked.cp_mode, n)
     t_mb = parts["compute_s"] / m
     bubble_units = parts["bubble_s"] / t_mb if t_mb else 0.0
     gather = kinds.get("all_gather", 0.0)
@@ -77,7 +89,7 @@ def cp_seconds(
     comm = slowdown * ((gather + exchange) / _link(job, asked) + calls * hw.latency)
     if asked.cp_mode == "ring":  # behind the attention of the block in hand (all of it now)
         hidden_part = exchange / (gather + exchange) if gather + exchange else 0.0
-        hidden = min(comm * hidden_part, hw.overlap * m * n * attention)
+        hidden = min(comm * hidden_part, hw.overlap * m * extra)
     else:
         hidden = 0.0
     return {

@@ -41,6 +41,8 @@ def why(rec: dict) -> str:
         "offload": t["offload_s"],
         "NVMe": t.get("disk_s", 0.0),
         "compression": t.get("compression_s", 0.0),
+        "cp attention": t.get("cp_attention_s", 0.0),
+        "exposed cp comm": t.get("cp_exposed_s", 0.0),
     }
     step = rec["step_time_s"]
     top = sorted(((v, k) for k, v in costs.items() if v >= 0.005 * step), reverse=True)[:2]
@@ -50,9 +52,16 @@ def why(rec: dict) -> str:
     return f"{_gib(spare)} GiB spare; compute {100 * t['compute_s'] / step:.0f}%{over}{wire}"
 
 
+def _cp(r: dict) -> str:
+    return f"{r['cp']} {r['cp_mode'][:4]}" if r.get("cp", 1) > 1 else "-"
+
+
 def table(cands: list[dict], top: int) -> str:
+    # a cp column where a shown candidate splits the sequence (other tables read as before)
+    with_cp = any(r.get("cp", 1) > 1 for r in cands[:top])
+    cp_head = f" {'cp':>7}" if with_cp else ""
     head = (
-        f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'zero':>4} {'schedule':>13} {'mb':>3} "
+        f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5}{cp_head} {'zero':>4} {'schedule':>13} {'mb':>3} "
         f"{'recompute':>9} {'offload':>16} {'params':>7} {'grads':>6} {'optim':>6} "
         f"{'act':>6} {'peak GiB':>8} {'step s':>8} {'tok/s':>10} {'mfu':>5}  why"
     )
@@ -65,7 +74,9 @@ def table(cands: list[dict], top: int) -> str:
             else "-"
         )
         lines.append(
-            f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {_zero(r):>4} {sched:>13} "
+            f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>5}"
+            + (f" {_cp(r):>7}" if with_cp else "")
+            + f" {_zero(r):>4} {sched:>13} "
             f"{r['micro_batch']:>3} {r['recompute']:>9} {r['offload']:>16} "
             f"{_gib(m['params']):>7} {_gib(m['grads']):>6} "
             f"{_gib(m['master'] + m['optimizer']):>6} {_gib(m['activations']):>6} "
@@ -91,6 +102,8 @@ def train_flags(r: dict) -> list[str]:
         f"--parallel.pp_schedule={r['pp_schedule']}",
         f"--parallel.pp_virtual={r['pp_virtual']}",
         f"--parallel.grad_compression={r.get('compression', 'none')}",
+        f"--parallel.cp={r.get('cp', 1)}",
+        f"--parallel.cp_mode={r.get('cp_mode', 'ring')}",
         f"--train.micro_batch={r['micro_batch']}",
         f"--memory.recompute={r['recompute']}",
         f"--memory.offload={r['offload']}",
@@ -105,7 +118,8 @@ def rejected_lines(rejected: dict) -> str:
 
 
 def explain_candidate(r: dict, n: int) -> str:
-    lines = [f"candidate #{n}: tp={r['tp']} sp={r['sp']} pp={r['pp']} dp={r['dp']}"]
+    cp = f" cp={r['cp']} ({r['cp_mode']})" if r.get("cp", 1) > 1 else ""
+    lines = [f"candidate #{n}: tp={r['tp']} sp={r['sp']} pp={r['pp']} dp={r['dp']}{cp}"]
     lines.append(
         f"  zero={_zero(r)} schedule={r['pp_schedule']} v={r['pp_virtual']} "
         f"micro_batch={r['micro_batch']} recompute={r['recompute']} offload={r['offload']} "

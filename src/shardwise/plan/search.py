@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from shardwise.errors import ConfigError
+from shardwise.models.families import family_of
 from shardwise.plan import context as cp_time
 from shardwise.plan import memory as mem
 from shardwise.plan import time as tm
@@ -78,8 +79,14 @@ def invalid(job: Job, lay: Layout) -> str | None:
         return "offload needs zero>=1"
     if lay.offload in ("optimizer+params", "params+nvme") and lay.zero != 3:
         return "parameter offload needs zero=3"
-    if lay.zero > 0 and lay.dp == 1 and lay.offload == "none":
+    if lay.zero > 0 and lay.dp * lay.cp == 1 and lay.offload == "none":
         return "zero with dp=1 shards nothing"
+    if lay.cp > 1 and job.seq_len % (2 * lay.cp):
+        return "seq_len not divisible by 2 x cp (the zig-zag split)"
+    if lay.cp > 1 and lay.cp_mode == "ulysses" and spec.n_heads % lay.cp:
+        return "heads not divisible by cp (Ulysses)"
+    if lay.cp > 1 and (spec.dropout or spec.attn_dropout or job.packed):
+        return "cp with dropout or packed rows"
     return None
 
 
@@ -154,11 +161,33 @@ def fits(job: Job, rec: dict, disk_budget: float | None = None) -> str | None:
     return None
 
 
+def _cp_degrees(job: Job, tp: int, pp: int, ranks: int) -> list[tuple[int, str]]:
+    """(cp, cp_mode) to try over `ranks` ranks that share the parameters: cp = 1, and where
+    the engine splits this model's attention (a decoder of ours, alone with dp/ZeRO) every
+    power of two dividing them, ring and Ulysses."""
+    out = [(1, "ring")]
+    fam = family_of(job.spec)
+    if not fam.context_parallel or fam.from_checkpoint or job.act_lines or tp > 1 or pp > 1:
+        return out
+    for cp in _pow2_upto(ranks)[1:]:
+        if ranks % cp == 0:
+            out += [(cp, "ring"), (cp, "ulysses")]
+    return out
+
+
+def _pp_cp(job: Job, tp: int):
+    """(pp, cp, cp_mode) for `tp`: every pipeline depth dividing the rest, each with its cp."""
+    rest = job.devices // tp
+    for pp in _divisors(rest):
+        for cp, mode in _cp_degrees(job, tp, pp, rest // pp):
+            yield pp, cp, mode
+
+
 def layouts(job: Job):
     n = job.devices
     for tp in _pow2_upto(min(n, job.hardware.per_node)):
-        for pp in _divisors(n // tp):
-            dp = n // (tp * pp)
+        for pp, cp, mode in _pp_cp(job, tp):
+            dp = n // (tp * pp * cp)
             scheds = [("1f1b", 1)] if pp == 1 else [(s, 1) for s in SCHEDULES if s != "interleaved"]
             if pp > 1:
                 scheds += [("interleaved", v) for v in (2, 4)]
@@ -170,10 +199,12 @@ def layouts(job: Job):
             for (sched, v), mb, zero, rc, off in itertools.product(
                 scheds, mbs, range(4), RECOMPUTE, _offloads(job)
             ):
-                wires = [w for w in job.compressions if dp > 1 and (zero == 0 or w != "powersgd")]
+                wires = [
+                    w for w in job.compressions if dp * cp > 1 and (zero == 0 or w != "powersgd")
+                ]
                 wires = wires or ["none"]
                 for wire in wires:
-                    yield Layout(tp, pp, dp, zero, tp > 1, sched, v, mb, rc, off, wire)
+                    yield Layout(tp, pp, dp, zero, tp > 1, sched, v, mb, rc, off, wire, cp, mode)
 
 
 def _offloads(job: Job) -> tuple[str, ...]:
@@ -229,12 +260,13 @@ def merge_equivalent(cands: list[dict]) -> list[dict]:
     out: list[dict] = []
     single: list[dict] = []  # the kept rows with dp = 1
     for rec in cands:
-        twin = next((k for k in single if _same(k, rec)), None) if rec["dp"] == 1 else None
+        one = rec["dp"] * rec.get("cp", 1) == 1
+        twin = next((k for k in single if _same(k, rec)), None) if one else None
         if twin is not None:
             twin.setdefault("equivalent_zero", []).append(rec["zero"])
             continue
         out.append(rec)
-        if rec["dp"] == 1:
+        if one:
             single.append(rec)
     return out
 

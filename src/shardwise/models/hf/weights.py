@@ -274,6 +274,14 @@ def adapt_spec(spec, model_cfg, path: str | Path):
             f"model.tie_embeddings={tie} but model.init_from='{path}' has "
             f"tie_word_embeddings={fields['tie_embeddings']}. Fix: --model.tie_embeddings=preset."
         )
+    longest = model_cfg.max_seq_len
+    if longest and longest != fields["max_seq_len"]:
+        if arch != "decoder":  # GPT-2's learned table has the checkpoint's rows
+            raise ConfigError(
+                f"model.max_seq_len={longest} but model.init_from='{path}' has a learned "
+                f"position table of {fields['max_seq_len']} rows. Fix: --model.max_seq_len=0."
+            )
+        fields["max_seq_len"] = longest  # RoPE: angles for any position
     spec = dataclasses.replace(spec, **fields)
     check_weights(spec, path)
     return spec
