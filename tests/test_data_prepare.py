@@ -270,3 +270,46 @@ def test_training_and_blend_refusals_name_the_value_and_the_fix(prepared, corpus
     )
     spec = _spec(tmp_path, "stdlib", vocab_size=VOCAB, blend=f"{out}:1,{tmp_path / 'other_p'}:1")
     _refused("another tokenizer or vocabulary", load_data, spec, "train")
+
+
+def test_a_tokenizer_saved_with_truncation_still_keeps_whole_documents(corpus, tmp_path):
+    """A tokenizer saved for a classifier truncates and pads (all-MiniLM's: 128 tokens). A
+    corpus is documents, not model inputs: both the prepared shards and the token cache hold
+    every document whole, the same ids as the tokenizer without truncation gives."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    plain = _hf_tokenizer(tmp_path / "plain")
+    backend = Tokenizer.from_file(str(plain / "tokenizer.json"))
+    backend.enable_truncation(16)
+    backend.enable_padding(length=16)
+    cut = tmp_path / "cut"
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(
+        cut
+    )
+    m = _prepare([corpus], tmp_path / "out", tokenizer=str(cut))
+    whole = _prepare([corpus], tmp_path / "whole", tokenizer=str(plain))
+    got = _stream(tmp_path / "out", m, "train")
+    assert len(got) > 16 * (m["splits"]["train"]["docs"] + 1)  # not cut to 16 per document
+    assert np.array_equal(got, _stream(tmp_path / "whole", whole, "train"))
+    raw = load_tokens(_spec(tmp_path, corpus, tokenizer=str(cut), vocab_size=VOCAB), "train")
+    assert np.array_equal(got, np.asarray(raw.tokens))
+
+
+def test_inputs_in_another_order_and_a_vocab_size_beside_a_tokenizer_are_refused(
+    corpus, tmp_path, capsys
+):
+    """The held-out split follows the order of the inputs, so a rerun naming them in another
+    order is refused by name; --vocab-size sizes a trained BPE and is refused beside
+    --tokenizer rather than ignored."""
+    other = tmp_path / "other.txt"
+    other.write_text(_text(99, 200))
+    out = tmp_path / "out"
+    _prepare([corpus, other], out)
+    _refused("the same files in another order", _prepare, [other, corpus], out)
+    tok = _hf_tokenizer(tmp_path / "tok")
+    argv = ["data", "prepare", str(corpus), "--out", str(tmp_path / "o2")]
+    capsys.readouterr()  # (the prepares' progress above)
+    assert main([*argv, "--tokenizer", str(tok), "--vocab-size", "512"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--vocab-size 512" in err[0] and "Fix: drop --vocab-size" in err[0]

@@ -32,9 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--vocab-size",
         type=int,
-        default=4096,
+        default=None,
         metavar="N",
-        help="the trained BPE's size: the model.vocab_size you will train with (default 4096)",
+        help="the trained BPE's size: the model.vocab_size you will train with (default 4096; "
+        "not with --tokenizer, whose vocabulary is its own)",
     )
     v.add_argument("--text-field", default="text", help="column holding the text (default text)")
     v.add_argument(
@@ -61,6 +62,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if args.tokenizer and args.vocab_size is not None:
+        raise ShardwiseError(
+            f"--vocab-size {args.vocab_size} sizes the BPE trained on the documents, and "
+            f"--tokenizer {args.tokenizer} brings a vocabulary of its own. Fix: drop "
+            "--vocab-size (or --tokenizer, to train a BPE of that size)."
+        )
+    if args.vocab_size is None:
+        args.vocab_size = 4096
     for flag, value, least, example in (
         ("--vocab-size", args.vocab_size, 257, 4096),  # 256 bytes + <|endoftext|>
         ("--workers", args.workers, 0, 2),

@@ -29,7 +29,7 @@ import numpy as np
 from shardwise.data.corpus import check_skipped, split_documents
 from shardwise.data.identity import vocab_key
 from shardwise.data.inputs import read_inputs
-from shardwise.data.pretrained import content_key, load_tokenizer
+from shardwise.data.pretrained import content_key, load_tokenizer, whole_documents
 from shardwise.data.resume import check_out, check_same, identity, kept
 from shardwise.data.shards import KIND, MANIFEST, PARTIAL, VERSION
 from shardwise.data.tokens import ENCODE_CHUNK_CHARS, EOS, _chunks, _train_bpe
@@ -132,7 +132,7 @@ def _tokenizer(opts: Options, out: Path, train: list[str], resuming: bool) -> tu
     path = out / "tokenizer.json"
     if opts.tokenizer:
         tok = load_tokenizer(opts.tokenizer)
-        text, vocab = tok.backend_tokenizer.to_str(), len(tok)
+        text, vocab = whole_documents(tok).to_str(), len(tok)
         eos, bos, add_special = tok.eos_token_id, tok.bos_token_id, True
         info = {"kind": "hf", "source": opts.tokenizer, "content_key": content_key(opts.tokenizer)}
     else:

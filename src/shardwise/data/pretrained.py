@@ -104,10 +104,23 @@ def load_tokenizer(path: str | Path):  # -> transformers.PreTrainedTokenizerFast
     return tok
 
 
+def whole_documents(tok):  # -> tokenizers.Tokenizer
+    """`tok`'s backend with truncation and padding off: a tokenizer saved for a classifier
+    (all-MiniLM's: 128 tokens, padded) would otherwise cut every document of a corpus to that
+    length and pad it, silently."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
+
+
 def encode_documents(tok, texts: list[str]) -> list[list[int]]:
     """Each document's ids as the tokenizer defines them (its post-processor's special tokens),
-    followed by its end-of-sequence token when it has one and did not already add it."""
-    encodings = tok.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=True)
+    whole (never truncated or padded), followed by its end-of-sequence token when it has one
+    and did not already add it."""
+    encodings = whole_documents(tok).encode_batch_fast(texts, add_special_tokens=True)
     eos = tok.eos_token_id
     out = []
     for enc in encodings:

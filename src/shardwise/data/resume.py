@@ -78,10 +78,14 @@ def check_same(state: dict, ident: dict, out: Path, opts) -> None:
     if was["files"] != ident["files"]:
         old = {f[0]: f[1:] for f in was["files"]}
         new = {f[0]: f[1:] for f in ident["files"]}
-        what = next(
-            (f"{p!r} is new" for p in new if p not in old),
-            next((f"{p!r} is gone" for p in old if p not in new), None),
-        ) or next(f"{p!r} changed" for p in new if new[p] != old[p])
+        what = (
+            next((f"{p!r} is new" for p in new if p not in old), None)
+            or next((f"{p!r} is gone" for p in old if p not in new), None)
+            or next((f"{p!r} changed" for p in new if new[p] != old[p]), None)
+            # the same files in another order: the documents' order and the held-out split
+            # follow the order given
+            or "the same files in another order"
+        )
         raise DataError(
             f"the inputs {' '.join(opts.inputs)} differ from those of the {how} prepare in "
             f"{str(out)!r} ({what}). Fix: rerun on its inputs unchanged, {fix}"

@@ -137,8 +137,10 @@ def _cache_key(spec: DataSpec, source: Source) -> str:
         "tokenizers": tokenizers.__version__,  # a new BPE implementation may merge differently
         "files": source.identity(),
         # a trained BPE depends on its target size; a given tokenizer only on its files
+        # "whole": documents never truncated or padded (pretrained.whole_documents; caches
+        # of a tokenizer saved with truncation on were cut short before it)
         **(
-            {"tokenizer": content_key(spec.tokenizer)}
+            {"tokenizer": content_key(spec.tokenizer), "documents": "whole"}
             if spec.tokenizer
             else {"vocab_size": spec.vocab_size}
         ),
