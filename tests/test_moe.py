@@ -140,6 +140,41 @@ def test_layer_equals_a_token_by_token_reference(router, shared, capacity):
             assert int(layer.last[3]) == 30  # every token chose expert 3
 
 
+def test_a_checkpointed_layer_runs_its_first_forward_in_a_fresh_process(monkeypatch):
+    """The grouped-GEMM probe runs at a layer's first forward; under non-reentrant
+    recomputation that forward is watched by saved-tensor hooks, and a probe counted there but
+    cached at the replay made the two disagree (a CheckpointError at the first backward of
+    `memory.recompute=full`). The probe now runs apart; the layer's gradient equals the plain
+    run's, and the replay leaves no balance-loss graph behind once the step is tallied."""
+    from torch.utils.checkpoint import checkpoint
+
+    from shardwise.models import moe as moe_module
+    from shardwise.training.moe import ExpertTally
+
+    model = MoEDecoder(preset("moe-tiny"))
+    init_weights(model, 0)
+    layer = model.blocks[0].mlp
+    x = torch.randn(2, 8, layer.w1.shape[1], generator=torch.Generator().manual_seed(2))
+    grads = []
+    for recompute in (True, False):
+        monkeypatch.setattr(moe_module, "_GROUPED", {})  # as in a new process
+        xi = x.clone().requires_grad_()
+        y = checkpoint(layer, xi, use_reentrant=False) if recompute else layer(xi)
+        y.square().sum().backward()
+        grads.append(xi.grad)
+    assert torch.equal(grads[0], grads[1])
+    cfg = load_config(None, ["--train.moe_aux_loss=0.01"])
+    tally = ExpertTally(model, cfg.train)
+    layer.aux = torch.ones((), requires_grad=True)  # as a replay in backward leaves it
+
+    class _Comm:
+        def all_reduce(self, t, dim, control=False):
+            return t
+
+    tally.after_step(_Comm(), skipped=False)
+    assert all(m.aux is None for m in moe_layers(model))
+
+
 def test_config_keys_build_and_refuse():
     """model.n_experts turns a decoder preset into MoE; the MoE keys on a dense model and
     tensor parallelism are refused with the key named."""

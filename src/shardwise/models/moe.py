@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -45,6 +46,17 @@ def _has_data(t: torch.Tensor) -> bool:
     return not (t.is_meta or is_fake(t))
 
 
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    try:
+        a = torch.ones(2, 8, device=device, dtype=dtype, requires_grad=True)
+        b = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([0, 2], device=device, dtype=torch.int32)  # group 0 empty
+        torch._grouped_mm(a, b, offs=offs).backward(torch.ones(2, 8, device=device))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype, values: bool = True) -> bool:
     """Whether `torch._grouped_mm` computes forward and backward for `dtype` on `device`;
     `values` False: for tensors without values (meta, fake), whose kernel takes bf16 only."""
@@ -54,19 +66,12 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype, values: bool = Tru
         return dtype == torch.bfloat16
     key = (device.type, dtype)
     if key not in _GROUPED:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        # the answer is cached for the process: probe with real tensors and gradients on,
-        # whatever the first caller runs under (no_grad evaluation, a fake planner forward)
-        with unset_fake_temporarily(), torch.enable_grad():
-            try:
-                a = torch.ones(2, 8, device=device, dtype=dtype, requires_grad=True)
-                b = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
-                offs = torch.tensor([0, 2], device=device, dtype=torch.int32)  # group 0 empty
-                torch._grouped_mm(a, b, offs=offs).backward(torch.ones(2, 8, device=device))
-                _GROUPED[key] = True
-            except (RuntimeError, NotImplementedError):
-                _GROUPED[key] = False
+        # the answer is cached for the process; the probe runs in a thread of its own, so none
+        # of the first caller's thread-local state reaches it: no_grad evaluation, a fake
+        # planner forward, or a recomputation's saved-tensor hooks (which would count the
+        # probe's tensors in a checkpointed forward and not in its replay)
+        with ThreadPoolExecutor(1) as pool:
+            _GROUPED[key] = pool.submit(_probe_grouped_mm, device, dtype).result()
     return _GROUPED[key]
 
 

@@ -48,6 +48,8 @@ class ExpertTally:
         """Sum the step's statistics over dp (through the comm layer: bookkeeping-sized, counted
         with the loss's), move the biases unless the step was skipped, and return the metrics:
         per layer max/mean expert load and dropped tokens, and the mean balance loss."""
+        for layer in self.layers:  # a recomputed forward in backward set it again: its graph
+            layer.aux = None  # (router input, scores) would live through the step and eval
         sums = self.sums
         comm.all_reduce(sums, "dp", control=True)
         load, dropped, aux, seqs = sums[:, :-3], sums[:, -3], sums[:, -2], sums[:, -1]
