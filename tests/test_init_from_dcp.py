@@ -105,3 +105,13 @@ def test_a_dcp_of_another_shape_is_refused_before_launch(sources) -> None:
     cfg = load_config(None, ["--model.n_layers=3", f"--model.init_from={sources['dcp']}"])
     with pytest.raises(ConfigError, match=r"no tensor for 'blocks\.2\..*Fix: set model.name"):
         spec_from_config(cfg)
+
+
+def test_a_separate_head_is_not_dropped_by_a_tied_model(sources) -> None:
+    """A checkpoint with its own output head loaded into a model that ties its head to the
+    embedding would leave that head unread: refused, naming the key that keeps it."""
+    cfg = load_config(
+        None, [*SHAPE, "--model.tie_embeddings=true", f"--model.init_from={sources['titan']}"]
+    )
+    with pytest.raises(ConfigError, match=r"output head of its own \('model\.output\.weight'\)"):
+        spec_from_config(cfg)

@@ -149,6 +149,14 @@ def check_dcp(spec, path: str | Path) -> None:
         got = tuple(reader.sizes[key][0])
         if got != tuple(p.shape):
             problems.append(f"'{key}' has shape {list(got)}, '{name}' is {list(p.shape)}")
+    head = reader.keys.get("head.weight", ("", False))[0]
+    # a torchtitan head (its own layout never ties) would be left unread; ours writes the tied
+    # head beside the embedding it equals
+    if spec.tie_embeddings and head and head != "head.weight":
+        problems.append(
+            f"it has an output head of its own ('{head}') and the "
+            "model ties its head to the embedding (model.tie_embeddings=false keeps it)"
+        )
     if problems:
         raise ConfigError(
             f"model.init_from='{path}' (a distributed checkpoint) does not fit "
