@@ -13,7 +13,7 @@ import torch
 
 from shardwise.cli.main import main
 from shardwise.data import GlobalSampler, load_data
-from shardwise.data.blend import BlendDataset, assign
+from shardwise.data.blend import BlendDataset, locate
 from shardwise.data.identity import vocab_key
 from shardwise.data.prepare import Options, prepare
 from shardwise.data.shards import PARTIAL
@@ -171,6 +171,35 @@ def test_a_rerun_after_a_kill_keeps_finished_shards(corpus, tmp_path, capsys):
     assert "already prepared" in capsys.readouterr().err
 
 
+def _sorted_blend(weights: list[float], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The blend's definition, done the long way: every source's draws j at times
+    (j + 1/2) / w, all sorted by time (ties: the earlier source), the first n kept."""
+    k = len(weights)
+    src, draw, time = [], [], []
+    for s, w in enumerate(weights):
+        j = np.arange(int(w * n) + k + 2, dtype=np.int64)
+        src.append(np.full(len(j), s, dtype=np.int64))
+        draw.append(j)
+        time.append((j + 0.5) / w)
+    src, draw, time = (np.concatenate(a) for a in (src, draw, time))
+    first = np.lexsort((src, time))[:n]
+    return src[first], draw[first]
+
+
+@pytest.mark.parametrize(
+    "weights", [[0.7, 0.3], [1 / 3] * 3, [0.5, 0.25, 0.125, 0.125], [0.999, 0.001]]
+)
+def test_a_sample_is_located_without_building_the_epoch(weights):
+    """Blend sample i's source and draw are computed for i alone, and equal the definition's
+    (every draw sorted by time over a whole epoch), ties between sources included."""
+    want = _sorted_blend(weights, 20_000)
+    got = locate(weights, np.arange(20_000))
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    far = np.array([10**9, 10**9 + 7])  # an epoch of 10^9 samples costs nothing to index
+    s, d = locate(weights, far)
+    assert ((s >= 0) & (s < len(weights))).all() and (d >= 0).all()
+
+
 def test_a_blend_draws_each_source_by_its_weight(tmp_path):
     """Over 10,000 samples drawn by the global sampler, each source's share is within 1 % of
     its normalised weight; every row is its source's sample; the map from sample to (source,
@@ -184,17 +213,17 @@ def test_a_blend_draws_each_source_by_its_weight(tmp_path):
     blend = load_data(spec, "train")
     assert isinstance(blend, BlendDataset)
     idx = torch.cat([GlobalSampler(len(blend), 100, 0).global_indices(s) for s in range(100)])
-    share = np.bincount(blend.source[idx.numpy()], minlength=2) / len(idx)
+    which, inner = blend.where(idx.numpy())
+    share = np.bincount(which, minlength=2) / len(idx)
     assert abs(share[0] - 0.7) < 0.01 and abs(share[1] - 0.3) < 0.01, share
     x, y = blend.get_batch(idx[:64])
-    for row, i in enumerate(idx[:64].tolist()):
-        src = blend.sources[blend.source[i]]
-        sx, sy = src.get_batch(torch.tensor([blend.index[i]]))
+    for row in range(64):
+        sx, sy = blend.sources[which[row]].get_batch(torch.tensor([inner[row]]))
         assert torch.equal(x[row], sx[0]) and torch.equal(y[row], sy[0])
-    again = load_data(spec, "train")
-    assert np.array_equal(again.source, blend.source) and np.array_equal(again.index, blend.index)
-    s_short, d_short = assign([0.7, 0.3], 1000)
-    s_long, d_long = assign([0.7, 0.3], 10_000)
+    again = load_data(spec, "train").where(idx.numpy())
+    assert np.array_equal(again[0], which) and np.array_equal(again[1], inner)
+    s_short, d_short = locate([0.7, 0.3], np.arange(1000))
+    s_long, d_long = locate([0.7, 0.3], np.arange(10_000))
     assert np.array_equal(s_long[:1000], s_short) and np.array_equal(d_long[:1000], d_short)
     assert abs(np.bincount(s_long)[0] - 7000) <= 2
 

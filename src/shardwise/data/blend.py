@@ -60,19 +60,42 @@ def parse_blend(text: str) -> list[tuple[str, float]]:
     return [(p, w / total) for p, w in entries]
 
 
-def assign(weights: list[float], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(source, draw) of blend samples 0..n-1: draw j of source s is its (j+1)-th sample."""
+def _draws_before(w: float, t: np.ndarray, s: int, other: int) -> np.ndarray:
+    """How many draws of source `other` (weight `w`) come before source `s`'s draw of time
+    `t`: times (j + 1/2) / w below t, or equal to it from an earlier source. The estimate
+    ceil(w·t - 1/2) is corrected against the same float times the order is defined by."""
+
+    def before(j: np.ndarray) -> np.ndarray:
+        tj = (j + 0.5) / w
+        return (tj < t) | ((tj == t) & (other < s))
+
+    c = np.maximum(np.ceil(w * t - 0.5).astype(np.int64), 0)
+    for _ in range(2):
+        c = np.where(before(c), c + 1, c)
+        c = np.where((c > 0) & ~before(c - 1), c - 1, c)
+    return c
+
+
+def locate(weights: list[float], idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(source, draw) of blend samples `idx`: draw j of source s is its (j+1)-th sample.
+    Sample i is the draw whose count of earlier draws over all sources is i; source s's
+    candidates lie within k + 2 of w_s·i (the module doc's bound), so each index costs
+    O(k^3) element-wise work and nothing of the epoch is held."""
+    idx = np.asarray(idx, dtype=np.int64)
     k = len(weights)
-    sources, draws, times = [], [], []
+    source = np.full(idx.shape, -1, dtype=np.int64)
+    draw = np.zeros(idx.shape, dtype=np.int64)
     for s, w in enumerate(weights):
-        m = int(w * n) + k + 2  # more than source s can take among n (see the module doc)
-        j = np.arange(m, dtype=np.int64)
-        sources.append(np.full(m, s, dtype=np.int64))
-        draws.append(j)
-        times.append((j + 0.5) / w)
-    src, draw, time = (np.concatenate(a) for a in (sources, draws, times))
-    first = np.lexsort((src, time))[:n]  # by time, then by source
-    return src[first], draw[first]
+        base = np.floor(w * idx).astype(np.int64)
+        for d in range(-k - 2, k + 3):
+            j = np.maximum(base + d, 0)
+            t = (j + 0.5) / w
+            rank = sum(j if o == s else _draws_before(wo, t, s, o) for o, wo in enumerate(weights))
+            hit = (base + d >= 0) & (rank == idx)
+            source, draw = np.where(hit, s, source), np.where(hit, j, draw)
+    if (source < 0).any():  # the bound above makes this unreachable; never a wrong sample
+        raise RuntimeError(f"blend sample {int(idx[source < 0][0])} not located")
+    return source, draw
 
 
 class BlendDataset(TokenDataset):
@@ -89,15 +112,19 @@ class BlendDataset(TokenDataset):
         self.sources = sources
         self.lengths = np.array([len(s) for s in sources], dtype=np.int64)
         self._len = max(math.ceil(int(n) / w) for n, w in zip(self.lengths, weights, strict=True))
-        self.source, draw = assign(weights, self._len)
-        self.index = draw % self.lengths[self.source]
+        self.weights = list(weights)
+
+    def where(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, sample within it) of blend samples `idx`."""
+        source, draw = locate(self.weights, idx)
+        return source, draw % self.lengths[source]
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), both int64 [B, seq_len], each row from its source."""
         idx = torch.as_tensor(indices, dtype=torch.int64).cpu().numpy()
         if idx.size and (idx.min() < 0 or idx.max() >= self._len):
             raise IndexError(f"sample index out of range [0, {self._len}): {idx.tolist()}")
-        which, inner = self.source[idx], self.index[idx]
+        which, inner = self.where(idx)
         inputs = torch.empty(len(idx), self.seq_len, dtype=torch.int64)
         targets = torch.empty_like(inputs)
         for s in np.unique(which).tolist():
