@@ -9,10 +9,13 @@ Per run: the median step after the warm-up steps, MFU under two FLOP conventions
 6N + 12·L·h·s per token, attention included, and the 6N of the scaling-law papers), the
 allocator's peak (`max_memory_allocated`), and the ratios to the peer. `--llama3-layers K`
 runs a Llama-3-8B-shaped decoder instead (its widths: dim 4096, 32 heads, 8 kv heads, ffn
-14336) trimmed to K layers to fit one card, on the data's own vocabulary. FP8 training
-(`precision.fp8`) is not built yet: no FP8 column. `--row FILE` appends each shardwise run as
-a row of the published record. `--smoke` runs the tiny preset a few steps on whatever device
-there is (CPU here): it shows the script runs, its numbers mean nothing.
+14336) trimmed to K layers to fit one card, on the data's own vocabulary. Where the card has
+FP8 tensor cores (compute capability 8.9+: H100, H200, L40S) two more eager runs train with
+`precision.fp8=tensorwise` and `rowwise` (torchao float8: the blocks' linear layers in FP8);
+the MFU columns keep the bf16 peak as denominator, so an FP8 run's MFU above the bf16 run's
+is its speed-up. `--row FILE` appends each shardwise run as a row of the published record.
+`--smoke` runs the tiny preset a few steps on whatever device there is (CPU here, FP8 in
+numerics mode: emulated): it shows the script runs, its numbers mean nothing.
 
     .venv/bin/python benchmarks/cuda_speed.py [--model 1b] [--seq 2048] [--micro 4]
         [--global-batch 8] [--steps 5] [--warmup 3] [--llama3-layers 8] [--row FILE]
@@ -41,7 +44,11 @@ from cuda_profile import (
     shardwise,
 )
 
-ENGINES = [("eager", "false"), ("compiled blocks", "blocks")]
+ENGINES = [("eager", "false", "none"), ("compiled blocks", "blocks", "none")]
+FP8 = [
+    ("eager + FP8 tensorwise", "false", "tensorwise"),
+    ("eager + FP8 rowwise", "false", "rowwise"),
+]
 LLAMA3 = ["--model.dim=4096", "--model.n_heads=32", "--model.n_kv_heads=8", "--model.ffn_dim=14336"]
 
 
@@ -64,10 +71,22 @@ def attention_share(a: argparse.Namespace, folder: Path) -> float:
     return attn / (6 * n + attn)
 
 
-def train(a: argparse.Namespace, folder: Path, compile_mode: str) -> dict:
+def engines(smoke: bool) -> list[tuple[str, str, str]]:
+    """The runs: eager and compiled blocks, and FP8 where the card has FP8 tensor cores (on a
+    CPU under --smoke: emulated, so the smoke run covers the FP8 path too)."""
+    from shardwise.distributed import device as dev
+
+    cap = dev.capability(dev.detect())
+    if cap is None:  # a CPU: one emulated FP8 run under --smoke (each run costs the suite ~8 s)
+        return ENGINES + (FP8[:1] if smoke else [])
+    return ENGINES + (FP8 if cap >= dev.FP8_CAPABILITY else [])
+
+
+def train(a: argparse.Namespace, folder: Path, compile_mode: str, fp8: str = "none") -> dict:
     """One `shardwise train` run: median step after the warm-up, MFU and peak allocation."""
     steps = a.warmup + a.steps
     run = [*config(a, folder), f"--train.compile={compile_mode}", f"--train.steps={steps}"]
+    run.append(f"--precision.fp8={fp8}")
     shardwise(["train", *run, "--nproc=1", "--log.progress=off", "--log.tensorboard=false"])
     every = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in every if r["step"] > a.warmup]
@@ -95,7 +114,8 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="cuda-speed-"))
     plan = predicted(a, root / "explain")
     share = attention_share(a, root)
-    runs = {name: train(a, root / mode, mode) for name, mode in ENGINES}
+    kinds = engines(a.smoke)
+    runs = {name: train(a, root / f"{mode}-{fp8}", mode, fp8) for name, mode, fp8 in kinds}
     them = peer(a, root / "peer", a.warmup + a.steps)
     shape = f"Llama-3-8B widths, {a.llama3_layers} layers" if a.llama3_layers else a.model
     print(f"device: {them['device']}; model {shape}, seq {a.seq}, micro {a.micro}, "
@@ -115,7 +135,7 @@ def main() -> int:
     ])  # fmt: skip
     header = ["run", "step ms", "MFU 6N+12Lhs", "MFU 6N", "peak", "/ peer", "graph breaks"]
     print(table(header, rows))
-    for (name, _), r, cells in zip(ENGINES, runs.values(), rows, strict=False):
+    for (name, *_), r, cells in zip(kinds, runs.values(), rows, strict=False):
         if a.row:
             row = published_row(a, r["step_s"], r["mfu"], r["peak_bytes"], them["device"], cells)
             row["source"] = row["source"].replace("cuda_profile.py", f"cuda_speed.py ({name})")

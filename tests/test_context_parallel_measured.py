@@ -1,6 +1,7 @@
-"""Context parallelism against measured runs: a cp checkpoint resumes on one process, and the
-planner's cp traffic (bytes and calls, exact) and peak memory (within 5 %) match what the
-engine records.
+"""Context parallelism against measured runs: a cp checkpoint resumes on one process, cp
+composed with tensor and pipeline parallelism reproduces one process, and the planner's cp
+traffic (bytes and calls, exact; alone and with tp and pp) and peak memory (within 5 %) match
+what the engine records.
 
 One 4-rank world runs every multi-rank case, one process the references and the resumes
 (after the world: they read its checkpoints)."""
@@ -50,6 +51,28 @@ TRAFFIC = {
     ],
 }
 
+# cp composed with tp (heads split over tp, each tp rank's cp ring over its heads; with sp the
+# tp ranks split each cp rank's part of the sequence again) and with pp (stages exchange
+# activations of the local length): dp 1 in a 4-rank world
+CP2 = ["--parallel.cp=2"]
+COMPOSED = {
+    "cp2_tp2_ring": [*CP2, "--parallel.tp=2"],
+    "cp2_tp2_sp_ulysses": [
+        *CP2,
+        "--parallel.tp=2",
+        "--parallel.sp=true",
+        "--parallel.cp_mode=ulysses",
+    ],
+    "cp2_pp2_ring": [*CP2, "--parallel.pp=2", "--train.micro_batch=2"],
+    "cp2_pp2_ulysses_z1": [
+        *CP2,
+        "--parallel.pp=2",
+        "--train.micro_batch=2",
+        "--parallel.cp_mode=ulysses",
+        "--parallel.zero=1",
+    ],
+}
+
 # memory at a sequence where attention matters: 512 tokens of the tiny decoder, 2 steps
 LONG = [
     "--model.name=tiny",
@@ -75,7 +98,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     world4 = {
         "cp4": _ckpt(root, "cp4", *CP4),
         "cp2_z3": _ckpt(root, "cp2_z3", *CP2_Z3),
-        **{name: case(*SHORT, *extra) for name, extra in TRAFFIC.items()},
+        **{name: case(*SHORT, *extra) for name, extra in {**TRAFFIC, **COMPOSED}.items()},
         **{name: case(*LONG, *extra) for name, extra in MEMORY.items()},
     }
     world1 = {"ref": case(*SHORT), "mem_cp1": case(*LONG)}
@@ -111,18 +134,44 @@ def _explain(overrides: list[str], world: int = 4) -> dict:
     return explain_record(cfg, world, get_hardware("cpu", calibrate=False))
 
 
-@pytest.mark.parametrize("name", list(TRAFFIC))
+@pytest.mark.parametrize("name", [*TRAFFIC, *COMPOSED])
 def test_the_cp_exchange_is_predicted_byte_for_byte(runs, name):
     """comm_bytes.cp and comm_calls.cp as the planner predicts them equal what comm.py
-    counted, on every rank and step (the ring and Ulysses send the same on every cp rank);
-    the dp gradient reduction over the dp x cp ranks is still exact too."""
-    pred = _explain(case(*SHORT, *TRAFFIC[name])["overrides"])
+    counted, on every rank and step (the ring and Ulysses send the same on every cp rank;
+    with tp a rank exchanges its n_heads / tp heads, with pp a stage its own layers); the
+    tp and pp bytes too, and the dp gradient reduction over the dp x cp ranks where pp = 1
+    (the planner prices the first stage's, and the stages' parameters differ)."""
+    extra = {**TRAFFIC, **COMPOSED}[name]
+    pred = _explain(case(*SHORT, *extra)["overrides"])
     for rank in runs[name]:
         for rec in rank["records"]:
             assert rec["comm_bytes"]["cp"] == pred["comm_bytes"]["cp"] > 0, (name, rec, pred)
             assert rec["comm_calls"]["cp"] == pred["comm_calls"]["cp"], (name, rec, pred)
-            assert rec["comm_bytes"]["dp"] == pred["comm_bytes"]["dp"], (name, rec, pred)
-            assert rec["comm_calls"]["dp"] == pred["comm_calls"]["dp"], (name, rec, pred)
+            for dim in ("tp", "pp"):
+                got = rec["comm_bytes"].get(dim, 0.0)
+                assert got == pred["comm_bytes"].get(dim, 0.0), (name, dim, rec, pred)
+            if "--parallel.pp=2" not in extra:
+                assert rec["comm_bytes"]["dp"] == pred["comm_bytes"]["dp"], (name, rec, pred)
+                assert rec["comm_calls"]["dp"] == pred["comm_calls"]["dp"], (name, rec, pred)
+
+
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_cp_with_tp_or_pp_reproduces_one_process(runs, name):
+    """Losses and gradient norms within 1e-5 relative on every rank, and every rank's
+    parameters (a tp rank's gathered to full shape, a stage's own) within 1e-5 of the single
+    process's, all of them covered: the cp split composes with the head split and the stage
+    split without changing a number beyond fp32 rounding."""
+    ref = runs["ref"][0]
+    assert ref["losses"][-1] < ref["losses"][0] - 0.1  # it trained
+    norms = [r["grad_norm"] for r in ref["records"]]
+    seen = set()
+    for rank in runs[name]:
+        assert max_rel(rank["losses"], ref["losses"]) <= 1e-5, name
+        assert max_rel([r["grad_norm"] for r in rank["records"]], norms) <= 1e-5, name
+        mine = rank["params"]
+        assert max_param_diff(mine, {k: ref["params"][k] for k in mine}) <= 1e-5, name
+        seen |= set(mine)
+    assert seen == set(ref["params"])
 
 
 @pytest.mark.parametrize("name", ["mem_cp1", *MEMORY])

@@ -288,13 +288,22 @@ class ParallelConfig:
         1,
         "Context-parallel degree: each sample's sequence split over this many ranks, which "
         "share the parameters with the data-parallel ranks (dp = world / (tp * pp * cp) "
-        "sample streams). Built-in decoders, tp = pp = 1.",
+        "sample streams). Built-in decoders (also with tp, pp and data.pack) and "
+        "Llama-style transformers models (tp = pp = 1, no packing).",
     )
     cp_mode: Literal["ring", "ulysses"] = opt(
         "ring",
         "Context-parallel attention: ring (K/V blocks passed around the cp ranks, Liu et al. "
-        "2023) or ulysses (all-to-all from sequence to heads, Jacobs et al. 2023; n_heads % cp "
-        "== 0).",
+        "2023) or ulysses (all-to-all from sequence to heads, Jacobs et al. 2023; "
+        "n_heads / tp divisible by cp).",
+    )
+    ep: int = opt(
+        1,
+        "Expert-parallel degree: each MoE layer's routed experts split over this many ranks of "
+        "the data-parallel line (dividing world / (tp * pp) and model.n_experts), tokens "
+        "exchanged by all-to-all; expert gradients reduced over the world / (tp * pp * ep) "
+        "ranks holding the same experts. MoE decoder and Hugging Face MoE checkpoints, "
+        "tp = pp = 1.",
     )
     bucket_mb: float = opt(
         25.0, "Gradient bucket size in MB for the overlapped all-reduce (25 MB, like PyTorch DDP)."
@@ -324,6 +333,11 @@ class PrecisionConfig:
     reduce: Precision = opt("fp32", "Dtype of gradient buffers and their communication.")
     loss_scale: float = opt(65536.0, "Initial dynamic loss scale (fp16 only).")
     scale_window: int = opt(1000, "Double the fp16 loss scale after this many finite steps.")
+    fp8: Literal["none", "tensorwise", "rowwise"] = opt(
+        "none",
+        "FP8 matmuls in the transformer blocks' linear layers (torchao float8 training): one "
+        "scale per tensor or per row; needs FP8 tensor cores (CUDA 8.9+), emulated on CPU.",
+    )
 
 
 @dataclass
@@ -381,6 +395,12 @@ class CheckpointConfig:
         "warm-start Q and random stream: about the compressed gradients' fp32 size per dp "
         "rank), so a resume in the same layout continues bit for bit; false: the model's state "
         "only, a resume restarts them.",
+    )
+    format: Literal["shardwise", "dcp"] = opt(
+        "shardwise",
+        "How each checkpoint step directory is written: shardwise (one safetensors file per "
+        "rank) or dcp (torch.distributed.checkpoint files under the same global names and full "
+        "shapes). Resume reads either, in any layout; both keep index.json (docs/checkpoints.md).",
     )
 
 

@@ -3,6 +3,7 @@ world is one cp group (cp = world size, tp = pp = 1).
 
 * `attention_parity`: ring and Ulysses attention on a sequence sharded over cp, forward and
   backward, gathered back to the full sequence and compared with causal SDPA on one process.
+  With packed records (`RECORDS`), against SDPA under the single process's per-record mask.
 * `attention_bytes`: the cp bytes and calls each kernel's forward and backward record.
 """
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from shardwise.config import Config
 from shardwise.distributed.comm import Comm
 from shardwise.distributed.topology import build_topology
+from shardwise.models.packing import record_positions, unpack
 from shardwise.parallel.context_comm import ring_attention, ulysses_attention, zigzag_positions
 
 B, H, S, D = 2, 4, 32, 16
@@ -22,6 +24,10 @@ KERNELS = {"ring": ring_attention, "ulysses": ulysses_attention}
 # bf16 keeps 8 significant bits: rounding an fp32 result to nearest moves it by at most the
 # unit roundoff 2^-8 of itself
 BF16_REL = 2.0**-8
+# packed records of the two samples (0: padding). At cp 4 (zig-zag) rank 0's queries see no
+# key of rank 3 (the pair is skipped); sample 1's first record runs to 20, so some pairs are
+# seen by sample 1 only and sample 0's rows see nothing of them (no NaN may come of it)
+RECORDS = torch.tensor([[1] * 8 + [2] * 8 + [3] * 12 + [0] * 4, [1] * 20 + [2] * 12])
 
 
 def _cp_comm() -> Comm:
@@ -40,10 +46,15 @@ def _inputs(dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(B, H, S, D, generator=gen).to(dtype) for _ in range(4)]
 
 
-def _reference(full: list[torch.Tensor]) -> list[torch.Tensor]:
-    """out, dq, dk, dv of causal SDPA on one process, fp32, from the same (rounded) inputs."""
+def _reference(full: list[torch.Tensor], packed: bool = False) -> list[torch.Tensor]:
+    """out, dq, dk, dv of causal SDPA on one process, fp32, from the same (rounded) inputs;
+    `packed`: under the per-record mask models/packing.py builds for one process."""
     q, k, v = (t.float().requires_grad_(True) for t in full[:3])
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if packed:
+        _, rows = unpack(torch.stack([torch.zeros_like(RECORDS), RECORDS], 1), torch.float32)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=rows.mask)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return [out.detach(), *torch.autograd.grad(out, (q, k, v), full[3].float())]
 
 
@@ -62,16 +73,22 @@ def _gathered(parts: list[torch.Tensor], pos: torch.Tensor, comm: Comm) -> list[
     return list(out)
 
 
-def _one(kernel: str, layout: str, dtype: torch.dtype, comm: Comm) -> dict:
+def _starts(pos: torch.Tensor) -> torch.Tensor:
+    """[B, S_local]: where the record of each local query starts (global position)."""
+    return pos[None, :] - record_positions(RECORDS)[:, pos]
+
+
+def _one(kernel: str, layout: str, dtype: torch.dtype, comm: Comm, packed: bool = False) -> dict:
     n, r = comm.topo.size("cp"), comm.topo.coord("cp")
     full = _inputs(dtype)
     pos = _positions(layout, n, r)
     q, k, v = (t[:, :, pos].clone().requires_grad_(True) for t in full[:3])
-    out = KERNELS[kernel](q, k, v, pos, comm)
+    out = KERNELS[kernel](q, k, v, pos, comm, _starts(pos) if packed else None)
     grads = torch.autograd.grad(out, (q, k, v), full[3][:, :, pos])
     ours = _gathered([out, *grads], pos, comm)
     result = {"dtype": str(out.dtype), "grad_dtype": str(grads[0].dtype)}
-    for name, a, ref in zip(("out", "dq", "dk", "dv"), ours, _reference(full), strict=True):
+    refs = _reference(full, packed)
+    for name, a, ref in zip(("out", "dq", "dk", "dv"), ours, refs, strict=True):
         err = (a - ref).abs()
         result[name] = {
             "max_abs": err.max().item(),
@@ -88,10 +105,14 @@ def attention_parity(cfg: Config) -> dict:
     comm = _cp_comm()
     runs = [(k, "zigzag", dt) for k in KERNELS for dt in (torch.float32, torch.bfloat16)]
     runs += [(k, "contiguous", torch.float32) for k in KERNELS]
-    return {
+    out = {
         f"{k}/{layout}/{str(dt).removeprefix('torch.')}": _one(k, layout, dt, comm)
         for k, layout, dt in runs
     }
+    for k in KERNELS:  # packed records: a NaN anywhere makes max_abs NaN, which fails
+        for layout in ("zigzag", "contiguous"):
+            out[f"{k}/{layout}/packed/float32"] = _one(k, layout, torch.float32, comm, True)
+    return out
 
 
 def attention_bytes(cfg: Config) -> dict:
@@ -101,10 +122,12 @@ def attention_bytes(cfg: Config) -> dict:
     n, r = comm.topo.size("cp"), comm.topo.coord("cp")
     pos = zigzag_positions(S, n, r)
     out = {}
-    for name, kernel in KERNELS.items():
+    runs = [(name, kernel, None) for name, kernel in KERNELS.items()]
+    runs += [(f"{name}/packed", kernel, _starts(pos)) for name, kernel in KERNELS.items()]
+    for name, kernel, starts in runs:
         q, k, v, dout = (t[:, :, pos].clone().requires_grad_(True) for t in _inputs(torch.float32))
         comm.start_step()
-        y = kernel(q, k, v, pos, comm)
+        y = kernel(q, k, v, pos, comm, starts)
         fwd = comm.take_step()  # what the step's metrics report, per dimension
         y.backward(dout)
         bwd = comm.take_step()

@@ -179,7 +179,9 @@ class _Pinned:
             if problems:
                 raise CheckpointError(_damaged(path, problems))
             for name, fh in handles.items():
-                self._open[name] = self._stack.enter_context(safe_open(path / name, framework="pt"))
+                if name.endswith(".safetensors"):  # (DCP's files are read by DCP: dcp_format)
+                    opened = safe_open(path / name, framework="pt")
+                    self._open[name] = self._stack.enter_context(opened)
                 if os.stat(path / name).st_ino != os.fstat(fh.fileno()).st_ino:
                     raise _Gone  # replaced meanwhile (the step saved again)
         except FileNotFoundError:
@@ -233,6 +235,10 @@ class Source:
         """One stored tensor at its full global shape (`checkpoint_io.read_tensor`, from the
         files held open)."""
         entry = self.index["tensors"][key]
+        if self.index.get("storage") == "dcp":  # checkpoint.format=dcp (files checked above)
+            from shardwise.checkpoint.dcp_format import read_full
+
+            return read_full(self.path, key, entry)
         shape = tuple(entry["shape"])
         out = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
         need = cio.Piece(key, shape, entry["dtype"], cio.full_box(shape), (0, out.numel()))

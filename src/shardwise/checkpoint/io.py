@@ -9,7 +9,8 @@ A checkpoint is a directory `<checkpoint.dir>/step-00000042/`:
   ```
   {"format": "shardwise-checkpoint", "version": 1, "step": 42,
    "config": {...the resolved config...},
-   "layout": {"world": 4, "pp": 1, "dp": 4, "cp": 1, "tp": 1, "zero": 3, "compute": "fp32"},
+   "layout": {"world": 4, "pp": 1, "dp": 4, "cp": 1, "ep": 1, "tp": 1, "zero": 3,
+              "compute": "fp32"},
    "loop": {"step": 42, "data": {"seed": 0, "global_batch": 8, "position": 336},
             "lr_schedule": {"step": 42, "next_lr": 0.0009},
             "loss_scaler": {"enabled": false, "scale": 1.0, "good_steps": 0},
@@ -40,6 +41,9 @@ and fsynced last, the directory renamed to its final name, and then `latest` (a 
 file naming the newest directory) replaced atomically. A directory without the `.tmp`
 suffix and with an index is complete; each file's size and SHA-256 in the index detect a
 flipped byte or a truncated file.
+
+With `checkpoint.format=dcp` the same tensors are written by torch.distributed.checkpoint
+instead of the rank files, and the index says `"storage": "dcp"` (checkpoint/dcp_format.py).
 """
 
 from __future__ import annotations
@@ -64,12 +68,14 @@ FORMAT, VERSION = "shardwise-checkpoint", 1
 INDEX, LATEST = "index.json", "latest"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _LEFTOVER = re.compile(r"^step-\d{8}\.(tmp|deleting)$")  # what a save or a removal of ours names
-_OURS = re.compile(r"^(rank-\d{5}\.safetensors|index\.json)$")  # what a save writes inside
+# what a save writes inside: our shards and index, or DCP's files (checkpoint.format=dcp)
+_OURS = re.compile(r"^(rank-\d{5}\.safetensors|index\.json|__\d+_\d+\.distcp|\.metadata(\.tmp)?)$")
 _POINTER = re.compile(rb"^step-\d{8}\n$")  # what `latest` (and its temporary) holds
 _SET_ASIDE = re.compile(r"^step-\d{8}\.damaged(\.\d+)?$")  # a damaged one a save replaced
 # a new file only: never through a symbolic link, never over a file already there
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-_PLAIN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")  # a file name without any path
+# a file name without any path (or DCP's `.metadata`)
+_PLAIN = re.compile(r"^(\.metadata|[A-Za-z0-9_][A-Za-z0-9_.-]*)$")
 
 Box = tuple[tuple[int, int], ...]
 Span = tuple[int, int]
@@ -401,6 +407,11 @@ def read_tensor(path: Path | str, key: str, index: dict | None = None) -> torch.
     path = Path(path)
     index = index if index is not None else read_index(path)
     entry = index["tensors"][key]
+    if index.get("storage") == "dcp":  # (dcp_format, above this module, reads those)
+        raise CheckpointError(
+            f"{path} was saved with checkpoint.format=dcp: its tensors are DCP's files, read "
+            "by checkpoint/dcp_format.read_full (export reads either format)."
+        )
     shape = tuple(entry["shape"])
     out = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
     need = Piece(key, shape, entry["dtype"], full_box(shape), (0, out.numel()))

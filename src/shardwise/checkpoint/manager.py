@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from shardwise.checkpoint import dcp_format, lineage
 from shardwise.checkpoint import io as io
-from shardwise.checkpoint import lineage
 from shardwise.checkpoint.state import (
     Local,
     adam_step,
@@ -229,6 +229,8 @@ class Checkpointer:
             here += str(self.run.cfg.parallel.zero)
             if max(was.get("cp", 1), now.cp) > 1:  # (older checkpoints: cp 1, not recorded)
                 saved, here = f"{saved} cp {was.get('cp', 1)}", f"{here} cp {now.cp}"
+            if max(was.get("ep", 1), now.ep) > 1:  # (likewise ep)
+                saved, here = f"{saved} ep {was.get('ep', 1)}", f"{here} ep {now.ep}"
             print(
                 f"resumed{after} from {path} at step {index['step']} (saved with {saved}; "
                 f"now {here})" + (f"; {note}" if note else ""),
@@ -264,19 +266,23 @@ class Checkpointer:
             ([lo.piece for lo in locals_], adam_step(self.run.optimizer))
         )
         owner = assign_writers([h[0] for h in held])
-        mine = {}
+        mine: dict[io.Piece, torch.Tensor] = {}
+        names: set[str] = set()
         for local in locals_:
             if owner[local.piece] == self.rank:
                 name = io.file_key(local.piece)
-                if name in mine:
+                if name in names:
                     raise ValueError(f"two slices named {name} on one rank")
-                mine[name] = self._snapshot(local)
+                names.add(name)
+                mine[local.piece] = self._snapshot(local)
         dev.synchronize(self.run.info)  # the device-to-host copies are complete
         index = None
         if self.rank == 0:
             index = build_index(self.run, step, owner, max(h[1] for h in held))
             index["record"] = dict(record)  # logged after the save; restored if it never was
             index[lineage.HISTORY] = self.history
+            if self.cfg.format == "dcp":
+                index = dcp_format.manifest(index)
         self.saving_step = step
         if self.cfg.async_:
             # a daemon: a rank failing meanwhile must still exit (its save stays a .tmp)
@@ -296,22 +302,29 @@ class Checkpointer:
         buf.copy_(src, non_blocking=True)
         return buf
 
-    def _write(self, step: int, tensors: dict[str, torch.Tensor], index: dict | None) -> None:
+    def _write_files(self, tmp: Path, tensors: dict[io.Piece, torch.Tensor]) -> dict[str, dict]:
+        """Write this rank's slices into `tmp`; returns its files' sizes and SHA-256."""
+        if self.cfg.format == "dcp":  # collective: every rank takes part, owner or not
+            world = self.run.topo.world
+            return dcp_format.write(tmp, tensors, self.rank, self.channel.group, world)
+        if not tensors:
+            return {}
+        name, flat = io.shard_name(self.rank), {io.file_key(p): t for p, t in tensors.items()}
+        return {name: io.write_shard(tmp / name, flat)}
+
+    def _write(self, step: int, tensors: dict[io.Piece, torch.Tensor], index: dict | None) -> None:
         tmp = io.step_dir(self.root, step).with_suffix(".tmp")
         made = None
         if self.rank == 0:  # one fresh directory, made by one rank: never a planted link
             made = _attempt(lambda: lineage.make_tmp(self.root, step), f"creating {tmp}")
         self._raise_failed(step, self.channel.all_gather(made))
-        info = None
-        if tensors:  # a full or failing disk on any rank: every rank stops with one message
-            info = _attempt(
-                lambda: io.write_shard(tmp / io.shard_name(self.rank), tensors), f"writing {tmp}"
-            )
+        # a full or failing disk on any rank: every rank stops with one message
+        info = _attempt(lambda: self._write_files(tmp, tensors), f"writing {tmp}")
         infos = self.channel.all_gather(info)
         self._raise_failed(step, infos)
         failed = None
         if index is not None:
-            index["files"] = {io.shard_name(r): i for r, i in enumerate(infos) if i is not None}
+            index["files"] = {name: i for files in infos for name, i in files.items()}
             failed = _attempt(lambda: self._commit(tmp, step, index), f"committing {tmp}")
         # no rank moves on before the checkpoint is in place
         self._raise_failed(step, self.channel.all_gather(failed))

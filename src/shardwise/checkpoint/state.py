@@ -231,6 +231,7 @@ def build_index(run, step: int, owner: dict[io.Piece, int], adam: int) -> dict:
             "pp": d.pp,
             "dp": d.dp,
             "cp": d.cp,  # ranks splitting each sample's sequence (dp: the sample streams)
+            "ep": d.ep,  # ranks splitting each MoE layer's experts (stored whole regardless)
             "tp": d.tp,
             "zero": run.cfg.parallel.zero,
             "compute": run.cfg.precision.compute,
@@ -415,18 +416,48 @@ def load_state(run, path: Path, index: dict, channel: ControlChannel) -> str | N
     ]
     if problems:  # gathered: every rank raises the same message (printed once)
         raise every_rank(CheckpointError(mismatch_message(path, problems, run.cfg, index)))
-    reader = io.ShardReader(path)
-    try:
-        for local in locals_:
-            src = _source(index, local.piece)
-            need = dataclasses.replace(local.piece, key=src)
-            local.load(
-                lambda dst, n=need, e=index["tensors"][src]: io.load_piece(dst, n, e, reader)
-            )
-            if local.after_load is not None:  # 8-bit moments: quantised from the loaded fp32
-                local.after_load()
-    finally:
-        reader.close()
+    if index.get("storage") == "dcp":  # torch.distributed.checkpoint files (dcp_format.py)
+        _load_dcp(run, path, index, locals_, channel)
+    else:
+        reader = io.ShardReader(path)
+        try:
+            for local in locals_:
+                src = _source(index, local.piece)
+                need = dataclasses.replace(local.piece, key=src)
+                local.load(
+                    lambda dst, n=need, e=index["tensors"][src]: io.load_piece(dst, n, e, reader)
+                )
+        finally:
+            reader.close()
+    for local in locals_:
+        if local.after_load is not None:  # 8-bit moments: quantised from the loaded fp32
+            local.after_load()
     if isinstance(run.reducer, ZeroEngine):
         run.reducer.after_step()  # ZeRO-1/2: publish the loaded slices to every replica
     return "; ".join(n for n in (note, changed) if n) or None
+
+
+def _load_dcp(run, path: Path, index: dict, locals_: list[Local], channel) -> None:
+    """Fill `locals_` from a DCP step directory in one collective dcp.load (resharding: DCP
+    reads the stored chunks that overlap each slice)."""
+    from shardwise.checkpoint import dcp_format
+
+    # a slice held whole in host memory is read in place; others through a host buffer
+    direct = [lo.where is None and lo.tensor.device.type == "cpu" for lo in locals_]
+    bufs = [
+        lo.tensor if here else torch.empty(lo.piece.numel, dtype=lo.tensor.dtype)
+        for lo, here in zip(locals_, direct, strict=True)
+    ]
+    wanted = [(lo.piece, _source(index, lo.piece), b) for lo, b in zip(locals_, bufs, strict=True)]
+    try:
+        dcp_format.load(path, wanted, channel.group, run.topo.world)
+    except OSError as exc:  # DCP raises it alike on every rank
+        raise every_rank(
+            CheckpointError(
+                f"reading the DCP checkpoint {path} failed: {exc}. Fix: resume an earlier "
+                "checkpoint with --checkpoint.resume=PATH, or restore this one's files."
+            )
+        ) from exc
+    for local, buf, here in zip(locals_, bufs, direct, strict=True):
+        if not here:
+            local.load(lambda dst, b=buf: dst.copy_(b))

@@ -14,6 +14,7 @@ shardwise.distributed.watchdog). At degree 1 every collective is a no-op and cos
 from __future__ import annotations
 
 import errno
+import math
 import socket
 import sys
 import time
@@ -96,7 +97,13 @@ class Comm:
 
     # -- accounting -------------------------------------------------------------------------
     def _record(
-        self, op: str, dim: str, t: torch.Tensor, factor: float, control: bool
+        self,
+        op: str,
+        dim: str,
+        t: torch.Tensor,
+        factor: float,
+        control: bool,
+        sent: float | None = None,
     ) -> TraceEntry:
         frame = sys._getframe(2)
         while frame.f_code in self.passthrough and frame.f_back is not None:
@@ -106,12 +113,14 @@ class Comm:
         self.dim_seq[dim] += 1
         entry = TraceEntry(self.seq, op, dim, tuple(t.shape), str(t.dtype), site, self.dim_seq[dim])
         self.trace.append(entry)
-        sent = factor * t.numel() * t.element_size()
+        called = sent is not None or factor > 0  # a receive is its sender's call
+        if sent is None:
+            sent = factor * t.numel() * t.element_size()
         if control:
             self.control_bytes += sent
         else:
             self.step_bytes[dim] += sent
-            self.step_calls[dim] += int(factor > 0)  # a receive is its sender's call
+            self.step_calls[dim] += int(called)
         return entry
 
     def _blocking(self, entry: TraceEntry, call, waiting: bool = False):
@@ -151,10 +160,17 @@ class Comm:
         """The step's `comm_bytes`, `comm_calls` and `comm_wait_s` per dimension (the
         metrics.jsonl keys), then start counting again."""
         dims = ("dp", "tp", "pp") + (("cp",) if getattr(self.topo, "cp", 1) > 1 else ())
+        dims += ("ep",) if getattr(self.topo, "ep", 1) > 1 else ()
+
+        def of(counts: dict, d: str):
+            # the expert gradients' reduction runs over part of a dp line (the ranks holding
+            # the same experts, "edp"): it is data-parallel traffic, reported under dp
+            return counts.get(d, 0) + (counts.get("edp", 0) if d == "dp" else 0)
+
         out = {
-            "comm_bytes": {d: self.step_bytes.get(d, 0.0) for d in dims},
-            "comm_calls": {d: self.step_calls.get(d, 0) for d in dims},
-            "comm_wait_s": {d: round(self.step_wait.get(d, 0.0), 6) for d in dims},
+            "comm_bytes": {d: float(of(self.step_bytes, d)) for d in dims},
+            "comm_calls": {d: of(self.step_calls, d) for d in dims},
+            "comm_wait_s": {d: round(of(self.step_wait, d), 6) for d in dims},
         }
         self.start_step()
         return out
@@ -213,6 +229,35 @@ class Comm:
         entry = self._record("all_to_all", dim, inp, (n - 1) / n, False)
         group = self.topo.group(dim)
         return self._issue(entry, dist.all_to_all_single, out, inp, group=group, async_op=async_op)
+
+    def all_to_all_v(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_rows: list[int],
+        in_rows: list[int],
+        dim: str,
+    ) -> None:
+        """Uneven all-to-all along dim 0: rows in_rows[j] of `inp` (in order) go to the rank
+        at index j along `dim`, rows out_rows[i] of `out` come from index i. Counted as the
+        bytes this rank sends to the others (what it keeps is not sent)."""
+        n = self.topo.size(dim)
+        if n == 1:
+            out.copy_(inp)
+            return
+        row = math.prod(inp.shape[1:]) * inp.element_size()  # (a rank may send no rows)
+        sent = (sum(in_rows) - in_rows[self.topo.coord(dim)]) * row  # exact, in bytes
+        entry = self._record("all_to_all", dim, inp, 0.0, False, sent=sent)  # one call, always
+        group = self.topo.group(dim)
+        self._issue(
+            entry,
+            dist.all_to_all_single,
+            out,
+            inp,
+            output_split_sizes=out_rows,
+            input_split_sizes=in_rows,
+            group=group,
+        )
 
     def broadcast(self, t: torch.Tensor, dim: str, src_coord: int = 0, control: bool = False):
         """Broadcast from the rank at index `src_coord` along `dim`."""

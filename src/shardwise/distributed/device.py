@@ -51,6 +51,32 @@ def detect(preference: str = "auto", local_rank: int = 0) -> DeviceInfo:
     return DeviceInfo("cpu", "gloo", torch.device("cpu"), "cpu")
 
 
+# FP8 tensor-core matmuls (torch._scaled_mm, which torchao's float8 training calls) need
+# compute capability 8.9 (Ada) or 9.0 and above (Hopper, Blackwell); A100s (8.0) have none
+FP8_CAPABILITY = (8, 9)
+
+
+def capability(info: DeviceInfo) -> tuple[int, int] | None:
+    """The CUDA compute capability of `info`'s device, or None off CUDA."""
+    if info.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(info.device))
+
+
+def attention_with_lse(device_type: str):
+    """(forward, backward) of a fused attention kernel that returns its rows' log-sum-exp
+    and takes fp32 (what ring attention's blocks merge by), or None to compute the blocks
+    unfused. CPU: ATen's flash kernel for the CPU. CUDA: None, its flash kernel takes 16-bit
+    inputs only and the blocks run in fp32 (not measured here without a GPU)."""
+    if device_type == "cpu":
+        aten = torch.ops.aten
+        return (
+            aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        )
+    return None
+
+
 def local_device_count() -> int:
     """Ranks to start on this machine by default: one per GPU, or 2 CPU ranks."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 2

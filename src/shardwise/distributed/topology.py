@@ -1,5 +1,6 @@
 """The validated parallel layout: degrees pp × dp × tp and the DeviceMesh holding their groups,
-with context parallelism (cp) as runs of cp consecutive ranks inside each dp line."""
+with context parallelism (cp) and expert parallelism (ep) as runs of cp (ep) consecutive ranks
+inside each dp line."""
 
 from __future__ import annotations
 
@@ -25,7 +26,13 @@ class Topology:
     shards, over it. With context parallelism a dp line is cut into runs of `cp`
     consecutive coordinates that split one sample's sequence between them (Megatron reduces
     over dp × cp the same way): "cp" is the position in the run, "data" which sample stream
-    the run reads (dp / cp of them)."""
+    the run reads (dp / cp of them).
+
+    Expert parallelism cuts the dp line the same way into runs of `ep` consecutive
+    coordinates ("ep": the position in the run, which experts a rank holds); "edp" links the
+    ranks of a dp line that hold the same experts (dp / ep of them, every ep-th coordinate):
+    expert gradients are reduced, and ZeRO-sharded, over it (Megatron-Core's expert-data-
+    parallel group)."""
 
     world: int
     rank: int
@@ -33,6 +40,7 @@ class Topology:
     dp: int
     tp: int
     cp: int = 1
+    ep: int = 1
     mesh: DeviceMesh | None = field(default=None, compare=False)
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, compare=False)
 
@@ -47,10 +55,17 @@ class Topology:
                 f"parallel.cp={self.cp} must be >= 1 and divide the {self.dp} ranks that share "
                 "the parameters (world / (tp * pp)). Fix: a cp dividing that number."
             )
+        if self.ep < 1 or self.dp % self.ep:
+            raise ConfigError(
+                f"parallel.ep={self.ep} must be >= 1 and divide the {self.dp} ranks that share "
+                "the dense parameters (world / (tp * pp)). Fix: an ep dividing that number."
+            )
 
     def size(self, dim: str) -> int:
         if dim == "data":
             return self.dp // self.cp
+        if dim == "edp":
+            return self.dp // self.ep
         return getattr(self, dim)
 
     def coord(self, dim: str) -> int:
@@ -58,7 +73,9 @@ class Topology:
         pp_i, rest = divmod(self.rank, self.dp * self.tp)
         dp_i, tp_i = divmod(rest, self.tp)
         data_i, cp_i = divmod(dp_i, self.cp)
-        return {"pp": pp_i, "dp": dp_i, "tp": tp_i, "cp": cp_i, "data": data_i}[dim]
+        edp_i, ep_i = divmod(dp_i, self.ep)
+        coords = {"pp": pp_i, "dp": dp_i, "tp": tp_i, "cp": cp_i, "data": data_i}
+        return {**coords, "ep": ep_i, "edp": edp_i}[dim]
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.groups[dim]
@@ -79,14 +96,17 @@ def degrees(world: int, tp: int, pp: int) -> tuple[int, int, int]:
     return pp, world // (tp * pp), tp
 
 
-def build_topology(tp: int, pp: int, device_type: str, timeout_s: float, cp: int = 1) -> Topology:
+def build_topology(
+    tp: int, pp: int, device_type: str, timeout_s: float, cp: int = 1, ep: int = 1
+) -> Topology:
     """Create one process group per mesh line (each with the configured timeout) and the mesh,
-    and with cp > 1 one per run of cp consecutive ranks of a dp line.
+    with cp > 1 one per run of cp consecutive ranks of a dp line, and with ep > 1 one per run
+    of ep consecutive ranks ("ep") and one per stride-ep subset of a dp line ("edp").
 
     Every rank creates every group in the same order, as `new_group` requires."""
     world, rank = dist.get_world_size(), dist.get_rank()
     pp_, dp_, tp_ = degrees(world, tp, pp)
-    topo = Topology(world, rank, pp_, dp_, tp_, cp)  # checks the degrees before any group
+    topo = Topology(world, rank, pp_, dp_, tp_, cp, ep)  # checks the degrees before any group
     layout = torch.arange(world).view(pp_, dp_, tp_)
     timeout = datetime.timedelta(seconds=timeout_s)
     groups: dict[str, dist.ProcessGroup] = {}
@@ -102,6 +122,10 @@ def build_topology(tp: int, pp: int, device_type: str, timeout_s: float, cp: int
     if cp > 1:
         runs = layout.movedim(1, -1).reshape(pp_, tp_, dp_ // cp, cp)
         make("cp", runs.reshape(-1, cp).tolist())
+    if ep > 1:
+        runs = layout.movedim(1, -1).reshape(pp_, tp_, dp_ // ep, ep)
+        make("ep", runs.reshape(-1, ep).tolist())
+        make("edp", runs.movedim(-1, -2).reshape(-1, dp_ // ep).tolist())
     mesh = DeviceMesh.from_group(
         [groups[d] for d in DIMS], device_type, mesh=layout, mesh_dim_names=DIMS
     )

@@ -29,6 +29,12 @@ def auto_config(cfg: Config, nproc: int) -> Config:
     """Search, then take the best candidate this version of the engine can run; print it."""
     from shardwise.training.validate import derive
 
+    if cfg.parallel.ep > 1:  # (the search's layouts have no expert parallelism yet)
+        raise ConfigError(
+            f"--plan auto searches layouts without expert parallelism, and parallel.ep="
+            f"{cfg.parallel.ep}. Fix: pass the layout explicitly (drop --plan auto), or "
+            "--parallel.ep=1."
+        )
     hw = detect_hardware()
     job = job_from_config(cfg, hw, nproc)
     result = search(job)

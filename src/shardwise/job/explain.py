@@ -18,7 +18,24 @@ from shardwise.plan.gpu import ALIGN, misaligned
 from shardwise.plan.hardware import Hardware, detect_hardware
 from shardwise.plan.layout import BYTES
 from shardwise.training.metrics import human_bytes
-from shardwise.training.validate import derive
+from shardwise.training.validate import Derived, derive
+
+
+def ep_note(d: Derived, record: dict) -> str:
+    """What explain says about parallel.ep: the expert/dense split of the model states per
+    rank and the routing its ep traffic assumes."""
+    ex, mem_b = record["expert_mem_bytes"], record["mem_bytes"]
+    split = ", ".join(
+        f"{k} {human_bytes(ex.get(k, 0))} experts + {human_bytes(mem_b[k] - ex.get(k, 0))} dense"
+        for k in ("params", "grads", "master", "optimizer")
+        if mem_b.get(k)
+    )
+    return (
+        f"shardwise: parallel.ep={d.ep}: each rank holds 1/{d.ep} of every MoE layer's experts, "
+        f"reduced (and ZeRO-sharded) over the {d.dp * d.cp // d.ep} rank(s) holding the same "
+        f"ones; per rank {split}. comm_bytes.ep prices balanced, dropless routing; a real "
+        "run's depends on its routing (the same formula at its rows, docs/moe.md)."
+    )
 
 
 def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) -> dict:
@@ -30,6 +47,7 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
         "pp": d.pp,
         "dp": d.dp,
         "cp": d.cp,
+        "ep": d.ep,
         "tp": d.tp,
         "zero": cfg.parallel.zero,
         "grad_compression": _compression(cfg),
@@ -100,6 +118,9 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
             "Ulysses' all-to-alls exposed: time.cp_exposed_s). Not priced: the cp group's "
             "communicator buffers."
         )
+    if d.ep > 1:  # parallel/expert.py: the experts' share of the model states per rank
+        record["expert_mem_bytes"] = pred.get("expert_mem_bytes", {})
+        warnings.append(ep_note(d, record))
     if cfg.parallel.grad_compression != "none" and d.dp * d.cp == 1:
         warnings.append(
             f"shardwise: parallel.grad_compression={cfg.parallel.grad_compression} has no "
@@ -268,6 +289,11 @@ def print_explain(r: dict) -> None:
         *(
             [("cp traffic per step/rank", human_bytes(r["comm_bytes"]["cp"]))]
             if "cp" in r["comm_bytes"]
+            else []
+        ),
+        *(
+            [("ep traffic per step/rank (balanced)", human_bytes(r["comm_bytes"]["ep"]))]
+            if "ep" in r["comm_bytes"]
             else []
         ),
         ("hardware", r["hardware"]),

@@ -23,6 +23,7 @@ from shardwise.distributed import device as dev
 from shardwise.errors import ConfigError
 from shardwise.finetune import build_adapted
 from shardwise.finetune.quant import quant_layers
+from shardwise.job.experts import expert_units, routed_spec
 from shardwise.models import count_params
 from shardwise.optim import EIGHT_BIT
 from shardwise.optim.nvme import chunk_elements
@@ -57,6 +58,7 @@ def job_from_config(
         global_batch=cfg.train.global_batch,
         precision=cfg.precision.compute,
         reduce=cfg.precision.reduce,
+        fp8=cfg.precision.fp8,
         finetune=finetune or finetune_of(cfg, spec),
         pp_split=cfg.parallel.pp_split,
         bucket_mb=cfg.parallel.bucket_mb,
@@ -101,6 +103,7 @@ def layout_from_config(cfg: Config, derived) -> Layout:
         compression=p.grad_compression,
         cp=derived.cp,
         cp_mode=p.cp_mode,
+        ep=derived.ep,
     )
 
 
@@ -402,6 +405,7 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
     if not formula:  # a real model's units and fake forward: rank 0's tp shard of it
         tp = _split_tp(model, cfg, derived)
     us = model_units(model)
+    dense, experts = expert_units(model, layout.ep) if layout.ep > 1 else (us, [])
     if quantised:  # the NF4 base: bitsandbytes' bytes per layer, outside the ZeRO units
         n += sum(a * b for a, b in quantised)
         job = dataclasses.replace(job, quantised_shapes=tuple(quantised))
@@ -436,8 +440,13 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         job, layout = as_data_parallel(job, layout)
         # a quantised base is split over tp (and dp under ZeRO-3) as the engine splits it
         shards = mem.quantised_shards(layout)
-        states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload, None, shards)
-        states["buffers"] = _buffers(us, job, layout, module_buffers)
+        states = mem.model_states(dense, job, layout.dp, layout.zero, layout.offload, None, shards)
+        edp_job, edp = mem.expert_group(job, layout, asked.ep)  # (ep = 1: no expert units)
+        more = {}
+        if experts:
+            more = mem.model_states(experts, edp_job, edp.dp, edp.zero, edp.offload, None, shards)
+            mem.add_states(states, more)
+        states["buffers"] = _buffers(dense + experts, job, layout, module_buffers)
         states["buffers"] += mem.quantised_transient(job, layout) if quantised else 0
         # what transformers' attention through the cp kernels saves beyond the fake forward's
         # SDPA (parallel/context_hf.py: the same kernels as our decoders')
@@ -445,17 +454,27 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         states["activations"] += _repeated_kv_bytes(whole, asked)
         states["total"] = sum(v for k, v in states.items() if not k.startswith(("host_", "disk_")))
         # data-parallel traffic and calls from the real units (of tp rank 0's shard)
-        real = dataclasses.replace(job, frozen=tuple(us))
+        real = dataclasses.replace(job, frozen=tuple(dense))
         comm, calls = traffic.traffic(real, layout), traffic.collective_calls(real, layout)
+        if experts:  # the expert units' reduction over their holders, counted under dp
+            held = dataclasses.replace(edp_job, frozen=tuple(experts))
+            comm["dp"] += traffic.traffic(held, edp)["dp"]
+            calls["dp"] += traffic.collective_calls(held, edp)["dp"]
+        if asked.ep > 1:  # the token exchange, at balanced routing (traffic.ep_traffic)
+            routed = dataclasses.replace(whole, spec=routed_spec(whole.spec, model))
+            comm["ep"], calls["ep"] = traffic.ep_traffic(routed, asked)
         if asked.cp > 1:  # the attention's exchange, from the sequence split itself
             kinds, calls["cp"] = traffic.cp_traffic(whole, asked)
             comm["cp"] = sum(kinds.values())
-        return n, {
+        out = {
             **asked.record(),
             "mem_bytes": {k: int(v) for k, v in states.items()},
             "comm_bytes": comm,
             "comm_calls": calls,
         }
+        if more:  # of which the expert units (parallel.ep), per rank
+            out["expert_mem_bytes"] = {k: int(v) for k, v in more.items() if v}
+        return n, out
     if layout.pp == 1 and layout.tp == 1:  # the real model's units: frozen parameters exact
         job = dataclasses.replace(job, frozen=tuple(us))
     return n, evaluate(job, layout)

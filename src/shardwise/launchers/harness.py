@@ -68,6 +68,8 @@ def _train_case(case: dict, run, fit) -> dict:
         params = {n: p.detach().float().cpu().clone() for n, p in run.model.named_parameters()}
         zero = {}
     params = run.tp.full_parameters(params, run.info.device)  # tp shards -> full shape
+    if getattr(run, "expert_parallel", None) is not None:  # expert slices -> full shape
+        params = run.expert_parallel.full_parameters(params, run.info.device)
     buffers = {}
     if getattr(run, "return_buffers", False):
         buffers = {

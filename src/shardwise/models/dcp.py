@@ -157,6 +157,14 @@ def check_dcp(spec, path: str | Path) -> None:
             f"it has an output head of its own ('{head}') and the "
             "model ties its head to the embedding (model.tie_embeddings=false keeps it)"
         )
+    if problems and any(k.startswith("param/") for k in reader.sizes):
+        raise ConfigError(  # its keys are `param/NAME`, `exp_avg/NAME`...: not a model's
+            f"model.init_from='{path}' is a shardwise training checkpoint saved with "
+            "checkpoint.format=dcp (model and optimizer state under their own keys), not a "
+            "model's state dict. Fix: continue it with --checkpoint.resume="
+            f"{path}, or export its model with `shardwise export {path} --format dcp OUT` "
+            "and pass --model.init_from=OUT."
+        )
     if problems:
         raise ConfigError(
             f"model.init_from='{path}' (a distributed checkpoint) does not fit "

@@ -129,8 +129,8 @@ class AttentionCore(nn.Module):
             k = k.repeat_interleave(n_heads // n_kv, dim=2)
             v = v.repeat_interleave(n_heads // n_kv, dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if context is not None:  # causal over the whole sequence the ranks hold together
-            return context.attend(q, k, v).transpose(1, 2)
+        if context is not None:  # causal over the ranks' whole sequence (per record if packed)
+            return context.attend(q, k, v, packed).transpose(1, 2)
         if self.training and self.drop.p > 0:
             return self._explicit(q, k, v).transpose(1, 2)
         if packed is not None:  # causal within each record only

@@ -133,6 +133,9 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(e))
         self.last: torch.Tensor | None = None
         self.aux: torch.Tensor | None = None
+        # expert parallelism (parallel/expert.py) sets a callable that runs the rows on the
+        # ranks holding their experts; None: this module holds every expert
+        self.exchange: Callable | None = None
 
     def init_std(self, leaf: str, spec: ModelSpec) -> float:
         """models/init.py's std for a stacked weight: the down projection scaled like MLP.w2."""
@@ -169,8 +172,11 @@ class MoE(nn.Module):
         per_row = torch.zeros(b * e, dtype=torch.long, device=x.device)
         per_row = per_row.index_add(0, row * e + expert, ones).view(b, e)  # chosen per sequence
         self._balance(scores.view(b, s, e), per_row)
-        if self.capacity_factor > 0:
+        if self.capacity_factor > 0 and self.exchange is None:
             y, dropped = self._capacity(flat, expert, row, weights.reshape(-1), b, s)
+        elif self.capacity_factor > 0:  # the same drops, then only the kept rows travel
+            keep = self._kept(expert, row, b, s)
+            y, dropped = self._dropless(flat, expert, weights.reshape(-1), keep), (~keep).sum()
         else:
             y, dropped = self._dropless(flat, expert, weights.reshape(-1)), per_row.new_zeros(())
         if self.shared is not None:
@@ -203,14 +209,35 @@ class MoE(nn.Module):
         h = self.act(expert_matmul(xs, self.w1, counts), expert_matmul(xs, self.w3, counts))
         return expert_matmul(h, self.w2, counts)
 
-    def _dropless(self, flat: torch.Tensor, expert: torch.Tensor, weights: torch.Tensor):
-        """Every assignment computed: rows sorted by expert (stable: token order within one)."""
-        order = torch.argsort(expert, stable=True)
+    def _dropless(self, flat, expert, weights, keep: torch.Tensor | None = None):
+        """Every assignment (or every kept one) computed: rows sorted by expert (stable:
+        token order within one)."""
+        if keep is None:
+            order = torch.argsort(expert, stable=True)
+        else:
+            kept = keep.nonzero().squeeze(1)
+            order = kept[torch.argsort(expert[kept], stable=True)]
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=flat.device)
-        counts = counts.index_add(0, expert, torch.ones_like(expert))
+        counts = counts.index_add(0, expert[order], torch.ones_like(order))
         token = order // self.top_k
-        y = self._experts(flat[token], counts) * weights[order, None].to(flat.dtype)
+        if self.exchange is None:
+            y = self._experts(flat[token], counts)
+        else:
+            y = self.exchange(flat[token], counts, self._experts)
+        y = y * weights[order, None].to(flat.dtype)
         return torch.zeros_like(flat).index_add(0, token, y)
+
+    def _kept(self, expert: torch.Tensor, row: torch.Tensor, b: int, s: int) -> torch.Tensor:
+        """Per assignment, whether `_capacity`'s rule keeps it (the same rule, on its own)."""
+        e, k = self.n_experts, self.top_k
+        c = math.ceil(self.capacity_factor * s * k / e)
+        key = expert * b + row
+        order = torch.argsort(key, stable=True)
+        sizes = torch.zeros(e * b, dtype=torch.long, device=expert.device)
+        sizes = sizes.index_add(0, key, torch.ones_like(key))
+        start = sizes.cumsum(0) - sizes
+        pos = torch.arange(key.numel(), device=expert.device) - start[key[order]]
+        return torch.zeros_like(key, dtype=torch.bool).scatter(0, order, pos < c)
 
     def _capacity(self, flat, expert, row, weights, b: int, s: int):
         """Capacity C = ceil(capacity_factor · S · k / E) slots per expert and sequence (GShard,

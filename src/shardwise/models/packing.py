@@ -14,6 +14,11 @@ So each record's logits equal those of the record alone in a row (up to the floa
 a masked vs. a causal attention kernel), and its loss too: the targets already carry -100
 outside responses and on the padding. As in transformers' packed training, the mask is dense
 ([B, S, S] booleans, built once per forward and shared by the layers).
+
+Context parallelism (parallel/context.py) hands each rank a part of every row as `[B, 3, S/cp]`:
+the ids, the record numbers and the positions within the record, taken on the whole row
+(`packed_part`), because where a record starts may lie on another rank. Such a part builds no
+mask: the cp attention kernels mask by record themselves, from those positions.
 """
 
 from __future__ import annotations
@@ -26,26 +31,46 @@ import torch
 @dataclass(frozen=True)
 class Packed:
     positions: torch.Tensor  # [B, S] int64: the index of each token within its record
-    mask: torch.Tensor  # [B, 1, S, S] additive: 0 where query i may attend to key j, else -inf
+    # [B, 1, S, S] additive: 0 where query i may attend to key j, else -inf; None for a part
+    # of a row (context parallelism), whose attention kernels mask by record themselves
+    mask: torch.Tensor | None
 
 
 def is_packed(tokens: torch.Tensor) -> bool:
-    return tokens.dim() == 3 and tokens.shape[1] == 2 and not tokens.is_floating_point()
+    """A packed batch [B, 2, S], or a part of one [B, 3, S_part] (`packed_part`)."""
+    return tokens.dim() == 3 and tokens.shape[1] in (2, 3) and not tokens.is_floating_point()
 
 
-def unpack(tokens: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Packed]:
-    """(ids [B, S], their positions and `dtype` mask) of a packed batch [B, 2, S]."""
-    ids, records = tokens[:, 0], tokens[:, 1]
-    b, s = ids.shape
-    index = torch.arange(s, device=ids.device).expand(b, s)
+def record_positions(records: torch.Tensor) -> torch.Tensor:
+    """[B, S] int64: each token's index within its record (records [B, S]: contiguous runs of
+    one number, as the packer writes them)."""
+    b, s = records.shape
+    index = torch.arange(s, device=records.device).expand(b, s)
     starts = torch.ones_like(records, dtype=torch.bool)
     starts[:, 1:] = records[:, 1:] != records[:, :-1]
     first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - first
+
+
+def packed_part(tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The tokens at `index` of every packed row [B, 2, S] as [B, 3, len(index)]: ids, record
+    numbers and positions within the record, the latter counted on the whole row."""
+    positions = record_positions(tokens[:, 1])
+    return torch.cat([tokens, positions[:, None]], dim=1)[:, :, index]
+
+
+def unpack(tokens: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, Packed]:
+    """(ids [B, S], their positions and `dtype` mask) of a packed batch [B, 2, S]; of a part
+    of one [B, 3, S] (`packed_part`), the positions it carries and no mask."""
+    if tokens.shape[1] == 3:
+        return tokens[:, 0], Packed(tokens[:, 2], None)
+    ids, records = tokens[:, 0], tokens[:, 1]
+    s = ids.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
     same = records[:, :, None] == records[:, None, :]
     zero = torch.zeros((), dtype=dtype, device=ids.device)
     mask = torch.where((same & causal)[:, None], zero, float("-inf"))
-    return ids, Packed(index - first, mask)
+    return ids, Packed(record_positions(records), mask)
 
 
 def take_packed_tokens(model: torch.nn.Module) -> None:

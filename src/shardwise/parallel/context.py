@@ -11,12 +11,19 @@ global positions too. transformers' Llama-style models attend through the same k
 their attention registry (parallel/context_hf.py). Everything else in a block works token by
 token and needs nothing.
 
+Packed rows (data.pack, models/packing.py) are split the same way: `sequence_part` hands the
+model [B, 3, S/cp] (ids, record numbers, positions within the record counted on the whole
+row), RoPE (or GPT-2's table) reads those positions as in one process, and the kernels mask
+per record from where each local query's record starts (its global position minus its
+position in the record).
+
 Why the numbers do not change: the loss is the sum over this rank's tokens divided by the
 *global* token count, and gradients are summed over dp, which holds the cp ranks
 (distributed/topology.py), so the sum of the parts is the single-device gradient."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 import torch
@@ -25,6 +32,7 @@ from torch import nn
 from shardwise.distributed.comm import Comm
 from shardwise.distributed.topology import Topology
 from shardwise.models.decoder import AttentionCore, Decoder
+from shardwise.models.packing import Packed, is_packed, packed_part
 from shardwise.parallel.context_comm import ring_attention, ulysses_attention, zigzag_positions
 from shardwise.parallel.context_hf import apply_to_transformers
 
@@ -45,15 +53,23 @@ class SequenceContext:
             self._cache[key] = zigzag_positions(local_len * self.cp, self.cp, self.index, device)
         return self._cache[key]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of this rank's queries over every rank's keys; [B, H, S_local, D]."""
-        return self.kernel(q, k, v, self.positions(q.shape[2], q.device), self.comm)
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed | None = None
+    ) -> torch.Tensor:
+        """Causal attention of this rank's queries over every rank's keys (within each
+        query's record for `packed` rows); [B, H, S_local, D]."""
+        positions = self.positions(q.shape[2], q.device)
+        starts = None if packed is None else positions[None, :] - packed.positions
+        return self.kernel(q, k, v, positions, self.comm, starts)
 
 
 def sequence_part(t: torch.Tensor, topo: Topology) -> torch.Tensor:
-    """This rank's tokens of each sample: [B, S, ...] -> [B, S / cp, ...] (cp = 1: `t`)."""
+    """This rank's tokens of each sample: [B, S, ...] -> [B, S / cp, ...], a packed batch
+    [B, 2, S] -> [B, 3, S / cp] (models/packing.py `packed_part`); cp = 1: `t`."""
     if topo.cp == 1:
         return t
+    if is_packed(t):
+        return packed_part(t, zigzag_positions(t.shape[2], topo.cp, topo.coord("cp"), t.device))
     return t[:, zigzag_positions(t.shape[1], topo.cp, topo.coord("cp"), t.device)]
 
 
@@ -72,8 +88,14 @@ def apply_context_parallel(
         if isinstance(module, AttentionCore):
             module.context = context
         if isinstance(module, Decoder) and module.pos_embed is not None:
-            # the decoder looks its table up at local positions 0..S/cp-1: map them to global
-            module.pos_embed.register_forward_pre_hook(
-                lambda _m, args: (context.positions(len(args[0]), args[0].device)[args[0]],)
-            )
+            module.pos_embed.register_forward_pre_hook(partial(_global_positions, context))
     return context
+
+
+def _global_positions(context: SequenceContext, _module: nn.Module, args: tuple) -> tuple:
+    """The decoder looks its table up at local positions 0..S/cp-1 [S/cp]: map them to the
+    global ones. Packed rows' positions [B, S/cp] are within the record already."""
+    local = args[0]
+    if local.dim() != 1:
+        return args
+    return (context.positions(len(local), local.device)[local],)

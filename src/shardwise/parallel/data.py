@@ -28,6 +28,7 @@ class Bucket:
     pending: int = 0
     handle: object | None = None
     reported: set[int] = field(default_factory=set)
+    dim: str = "dp"  # "edp": expert parallelism's experts, reduced over their holders only
 
 
 class GradReducer:
@@ -47,7 +48,13 @@ class GradReducer:
         params = [p for p in model.parameters() if p.requires_grad]
         self._params = list(model.parameters())
         # Reverse registration order approximates the order backward produces gradients.
-        self.buckets = _make_buckets(list(reversed(params)), reduce_dtype, bucket_bytes)
+        # Expert slices (parallel/expert.py) are reduced over their holders only ("edp"):
+        # buckets of their own, after the dense ones (one group per bucket).
+        order = list(reversed(params))
+        dense = [p for p in order if getattr(p, "reduce_dim", "dp") == "dp"]
+        experts = [p for p in order if getattr(p, "reduce_dim", "dp") != "dp"]
+        self.buckets = _make_buckets(dense, reduce_dtype, bucket_bytes)
+        self.buckets += _make_buckets(experts, reduce_dtype, bucket_bytes, "edp")
         self._of: dict[int, Bucket] = {}
         for bucket in self.buckets:
             for p in bucket.params:
@@ -95,7 +102,7 @@ class GradReducer:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             b = self.buckets[self._next]
             if self.compression is None:
-                b.handle = self.comm.all_reduce(b.buffer, "dp", async_op=True)
+                b.handle = self.comm.all_reduce(b.buffer, b.dim, async_op=True)
             else:
                 b.handle = self.compression.launch(self.comm, self._next, b.buffer, b.params)
             self._next += 1
@@ -119,7 +126,9 @@ class GradReducer:
                 b.handle = None
 
 
-def _make_buckets(params: list[nn.Parameter], dtype: torch.dtype, cap: int) -> list[Bucket]:
+def _make_buckets(
+    params: list[nn.Parameter], dtype: torch.dtype, cap: int, dim: str = "dp"
+) -> list[Bucket]:
     groups: list[list[nn.Parameter]] = [[]]
     size = 0
     for p in params:
@@ -138,7 +147,7 @@ def _make_buckets(params: list[nn.Parameter], dtype: torch.dtype, cap: int) -> l
         for p in group:
             p.main_grad = buffer[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-        buckets.append(Bucket(buffer, group, pending=len(group)))
+        buckets.append(Bucket(buffer, group, pending=len(group), dim=dim))
     return buckets
 
 

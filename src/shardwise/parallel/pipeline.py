@@ -27,6 +27,7 @@ from shardwise.distributed.comm import Comm
 from shardwise.models.decoder import Decoder
 from shardwise.models.dropout import samples
 from shardwise.parallel.backward_split import Pending, backward_input, backward_weight
+from shardwise.parallel.context import sequence_part
 from shardwise.parallel.deferred_grads import deferring
 from shardwise.parallel.pipeline_comm import Channel, tied_group
 from shardwise.parallel.pipeline_split import Chunk, plan_chunks, prune_to_stage
@@ -67,7 +68,7 @@ class Pipeline:
         its peak of saved activation bytes)."""
         plan = build_plan(self.schedule, self.p, len(micro), self.v)[self.r]
         device = run.info.device
-        self._batches = _Batches(run.train_data, micro, device)
+        self._batches = _Batches(run.train_data, micro, device, self.comm.topo)
         shape = self._shape(len(micro[0]), self._batches.seq_len())
         channel = Channel(self.comm, plan, self.n_chunks, shape, self.dtype, device)
         held: dict[tuple[int, int], _Held] = {}
@@ -225,7 +226,7 @@ class Pipeline:
     def forward_only(self, run, data, parts: list) -> torch.Tensor:
         """Summed loss of `parts` (one micro-batch each), forwards only, on every stage."""
         plan = [Action(Pass.F, k, i) for i in range(len(parts)) for k in range(self.v)]
-        batches = _Batches(data, parts, run.info.device)
+        batches = _Batches(data, parts, run.info.device, self.comm.topo)
         shape = self._shape(len(parts[0]), batches.seq_len())
         channel = Channel(self.comm, plan, self.n_chunks, shape, self.dtype, run.info.device)
         total = torch.zeros((), dtype=torch.float64, device=run.info.device)
@@ -273,17 +274,19 @@ class Pipeline:
 
 class _Batches:
     """A step's micro-batches, loaded on first use (the first stage needs the inputs, the
-    last the targets)."""
+    last the targets); with context parallelism this rank's part of each sequence, so the
+    stages exchange activations of the local length (`seq_len`)."""
 
-    def __init__(self, data, parts: list, device) -> None:
-        self.data, self.parts, self.device = data, parts, device
+    def __init__(self, data, parts: list, device, topo) -> None:
+        self.data, self.parts, self.device, self.topo = data, parts, device, topo
         self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _get(self, mb: int):
         if mb not in self.cache:
             with clock().phase("data"):
                 batch = self.data.get_batch(self.parts[mb])
-                self.cache[mb] = tuple(t.to(self.device, non_blocking=True) for t in batch)
+                moved = (t.to(self.device, non_blocking=True) for t in batch)
+                self.cache[mb] = tuple(sequence_part(t, self.topo) for t in moved)
         return self.cache[mb]
 
     def inputs(self, mb: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ from shardwise.finetune.lora import is_lora_layer
 from shardwise.models.dropout import LayoutFreeDropout
 from shardwise.models.init import LocalSlice
 from shardwise.models.tp_plans import TPPlan, is_conv1d, out_dim
+from shardwise.parallel.fp8 import fp8_matmul, is_fp8
 from shardwise.parallel.tensor_comm import enter_tp, exit_tp, vocab_cross_entropy
 from shardwise.parallel.tensor_lora import split_lora
 
@@ -40,7 +41,7 @@ def keep_tp_marks(old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
     """Carry tensor parallelism's marks (which slice, how its gradient reduces) over to a
     parameter that replaces `old` (a ZeRO alias, a low-precision compute copy): without them
     a partial gradient would never be summed over tp."""
-    for attr in ("tp_slice", "tp_kind"):
+    for attr in ("tp_slice", "tp_kind", "reduce_dim"):  # reduce_dim: parallel/expert.py
         if hasattr(old, attr):
             setattr(new, attr, getattr(old, attr))
     return new
@@ -103,6 +104,8 @@ def _matmul(module: nn.Module, x: torch.Tensor, weight, bias) -> torch.Tensor:
     if is_conv1d(module):
         y = torch.matmul(x, weight)
         return y if bias is None else y + bias
+    if is_fp8(module):  # precision.fp8: this rank's slice through the layer's FP8 casts
+        return fp8_matmul(module, x, weight, bias)
     return F.linear(x, weight, bias)
 
 

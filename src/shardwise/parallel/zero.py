@@ -64,16 +64,19 @@ class ZeroEngine:
         self.store = None if isinstance(how.offload_params, bool) else how.offload_params
         self.wire = how.wire if comm.topo.size("dp") > 1 else None
         self.sync = True
-        n, rank = comm.topo.size("dp"), comm.topo.coord("dp")
         # Trainable and frozen parameters of a root never share a unit: a frozen unit has no
         # gradient buffers and nothing to reduce (LoRA keeps its few trainable parameters in
         # small units of their own, so the saving is not lost to a shared flat buffer).
+        # Expert parameters (parallel/expert.py) sit in units of their own, sharded and reduced
+        # over the ranks holding the same experts ("edp") instead of the whole dp line.
         self.units = []
         for root, (name, entries, modules) in enumerate(unit_roots(model)):
             for part, group in _by_trainability(name, entries):
-                unit = Unit(part, group, modules, n, rank, how)
-                unit.root = root  # its root's place in forward order
-                self.units.append(unit)
+                for sub, members, dim in _by_reduce_dim(part, group):
+                    n, rank = comm.topo.size(dim), comm.topo.coord(dim)
+                    unit = Unit(sub, members, modules, n, rank, how)
+                    unit.root, unit.dim = root, dim  # its root's place in forward order
+                    self.units.append(unit)
         replaced = {k: v for u in self.units for k, v in u.replaced.items()}
         for module in model.modules():  # every use of an old parameter, tied ones included
             for leaf, p in list(module._parameters.items()):
@@ -145,7 +148,7 @@ class ZeroEngine:
         self._grow(unit.full_bytes)
         self.gathered_bytes += unit.full_bytes
         self.peak_gathered = max(self.peak_gathered, self.gathered_bytes)
-        unit.handle = self.comm.all_gather(unit.full, unit.staging, "dp", async_op=async_op)
+        unit.handle = self.comm.all_gather(unit.full, unit.staging, unit.dim, async_op=async_op)
 
     def _ensure(self, unit: Unit) -> None:
         self._gather(unit, async_op=False)
@@ -280,7 +283,9 @@ class ZeroEngine:
                 send = flat.to(self.wire)
                 self._grow(send.numel() * send.element_size())
             # in place: the owned slice of the summed buffer lands where it already lives
-            handle = self.comm.reduce_scatter(send[unit.lo : unit.hi], send, "dp", async_op=True)
+            handle = self.comm.reduce_scatter(
+                send[unit.lo : unit.hi], send, unit.dim, async_op=True
+            )
             self._pending.append((unit, flat, send, handle))
             while len(self._pending) > 2:  # overlap with backward, bounded to two buffers
                 self._complete()
@@ -383,7 +388,7 @@ class ZeroEngine:
         if self.stage < 3:  # publish the updated slices to every replica (frozen: unchanged)
             for unit in self.units:
                 if unit.n_trainable:
-                    self.comm.all_gather(unit.full, unit.full[unit.lo : unit.hi], "dp")
+                    self.comm.all_gather(unit.full, unit.full[unit.lo : unit.hi], unit.dim)
 
 
 def _by_trainability(name: str, entries: list) -> list[tuple[str, list]]:
@@ -393,6 +398,17 @@ def _by_trainability(name: str, entries: list) -> list[tuple[str, list]]:
     if not trainable or not frozen:
         return [(name, entries)]
     return [(name, trainable), (f"{name}[frozen]", frozen)]
+
+
+def _by_reduce_dim(name: str, entries: list) -> list[tuple[str, list, str]]:
+    """A unit's parameters by the dimension their gradients are reduced over: the dp line,
+    then (expert parallelism's experts, `reduce_dim`) the ranks holding the same experts."""
+    dims = [getattr(e[3], "reduce_dim", "dp") for e in entries]
+    if len(set(dims)) == 1:
+        return [(name, entries, dims[0])]
+    dense = [e for e, d in zip(entries, dims, strict=True) if d == "dp"]
+    experts = [e for e, d in zip(entries, dims, strict=True) if d != "dp"]
+    return [(name, dense, "dp"), (f"{name}[experts]", experts, "edp")]
 
 
 def apply_zero(model: nn.Module, comm: Comm, how: Sharding, seed: int, source=None) -> ZeroEngine:

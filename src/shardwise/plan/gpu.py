@@ -19,6 +19,7 @@ kernel); calibrated on published runs (benchmarks/published_runs.py).
 
 from __future__ import annotations
 
+from shardwise.errors import ConfigError
 from shardwise.models.families import family_of
 from shardwise.plan import activations as act
 from shardwise.plan import peers
@@ -123,13 +124,16 @@ def backward_gemm_seconds(hw: Hardware, spec, t: int, tokens: float, c: int, pea
     return dgrad, _weight_grad(hw, spec, t, tokens, c, peak)
 
 
-def block_seconds(hw: Hardware, spec, t, b, s, c, sp: bool, peak: float, unfused: bool = False):
+def block_seconds(
+    hw: Hardware, spec, t, b, s, c, sp: bool, peak: float, unfused: bool = False, linear=None
+):
     """(forward, backward, attention forward) seconds of one block for a micro-batch of `b`
-    sequences of `s` tokens on one tensor-parallel rank."""
-    tokens = b * s
-    gemm = sum(_gemm(hw, c, *g, peak) for g in _gemms(spec, t, tokens))
+    sequences of `s` tokens on one tensor-parallel rank; `linear`: the linear layers' peak
+    FLOP/s where it is not `peak` (precision.fp8: `linear_peak`)."""
+    tokens, linear = b * s, linear or peak
+    gemm = sum(_gemm(hw, c, *g, linear) for g in _gemms(spec, t, tokens))
     # backward: the input gradient and the weight gradient, each as big as the forward GEMM
-    gemm_bwd = sum(backward_gemm_seconds(hw, spec, t, tokens, c, peak))
+    gemm_bwd = sum(backward_gemm_seconds(hw, spec, t, tokens, c, linear))
     ew = _elementwise_seconds(hw, spec, t, tokens, c, sp)
     ew_bwd = _elementwise_seconds(hw, spec, t, tokens, c, sp, backward=True)
     attn_f, attn_b = _attention(hw, spec, t, b, s, c, peak, unfused)
@@ -157,19 +161,39 @@ def head_seconds(hw: Hardware, spec, t: int, tokens: float, c: int, peak: float)
     return gemm + loss
 
 
+def linear_peak(hw: Hardware, job) -> float:
+    """Peak FLOP/s of the blocks' linear layers: the card's FP8 peak under precision.fp8 (an
+    assumption: the GEMMs' FLOPs at FP8 rate and their bytes still at the compute dtype's
+    width, the casts' extra reads of each operand left unpriced), else the compute dtype's."""
+    if job.fp8 == "none":
+        return hw.peak[job.precision]
+    if job.precision != "bf16":  # as training refuses it (parallel/fp8.py)
+        raise ConfigError(
+            f"precision.fp8={job.fp8} with precision.compute={job.precision}: FP8 training "
+            "keeps bf16 activations. Fix: --precision.compute=bf16."
+        )
+    if "fp8" not in hw.peak:
+        raise ConfigError(
+            f"precision.fp8={job.fp8}: {hw.name} has no FP8 tensor cores (compute capability "
+            "8.9+: H100, H200, B200, L40S, RTX 4090). Fix: --precision.fp8=none, or a card "
+            "that has them."
+        )
+    return hw.peak["fp8"]
+
+
 def layer_seconds(hw: Hardware, job, layout) -> float:
     """Forward + backward (+ recomputation) of one block for one micro-batch."""
     spec, s, b, t = job.spec, job.seq_len, layout.micro_batch, layout.tp
-    peak = hw.peak[job.precision]
+    peak, linear = hw.peak[job.precision], linear_peak(hw, job)
     fwd, bwd, attn = block_seconds(
-        hw, spec, t, b, s, job.bc, layout.sp, peak, peers.of(job).unfused_attention
+        hw, spec, t, b, s, job.bc, layout.sp, peak, peers.of(job).unfused_attention, linear
     )
     redo = {"full": fwd, "selective": attn}.get(layout.recompute, 0.0)
     if layout.recompute == "selective" and peers.of(job).selective_ops:
-        redo = op_recompute_seconds(hw, spec, t, b, s, job.bc, layout.sp, peak)
+        redo = op_recompute_seconds(hw, spec, t, b, s, job.bc, layout.sp, linear)
     per_layer = fwd + bwd + redo
     if job.finetune.lora:  # frozen weights: no weight gradient (a third of the GEMM time)
-        per_layer -= _weight_grad(hw, spec, t, b * s, job.bc, peak)
+        per_layer -= _weight_grad(hw, spec, t, b * s, job.bc, linear)
     return per_layer
 
 

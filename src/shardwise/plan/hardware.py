@@ -99,11 +99,16 @@ class Hardware:
         return dataclasses.replace(self, **kw)  # type: ignore[arg-type]
 
 
-def _gpu(name, mem_gib, bf16, fp32, hbm_tbs, intra_gbs, inter_gbs, host_gbs, per_node, host_gib):
+def _gpu(
+    name, mem_gib, bf16, fp32, hbm_tbs, intra_gbs, inter_gbs, host_gbs, per_node, host_gib, fp8=0
+):
+    peak = {"bf16": bf16 * 1e12, "fp16": bf16 * 1e12, "fp32": fp32 * 1e12}
+    if fp8:  # only cards with FP8 tensor cores have the key (precision.fp8 needs it)
+        peak["fp8"] = fp8 * 1e12
     return Hardware(
         name=name,
         memory=int(mem_gib * GiB),
-        peak={"bf16": bf16 * 1e12, "fp16": bf16 * 1e12, "fp32": fp32 * 1e12},
+        peak=peak,
         hbm_bw=hbm_tbs * 1e12,
         intra_bw=intra_gbs * GB,
         inter_bw=inter_gbs * GB,
@@ -119,6 +124,9 @@ def _gpu(name, mem_gib, bf16, fp32, hbm_tbs, intra_gbs, inter_gbs, host_gbs, per
 # name: memory GiB, bf16 TF, fp32 TF, HBM TB/s, intra GB/s, inter GB/s, host GB/s, per node,
 # host GiB per device. Sources: NVIDIA A100/H100/H200/HGX B200/L40S data sheets, the Ada and
 # Ampere GeForce whitepapers (tensor FP16 with FP32 accumulate), AMD MI300X data sheet.
+# The last number where a card has FP8 tensor cores: dense FP8 TF/s with FP32 accumulate from
+# the same data sheets (H100 SXM and H200 1979, H100 PCIe 1513, B200 4500, L40S 733, RTX 4090
+# 330 (GeForce: half rate with FP32 accumulate), MI300X 2615); A100 and RTX 3090 have none.
 # Inter-node: one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100 and later) NIC per GPU, as in
 # NVIDIA's DGX reference designs; PCIe parts: 100-200 Gb/s per GPU.
 CATALOG: dict[str, Hardware] = {
@@ -126,14 +134,14 @@ CATALOG: dict[str, Hardware] = {
     for h in (
         _gpu("a100-40gb", 40, 312, 19.5, 1.555, 300, 25, 32, 8, 128),
         _gpu("a100-80gb", 80, 312, 19.5, 2.039, 300, 25, 32, 8, 256),
-        _gpu("h100-sxm", 80, 989, 67, 3.35, 450, 50, 64, 8, 256),
-        _gpu("h100-pcie", 80, 756, 51, 2.0, 64, 25, 64, 8, 256),
-        _gpu("h200", 141, 989, 67, 4.8, 450, 50, 64, 8, 256),
-        _gpu("b200", 180, 2250, 75, 8.0, 900, 50, 64, 8, 512),
-        _gpu("l40s", 48, 362, 91.6, 0.864, 32, 12.5, 32, 8, 128),
-        _gpu("rtx4090", 24, 165, 82.6, 1.008, 25, 12.5, 25, 1, 64),
+        _gpu("h100-sxm", 80, 989, 67, 3.35, 450, 50, 64, 8, 256, fp8=1979),
+        _gpu("h100-pcie", 80, 756, 51, 2.0, 64, 25, 64, 8, 256, fp8=1513),
+        _gpu("h200", 141, 989, 67, 4.8, 450, 50, 64, 8, 256, fp8=1979),
+        _gpu("b200", 180, 2250, 75, 8.0, 900, 50, 64, 8, 512, fp8=4500),
+        _gpu("l40s", 48, 362, 91.6, 0.864, 32, 12.5, 32, 8, 128, fp8=733),
+        _gpu("rtx4090", 24, 165, 82.6, 1.008, 25, 12.5, 25, 1, 64, fp8=330),
         _gpu("rtx3090", 24, 71, 35.6, 0.936, 25, 12.5, 25, 1, 64),
-        _gpu("mi300x", 192, 1307, 163.4, 5.3, 448, 50, 64, 8, 256),
+        _gpu("mi300x", 192, 1307, 163.4, 5.3, 448, 50, 64, 8, 256, fp8=2615),
     )
 }
 # The kernel model's parameters (plan/gpu.py) fitted on the published runs' calibration subset:

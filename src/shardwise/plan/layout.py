@@ -43,6 +43,7 @@ class Job:
     global_batch: int = 1024
     precision: str = "bf16"
     reduce: str = "bf16"
+    fp8: str = "none"  # precision.fp8: the blocks' linear layers at the card's FP8 peak
     params: int = 0  # used when spec is None
     finetune: FineTune = field(default_factory=FineTune)
     frozen: tuple | None = None  # the real model's ZeRO units (explain with train.freeze)
@@ -95,6 +96,7 @@ class Layout:
     compression: str = "none"  # parallel.grad_compression: what the ZeRO-0 all-reduce sends
     cp: int = 1  # parallel.cp: ranks splitting each sample's sequence (dp: the sample streams)
     cp_mode: str = "ring"  # parallel.cp_mode: ring | ulysses (what the cp ranks exchange)
+    ep: int = 1  # parallel.ep: ranks of a dp line splitting each MoE layer's experts
 
     def micro_batches(self, job: Job) -> int:
         """Micro-batches per rank per step (gradient accumulation / pipeline micro-batches)."""
@@ -110,6 +112,7 @@ class Layout:
         return (
             f"tp{self.tp}{'+sp' if self.sp else ''} pp{self.pp}{sched} dp{self.dp} "
             + (f"cp{self.cp} {self.cp_mode} " if self.cp > 1 else "")
+            + (f"ep{self.ep} " if self.ep > 1 else "")
             + f"z{self.zero} mb{self.micro_batch} rc={self.recompute} off={self.offload}"
             + (f" wire={self.compression}" if self.compression != "none" else "")
         )

@@ -11,6 +11,7 @@ counters and padding.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import lru_cache
 
@@ -307,11 +308,11 @@ def backward_transient(job: Job, layout: Layout) -> float:
 
 
 def _cp_shape(job: Job, layout: Layout):
-    """(spec, micro-batch b, local length s/cp, e = b·H·(s/cp)·head_dim): the sizes both cp
-    terms below are made of (k/v heads repeated to H)."""
+    """(spec, micro-batch b, local length s/cp, e = b·(H/tp)·(s/cp)·head_dim): the sizes both
+    cp terms below are made of (k/v heads repeated to H; a tp rank holds H/tp of them)."""
     spec, b = job.spec, layout.micro_batch
     local = job.seq_len // layout.cp
-    return spec, b, local, b * spec.n_heads * local * spec.head_dim
+    return spec, b, local, b * (spec.n_heads // layout.tp) * local * spec.head_dim
 
 
 def cp_saved_bytes(job: Job, layout: Layout) -> float:
@@ -338,7 +339,7 @@ def cp_saved_bytes(job: Job, layout: Layout) -> float:
     # the formula's ids are the (b, s+1) window, its flattened targets a copy of it for b > 1
     # and the window itself for one sample
     edge = -8 * b + (8 * local if b == 1 and job.loss_chunks <= 1 else 0)
-    return per_layer * spec.n_layers + edge
+    return per_layer * -(-spec.n_layers // layout.pp) + edge  # the largest stage's layers
 
 
 def cp_transient(job: Job, layout: Layout) -> float:
@@ -346,7 +347,9 @@ def cp_transient(job: Job, layout: Layout) -> float:
     `total`; in the fit check as `backward_transient`): the K/V block in hand and the one
     arriving (2·2e in the compute dtype), dQ and the output gradient in fp32, the dK/dV sum,
     the block's dK/dV being sent and the one arriving (3·2e in fp32), and one block pair's
-    scores, probabilities and their gradient (3·b·H·(s/cp)² in fp32). Ulysses: the stacked
+    scores, probabilities and their gradient (3·b·H·(s/cp)² in fp32) where the blocks are
+    computed explicitly: packed rows, or a device without a fused kernel for them (a GPU:
+    device.attention_with_lse; the CPU's flash kernel keeps them on chip). Ulysses: the stacked
     q/k/v going out and coming in (2·3e in the compute dtype). 0 at cp = 1."""
     if layout.cp == 1:
         return 0.0
@@ -354,7 +357,9 @@ def cp_transient(job: Job, layout: Layout) -> float:
     c = job.bc
     if layout.cp_mode == "ulysses":
         return 2 * 3 * e * c
-    scores = 0 if peers.of(job).cp_fused_blocks else 3 * 4 * b * spec.n_heads * local * local
+    heads = spec.n_heads // layout.tp
+    fused = peers.of(job).cp_fused_blocks or not (job.packed or job.hardware.kernel_model)
+    scores = 0 if fused else 3 * 4 * b * heads * local * local
     return 2 * 2 * e * c + 2 * 4 * e + 3 * 2 * 4 * e + scores
 
 
@@ -452,3 +457,20 @@ def states_only(params: int, job: Job, dp: int, stage: int, offload: str = "none
     mem["activations"] = 0.0
     mem["total"] = sum(v for k, v in mem.items() if not k.startswith(("host_", "disk_")))
     return mem
+
+
+def expert_group(job: Job, layout: Layout, ep: int) -> tuple[Job, Layout]:
+    """The job and layout that expert parallelism's expert units (parallel/expert.py) are
+    sharded and reduced in: the dp / ep ranks holding the same experts, each with the same
+    micro-batches as before; no tied embedding among those units."""
+    spec = dataclasses.replace(job.spec, tie_embeddings=False) if job.spec else None
+    shrunk = dataclasses.replace(job, spec=spec, global_batch=job.global_batch // ep)
+    return shrunk, dataclasses.replace(layout, dp=layout.dp // ep, ep=1)
+
+
+def add_states(into: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    """Per-rank model states of two groups of units a rank holds both of (dense and expert
+    units): each category adds up (rank 0 of each group holds the most of it)."""
+    for key, value in more.items():
+        into[key] = into.get(key, 0.0) + value
+    return into

@@ -73,7 +73,7 @@ def tp_hidden_seconds(job: Job, layout: Layout, one: dict[str, float]) -> float:
     hw, spec, t = job.hardware, job.spec, layout.tp
     if not (peers.of(job).tp_overlap_backward and t > 1 and hw.kernel_model):
         return 0.0
-    tokens, peak = layout.micro_batch * job.seq_len, hw.peak[job.precision]
+    tokens, peak = layout.micro_batch * job.seq_len, gpu.linear_peak(hw, job)
     dgrad, wgrad = gpu.backward_gemm_seconds(hw, spec, t, tokens, job.bc, peak)
     reduce = 2 * one["reduce_scatter" if layout.sp else "all_reduce"]
     hidden = min(reduce, wgrad) + min(regathers(job, layout) * one["all_gather"], dgrad)

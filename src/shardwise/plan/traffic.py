@@ -100,23 +100,28 @@ def cp_traffic(job: Job, layout: Layout) -> tuple[dict[str, float], int]:
     (parallel/context_comm.py), as comm.py counts them; ({}, 0) at cp = 1. `layout` is the
     cp layout itself (dp: the sample streams), not its data-parallel equivalent.
 
-    Per layer and micro-batch, with a K/V block of e = b·H·(s/cp)·head_dim elements (k/v
-    heads repeated to H) and n = cp: every forward all-gathers the n·s/cp int64 positions
-    ((n-1)/n of them sent). Ring: forward n-1 K/V blocks [2, e] in the compute dtype; backward
-    the same n-1 and n-1 dK/dV blocks [2, e] in fp32 (with the zig-zag split every block pair
-    has a visible key, so none is skipped). Ulysses: forward q/k/v [3, e] and the output [e]
-    through all-to-alls, (n-1)/n of each sent; backward their gradients. A recomputed forward
-    runs again up to its last saved tensor: the ring's whole Function (its saved out and lse
-    are its end), a recomputed block's Ulysses exchanges too (its output projection saves the
-    output), but a recomputed attention core's (selective) stops at the output's reordering,
-    before the second all-to-all."""
+    Per layer (of the largest pipeline stage) and micro-batch, with a K/V block of e =
+    b·(H/tp)·(s/cp)·head_dim elements (k/v heads repeated to H) and n = cp: every forward
+    all-gathers the n·s/cp int64 positions ((n-1)/n of them sent). Ring: forward n-1 K/V blocks
+    [2, e] in the compute dtype; backward the same n-1 and n-1 dK/dV blocks [2, e] in fp32 (with
+    the zig-zag split every block pair has a visible key, so none is skipped). Ulysses: forward
+    q/k/v [3, e] and the output [e] through all-to-alls, (n-1)/n of each sent; backward their
+    gradients. A recomputed forward runs again up to its last saved tensor: the ring's whole
+    Function (its saved out and lse are its end), a recomputed block's Ulysses exchanges too
+    (its output projection saves the output), but a recomputed attention core's (selective)
+    stops at the output's reordering, before the second all-to-all. Packed rows: Ulysses gathers
+    each query's record start (b·s/cp int64) with the positions; the ring sends what it sends
+    unpacked."""
     n = layout.cp
     if n == 1:
         return {}, 0
     spec, m, b = job.spec, layout.micro_batches(job), layout.micro_batch
     local = job.seq_len // n
-    e = b * spec.n_heads * local * spec.head_dim
+    # a tp rank attends over its n_heads / tp heads; a pipeline stage runs its layers only
+    e = b * (spec.n_heads // layout.tp) * local * spec.head_dim
     gather = (n - 1) * local * 8  # (n-1)/n of the n·local int64 positions
+    if job.packed and layout.cp_mode == "ulysses":  # and of the b·n·local record starts
+        gather *= 1 + b
     again = layout.recompute in ("selective", "full")
     forwards = 1 + again
     if layout.cp_mode == "ring":
@@ -130,7 +135,7 @@ def cp_traffic(job: Job, layout: Layout) -> tuple[dict[str, float], int]:
         kinds = {"all_gather": gather * forwards, "all_to_all": (8 + redo) * e * job.bc}
         kinds["all_to_all"] *= (n - 1) / n
         calls = forwards + 4 + {"none": 0, "selective": 1, "full": 2}[layout.recompute]
-    scale = m * spec.n_layers
+    scale = m * -(-spec.n_layers // layout.pp)
     return {k: v * scale for k, v in kinds.items()}, calls * scale
 
 
@@ -272,3 +277,32 @@ def _tp_partial(job: Job, t: int, sp: bool) -> int:
     if spec.n_kv_heads % t:
         out += 2 * spec.n_layers * spec.head_dim * spec.dim
     return out
+
+
+def ep_traffic(job: Job, layout: Layout, rows: tuple[float, float] | None = None):
+    """(bytes, calls) per rank per step of expert parallelism's token exchange
+    (parallel/expert_comm.py), as comm.py counts them under "ep"; (0.0, 0) at ep = 1.
+
+    Per MoE layer and micro-batch, over n = ep ranks: the per-expert counts [E] int64 through
+    an equal all-to-all ((n-1)/n of them sent), the rows a rank sends to other ranks' experts
+    (`sent`) through the dispatch and the rows it computed for other ranks (`received`) back
+    through the combine, in the compute dtype, `dim` wide; backward sends the gradients of
+    both back the other way (received, then sent). A fully recomputed block exchanges its
+    forward's counts and rows again. So a step sends
+        forwards·L·m·(n-1)/n·E·8 + (forwards + 1)·(sent + received)·dim·bytes
+    in L·m·(3·forwards + 2) calls, `sent`/`received` summed over the step's layers and
+    micro-batches. They depend on the routing: `rows` gives the measured (sent, received);
+    None prices balanced, dropless routing (every rank's b·s·k assignments per layer spread
+    evenly over the experts, so (n-1)/n of them leave and as many arrive), the convention
+    `explain` and `plan` state."""
+    n, spec = layout.ep, job.spec
+    if n == 1 or spec is None or not spec.n_experts:
+        return 0.0, 0
+    m, layers = layout.micro_batches(job), spec.n_layers // spec.moe_every
+    forwards = 1 + (layout.recompute == "full")
+    if rows is None:
+        each = layers * m * layout.micro_batch * (job.seq_len // layout.cp) * spec.top_k
+        rows = (each * ring_share(n), each * ring_share(n))
+    counts = forwards * layers * m * ring_share(n) * spec.n_experts * 8
+    moved = (forwards + 1) * (rows[0] + rows[1]) * spec.dim * job.bc
+    return counts + moved, layers * m * (3 * forwards + 2)

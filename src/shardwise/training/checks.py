@@ -6,6 +6,7 @@ launch)."""
 from __future__ import annotations
 
 import fnmatch
+from math import gcd
 
 from shardwise.config import Config
 from shardwise.errors import ConfigError
@@ -253,8 +254,8 @@ def check_tensor_parallel(spec: ModelSpec, family: Family, cfg: Config) -> None:
 
 
 def check_context_parallel(cfg: Config, spec: ModelSpec, family: Family, tp: int, pp: int) -> None:
-    """parallel.cp > 1: what context parallelism runs in this first step (parallel/context.py,
-    docs/parallelism.md); each refusal names the value and the fix."""
+    """parallel.cp > 1: what context parallelism runs (parallel/context.py, docs/
+    parallelism.md); each refusal names the value and the fix."""
     p, cp, s = cfg.parallel, cfg.parallel.cp, cfg.data.seq_len
     if cp < 1:
         raise ConfigError(f"parallel.cp={cp} must be >= 1. Fix: --parallel.cp=1 (off).")
@@ -277,34 +278,19 @@ def check_context_parallel(cfg: Config, spec: ModelSpec, family: Family, tp: int
             "split. Fix: --parallel.cp=1, or a built-in decoder, an hf-llama preset or a "
             "Llama, Mistral or Qwen2 checkpoint (model.name=hf)."
         )
-    elif tp > 1 or pp > 1:
-        why = (
-            f"parallel.tp={tp} and parallel.pp={pp}: this first step composes cp with data "
-            "parallelism and ZeRO only. Fix: --parallel.tp=1 --parallel.pp=1."
-        )
-    elif s % (2 * cp):
-        why = (
-            f"data.seq_len={s} is not divisible by 2 * cp = {2 * cp}: each rank holds two of "
-            f"2 * cp equal chunks (the zig-zag split that balances causal attention's work). "
-            f"Fix: a data.seq_len that is a multiple of {2 * cp}."
-        )
-    elif p.cp_mode == "ulysses" and spec.n_heads % cp:
-        why = (
-            f"parallel.cp_mode=ulysses gives each rank n_heads / cp heads, and model.n_heads="
-            f"{spec.n_heads} is not divisible by {cp} (k/v heads are repeated to n_heads "
-            "before attention, so only n_heads counts). Fix: a cp dividing n_heads, or "
-            "--parallel.cp_mode=ring."
-        )
+    elif layout := _cp_layout_refusal(cfg, spec, family, tp, pp):
+        why = layout
     elif dropping:
         named = ", ".join(f"{k}={v}" for k, v in dropping.items())
         why = (
             f"{named}: dropout masks are drawn per contiguous sequence shard, not for the "
             "zig-zag positions a cp rank holds. Fix: set them to 0, or --parallel.cp=1."
         )
-    elif cfg.data.pack:
+    elif cfg.data.pack and not family.cp_composes:
         why = (
-            "data.pack=true masks attention per record, which the cp attention kernels do "
-            "not. Fix: --data.pack=false, or --parallel.cp=1."
+            f"data.pack=true masks attention per record, and {family.kind}'s attention under cp "
+            "(transformers' attention registry) takes no record mask; the built-in decoders' "
+            "does. Fix: --data.pack=false, or --parallel.cp=1."
         )
     elif cfg.train.loss != "cross_entropy":
         why = (
@@ -320,3 +306,40 @@ def check_context_parallel(cfg: Config, spec: ModelSpec, family: Family, tp: int
         raise ConfigError(
             f"parallel.cp={cp} splits each sample's sequence over {cp} ranks, but {why}"
         )
+
+
+def _cp_layout_refusal(cfg: Config, spec: ModelSpec, family: Family, tp: int, pp: int) -> str:
+    """Why cp cannot split the sequence in this layout ("" when it can): the zig-zag chunks,
+    sequence parallelism's further split, Ulysses' heads per rank, and the families whose cp
+    is checked against one process without tp and pp only."""
+    p, cp, s = cfg.parallel, cfg.parallel.cp, cfg.data.seq_len
+    heads = spec.n_heads // tp
+    if (tp > 1 or pp > 1) and not family.cp_composes:
+        return (
+            f"parallel.tp={tp} and parallel.pp={pp}: {family.kind} under cp (transformers' "
+            "attention and its own pipeline stages, which build positions of the local length) "
+            "is checked with data parallelism and ZeRO only; the built-in decoders compose cp "
+            "with tp and pp. Fix: --parallel.tp=1 --parallel.pp=1."
+        )
+    if s % (2 * cp):
+        return (
+            f"data.seq_len={s} is not divisible by 2 * cp = {2 * cp}: each rank holds two of "
+            f"2 * cp equal chunks (the zig-zag split that balances causal attention's work). "
+            f"Fix: a data.seq_len that is a multiple of {2 * cp}."
+        )
+    if p.sp and tp > 1 and (s // cp) % tp:
+        return (
+            f"parallel.sp=true splits each cp rank's data.seq_len / cp = {s // cp} tokens over "
+            f"parallel.tp={tp} ranks, and {s // cp} is not divisible by {tp}. Fix: a "
+            f"data.seq_len that is a multiple of {cp * tp * 2 // gcd(2, tp)}, or "
+            "--parallel.sp=false."
+        )
+    if p.cp_mode == "ulysses" and heads % cp:
+        per_tp = f" / tp({tp}) = {heads}" if tp > 1 else ""
+        return (
+            f"parallel.cp_mode=ulysses gives each rank n_heads / (tp * cp) heads, and "
+            f"model.n_heads={spec.n_heads}{per_tp} is not divisible by {cp} (k/v heads are "
+            "repeated to n_heads before attention, so only n_heads counts). Fix: a cp "
+            "dividing that, or --parallel.cp_mode=ring."
+        )
+    return ""

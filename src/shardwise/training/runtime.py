@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import fnmatch
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.compress import WIRE, make_compression
 from shardwise.parallel.context import apply_context_parallel, sequence_part
 from shardwise.parallel.data import GradReducer, apply_data_parallel
+from shardwise.parallel.expert import ExpertParallel, apply_expert_parallel, expert_parallel_of
+from shardwise.parallel.fp8 import apply_fp8, fp8_emulated, fp8_summary
 from shardwise.parallel.pipeline import Pipeline, apply_pipeline
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.sync_batchnorm import apply_sync_batchnorm
@@ -123,6 +126,7 @@ class Run:
     locks: list = dataclasses.field(default_factory=list)  # run.dir / checkpoint.dir (lock.py)
     resume_note: str | None = None  # what a resume could not restore (checkpoint/state.py)
     experts: ExpertTally | None = None  # MoE models: balance loss, loads, bias (moe.py)
+    expert_parallel: ExpertParallel | None = None  # ep > 1: the expert slices (expert.py)
 
     def close(self, error: BaseException | None = None) -> None:
         """Leave training (finished, or failed with `error`): stop the hang watchdog (this
@@ -188,6 +192,11 @@ def parallelize(
     # 1. Pipeline split: the meta model is cut to this rank's chunks (names unchanged), so no
     #    rank ever materialises another stage's layers (pp = 1: the whole model).
     pipeline = apply_pipeline(model, run_cfg, derived, comm) if derived.pp > 1 else None
+    # 1b. FP8 swaps the (stage's) block linears for torchao's Float8Linear, same parameters and
+    #    names, before tp splits them: tp's sharded forwards then multiply through its casts.
+    fp8 = apply_fp8(model, derived.family, run_cfg.precision.fp8, info)
+    if fp8 and comm.topo.rank == 0:
+        print(fp8_summary(run_cfg.precision.fp8, fp8, fp8_emulated(info, "")), file=sys.stderr)
     # 2. Tensor parallelism splits the planned layers of the (stage's) meta model in place:
     #    names stay, parameters become local slices that remember where they come from, so
     #    init, ZeRO and checkpoints below see ordinary (smaller) tensors (tp = 1: unchanged).
@@ -201,6 +210,10 @@ def parallelize(
     #    and the cp attention kernels; no parameter changes, so recomputation, ZeRO and init
     #    below see the same model, and gradients are summed over dp, which holds the cp ranks.
     apply_context_parallel(model, comm, run_cfg.parallel.cp_mode)
+    # 3b. Expert parallelism keeps this rank's E/ep experts of each MoE layer (slices that
+    #     remember where they come from, as tp's) and routes rows to the others' by all-to-all;
+    #     expert gradients are then reduced over the ranks holding the same experts only.
+    apply_expert_parallel(model, comm)
     # 4. Compilation replaces each block's forward by a compiled one (its hooks stay eager);
     #    full recomputation below then wraps the compiled forward and replays compiled code.
     apply_compile(model, derived.family, run_cfg.train.compile)
@@ -273,10 +286,16 @@ def verify_replicas(model: nn.Module, comm: Comm) -> None:
     identically; tensor-parallel ranks hold different slices, pipeline stages other layers)."""
     if comm.topo.size("dp") == 1:
         return
+    # expert slices (parallel/expert.py) are replicas over the ranks holding the same experts
+    dim = [getattr(p, "reduce_dim", "dp") for p in model.parameters()]
     sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
     hi, lo = sums.clone(), sums.clone()
-    comm.all_reduce(hi, "dp", "max", control=True)
-    comm.all_reduce(lo, "dp", "min", control=True)
+    for d in dict.fromkeys(dim):
+        mask = torch.tensor([x == d for x in dim])
+        part_hi, part_lo = hi[mask].clone(), lo[mask].clone()
+        comm.all_reduce(part_hi, d, "max", control=True)
+        comm.all_reduce(part_lo, d, "min", control=True)
+        hi[mask], lo[mask] = part_hi, part_lo
     bad = [n for (n, _), a, b in zip(model.named_parameters(), hi, lo, strict=True) if a != b]
     if bad:
         raise RuntimeError(f"parameters differ across ranks after init: {bad[:5]}")
@@ -292,7 +311,7 @@ def build_run(cfg: Config) -> Run:
         dev.set_cpu_threads()
         dev.keep_freed_memory()
     p = cfg.parallel
-    topo = build_topology(p.tp, p.pp, info.type, p.timeout_s, p.cp)
+    topo = build_topology(p.tp, p.pp, info.type, p.timeout_s, p.cp, p.ep)
     comm = Comm(topo)
     watchdog = start_watchdog(comm, cfg.parallel.timeout_s, cfg.run.dir)
     locks = []
@@ -325,6 +344,7 @@ def _build(
     model, quantised = build_adapted(spec, cfg.finetune)  # LoRA, QLoRA's base (finetune/)
     freeze(model, cfg.train.freeze)
     model, reducer, tp, pipeline = parallelize(model, cfg, derived, comm, info)
+    ep = expert_parallel_of(model, comm)
     if quantised:  # every rank quantises the values an unquantised run would start from
         source = weights_for(spec, cfg.model.init_from, model)
         # 1/dp each under ZeRO-3, and 1/tp each (dp outer: finetune/quant.split_index)
@@ -340,6 +360,12 @@ def _build(
     else:
         verify_replicas(model, comm)
         targets, sum_over_shards, after = replicated_targets(model), tp.sum_over_shards, None
+        if ep is not None:  # replicated dense parameters, expert slices that differ over ep
+
+            def sum_over_shards(parts: torch.Tensor) -> None:
+                ep.sum_over_shards(parts)
+                tp.sum_over_shards(parts)
+
     if pipeline is not None:  # the norm sums over stages, a tied weight counted once
         targets = pipeline.mark_norm_targets(targets)
         sum_over_shards = pipeline.norm_reducer(sum_over_shards)
@@ -371,4 +397,5 @@ def _build(
         if cfg.train.loss != "cross_entropy"
         else None,
         experts=expert_tally(model, cfg.train),
+        expert_parallel=ep,
     )

@@ -16,6 +16,8 @@ from shardwise.errors import ConfigError
 from shardwise.models import ModelSpec
 from shardwise.models.families import Family, family_of
 from shardwise.models.spec import spec_from_config
+from shardwise.parallel.expert import check_expert_parallel
+from shardwise.parallel.fp8 import check_fp8
 from shardwise.training.checks import (
     check_checkpoint_tp,
     check_compile,
@@ -41,6 +43,7 @@ class Derived:
     spec: ModelSpec
     family: Family  # what the model's family answers (models/families/), resolved once
     cp: int = 1  # ranks splitting each sample's sequence; dp counts the sample streams
+    ep: int = 1  # ranks splitting each MoE layer's experts (parallel/expert.py)
 
     @property
     def tokens_per_step(self) -> int:
@@ -220,6 +223,7 @@ def derive(cfg: Config, world: int) -> Derived:
     pp, dp, tp = degrees(world, p.tp, p.pp)
     cp = p.cp
     check_context_parallel(cfg, spec, family, tp, pp)
+    check_expert_parallel(cfg, spec, family, dp)
     if dp % cp:  # the topology's dp (every rank sharing the parameters) is dp x cp here
         raise ConfigError(
             f"world size {world} = pp({pp}) * dp * cp({cp}) * tp({tp}) leaves no whole dp: "
@@ -233,6 +237,7 @@ def derive(cfg: Config, world: int) -> Derived:
     check_loss(cfg, tp, pp)
     check_loss_chunks(cfg, family, tp, pp)
     check_compile(cfg, family)
+    check_fp8(cfg, family, tp)
     if tp > 1 and family.tp_refusal:
         raise ConfigError(family.tp_refusal.format(tp=tp, name=cfg.model.name))
     check_lora(spec, cfg)
@@ -274,7 +279,7 @@ def derive(cfg: Config, world: int) -> Derived:
     check_pipeline(cfg, spec, family, pp, dp, micro, m)
     per_row = cfg.data.dataset == "digits" or user_data or family.classifier
     tokens = 1 if per_row else cfg.data.seq_len
-    return Derived(world, pp, dp, tp, micro, m, tokens, spec, family, cp)
+    return Derived(world, pp, dp, tp, micro, m, tokens, spec, family, cp, p.ep)
 
 
 def check_held_out(cfg: Config, derived: Derived, held_out) -> None:

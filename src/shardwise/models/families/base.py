@@ -57,7 +57,16 @@ class Family:
     # for a checkpoint's class: the config model_types whose attention and positions the cp
     # transformation reaches (each checked against one process); empty: any it builds
     cp_model_types: tuple[str, ...] = ()
+    # cp composes with packed records (its cores mask per record), tp and pp (its stages
+    # take the global positions): each checked against one process
+    cp_composes: bool = False
+    # its MoE layers take an expert exchange (parallel/expert.py): parallel.ep shards experts
+    expert_parallel: bool = False
     recompute: Recompute = "plans"
+    # precision.fp8: whether the nn.Linear of this name converts to FP8 (the blocks'
+    # projections; embedding, head, norms and routers keep their dtype); None: FP8 training
+    # of this family is not tested, and refused (parallel/fp8.py)
+    fp8_linear: Callable[[str], bool] | None = None
     block: BlockShape = BlockShape()
     # `shardwise export --format hf` of our own modules: the config.json transformers reads
     # (None: no Hugging Face class holds this family; a checkpoint's class writes its own)

@@ -6,7 +6,14 @@ from shardwise.models.decoder import Decoder
 from shardwise.models.families.base import BlockShape, Family
 from shardwise.models.hf import gpt2, llama
 
+
+def _block_linear(name: str) -> bool:
+    """A linear layer inside a block (blocks.N.attn.wq ... blocks.N.mlp.w2), not the head."""
+    return name.startswith("blocks.")
+
+
 _OURS = dict(
+    fp8_linear=_block_linear,
     build=Decoder,
     formula=True,
     sequence_parallel=True,
@@ -14,6 +21,7 @@ _OURS = dict(
     chunked_loss=True,  # models/chunked_loss.LMHead
     compiles=True,
     context_parallel=True,  # AttentionCore.context; GPT-2's positions through pos_embed
+    cp_composes=True,  # data.pack, tp and pp under cp (tests/test_context_parallel_*.py)
     kind="a shardwise decoder",
 )
 

@@ -31,4 +31,7 @@ HF_CAUSAL_LM = Family(
     # with the plain 1/sqrt(D) scale (parallel/context_hf.py)
     context_parallel=True,
     cp_model_types=("llama", "mistral", "qwen2"),
+    # a checkpoint with stacked experts (models/hf/experts.py) takes the expert exchange;
+    # whether it has experts is its config's answer (parallel/expert.py)
+    expert_parallel=True,
 )

@@ -1,7 +1,8 @@
 """The MoE decoder (models/moe.py): our Llama-style decoder with routed experts in its MLPs.
 
-First step: data parallelism and ZeRO-1/2/3 (the stacked expert weights shard like any other),
-activation recomputation. Expert, tensor, pipeline and context parallelism are refused."""
+Data parallelism and ZeRO-1/2/3 (the stacked expert weights shard like any other), expert
+parallelism (parallel.ep: the experts split over ranks, parallel/expert.py), activation
+recomputation. Tensor, pipeline and context parallelism are refused."""
 
 from __future__ import annotations
 
@@ -21,5 +22,6 @@ MOE = Family(
     "built yet (model.name='{name}'). Fix: --parallel.tp=1 (data parallelism and ZeRO-1/2/3 "
     "shard the experts).",
     pipeline="none",
+    expert_parallel=True,
     chunked_loss=True,  # the decoder's LMHead
 )

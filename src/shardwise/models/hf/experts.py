@@ -33,14 +33,29 @@ def _experts_forward(
     xs = hidden[perm // k]
     # histc, not bincount: a fixed-size output, so fake tensors (no values) run it too
     counts = torch.histc(expert_ids.float(), bins=e, min=0, max=e - 1).long()
-    up = self.gate_up_proj if self.has_gate else self.up_proj
-    out = expert_matmul(xs, up.transpose(-2, -1), counts)
-    out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
-    out = expert_matmul(out, self.down_proj.transpose(-2, -1), counts)
+    exchange = getattr(self, "exchange", None)  # expert parallelism (parallel/expert.py)
+    if exchange is None:
+        out = _products(self, xs, counts)
+    else:  # the rows go to the ranks holding their experts and come back in this order
+        out = exchange(xs, counts, lambda rows, local: _products(self, rows, local))
     out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.size(0), device=perm.device)
     return out[inv].view(n, k, -1).sum(1).to(hidden.dtype)
+
+
+def _products(self: nn.Module, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The experts held here on rows grouped by expert (counts [held experts]): the [gate;
+    up] product, the gate, the down product."""
+    up = self.gate_up_proj if self.has_gate else self.up_proj
+    out = expert_matmul(xs, up.transpose(-2, -1), counts)
+    out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
+    return expert_matmul(out, self.down_proj.transpose(-2, -1), counts)
+
+
+def stacked_weights(module: nn.Module) -> tuple[str, ...]:
+    """The [E, out, in] parameter names of a stacked-experts module."""
+    return ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
 
 
 def _plain(module: nn.Module) -> bool:

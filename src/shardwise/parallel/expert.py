@@ -1,0 +1,174 @@
+"""Expert parallelism: the routed experts of every MoE layer sharded over the `ep` ranks of a
+dp line, tokens exchanged by all-to-all (GShard, Lepikhin et al. 2020; Megatron-Core's expert
+parallelism), as a transformation of the plain MoE decoder on the meta device.
+
+* Each rank keeps E/ep contiguous experts of each layer: the stacked weights w1, w3, w2 become
+  [E/ep, ...] slices that remember where they come from (`tp_slice`, models/init.LocalSlice),
+  so init draws the full (seed, name) value and keeps the slice, and checkpoints store the
+  global names and shapes (an ep=4 checkpoint resumes at ep=1 and back).
+* The layer's router, shared experts and the rest of the model stay replicated over dp.
+* Expert gradients are summed over the "edp" ranks holding the same experts (dp / ep of them)
+  and ZeRO shards them there (`reduce_dim`); every token's contribution is in them already,
+  because the all-to-all brought every ep rank's rows to the experts (parallel/expert_comm.py).
+* In the global norm the expert slices add up over ep (`tp_kind = "shard"`: with tp = 1, the
+  only layout ep runs in, that kind is summed over the dp line under ZeRO and over ep here).
+
+Why the numbers do not change: routing, capacity (per sequence) and the balance statistics
+are computed where the tokens are, as on one process; the experts compute the same rows; the
+loss is divided by the global token count, so the sums over ranks are the single run's."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardwise.config import Config
+from shardwise.distributed.comm import Comm
+from shardwise.errors import ConfigError
+from shardwise.models.families.base import Family
+from shardwise.models.hf.experts import experts_modules, stacked_weights
+from shardwise.models.init import LocalSlice, canonical_name
+from shardwise.models.moe import MoE, moe_layers
+from shardwise.models.presets import ModelSpec
+from shardwise.parallel.expert_comm import ExpertExchange
+
+EXPERT_WEIGHTS = ("w1", "w3", "w2")
+
+
+class ExpertParallel:
+    """What the engine needs after the transformation: the expert slices by parameter name,
+    the gather back to full shape and the norm's reduction over ep."""
+
+    def __init__(self, comm: Comm, slices: dict[str, LocalSlice]) -> None:
+        self.comm, self.slices = comm, slices
+
+    def sum_over_shards(self, parts: torch.Tensor) -> None:
+        """parts = [squared norm of sharded gradients, of the rest] on a replicated (ZeRO-0)
+        rank: the expert slices differ over ep and add up (bookkeeping traffic)."""
+        self.comm.all_reduce(parts[:1], "ep", control=True)
+
+    @torch.no_grad()
+    def full_parameters(
+        self, params: dict[str, torch.Tensor], device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        """Full-shape CPU values by name (collective over ep: every rank must call it)."""
+        out = dict(params)
+        for name, value in params.items():  # (names may carry wrapper segments)
+            cut = self.slices.get(canonical_name(name))
+            if cut is not None:
+                full = cut.place(value.to(device))
+                self.comm.all_reduce(full, "ep", control=True)  # zeros elsewhere: exact
+                out[name] = full.cpu()
+        return out
+
+
+def apply_expert_parallel(model: nn.Module, comm: Comm) -> ExpertParallel | None:
+    """Give every MoE layer of the meta `model` this rank's experts and the exchange; a no-op
+    at ep = 1. Names stay, so init, ZeRO units and checkpoints see ordinary tensors."""
+    ep = comm.topo.size("ep")
+    if ep == 1:
+        return None
+    names = {id(m): n for n, m in model.named_modules()}
+    slices: dict[str, LocalSlice] = {}
+    for layer, e, leaves in _expert_layers(model):
+        if e % ep:  # (validated earlier; a model built another way would fail here)
+            raise ConfigError(
+                f"parallel.ep={ep} must divide the {e} experts of each MoE layer. Fix: an ep "
+                "dividing it."
+            )
+        exchange = ExpertExchange(comm, e)
+        lo, hi = exchange.first, exchange.first + exchange.local
+        for leaf in leaves:
+            p = layer._parameters[leaf]
+            if not p.is_meta:
+                raise ValueError("expert parallelism transforms a model on the meta device")
+            cut = LocalSlice(tuple(p.shape), 0, ((lo, hi),), e)
+            local = nn.Parameter(
+                torch.empty((hi - lo, *p.shape[1:]), dtype=p.dtype, device="meta"),
+                requires_grad=p.requires_grad,
+            )
+            local.tp_slice, local.tp_kind, local.reduce_dim = cut, "shard", "edp"
+            layer._parameters[leaf] = local
+            slices[f"{names[id(layer)]}.{leaf}"] = cut
+        layer.exchange = exchange
+    return ExpertParallel(comm, slices)
+
+
+def _expert_layers(model: nn.Module) -> list[tuple[nn.Module, int, tuple[str, ...]]]:
+    """(module, experts, stacked weight names) of every MoE layer: ours (models/moe.py) or a
+    transformers class's stacked experts (models/hf/experts.py)."""
+    ours = [(m, m.n_experts, EXPERT_WEIGHTS) for m in moe_layers(model)]
+    theirs = [(m, int(m.num_experts), stacked_weights(m)) for m in experts_modules(model)]
+    return ours + theirs
+
+
+def expert_parallel_of(model: nn.Module, comm: Comm) -> ExpertParallel | None:
+    """The transformation's record for a model it was applied to (after ZeRO or a cast
+    replaced the parameters, which keep their marks); None at ep = 1."""
+    if comm.topo.size("ep") == 1:
+        return None
+    slices = {
+        canonical_name(name): p.tp_slice
+        for name, p in model.named_parameters()
+        if getattr(p, "reduce_dim", "dp") == "edp"
+    }
+    return ExpertParallel(comm, slices)
+
+
+def check_expert_parallel(cfg: Config, spec: ModelSpec, family: Family, shared: int) -> None:
+    """parallel.ep: what expert parallelism runs with in this first step; `shared` counts the
+    ranks sharing the dense parameters (world / (tp * pp))."""
+    p, ep = cfg.parallel, cfg.parallel.ep
+    if ep < 1:
+        raise ConfigError(f"parallel.ep={ep} must be >= 1. Fix: --parallel.ep=1 (off).")
+    if ep == 1:
+        return
+    fix = " Fix: --parallel.ep=1."
+    why, experts, key = "", spec.n_experts, "model.n_experts"
+    if family.expert_parallel and family.from_checkpoint:  # the checkpoint's config says
+        experts, key = checkpoint_experts(spec.source)
+    if not family.expert_parallel or not experts:
+        why = (
+            f"model.name='{cfg.model.name}' is {family.kind} without routed experts; expert "
+            "parallelism shards the experts of the built-in MoE decoder (moe-tiny, moe-1b) "
+            "and of Hugging Face MoE checkpoints (Mixtral, Qwen2/3-MoE, OLMoE)"
+        )
+    elif experts % ep:
+        why = f"it must divide {key}={experts} (each rank holds E / ep)"
+        fix = f" Fix: an ep dividing {key}, or --parallel.ep=1."
+    elif shared % ep:
+        why = f"it must divide the {shared} ranks sharing the dense parameters (world / (tp * pp))"
+        fix = f" Fix: an ep dividing {shared}, or another world size."
+    elif p.tp > 1 or p.pp > 1:
+        why = (
+            f"expert parallelism with parallel.tp={p.tp} and parallel.pp={p.pp} is not built "
+            "yet (the expert groups are cut from the data-parallel line only)"
+        )
+        fix = " Fix: --parallel.tp=1 --parallel.pp=1, or --parallel.ep=1."
+    elif p.grad_compression != "none":
+        why = (
+            f"parallel.grad_compression={p.grad_compression} is not built for the expert "
+            "gradients' own reduction group"
+        )
+        fix = " Fix: --parallel.grad_compression=none, or --parallel.ep=1."
+    if why:
+        raise ConfigError(f"parallel.ep={ep}: {why}.{fix}")
+
+
+def is_expert_weight(module: nn.Module, leaf: str) -> bool:
+    """Whether `module.leaf` is a routed expert weight that expert parallelism shards."""
+    if isinstance(module, MoE):
+        return leaf in EXPERT_WEIGHTS
+    return module in experts_modules(module) and leaf in stacked_weights(module)
+
+
+def checkpoint_experts(source: str) -> tuple[int, str]:
+    """(routed experts per layer, the config key naming them) of a Hugging Face checkpoint;
+    (0, "") for one without experts."""
+    from shardwise.models.hf.auto import read_hf_config
+
+    config = read_hf_config(source)
+    for key in ("num_local_experts", "num_experts"):  # Mixtral; Qwen2/3-MoE, OLMoE
+        if getattr(config, key, 0):
+            return int(getattr(config, key)), f"the checkpoint's {key}"
+    return 0, ""

@@ -1,0 +1,168 @@
+"""FP8 training (`precision.fp8=tensorwise|rowwise`): the blocks' linear layers multiply in
+FP8 through torchao's float8 training (`convert_to_float8_training`), as torchtitan does.
+
+Each converted layer casts its input, weight and output gradient to FP8 with a scale taken
+from their current absolute maximum (dynamic scaling): one scale per tensor ("tensorwise") or
+one per row ("rowwise", finer and more robust to outliers, slower). Parameters, optimizer
+state and everything outside the matmuls stay in the compute dtype and fp32, so ZeRO,
+checkpoints and the optimizer never see an FP8 tensor. Only the modules the family names
+convert (`Family.fp8_linear`): embedding, output head, norms and routers keep their precision.
+
+On a CUDA device with FP8 tensor cores (compute capability 8.9+) the matmuls run on them. On
+CPU torchao's `emulate=True` runs the same casts and scales and multiplies the FP8 values in
+fp32 ("numerics mode"): the numbers of FP8 training, without its speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+
+import torch
+from torch import nn
+
+from shardwise.config import Config
+from shardwise.distributed import device as dev
+from shardwise.errors import ConfigError
+from shardwise.finetune.lora import is_adapter_name
+from shardwise.models.families import Family
+
+# torch._scaled_mm wants every GEMM dimension a multiple of 16 (torchao's own filter example);
+# numerics mode keeps the same rule so CPU runs convert exactly the layers a GPU run would
+FP8_ALIGN = 16
+
+
+def torchao_installed() -> bool:
+    """Whether torchao can be imported (the `fp8` extra), without importing it."""
+    return importlib.util.find_spec("torchao") is not None
+
+
+def check_fp8(cfg: Config, family: Family, tp: int) -> None:
+    """precision.fp8: the families and layouts whose FP8 training is tested; refuse the rest."""
+    recipe = cfg.precision.fp8
+    if recipe == "none":
+        return
+    why = ""
+    if not torchao_installed():
+        why = (
+            "torchao is not installed. Fix: pip install -c constraints.txt -e '.[fp8]' "
+            "(torchao 0.18), or --precision.fp8=none"
+        )
+    elif family.fp8_linear is None:
+        why = (
+            f"model.name='{cfg.model.name}' is {family.kind}, whose FP8 training is not tested "
+            "(the built-in decoders' is)"
+        )
+    elif cfg.precision.compute != "bf16":
+        why = (
+            f"precision.compute={cfg.precision.compute}: torchao's float8 recipes keep bf16 "
+            "activations between the FP8 matmuls (fp16 would also stack its loss scale on "
+            "FP8's scales). Fix: --precision.compute=bf16"
+        )
+    elif cfg.finetune.base_quant != "none":
+        why = (
+            f"finetune.base_quant={cfg.finetune.base_quant} stores the blocks' frozen linear "
+            "layers in 4/8 bits, which FP8 training cannot convert. Fix: "
+            "--finetune.base_quant=none (LoRA on a bf16 base converts), or --precision.fp8=none"
+        )
+    elif cfg.finetune.lora_rank and tp > 1:
+        why = (
+            f"finetune.lora_rank={cfg.finetune.lora_rank} with parallel.tp={tp}: the split "
+            "LoRA layers multiply their frozen base outside torchao's FP8 casts "
+            "(parallel/tensor_lora.py). Fix: --parallel.tp=1, or --precision.fp8=none"
+        )
+    elif cfg.train.compile != "false":
+        # measured: compiled FP8 blocks trained 3e-4 (relative loss, 6 steps) from eager FP8,
+        # as far as FP8 is from bf16: inductor rounds the casts at other points
+        why = (
+            f"train.compile={cfg.train.compile}: inductor's compiled FP8 casts round "
+            "differently from the eager ones this engine validates (the loss moves as much as "
+            "FP8 itself moves it)"
+        )
+    if why:
+        fix = "" if "Fix:" in why else " Fix: --precision.fp8=none."
+        raise ConfigError(f"precision.fp8={recipe}: {why}.{fix}")
+
+
+def fp8_emulated(info: dev.DeviceInfo, recipe: str) -> bool:
+    """Whether FP8 runs in numerics mode here (CPU: emulated matmuls); refuses a CUDA device
+    without FP8 tensor cores."""
+    cap = dev.capability(info)
+    if cap is None:
+        return True
+    if cap < dev.FP8_CAPABILITY:
+        need = ".".join(map(str, dev.FP8_CAPABILITY))
+        raise ConfigError(
+            f"precision.fp8={recipe} needs FP8 tensor cores (CUDA compute capability {need}+: "
+            f"H100, H200, L40S, RTX 4090 and later), but {info.name} has "
+            f"{cap[0]}.{cap[1]}. Fix: --precision.fp8=none (bf16 is this card's fastest)."
+        )
+    return False
+
+
+def fp8_config(recipe: str, emulate: bool):
+    """torchao's recipe `recipe` ("tensorwise" | "rowwise"), emulated or not."""
+    from torchao.float8 import Float8LinearConfig
+
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+
+
+def apply_fp8(model: nn.Module, family: Family, recipe: str, info: dev.DeviceInfo) -> int:
+    """Swap the family's block linear layers of `model` for torchao's Float8Linear (same
+    parameters, same names); returns how many were converted ("none": 0)."""
+    if recipe == "none":
+        return 0
+    emulate = fp8_emulated(info, recipe)
+    from torchao.float8 import convert_to_float8_training
+
+    wanted = family.fp8_linear
+    assert wanted is not None  # check_fp8 refused the family before launch
+    converted: list[str] = []
+
+    def keep(module: nn.Module, name: str) -> bool:
+        ok = (
+            type(module) is nn.Linear
+            and wanted(name)
+            and not is_adapter_name(name)  # LoRA's small adapters keep the compute dtype
+            and module.in_features % FP8_ALIGN == 0
+            and module.out_features % FP8_ALIGN == 0
+        )
+        if ok:
+            converted.append(name)
+        return ok
+
+    convert_to_float8_training(model, module_filter_fn=keep, config=fp8_config(recipe, emulate))
+    return len(converted)
+
+
+def is_fp8(module: nn.Module) -> bool:
+    """Whether `module` is a converted FP8 linear layer (torchao never imported: none is)."""
+    linear = sys.modules.get("torchao.float8.float8_linear")
+    return linear is not None and isinstance(module, linear.Float8Linear)
+
+
+def fp8_matmul(
+    module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` through `module`'s FP8 casts: what Float8Linear.forward does,
+    for callers (tensor parallelism's sharded forwards) that pass the weight themselves."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    y = matmul_with_hp_or_float8_args.apply(x, weight.t(), module.linear_mm_config, module.config)
+    if bias is None:
+        # the row-parallel exit sums this output over tp in place, which autograd forbids on a
+        # view a custom Function returned: one copy of the output (under tp only)
+        return y.clone()
+    return y + bias.to(y.dtype)
+
+
+def fp8_summary(recipe: str, converted: int, emulated: bool) -> str:
+    """One log line: the recipe, how many layers convert, and whether the matmuls are real."""
+    how = (
+        "numerics mode: torchao emulate=True, FP8 casts and scales exact, matmuls in fp32, "
+        "no speed-up"
+        if emulated
+        else "FP8 tensor cores"
+    )
+    return f"shardwise: precision.fp8={recipe}: {converted} block linear layer(s) in FP8 ({how})"

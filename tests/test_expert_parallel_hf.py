@@ -1,0 +1,97 @@
+"""Expert parallelism (parallel.ep) of Hugging Face MoE checkpoints (`model.name=hf`): the
+stacked experts of transformers' Mixtral, Qwen2-MoE (with its shared expert) and OLMoE classes
+split over the ep ranks, each rank reading only its experts' rows from the per-expert tensors,
+the rows exchanged inside our experts forward (models/hf/experts.py). fp32, the tiny
+checkpoints of tests/test_hf_moe.py: ep 2 on 2 ranks (ZeRO-0 and ZeRO-3) must reproduce one
+process's losses, parameters (gathered to full shape) and expert loads; a dense checkpoint is
+refused."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from shardwise.config import load_config
+from shardwise.errors import ConfigError
+from shardwise.job.explain import explain_record
+from shardwise.launchers.harness import run_named_worlds
+from shardwise.plan.hardware import get_hardware
+from shardwise.training.validate import derive
+from support.compare import max_param_diff, max_rel
+from test_hf_moe import STEPS, _lm, world  # noqa: F401 (the checkpoints' fixture)
+
+pytestmark = pytest.mark.slow
+
+EP2 = {  # name: (checkpoint, extra overrides on 2 ranks)
+    "mixtral_ep2": ("mixtral", ["--parallel.ep=2"]),
+    "qwen2_moe_ep2_z3": ("qwen2_moe", ["--parallel.ep=2", "--parallel.zero=3"]),
+    "olmoe_ep2_z1": ("olmoe", ["--parallel.ep=2", "--parallel.zero=1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(world):  # noqa: F811
+    one = {ckpt: {"overrides": _lm(world, ckpt, *STEPS)} for ckpt, _ in EP2.values()}
+    two = {n: {"overrides": _lm(world, ckpt, *STEPS, *x)} for n, (ckpt, x) in EP2.items()}
+    return run_named_worlds({1: one, 2: two})
+
+
+@pytest.mark.parametrize("name", list(EP2))
+def test_ep2_reproduces_one_process(runs, name):
+    """Losses and gradient norms within 1e-5 relative, every parameter (experts gathered over
+    ep) within 1e-5 after the AdamW steps, the same expert loads, on both ranks."""
+    one = runs[1][EP2[name][0]][0]
+    assert one["losses"][-1] < one["losses"][0]
+    for two in runs[2][name]:
+        assert max_rel(two["losses"], one["losses"]) <= 1e-5, two["losses"]
+        norms = [r["grad_norm"] for r in two["records"]]
+        assert max_rel(norms, [r["grad_norm"] for r in one["records"]]) <= 1e-5
+        assert max_param_diff(two["params"], one["params"]) <= 1e-5
+        loads = [r["moe_load_max_mean"] for r in two["records"]]
+        assert loads == [r["moe_load_max_mean"] for r in one["records"]]
+        assert two["records"][-1]["comm_bytes"]["ep"] > 0
+
+
+@pytest.mark.parametrize("name", list(EP2))
+def test_explain_prices_the_checkpoint_at_ep(world, runs, name):  # noqa: F811
+    """explain's model states per rank at ep 2 equal the engine's (the experts' rows at 1/ep,
+    ZeRO over dp / ep), and its ep calls per step the measured ones (5 per MoE layer and
+    micro-batch whatever the routing); its ep bytes are the balanced-routing formula's."""
+    ckpt, extra = EP2[name]
+    cfg = load_config(None, _lm(world, ckpt, *STEPS, *extra))
+    pred = explain_record(cfg, 2, get_hardware("cpu", calibrate=False))
+    for rank in runs[2][name]:
+        got = rank["records"][-1]
+        for key in ("params", "grads", "master", "optimizer"):
+            assert pred["mem_bytes"][key] == got["mem_bytes"][key], (key, pred, got)
+        assert [r["comm_calls"]["ep"] for r in rank["records"]] == [pred["comm_calls"]["ep"]] * len(
+            rank["records"]
+        )
+    assert pred["comm_bytes"]["ep"] > 0
+
+
+def test_a_checkpoint_without_experts_is_refused(world, tmp_path):  # noqa: F811
+    """ep on a checkpoint whose config has no routed experts (a dense Llama) stops before
+    launch, naming the key and the fix."""
+    import shutil
+
+    import transformers
+
+    dense = tmp_path / "llama"
+    config = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(dense)
+    for f in world["dirs"]["mixtral"].iterdir():  # its tokenizer
+        if "token" in f.name:
+            shutil.copy(f, dense / f.name)
+    args = [a for a in _lm(world, "mixtral", "--parallel.ep=2") if "init_from" not in a]
+    cfg = load_config(None, [*args, f"--model.init_from={dense}"])
+    with pytest.raises(ConfigError, match=r"parallel.ep=2: .*without routed experts.*Fix:"):
+        derive(cfg, 2)
