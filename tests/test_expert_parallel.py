@@ -217,11 +217,3 @@ def test_refusals_name_the_value_and_the_fix(overrides, needles):
         derive(load_config(None, [*MOE, *overrides]), 4)
     for needle in needles:
         assert needle in str(err.value), (needle, str(err.value))
-
-
-def test_plan_auto_refuses_ep():
-    """--plan auto's search has no ep: a config asking for it is refused, not rewritten."""
-    from shardwise.job.auto import auto_config
-
-    with pytest.raises(ConfigError, match=r"parallel\.ep=2.*Fix:"):
-        auto_config(load_config(None, [*MOE, "--parallel.ep=2"]), 4)

@@ -22,7 +22,7 @@ from pathlib import Path
 from shardwise.config import Config, load_config, load_toml, parse_overrides
 from shardwise.errors import ConfigError
 from shardwise.models.families import family_of
-from shardwise.plan import report
+from shardwise.plan import moe, report
 from shardwise.plan.hardware import GiB, Hardware, detect_hardware, get_hardware
 from shardwise.plan.layout import Job
 from shardwise.plan.memory import states_only
@@ -141,7 +141,8 @@ def build_job(args, overrides: list[str]) -> Planned:
             f"'{cfg.model.name}' has no layout but data parallelism and ZeRO to search. Fix: "
             "`shardwise explain` with the same config and --nproc N predicts its memory per rank."
         )
-    if family.from_checkpoint:  # no formula models its blocks
+    if family.from_checkpoint or moe.is_moe(job.spec):  # no formula models its blocks (an
+        # MoE decoder's activations: measured on its fake model)
         from shardwise.job.real import real_job
 
         job = real_job(job, cfg)
@@ -159,6 +160,7 @@ PINS = {
     "parallel.grad_compression": "compression",
     "parallel.cp": "cp",
     "parallel.cp_mode": "cp_mode",
+    "parallel.ep": "ep",
     "train.micro_batch": "micro_batch",
     "memory.recompute": "recompute",
     "memory.offload": "offload",

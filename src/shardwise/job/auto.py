@@ -7,6 +7,7 @@ import copy
 from shardwise.config import Config
 from shardwise.errors import ConfigError, NotYetSupportedError
 from shardwise.job.predict import job_from_config, layout_from_config
+from shardwise.models.families import family_of
 from shardwise.plan.hardware import GB, detect_hardware
 from shardwise.plan.memory import device_overhead, kept_in
 from shardwise.plan.search import nothing_fits, search
@@ -22,6 +23,7 @@ def apply_layout(cfg: Config, cand: dict) -> Config:
     out.memory.recompute, out.memory.offload = cand["recompute"], cand["offload"]
     p.grad_compression = cand.get("compression", "none")  # the search's choice (ZeRO-0 only)
     p.cp, p.cp_mode = cand.get("cp", 1), cand.get("cp_mode", "ring")
+    p.ep = cand.get("ep", 1)  # the search's expert-parallel degree (MoE models)
     return out
 
 
@@ -29,14 +31,8 @@ def auto_config(cfg: Config, nproc: int) -> Config:
     """Search, then take the best candidate this version of the engine can run; print it."""
     from shardwise.training.validate import derive
 
-    if cfg.parallel.ep > 1:  # (the search's layouts have no expert parallelism yet)
-        raise ConfigError(
-            f"--plan auto searches layouts without expert parallelism, and parallel.ep="
-            f"{cfg.parallel.ep}. Fix: pass the layout explicitly (drop --plan auto), or "
-            "--parallel.ep=1."
-        )
     hw = detect_hardware()
-    job = job_from_config(cfg, hw, nproc)
+    job = _planned_job(cfg, hw, nproc)
     result = search(job)
     if not result.candidates:
         raise nothing_fits(job, result)
@@ -50,7 +46,7 @@ def auto_config(cfg: Config, nproc: int) -> Config:
             continue
         print(
             f"shardwise: --plan auto on {nproc} x {hw.name}: tp={cand['tp']} pp={cand['pp']} "
-            f"dp={cand['dp']} cp={cand.get('cp', 1)} zero={cand['zero']} "
+            f"dp={cand['dp']} cp={cand.get('cp', 1)} ep={cand.get('ep', 1)} zero={cand['zero']} "
             f"micro_batch={cand['micro_batch']} "
             f"recompute={cand['recompute']} offload={cand['offload']} "
             f"grad_compression={cand.get('compression', 'none')} | predicted "
@@ -64,6 +60,19 @@ def auto_config(cfg: Config, nproc: int) -> Config:
         "--plan auto: every layout that fits needs a feature this version does not support. "
         "Fix: pass the layout explicitly."
     )
+
+
+def _planned_job(cfg: Config, hw, nproc: int):
+    """The job the search prices: an MoE decoder's activations measured on its real modules
+    (job/real.py), as `shardwise plan` prices it."""
+    from shardwise.plan.moe import is_moe
+
+    job = job_from_config(cfg, hw, nproc)
+    if is_moe(job.spec) and not family_of(job.spec).from_checkpoint:
+        from shardwise.job.real import real_job
+
+        job = real_job(job, cfg)
+    return job
 
 
 def _overrides(cfg: Config, chosen: Config) -> list[str]:
@@ -81,6 +90,7 @@ def _overrides(cfg: Config, chosen: Config) -> list[str]:
         ("parallel", "grad_compression"),
         ("parallel", "cp"),
         ("parallel", "cp_mode"),
+        ("parallel", "ep"),
     ]
     out = []
     for section, key in keys:

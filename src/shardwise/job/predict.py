@@ -31,7 +31,7 @@ from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.sync_batchnorm import apply_sync_batchnorm
 from shardwise.parallel.zero_units import unit_roots
 from shardwise.plan import activations as act
-from shardwise.plan import compression, traffic
+from shardwise.plan import compression, moe, traffic
 from shardwise.plan import memory as mem
 from shardwise.plan.buffers import zero_transient
 from shardwise.plan.hardware import Hardware
@@ -393,6 +393,17 @@ def _hf_stage(cfg: Config, derived, job: Job, layout: Layout, stage: int) -> tup
     return states, us
 
 
+TIME_KEYS = ("step_time_s", "tokens_per_s", "mfu", "mfu_causal", "hfu", "flop_convention", "time")
+
+
+def _moe_time(job: Job, layout: Layout, us: list[Unit]) -> dict:
+    """The step time of an MoE decoder's layout, as `plan` prices it (plan/moe.py: its blocks
+    kernel by kernel, the exposed all-to-all under ep, MFU of the active parameters), from
+    the real model's units; the model states and traffic stay the measured ones."""
+    rec = evaluate(dataclasses.replace(job, frozen=tuple(us)), layout)
+    return {k: rec[k] for k in TIME_KEYS}
+
+
 def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]:
     """(parameter count, the planner's candidate record for exactly this config)."""
     job = job_from_config(cfg, hardware, derived.world, derived.spec)
@@ -474,6 +485,8 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         }
         if more:  # of which the expert units (parallel.ep), per rank
             out["expert_mem_bytes"] = {k: int(v) for k, v in more.items() if v}
+        if moe.is_moe(whole.spec):  # our MoE decoder: its step time (plan/moe.py)
+            out.update(_moe_time(whole, asked, us))
         return n, out
     if layout.pp == 1 and layout.tp == 1:  # the real model's units: frozen parameters exact
         job = dataclasses.replace(job, frozen=tuple(us))

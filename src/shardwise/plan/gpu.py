@@ -22,7 +22,7 @@ from __future__ import annotations
 from shardwise.errors import ConfigError
 from shardwise.models.families import family_of
 from shardwise.plan import activations as act
-from shardwise.plan import peers
+from shardwise.plan import moe, peers
 from shardwise.plan.hardware import Hardware
 
 # 16-bit Tensor Cores want every GEMM dimension a multiple of 16 bytes (NVIDIA, "Matrix
@@ -50,11 +50,14 @@ def _gemm(hw: Hardware, c: int, m: float, n: float, k: float, peak: float) -> fl
     return max(flops / (peak * hw.matmul_eff), moved / (hw.hbm_bw * hw.mem_eff)) + hw.kernel_s
 
 
-def _gemms(spec, t: int, tokens: float) -> list[tuple[float, float, float]]:
-    """(m, n, k) of a block's linear layers on one tensor-parallel rank, in forward order."""
+def _gemms(spec, t: int, tokens: float, ep: int = 1) -> list[tuple[float, float, float]]:
+    """(m, n, k) of a block's linear layers on one tensor-parallel rank, in forward order; an
+    MoE block's MLP is its router, experts and shared experts (plan/moe.py) on one of `ep`."""
     h, f, hd = spec.dim, spec.ffn_dim, spec.head_dim
     qkv = (spec.n_heads + 2 * spec.n_kv_heads) * hd
     attention = [(tokens, qkv / t, h), (tokens, h, h / t)]
+    if moe.is_moe(spec):
+        return [*attention, *moe.mlp_gemms(spec, t, tokens, ep)]
     if family_of(spec).block.gated_mlp:  # SwiGLU: gate and up, then down
         return [*attention, (tokens, f / t, h), (tokens, f / t, h), (tokens, h, f / t)]
     return [*attention, (tokens, f / t, h), (tokens, h, f / t)]
@@ -70,8 +73,12 @@ def _elementwise_seconds(
     writes one (3 passes to the forward's 2); a residual add passes its gradient on untouched,
     a bias sums it (1 read), dropout reads it with its mask and writes one (2 + the mask);
     GELU reads its input and the gradient and writes one (3 to 2), SwiGLU reads gate, up and
-    the gradient and writes two (5 to 3), RoPE rotates the gradients back (2 to 2)."""
-    h, f = spec.dim, spec.ffn_dim
+    the gradient and writes two (5 to 3), RoPE rotates the gradients back (2 to 2). An MoE
+    block's SwiGLU runs on its routed rows and shared experts, and its routing adds
+    moe.routing_bytes."""
+    h, f = spec.dim, moe.act_width(spec)
+    routing, routing_kernels = moe.routing_bytes(spec, tokens, c, backward)
+    spec = moe.dense_spec(spec)  # norms, residuals and RoPE as the dense decoder's
     hidden = tokens * h / (t if sp else 1)
     elems = 2 * (3 if backward else 2) * hidden  # two norms
     if backward:  # two residual adds, each with its bias (and dropout)
@@ -92,7 +99,8 @@ def _elementwise_seconds(
         kv = spec.n_kv_heads / spec.n_heads
         elems += 2 * tokens * h * (1 + kv) / t  # RoPE on q and k
         kernels += 1
-    return c * elems / (hw.hbm_bw * hw.mem_eff) + kernels * hw.kernel_s
+    kernels += routing_kernels
+    return (c * elems + routing) / (hw.hbm_bw * hw.mem_eff) + kernels * hw.kernel_s
 
 
 def _attention(hw: Hardware, spec, t, b, s, c, peak, unfused: bool) -> tuple:
@@ -118,22 +126,35 @@ def _attention(hw: Hardware, spec, t, b, s, c, peak, unfused: bool) -> tuple:
     return fwd + kernels * hw.kernel_s, bwd + (4 + 1 + drop) * hw.kernel_s
 
 
-def backward_gemm_seconds(hw: Hardware, spec, t: int, tokens: float, c: int, peak: float):
+def backward_gemm_seconds(
+    hw: Hardware, spec, t: int, tokens: float, c: int, peak: float, ep: int = 1
+):
     """(input-gradient, weight-gradient) seconds of a block's linear layers in backward."""
-    dgrad = sum(_gemm(hw, c, m, k, n, peak) for m, n, k in _gemms(spec, t, tokens))
-    return dgrad, _weight_grad(hw, spec, t, tokens, c, peak)
+    dgrad = sum(_gemm(hw, c, m, k, n, peak) for m, n, k in _gemms(spec, t, tokens, ep))
+    return dgrad, _weight_grad(hw, spec, t, tokens, c, peak, ep)
 
 
 def block_seconds(
-    hw: Hardware, spec, t, b, s, c, sp: bool, peak: float, unfused: bool = False, linear=None
+    hw: Hardware,
+    spec,
+    t,
+    b,
+    s,
+    c,
+    sp: bool,
+    peak: float,
+    unfused: bool = False,
+    linear=None,
+    ep: int = 1,
 ):
     """(forward, backward, attention forward) seconds of one block for a micro-batch of `b`
     sequences of `s` tokens on one tensor-parallel rank; `linear`: the linear layers' peak
-    FLOP/s where it is not `peak` (precision.fp8: `linear_peak`)."""
+    FLOP/s where it is not `peak` (precision.fp8: `linear_peak`); `ep`: the expert-parallel
+    degree an MoE block's experts are split over."""
     tokens, linear = b * s, linear or peak
-    gemm = sum(_gemm(hw, c, *g, linear) for g in _gemms(spec, t, tokens))
+    gemm = sum(_gemm(hw, c, *g, linear) for g in _gemms(spec, t, tokens, ep))
     # backward: the input gradient and the weight gradient, each as big as the forward GEMM
-    gemm_bwd = sum(backward_gemm_seconds(hw, spec, t, tokens, c, linear))
+    gemm_bwd = sum(backward_gemm_seconds(hw, spec, t, tokens, c, linear, ep))
     ew = _elementwise_seconds(hw, spec, t, tokens, c, sp)
     ew_bwd = _elementwise_seconds(hw, spec, t, tokens, c, sp, backward=True)
     attn_f, attn_b = _attention(hw, spec, t, b, s, c, peak, unfused)
@@ -182,18 +203,30 @@ def linear_peak(hw: Hardware, job) -> float:
 
 
 def layer_seconds(hw: Hardware, job, layout) -> float:
-    """Forward + backward (+ recomputation) of one block for one micro-batch."""
-    spec, s, b, t = job.spec, job.seq_len, layout.micro_batch, layout.tp
+    """Forward + backward (+ recomputation) of one block for one micro-batch; an MoE model's
+    blocks averaged over its MoE and dense ones (plan/moe.py)."""
+    spec = job.spec
+    if not moe.is_moe(spec):
+        return _layer_seconds(hw, job, layout, spec)
+    share = moe.moe_share(spec)
+    dense = _layer_seconds(hw, job, layout, moe.dense_spec(spec)) if share < 1 else 0.0
+    return share * _layer_seconds(hw, job, layout, spec) + (1 - share) * dense
+
+
+def _layer_seconds(hw: Hardware, job, layout, spec) -> float:
+    """`layer_seconds` of one block shaped as `spec`."""
+    s, b, t = job.seq_len, layout.micro_batch, layout.tp
     peak, linear = hw.peak[job.precision], linear_peak(hw, job)
+    unfused = peers.of(job).unfused_attention
     fwd, bwd, attn = block_seconds(
-        hw, spec, t, b, s, job.bc, layout.sp, peak, peers.of(job).unfused_attention, linear
+        hw, spec, t, b, s, job.bc, layout.sp, peak, unfused, linear, layout.ep
     )
     redo = {"full": fwd, "selective": attn}.get(layout.recompute, 0.0)
     if layout.recompute == "selective" and peers.of(job).selective_ops:
         redo = op_recompute_seconds(hw, spec, t, b, s, job.bc, layout.sp, linear)
     per_layer = fwd + bwd + redo
     if job.finetune.lora:  # frozen weights: no weight gradient (a third of the GEMM time)
-        per_layer -= _weight_grad(hw, spec, t, b * s, job.bc, linear)
+        per_layer -= _weight_grad(hw, spec, t, b * s, job.bc, linear, layout.ep)
     return per_layer
 
 
@@ -205,9 +238,11 @@ def micro_batch_seconds(hw: Hardware, job, layout, layers: int) -> float:
     return layers * layer_seconds(hw, job, layout) + head
 
 
-def _weight_grad(hw: Hardware, spec, t: int, tokens: float, c: int, peak: float) -> float:
+def _weight_grad(
+    hw: Hardware, spec, t: int, tokens: float, c: int, peak: float, ep: int = 1
+) -> float:
     """Seconds of a block's weight-gradient GEMMs (what frozen weights skip)."""
-    return sum(_gemm(hw, c, k, n, m, peak) for m, n, k in _gemms(spec, t, tokens))
+    return sum(_gemm(hw, c, k, n, m, peak) for m, n, k in _gemms(spec, t, tokens, ep))
 
 
 def attention_seconds(hw: Hardware, spec, t, b, s, c, peak, unfused: bool = False) -> tuple:

@@ -19,7 +19,7 @@ from shardwise.finetune.quant import layer_bytes, split_dims, transient_bytes
 from shardwise.models.families import family_of
 from shardwise.optim import QUANT_BLOCK
 from shardwise.plan import activations as act
-from shardwise.plan import compression, peers
+from shardwise.plan import compression, moe, peers
 from shardwise.plan.buffers import up, zero_transient
 from shardwise.plan.layout import Job, Layout, as_data_parallel
 from shardwise.plan.shapes import Unit, linear_shapes, split_trainable, units
@@ -216,11 +216,12 @@ def stage_ranks(job: Job, layout: Layout) -> list[int]:
 def stage_units(job: Job, layout: Layout, stage: int) -> list[Unit]:
     """The ZeRO units of pipeline rank `stage`."""
     if job.frozen is not None:  # the real model's units (explain with train.freeze)
-        return list(job.frozen)
+        return moe.split_units(job.frozen, job.spec, layout.ep)[0]  # ep: without experts
     layers, first, last = job_split(job, layout)[stage]
     us = units(job.spec, layout.tp, layers, first=first, last=last)
     ft = job.finetune
-    return finetune_units(us, job, layout.tp) if ft.lora or ft.quantised else us
+    us = finetune_units(us, job, layout.tp) if ft.lora or ft.quantised else us
+    return moe.split_units(us, job.spec, layout.ep)[0]  # ep > 1: the experts' units apart
 
 
 def finetune_units(us: list[Unit], job: Job, tp: int) -> list[Unit]:

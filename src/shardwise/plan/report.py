@@ -43,6 +43,7 @@ def why(rec: dict) -> str:
         "compression": t.get("compression_s", 0.0),
         "cp attention": t.get("cp_attention_s", 0.0),
         "exposed cp comm": t.get("cp_exposed_s", 0.0),
+        "exposed ep all-to-all": t.get("ep_exposed_s", 0.0),
     }
     step = rec["step_time_s"]
     top = sorted(((v, k) for k, v in costs.items() if v >= 0.005 * step), reverse=True)[:2]
@@ -57,9 +58,12 @@ def _cp(r: dict) -> str:
 
 
 def table(cands: list[dict], top: int) -> str:
-    # a cp column where a shown candidate splits the sequence (other tables read as before)
+    # a cp column where a shown candidate splits the sequence, an ep column where one splits
+    # the experts (other tables read as before)
     with_cp = any(r.get("cp", 1) > 1 for r in cands[:top])
+    with_ep = any(r.get("ep", 1) > 1 for r in cands[:top])
     cp_head = f" {'cp':>7}" if with_cp else ""
+    cp_head += f" {'ep':>3}" if with_ep else ""
     head = (
         f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5}{cp_head} {'zero':>4} {'schedule':>13} {'mb':>3} "
         f"{'recompute':>9} {'offload':>16} {'params':>7} {'grads':>6} {'optim':>6} "
@@ -76,6 +80,7 @@ def table(cands: list[dict], top: int) -> str:
         lines.append(
             f"{i:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>5}"
             + (f" {_cp(r):>7}" if with_cp else "")
+            + (f" {r.get('ep', 1):>3}" if with_ep else "")
             + f" {_zero(r):>4} {sched:>13} "
             f"{r['micro_batch']:>3} {r['recompute']:>9} {r['offload']:>16} "
             f"{_gib(m['params']):>7} {_gib(m['grads']):>6} "
@@ -104,6 +109,7 @@ def train_flags(r: dict) -> list[str]:
         f"--parallel.grad_compression={r.get('compression', 'none')}",
         f"--parallel.cp={r.get('cp', 1)}",
         f"--parallel.cp_mode={r.get('cp_mode', 'ring')}",
+        f"--parallel.ep={r.get('ep', 1)}",
         f"--train.micro_batch={r['micro_batch']}",
         f"--memory.recompute={r['recompute']}",
         f"--memory.offload={r['offload']}",
@@ -119,6 +125,7 @@ def rejected_lines(rejected: dict) -> str:
 
 def explain_candidate(r: dict, n: int) -> str:
     cp = f" cp={r['cp']} ({r['cp_mode']})" if r.get("cp", 1) > 1 else ""
+    cp += f" ep={r['ep']}" if r.get("ep", 1) > 1 else ""
     lines = [f"candidate #{n}: tp={r['tp']} sp={r['sp']} pp={r['pp']} dp={r['dp']}{cp}"]
     lines.append(
         f"  zero={_zero(r)} schedule={r['pp_schedule']} v={r['pp_virtual']} "

@@ -13,8 +13,8 @@ from shardwise.errors import ConfigError
 from shardwise.models.families import family_of
 from shardwise.plan import context as cp_time
 from shardwise.plan import memory as mem
+from shardwise.plan import moe, traffic
 from shardwise.plan import time as tm
-from shardwise.plan import traffic
 from shardwise.plan.hardware import GiB
 from shardwise.plan.layout import Job, Layout, as_data_parallel
 
@@ -54,6 +54,15 @@ def invalid(job: Job, lay: Layout) -> str | None:
     spec = job.spec
     if any(getattr(lay, k) != v for k, v in job.pinned):
         return "other than the layout keys given"
+    fam = family_of(spec)
+    if lay.tp > 1 and fam.tensor_parallel == "none":
+        return "tp not built for this model family"
+    if lay.pp > 1 and fam.pipeline == "none":
+        return "pp not built for this model family"
+    if lay.ep > 1 and not (fam.expert_parallel and spec.n_experts):
+        return "ep without routed experts"
+    if lay.ep > 1 and ((lay.dp * lay.cp) % lay.ep or spec.n_experts % lay.ep):
+        return "ep does not divide dp*cp and n_experts"
     if job.act_lines and (lay.tp > 1 or lay.pp > 1):  # job/real.py
         return "tp/pp searched for Llama-family and GPT-2 configs only"
     if job.act_lines and lay.recompute not in dict(job.act_lines):
@@ -111,10 +120,16 @@ def evaluate(job: Job, lay: Layout) -> dict:
     kinds, calls = traffic.traffic_by_kind(job, lay), traffic.collective_calls(job, lay)
     if asked.cp > 1:  # the attention's exchange, from the sequence split itself
         kinds["cp"], calls["cp"] = traffic.cp_traffic(whole, asked)
+    expert_mem = _experts(job, lay, mb, kinds, calls)  # ep > 1: the expert units' states
     parts = tm.step_time(job, lay, mb, kinds, calls)
     if asked.cp > 1:  # the attention over the rest of the sequence, and its exchange
         parts.update(cp_time.cp_seconds(whole, asked, job, lay, kinds["cp"], calls["cp"], parts))
         parts["step_s"] += parts["cp_attention_s"] + parts["cp_exposed_s"]
+    if asked.ep > 1:  # the token exchange's all-to-alls, exposed (plan/moe.py)
+        moved, calls["ep"] = traffic.ep_traffic(whole, asked)
+        kinds["ep"] = {"all_to_all": moved}
+        parts.update(moe.ep_seconds(whole, asked, moved, calls["ep"]))
+        parts["step_s"] += parts.get("ep_exposed_s", 0.0)
     transient = max(mem.backward_transient(job, lay), mem.cp_transient(whole, asked))
     peak = max(mb["total"] + transient, mem.step_peak(job, lay)) + mem.device_overhead(job, lay)
     host = mem.kept_in(mb, "host")
@@ -138,7 +153,30 @@ def evaluate(job: Job, lay: Layout) -> dict:
         "time": parts,
         "comm_bytes": traffic.traffic_totals(kinds),
         "comm_calls": calls,
+        **({"expert_mem_bytes": expert_mem} if expert_mem else {}),
     }
+
+
+def _experts(job: Job, lay: Layout, mb: dict, kinds: dict, calls: dict) -> dict:
+    """Under expert parallelism, add the expert units (E/ep experts per MoE layer, sharded and
+    reduced over the dp/ep ranks holding the same ones: memory.expert_group) to `mb`'s model
+    states and their gradient reduction to the dp traffic (`kinds`, `calls`), in place, as
+    job/predict.py does for the real model; returns their states ({} at ep = 1)."""
+    if lay.ep == 1:
+        return {}
+    whole = mem.stage_units(job, dataclasses.replace(lay, ep=1), 0)
+    experts = moe.split_units(whole, job.spec, lay.ep)[1]
+    edp_job, edp = mem.expert_group(job, lay, lay.ep)
+    more = mem.model_states(experts, edp_job, edp.dp, edp.zero, edp.offload, quantised=())
+    mem.add_states(mb, {k: v for k, v in more.items() if k != "activations"})
+    mb["total"] = sum(
+        v for k, v in mb.items() if k != "total" and not k.startswith(("host_", "disk_"))
+    )
+    held = dataclasses.replace(edp_job, frozen=tuple(experts))
+    for kind, n in traffic.traffic_by_kind(held, edp)["dp"].items():
+        kinds["dp"][kind] = kinds["dp"].get(kind, 0.0) + n
+    calls["dp"] += traffic.collective_calls(held, edp)["dp"]
+    return {k: round(v) for k, v in more.items() if v}
 
 
 def fits(job: Job, rec: dict, disk_budget: float | None = None) -> str | None:
@@ -175,18 +213,30 @@ def _cp_degrees(job: Job, tp: int, pp: int, ranks: int) -> list[tuple[int, str]]
     return out
 
 
+def _ep_degrees(job: Job, ranks: int) -> list[int]:
+    """Expert-parallel degrees to try over the `ranks` = dp·cp ranks sharing the dense
+    parameters: 1, and for a family whose MoE layers take the exchange every divisor of
+    `ranks` that also divides the experts per layer (parallel/expert.py)."""
+    spec = job.spec
+    if not (family_of(spec).expert_parallel and spec.n_experts):
+        return [1]
+    return [d for d in _divisors(ranks) if spec.n_experts % d == 0]
+
+
 def _pp_cp(job: Job, tp: int):
-    """(pp, cp, cp_mode) for `tp`: every pipeline depth dividing the rest, each with its cp."""
+    """(pp, cp, cp_mode, ep) for `tp`: every pipeline depth dividing the rest, each with its cp
+    and ep."""
     rest = job.devices // tp
     for pp in _divisors(rest):
         for cp, mode in _cp_degrees(job, tp, pp, rest // pp):
-            yield pp, cp, mode
+            for ep in _ep_degrees(job, rest // pp):
+                yield pp, cp, mode, ep
 
 
 def layouts(job: Job):
     n = job.devices
     for tp in _pow2_upto(min(n, job.hardware.per_node)):
-        for pp, cp, mode in _pp_cp(job, tp):
+        for pp, cp, mode, ep in _pp_cp(job, tp):
             dp = n // (tp * pp * cp)
             scheds = [("1f1b", 1)] if pp == 1 else [(s, 1) for s in SCHEDULES if s != "interleaved"]
             if pp > 1:
@@ -204,7 +254,9 @@ def layouts(job: Job):
                 ]
                 wires = wires or ["none"]
                 for wire in wires:
-                    yield Layout(tp, pp, dp, zero, tp > 1, sched, v, mb, rc, off, wire, cp, mode)
+                    yield Layout(
+                        tp, pp, dp, zero, tp > 1, sched, v, mb, rc, off, wire, cp, mode, ep
+                    )
 
 
 def _offloads(job: Job) -> tuple[str, ...]:
@@ -331,7 +383,8 @@ def nothing_fits(job: Job, result: Result) -> ConfigError:
 
 
 def _short(r: dict) -> str:
+    ep = f" ep={r['ep']}" if r.get("ep", 1) > 1 else ""
     return (
-        f"tp={r['tp']} pp={r['pp']} dp={r['dp']} zero={r['zero']} mb={r['micro_batch']} "
+        f"tp={r['tp']} pp={r['pp']} dp={r['dp']}{ep} zero={r['zero']} mb={r['micro_batch']} "
         f"recompute={r['recompute']} offload={r['offload']}"
     )

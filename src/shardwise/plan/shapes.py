@@ -10,6 +10,7 @@ tp, as in Megatron-LM (Shoeybi et al. 2019, §3).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -100,7 +101,9 @@ def units(spec: ModelSpec, tp: int = 1, layers: int | None = None, first=True, l
         if family_of(spec).block.learned_positions:
             out.append(Unit("pos_embed", ((spec.max_seq_len * spec.dim, True),)))
     n = spec.n_layers if layers is None else layers
-    if n:
+    if n and spec.n_experts:  # MoE blocks beside the dense ones (plan/moe.py prices them)
+        out += block_units(spec, tp, n, block_entries(dense_spec(spec), tp))
+    elif n:
         out.append(Unit("blocks", tuple(block_entries(spec, tp)), n))
     if last:
         out.append(Unit("norm", tuple(_norm(spec))))
@@ -219,3 +222,49 @@ def resolve_model(name: str) -> ModelSpec:
             "Face config.json, or --params N to plan model states only."
         )
     return preset(name)
+
+
+# MoE decoders (models/moe.py): which blocks hold experts and what their units hold
+
+
+def is_moe(spec: ModelSpec | None) -> bool:
+    """Whether `spec` has routed experts (a spec field, not a family name)."""
+    return bool(spec is not None and spec.n_experts)
+
+
+def dense_spec(spec: ModelSpec) -> ModelSpec:
+    """The decoder whose blocks an MoE spec's dense parts are (models/moe.MoEDecoder builds
+    them from the same spec as arch 'decoder'); `spec` itself when it has no experts."""
+    if not is_moe(spec):
+        return spec
+    return dataclasses.replace(spec, arch="decoder", n_experts=0, n_shared_experts=0)
+
+
+def moe_blocks(spec: ModelSpec, layers: int | None = None) -> int:
+    """MoE blocks among `layers` blocks (all by default): every moe_every-th one."""
+    n = spec.n_layers if layers is None else layers
+    return n // spec.moe_every if is_moe(spec) else 0
+
+
+def moe_block_entries(spec: ModelSpec, tp: int, dense_block: list) -> list:
+    """One MoE block's parameters in module order: the dense block's attention and norms,
+    then the stacked experts (w1, w3, w2), the router and the shared experts' SwiGLU. Expert
+    entries carry their 3-D shape, which `split_units` recognises."""
+    h, f, e = spec.dim, spec.ffn_dim // tp, spec.n_experts
+    mlp_tags = ("w1", "w3", "w2")
+    keep = [x for x in dense_block if not (len(x) > 2 and x[2] in mlp_tags)]
+    out = [*keep, (e * h * f, True, (e, h, f)), (e * h * f, True, (e, h, f))]
+    out += [(e * f * h, True, (e, f, h)), (e * h, True, "router")]
+    if spec.n_shared_experts:  # one SwiGLU n_shared times as wide, split as the dense MLP
+        wide = spec.ffn_dim * spec.n_shared_experts // tp
+        out += [(h * wide, True, "w1"), (h * wide, True, "w3"), (wide * h, True, "w2")]
+    return out
+
+
+def block_units(spec: ModelSpec, tp: int, n: int, dense_block: list) -> list[Unit]:
+    """The units of `n` blocks of an MoE spec (shapes.units): dense blocks and MoE blocks."""
+    k = moe_blocks(spec, n)
+    out = [Unit("blocks", tuple(dense_block), n - k)] if n - k else []
+    if k:
+        out.append(Unit("moe_blocks", tuple(moe_block_entries(spec, tp, dense_block)), k))
+    return out

@@ -9,7 +9,7 @@ latency per call (the alpha-beta model, Hockney 1994).
 from __future__ import annotations
 
 from shardwise.plan import activations as act
-from shardwise.plan import compression, gpu, kernels, peers
+from shardwise.plan import compression, gpu, kernels, moe, peers
 from shardwise.plan import memory as mem
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.shapes import non_embedding_params
@@ -31,7 +31,10 @@ FLOP_CONVENTION = (
     "non-embedding parameters, a tied head counted; attention's QK^T and AV over the whole "
     "s x s square, not halved for causal masking; LoRA: 4N). mfu_causal: the same with the "
     "attention term halved (6N + 6·L·h·s: the score blocks a causal kernel computes). HFU: "
-    "the FLOPs executed, recomputation included (full: + 2N + 4·L·h·s, selective: + 4·L·h·s)."
+    "the FLOPs executed, recomputation included (full: + 2N + 4·L·h·s, selective: + 4·L·h·s). "
+    "MoE: N counts the active parameters only (6·N_active: the routers, the shared experts and "
+    "top_k of the n_experts routed experts of each MoE layer), as Megatron-Core and "
+    "training/metrics.py count them."
 )
 
 
@@ -40,7 +43,7 @@ def model_flops_per_token(job: Job, causal: bool = False) -> float:
     halves the attention term (6·L·h·s). With LoRA the frozen weights need no weight
     gradient: 4N (adapters are negligible)."""
     spec = job.spec
-    n = (job.matmul_params or non_embedding_params(spec)) * (4.0 if job.finetune.lora else 6.0)
+    n = moe.active_params(job) * (4.0 if job.finetune.lora else 6.0)  # MoE: active only
     return n + (6.0 if causal else 12.0) * spec.n_layers * spec.dim * job.seq_len
 
 
@@ -49,7 +52,7 @@ def hardware_flops_per_token(job: Job, layout: Layout) -> float:
     et al. 2022 §5) or only attention (4Lhs, selective); LoRA skips the frozen weights'
     gradient (2N of the 6N) but adds its adapters."""
     spec, s = job.spec, job.seq_len
-    n = job.matmul_params or non_embedding_params(spec)
+    n = moe.active_params(job)  # (MoE: the experts a token is routed to)
     attn = 12.0 * spec.n_layers * spec.dim * s
     flops = 6.0 * n + attn
     if job.finetune.lora:
