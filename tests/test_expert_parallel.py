@@ -202,7 +202,7 @@ def test_explain_states_the_model_memory_per_rank_exactly(runs, name):
     [
         (["--parallel.ep=3"], ["parallel.ep=3", "model.n_experts=4", "Fix:"]),
         (["--parallel.ep=8"], ["parallel.ep=8", "Fix:"]),
-        (["--parallel.ep=2", "--parallel.tp=2"], ["parallel.tp=2", "not built yet", "Fix:"]),
+        (["--parallel.ep=2", "--parallel.tp=2"], ["parallel.tp=2", "parallel.sp=true", "Fix:"]),
         (["--parallel.ep=2", "--model.name=tiny"], ["parallel.ep=2", "MoE decoder", "Fix:"]),
         (
             ["--parallel.ep=2", "--parallel.grad_compression=bf16"],

@@ -192,7 +192,8 @@ def test_config_keys_build_and_refuse():
         spec("--model.name=moe-tiny", "--model.top_k=5")
     from shardwise.training.validate import derive
 
-    with pytest.raises(ConfigError, match="tensor parallelism of the MoE"):
+    # tp leaves the experts whole: without sp every tp rank would compute every token's
+    with pytest.raises(ConfigError, match=r"parallel.tp=2 .*needs parallel.sp=true.*Fix:"):
         derive(load_config(None, ["--model.name=moe-tiny", "--parallel.tp=2"]), 2)
 
 

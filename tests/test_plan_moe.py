@@ -149,21 +149,24 @@ def _big_experts(devices: int = 8) -> Job:
 
 def test_the_search_proposes_ep_where_the_experts_fit_no_other_way():
     """With ZeRO-1 pinned every rank holds 16-bit parameters and gradients of every expert it
-    holds (4 bytes x 25.8B > 80 GiB): only layouts that split the experts fit, and the search
-    proposes them; at ep = 1 (pinned) nothing fits."""
+    holds (4 bytes x 25.8B > 80 GiB): only layouts that split the experts fit (over ep ranks,
+    or by layer over pipeline stages; tp keeps them whole), and the search proposes them; at
+    ep = pp = 1 (pinned) nothing fits."""
     job = _big_experts()
     result = search.search(job)
-    assert result.candidates and all(r["ep"] > 1 for r in result.candidates)
-    assert {r["ep"] for r in result.candidates} <= {2, 4, 8}
+    assert result.candidates and all(r["ep"] > 1 or r["pp"] > 1 for r in result.candidates)
+    assert {r["ep"] for r in result.candidates} <= {1, 2, 4, 8}
+    assert any(r["ep"] > 1 and r["pp"] == 1 for r in result.candidates)
     assert "--parallel.ep=" + str(result.candidates[0]["ep"]) in report.train_flags(
         result.candidates[0]
     )
-    pinned = dataclasses.replace(job, pinned=(("zero", 1), ("ep", 1)))
+    pinned = dataclasses.replace(job, pinned=(("zero", 1), ("ep", 1), ("pp", 1)))
     assert not search.search(pinned).candidates
     assert search.invalid(job, Layout(dp=8, ep=3, zero=1)) is not None  # 64 % 3
     dense = dataclasses.replace(job, spec=moe.dense_spec(job.spec))
     assert search.invalid(dense, Layout(dp=8, ep=2, zero=1)) == "ep without routed experts"
-    assert search.invalid(job, Layout(tp=2, dp=4, zero=1)) == "tp not built for this model family"
+    assert search.invalid(job, Layout(tp=2, dp=4, zero=1)).startswith("MoE tp without sp")
+    assert search.invalid(job, Layout(tp=2, dp=4, zero=1, sp=True)) is None
 
 
 def test_parallel_ep_pins_the_search_and_plan_auto_applies_it():

@@ -301,9 +301,9 @@ class ParallelConfig:
         1,
         "Expert-parallel degree: each MoE layer's routed experts split over this many ranks of "
         "the data-parallel line (dividing world / (tp * pp) and model.n_experts), tokens "
-        "exchanged by all-to-all; expert gradients reduced over the world / (tp * pp * ep) "
-        "ranks holding the same experts. MoE decoder and Hugging Face MoE checkpoints, "
-        "tp = pp = 1.",
+        "exchanged by all-to-all; expert gradients reduced over the world / (pp * ep) ranks "
+        "holding the same experts (tp ranks included: tp leaves the experts whole). MoE "
+        "decoder (with pp, and tp with sp) and Hugging Face MoE checkpoints (tp = pp = 1).",
     )
     bucket_mb: float = opt(
         25.0, "Gradient bucket size in MB for the overlapped all-reduce (25 MB, like PyTorch DDP)."

@@ -30,9 +30,11 @@ class Topology:
 
     Expert parallelism cuts the dp line the same way into runs of `ep` consecutive
     coordinates ("ep": the position in the run, which experts a rank holds); "edp" links the
-    ranks of a dp line that hold the same experts (dp / ep of them, every ep-th coordinate):
-    expert gradients are reduced, and ZeRO-sharded, over it (Megatron-Core's expert-data-
-    parallel group)."""
+    ranks of a pipeline stage that hold the same experts: every ep-th coordinate of the dp
+    lines of all tp ranks ((dp / ep) · tp of them; tensor parallelism leaves the experts whole,
+    and each tp rank routes its own sequence shard through them): expert gradients are
+    reduced, and ZeRO-sharded, over it (Megatron-Core's expert-data-parallel group with an
+    expert tensor parallel size of 1)."""
 
     world: int
     rank: int
@@ -65,7 +67,7 @@ class Topology:
         if dim == "data":
             return self.dp // self.cp
         if dim == "edp":
-            return self.dp // self.ep
+            return self.dp // self.ep * self.tp
         return getattr(self, dim)
 
     def coord(self, dim: str) -> int:
@@ -75,7 +77,8 @@ class Topology:
         data_i, cp_i = divmod(dp_i, self.cp)
         edp_i, ep_i = divmod(dp_i, self.ep)
         coords = {"pp": pp_i, "dp": dp_i, "tp": tp_i, "cp": cp_i, "data": data_i}
-        return {**coords, "ep": ep_i, "edp": edp_i}[dim]
+        # edp: the index in its group's sorted ranks, (dp line position, tp) row-major
+        return {**coords, "ep": ep_i, "edp": edp_i * self.tp + tp_i}[dim]
 
     def group(self, dim: str) -> dist.ProcessGroup:
         return self.groups[dim]
@@ -125,7 +128,8 @@ def build_topology(
     if ep > 1:
         runs = layout.movedim(1, -1).reshape(pp_, tp_, dp_ // ep, ep)
         make("ep", runs.reshape(-1, ep).tolist())
-        make("edp", runs.movedim(-1, -2).reshape(-1, dp_ // ep).tolist())
+        # (pp, ep position) -> every (dp / ep, tp) rank holding those experts
+        make("edp", runs.permute(0, 3, 2, 1).reshape(pp_ * ep, -1).tolist())
     mesh = DeviceMesh.from_group(
         [groups[d] for d in DIMS], device_type, mesh=layout, mesh_dim_names=DIMS
     )

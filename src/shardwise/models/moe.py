@@ -136,6 +136,13 @@ class MoE(nn.Module):
         # expert parallelism (parallel/expert.py) sets a callable that runs the rows on the
         # ranks holding their experts; None: this module holds every expert
         self.exchange: Callable | None = None
+        # sequence parallelism (parallel/expert.py) sets an object that returns the counts of
+        # the other shards of this layer's sequences (parallel/expert_comm.SequenceShards);
+        # None: this module sees whole sequences
+        self.shards = None
+        # the layer's place among the model's MoE layers (set by MoEDecoder): a pipeline stage
+        # holds some of them, and the step's statistics are tabled by it (training/moe.py)
+        self.index, self.n_moe_layers = 0, 1
 
     def init_std(self, leaf: str, spec: ModelSpec) -> float:
         """models/init.py's std for a stacked weight: the down projection scaled like MLP.w2."""
@@ -171,27 +178,32 @@ class MoE(nn.Module):
         ones = torch.ones_like(expert)
         per_row = torch.zeros(b * e, dtype=torch.long, device=x.device)
         per_row = per_row.index_add(0, row * e + expert, ones).view(b, e)  # chosen per sequence
-        self._balance(scores.view(b, s, e), per_row)
+        # a shard of each sequence (sequence parallelism): the whole sequences decide
+        total, before, n = per_row, None, 1
+        if self.shards is not None:
+            (total, before), n = self.shards.counts(per_row), self.shards.n
+        self._balance(scores.view(b, s, e), total, s * n)
         if self.capacity_factor > 0 and self.exchange is None:
-            y, dropped = self._capacity(flat, expert, row, weights.reshape(-1), b, s)
+            y, dropped = self._capacity(flat, expert, row, weights.reshape(-1), b, s * n, before)
         elif self.capacity_factor > 0:  # the same drops, then only the kept rows travel
-            keep = self._kept(expert, row, b, s)
+            keep = self._kept(expert, row, b, s * n, before)
             y, dropped = self._dropless(flat, expert, weights.reshape(-1), keep), (~keep).sum()
         else:
             y, dropped = self._dropless(flat, expert, weights.reshape(-1)), per_row.new_zeros(())
         if self.shared is not None:
             y = y + self.shared(flat)
         load = per_row.sum(0).to(torch.float64)
-        rows = torch.full((), float(b), dtype=torch.float64, device=x.device)
+        # each of the n shards counts 1/n of its sequences: summed over them, each once
+        rows = torch.full((), b / n, dtype=torch.float64, device=x.device)
         self.last = torch.cat([load, torch.stack([dropped.to(load.dtype), self._aux_rows, rows])])
         return y.view(b, s, d)
 
-    def _balance(self, scores: torch.Tensor, per_row: torch.Tensor) -> None:
+    def _balance(self, scores: torch.Tensor, per_row: torch.Tensor, s: int) -> None:
         """The per-sequence balance loss L = E · Σ_i f_i · P_i, f_i = chosen_i / (k·S), P_i the
         mean routing probability (sigmoid scores normalised per token, DeepSeek-V3 eq. 19).
         `aux` = Σ_seq S·L, a sum over tokens like the LM loss (the loop divides both by the
-        global token count); L = 1 when balanced."""
-        s = scores.shape[1]
+        global token count); L = 1 when balanced. `per_row`: the whole sequences' counts and
+        `s` their length; `scores` may be a shard of them, whose terms sum to the whole's."""
         probs = scores / scores.sum(-1, keepdim=True) if self.sigmoid else scores
         per_seq = (per_row.to(probs.dtype) * probs.sum(1)).sum(-1) * self.n_experts
         per_seq = per_seq / (self.top_k * s)  # = S·L per sequence
@@ -227,7 +239,7 @@ class MoE(nn.Module):
         y = y * weights[order, None].to(flat.dtype)
         return torch.zeros_like(flat).index_add(0, token, y)
 
-    def _kept(self, expert: torch.Tensor, row: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    def _kept(self, expert, row, b: int, s: int, before=None) -> torch.Tensor:
         """Per assignment, whether `_capacity`'s rule keeps it (the same rule, on its own)."""
         e, k = self.n_experts, self.top_k
         c = math.ceil(self.capacity_factor * s * k / e)
@@ -237,14 +249,17 @@ class MoE(nn.Module):
         sizes = sizes.index_add(0, key, torch.ones_like(key))
         start = sizes.cumsum(0) - sizes
         pos = torch.arange(key.numel(), device=expert.device) - start[key[order]]
+        if before is not None:  # positions after the earlier shards' tokens
+            pos = pos + before.t().reshape(-1)[key[order]]
         return torch.zeros_like(key, dtype=torch.bool).scatter(0, order, pos < c)
 
-    def _capacity(self, flat, expert, row, weights, b: int, s: int):
+    def _capacity(self, flat, expert, row, weights, b: int, s: int, before=None):
         """Capacity C = ceil(capacity_factor · S · k / E) slots per expert and sequence (GShard,
         Lepikhin et al. 2020; Switch eq. 3, taken per sequence so no layout changes who is
         dropped). Rule: within a sequence, an expert takes the tokens that chose it in position
         order; from the (C+1)-th on they are dropped (their weight lost, the residual carries
-        them). Slots are laid out [E, B, C] (equal groups: a batched matmul)."""
+        them). Slots are laid out [E, B, C] (equal groups: a batched matmul). `before` [B, E]: the
+        assignments of each (sequence, expert) in the earlier shards of a split sequence."""
         e, k, t = self.n_experts, self.top_k, flat.shape[0]
         c = math.ceil(self.capacity_factor * s * k / e)
         key = expert * b + row  # one group per (expert, sequence), expert-major
@@ -253,6 +268,8 @@ class MoE(nn.Module):
         sizes = sizes.index_add(0, key, torch.ones_like(key))
         start = sizes.cumsum(0) - sizes
         pos = torch.arange(t * k, device=flat.device) - start[key[order]]
+        if before is not None:  # positions after the earlier shards' tokens
+            pos = pos + before.t().reshape(-1)[key[order]]
         kept = pos < c
         slot = torch.where(kept, key[order] * c + pos, e * b * c)  # dropped: a scratch slot
         src = torch.full((e * b * c + 1,), t * k, dtype=torch.long, device=flat.device)
@@ -272,9 +289,19 @@ class MoEDecoder(Decoder):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__(dataclasses.replace(spec, arch="decoder"))
         self.spec = spec
-        for i, block in enumerate(self.blocks):
-            if (i + 1) % spec.moe_every == 0:
-                block.mlp = MoE(spec)
+        moe = [b for i, b in enumerate(self.blocks) if _is_moe(i, spec)]
+        for j, block in enumerate(moe):
+            block.mlp = MoE(spec)
+            block.mlp.index, block.mlp.n_moe_layers = j, len(moe)
+
+
+def _is_moe(block: int, spec: ModelSpec) -> bool:
+    return (block + 1) % spec.moe_every == 0
+
+
+def moe_layer_count(spec: ModelSpec) -> int:
+    """MoE layers of the whole `MoEDecoder` of `spec` (a pipeline stage holds some)."""
+    return sum(_is_moe(i, spec) for i in range(spec.n_layers))
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -150,7 +150,7 @@ def plan_for(model: nn.Module, arch: str) -> TPPlan:
     """The plan of a built model of `arch`."""
     if arch == "hf":
         return checkpoint_plan(model)
-    if arch in ("decoder", "gpt2"):
+    if arch in ("decoder", "gpt2", "moe"):  # an MoE layer matches no rule: whole experts
         return DECODER
     if arch.startswith("hf-"):
         return hf_plan(model)

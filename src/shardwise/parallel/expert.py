@@ -30,7 +30,7 @@ from shardwise.models.hf.experts import experts_modules, stacked_weights
 from shardwise.models.init import LocalSlice, canonical_name
 from shardwise.models.moe import MoE, moe_layers
 from shardwise.models.presets import ModelSpec
-from shardwise.parallel.expert_comm import ExpertExchange
+from shardwise.parallel.expert_comm import ExpertExchange, SequenceShards
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
@@ -46,6 +46,21 @@ class ExpertParallel:
         """parts = [squared norm of sharded gradients, of the rest] on a replicated (ZeRO-0)
         rank: the expert slices differ over ep and add up (bookkeeping traffic)."""
         self.comm.all_reduce(parts[:1], "ep", control=True)
+
+    def mark_norm_targets(self, targets: list) -> list:
+        """ZeRO-0 with tp > 1: the sharded part of the norm is summed over ep and tp, so the
+        expert slices (equal over tp once reduced) count on tp rank 0 only, and the dense
+        tp shards (equal over ep) on ep rank 0 only: each tensor once."""
+        topo = self.comm.topo
+        if topo.size("tp") == 1:
+            return targets
+        for t in targets:
+            expert = getattr(t.param, "reduce_dim", "dp") == "edp"
+            if (expert and topo.coord("tp")) or (
+                t.tp == "shard" and not expert and topo.coord("ep")
+            ):
+                t.in_norm = False
+        return targets
 
     @torch.no_grad()
     def full_parameters(
@@ -94,6 +109,20 @@ def apply_expert_parallel(model: nn.Module, comm: Comm) -> ExpertParallel | None
     return ExpertParallel(comm, slices)
 
 
+def apply_sequence_shards(model: nn.Module, comm: Comm, sp: bool) -> None:
+    """Tensor parallelism leaves the MoE layers whole (no rule of models/tp_plans.py matches
+    them: Megatron-Core's expert tensor parallel size 1); with sequence parallelism each tp
+    rank routes its own shard of every sequence through them, and the layers learn the other
+    shards' counts (capacity and balance loss per whole sequence). Their parameters' partial
+    gradients are summed over tp (parallel/tensor.py marks them `partial`; with ep > 1 the
+    expert slices are reduced over the "edp" group, which holds the tp ranks)."""
+    if comm.topo.size("tp") == 1 or not sp:  # (validate refuses MoE tp without sp)
+        return
+    shards = SequenceShards(comm)
+    for layer in moe_layers(model):
+        layer.shards = shards
+
+
 def _expert_layers(model: nn.Module) -> list[tuple[nn.Module, int, tuple[str, ...]]]:
     """(module, experts, stacked weight names) of every MoE layer: ours (models/moe.py) or a
     transformers class's stacked experts (models/hf/experts.py)."""
@@ -139,10 +168,10 @@ def check_expert_parallel(cfg: Config, spec: ModelSpec, family: Family, shared: 
     elif shared % ep:
         why = f"it must divide the {shared} ranks sharing the dense parameters (world / (tp * pp))"
         fix = f" Fix: an ep dividing {shared}, or another world size."
-    elif p.tp > 1 or p.pp > 1:
+    elif (p.tp > 1 or p.pp > 1) and family.from_checkpoint:
         why = (
-            f"expert parallelism with parallel.tp={p.tp} and parallel.pp={p.pp} is not built "
-            "yet (the expert groups are cut from the data-parallel line only)"
+            f"expert parallelism with parallel.tp={p.tp} and parallel.pp={p.pp} is built for "
+            "the built-in MoE decoder only, not yet for a Hugging Face MoE checkpoint's layers"
         )
         fix = " Fix: --parallel.tp=1 --parallel.pp=1, or --parallel.ep=1."
     elif p.grad_compression != "none":

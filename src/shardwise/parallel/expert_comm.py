@@ -69,3 +69,23 @@ class ExpertExchange:
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return _AllToAll.apply(y[back], in_rows, out_rows, self.comm)
+
+
+class SequenceShards:
+    """What an MoE layer (models/moe.py) asks when sequence parallelism splits its sequences
+    over the tp ranks (rank i holds positions [i·S/n, (i+1)·S/n) of each): the per-sequence
+    counts of the other shards, so capacity and the balance loss are decided on the whole
+    sequence as on one process. The experts are not split by tp (Megatron-Core's expert
+    tensor parallel size 1): each rank routes its own tokens through whole experts."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self.n, self.index = comm.topo.size("tp"), comm.topo.coord("tp")
+
+    def counts(self, per_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the whole sequences' counts, those of the shards before this one) of this shard's
+        per-(sequence, expert) chosen counts [B, E] (one all-gather over tp)."""
+        every = per_row.new_empty((self.n * per_row.shape[0], *per_row.shape[1:]))
+        self.comm.all_gather(every, per_row.contiguous(), "tp")
+        every = every.view(self.n, *per_row.shape)
+        return every.sum(0), every[: self.index].sum(0)

@@ -77,6 +77,7 @@ class Pipeline:
         sync_at = weight_passes[-1] if self.v == 1 else None  # one chunk: its last pass
         reducer = run.reducer
         reducer.sync = False
+        self._scale = scale  # a middle chunk's balance loss backward is scaled as the loss
         self._in_flight = self._act = self._act_peak = self._in_flight_peak = self._mb = 0
         clk = clock()
         with clk.phase("bubble"):  # align starts (a stage waiting here is idle too)
@@ -133,6 +134,12 @@ class Pipeline:
             if chunk.last:
                 out = out if loss else run.tp.loss_sum(out, self._batches.targets(a.mb))
                 out = out / global_count
+            if run.experts is not None:  # MoE: this chunk's layers' loads and balance loss
+                mods = [self.model.blocks[str(i)] for i in chunk.blocks]
+                if chunk.last:
+                    out = run.experts.after_forward(out, global_count, mods)
+                else:
+                    out = run.experts.after_chunk(out, global_count, self._scale, mods)
         nbytes = run.meter.take_peak()
         leaf = h if embedded is not None else (None if chunk.first else inputs)
         # a first chunk whose parameters are all frozen has no graph: nothing to run backward

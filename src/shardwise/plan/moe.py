@@ -102,8 +102,10 @@ def mlp_gemms(spec: ModelSpec, t: int, tokens: float, ep: int) -> list[tuple]:
     GEMM group (gate, up, down) over the rows routed to it, and the shared experts. Balanced,
     dropless routing: a rank's tokens·top_k rows land evenly on the E experts, so with E/ep
     experts here each receives tokens·top_k·ep/E rows (from every ep rank). A capacity factor
-    computes its slots (ep = 1: padded to capacity; ep > 1: only kept rows travel)."""
-    h, f, e = spec.dim, spec.ffn_dim / t, spec.n_experts
+    computes its slots (ep = 1: padded to capacity; ep > 1: only kept rows travel). Under tp
+    (with sp) the layer is whole on every tp rank and routes that rank's 1/t of the tokens."""
+    h, f, e = spec.dim, spec.ffn_dim, spec.n_experts
+    tokens = tokens / t
     local = e // ep
     fill = spec.capacity_factor if spec.capacity_factor else 1.0
     if ep > 1:

@@ -59,6 +59,8 @@ def invalid(job: Job, lay: Layout) -> str | None:
         return "tp not built for this model family"
     if lay.pp > 1 and fam.pipeline == "none":
         return "pp not built for this model family"
+    if lay.tp > 1 and spec.n_experts and not lay.sp:  # (training/checks.py refuses it too)
+        return "MoE tp without sp (every tp rank would run every token's experts)"
     if lay.ep > 1 and not (fam.expert_parallel and spec.n_experts):
         return "ep without routed experts"
     if lay.ep > 1 and ((lay.dp * lay.cp) % lay.ep or spec.n_experts % lay.ep):

@@ -249,14 +249,16 @@ def moe_blocks(spec: ModelSpec, layers: int | None = None) -> int:
 def moe_block_entries(spec: ModelSpec, tp: int, dense_block: list) -> list:
     """One MoE block's parameters in module order: the dense block's attention and norms,
     then the stacked experts (w1, w3, w2), the router and the shared experts' SwiGLU. Expert
-    entries carry their 3-D shape, which `split_units` recognises."""
-    h, f, e = spec.dim, spec.ffn_dim // tp, spec.n_experts
+    entries carry their 3-D shape, which `split_units` recognises. Under tp the MoE layer
+    stays whole on every tp rank (experts, router and shared experts: parallel/expert.py's
+    sequence shards), so only the dense parts in `dense_block` are split."""
+    h, f, e = spec.dim, spec.ffn_dim, spec.n_experts
     mlp_tags = ("w1", "w3", "w2")
     keep = [x for x in dense_block if not (len(x) > 2 and x[2] in mlp_tags)]
     out = [*keep, (e * h * f, True, (e, h, f)), (e * h * f, True, (e, h, f))]
     out += [(e * f * h, True, (e, f, h)), (e * h, True, "router")]
-    if spec.n_shared_experts:  # one SwiGLU n_shared times as wide, split as the dense MLP
-        wide = spec.ffn_dim * spec.n_shared_experts // tp
+    if spec.n_shared_experts:  # one SwiGLU n_shared times as wide, whole as the experts
+        wide = spec.ffn_dim * spec.n_shared_experts
         out += [(h * wide, True, "w1"), (h * wide, True, "w3"), (wide * h, True, "w2")]
     return out
 

@@ -187,6 +187,13 @@ def check_pipeline(
             f"parallel.pp={pp}: pipeline parallelism cuts the blocks of shardwise's own "
             f"decoders and model.name='{cfg.model.name}' is {family.kind}. Fix: --parallel.pp=1."
         )
+    if spec.n_experts and p.pp_schedule == "zb":  # its split backward defers weight
+        # gradients the balance loss's backward (models/moe.py) is not routed through
+        raise ConfigError(
+            f"parallel.pp_schedule='zb' with an MoE decoder (model.n_experts={spec.n_experts}) "
+            "is not built: the zero-bubble backward split is not checked with routed experts. "
+            "Fix: --parallel.pp_schedule=1f1b (or gpipe, interleaved)."
+        )
     if p.zero >= 2:
         raise ConfigError(
             f"parallel.zero={p.zero} with parallel.pp={pp} is not supported: ZeRO-{p.zero} "
@@ -245,6 +252,13 @@ def check_tensor_parallel(spec: ModelSpec, family: Family, cfg: Config) -> None:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={tp}: sequence "
             f"parallelism splits the sequence over the tp ranks. Fix: a multiple of {tp}."
+        )
+    if spec.n_experts and not sp:  # the experts are whole on every tp rank (parallel/expert.py)
+        raise ConfigError(
+            f"parallel.tp={tp} with an MoE decoder (model.n_experts={spec.n_experts}) needs "
+            "parallel.sp=true: tensor parallelism leaves the experts whole, so without sequence "
+            "parallelism every tp rank would compute every token's experts. Fix: "
+            "--parallel.sp=true, or --parallel.tp=1."
         )
     if sp and not family.sequence_parallel:
         raise ConfigError(

@@ -34,7 +34,12 @@ from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.compress import WIRE, make_compression
 from shardwise.parallel.context import apply_context_parallel, sequence_part
 from shardwise.parallel.data import GradReducer, apply_data_parallel
-from shardwise.parallel.expert import ExpertParallel, apply_expert_parallel, expert_parallel_of
+from shardwise.parallel.expert import (
+    ExpertParallel,
+    apply_expert_parallel,
+    apply_sequence_shards,
+    expert_parallel_of,
+)
 from shardwise.parallel.fp8 import apply_fp8, fp8_emulated, fp8_summary
 from shardwise.parallel.pipeline import Pipeline, apply_pipeline
 from shardwise.parallel.recompute import apply_recompute
@@ -214,6 +219,9 @@ def parallelize(
     #     remember where they come from, as tp's) and routes rows to the others' by all-to-all;
     #     expert gradients are then reduced over the ranks holding the same experts only.
     apply_expert_parallel(model, comm)
+    # 3c. Under tp + sp the MoE layers (left whole by tp) route each rank's sequence shard and
+    #     count the other shards' tokens for capacity and the balance loss.
+    apply_sequence_shards(model, comm, run_cfg.parallel.sp)
     # 4. Compilation replaces each block's forward by a compiled one (its hooks stay eager);
     #    full recomputation below then wraps the compiled forward and replays compiled code.
     apply_compile(model, derived.family, run_cfg.train.compile)
@@ -361,6 +369,7 @@ def _build(
         verify_replicas(model, comm)
         targets, sum_over_shards, after = replicated_targets(model), tp.sum_over_shards, None
         if ep is not None:  # replicated dense parameters, expert slices that differ over ep
+            targets = ep.mark_norm_targets(targets)  # (tp > 1: each tensor counted once)
 
             def sum_over_shards(parts: torch.Tensor) -> None:
                 ep.sum_over_shards(parts)
@@ -396,6 +405,6 @@ def _build(
         user_loss=resolve(cfg.train.loss, "train.loss")
         if cfg.train.loss != "cross_entropy"
         else None,
-        experts=expert_tally(model, cfg.train),
+        experts=expert_tally(model, cfg.train, topo.size("pp")),
         expert_parallel=ep,
     )

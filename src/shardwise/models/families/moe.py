@@ -1,8 +1,10 @@
 """The MoE decoder (models/moe.py): our Llama-style decoder with routed experts in its MLPs.
 
 Data parallelism and ZeRO-1/2/3 (the stacked expert weights shard like any other), expert
-parallelism (parallel.ep: the experts split over ranks, parallel/expert.py), activation
-recomputation. Tensor, pipeline and context parallelism are refused."""
+parallelism (parallel.ep: the experts split over ranks, parallel/expert.py), pipeline
+parallelism (cut as the decoder's), tensor parallelism with sequence parallelism (the experts
+whole on every tp rank, each routing its own sequence shard), activation recomputation.
+Context parallelism is refused."""
 
 from __future__ import annotations
 
@@ -17,11 +19,11 @@ MOE = Family(
     # the formulas price dense blocks: activations are measured on a fake model, and model
     # states counted from the real one's units (exact)
     formula=False,
-    tensor_parallel="none",
-    tp_refusal="parallel.tp={tp}: tensor parallelism of the MoE decoder's experts is not "
-    "built yet (model.name='{name}'). Fix: --parallel.tp=1 (data parallelism and ZeRO-1/2/3 "
-    "shard the experts).",
-    pipeline="none",
+    # attention and dense MLPs split as the decoder's; the MoE layers stay whole and, with
+    # parallel.sp (required: training/checks.py), route each tp rank's sequence shard
+    tensor_parallel="plan",
+    sequence_parallel=True,
+    pipeline="blocks",  # cut as the decoder's; each stage tallies its own MoE layers
     expert_parallel=True,
     chunked_loss=True,  # the decoder's LMHead
 )
