@@ -80,13 +80,6 @@ def test_cp_traffic_is_counted_under_its_own_key(worlds):
 # --- what this first step refuses, before any process starts ---------------------------------
 
 TINY = ["--model.name=tiny", "--data.seq_len=32", "--train.global_batch=8"]
-# transformers' attention under cp takes no record mask (the built-in decoders' does)
-PACKED_HF = [
-    "--parallel.cp=2",
-    "--data.pack=true",
-    "--data.format=instruction",
-    "--model.name=hf-llama-tiny",
-]
 
 
 @pytest.mark.parametrize(
@@ -130,11 +123,6 @@ PACKED_HF = [
         ),
         (2, ["--parallel.cp=2", "--model.dropout=0.1"], ["model.dropout=0.1", "set them to 0"]),
         (2, ["--parallel.cp=2", "--model.attn_dropout=0.1"], ["model.attn_dropout=0.1"]),
-        (
-            2,
-            PACKED_HF,
-            ["data.pack=true", "a Hugging Face model", "takes no record mask", "--data.pack=false"],
-        ),
         (
             2,
             ["--parallel.cp=2", "--train.loss=os.path:join"],

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from shardwise.cli.main import main
-from shardwise.data import GlobalSampler, load_data
+from shardwise.config import load_config
+from shardwise.data import GlobalSampler, data_spec, load_data
 from shardwise.data.blend import BlendDataset, locate
 from shardwise.data.identity import vocab_key
 from shardwise.data.prepare import Options, prepare
 from shardwise.data.shards import PARTIAL
 from shardwise.data.tokens import load_tokens
-from shardwise.errors import DataError
+from shardwise.errors import ConfigError, DataError
 from shardwise.launchers.harness import run_here
 from support.compare import VOCAB, case
 from support.textdata import spec as _spec
@@ -226,6 +227,81 @@ def test_a_blend_draws_each_source_by_its_weight(tmp_path):
     s_long, d_long = locate([0.7, 0.3], np.arange(10_000))
     assert np.array_equal(s_long[:1000], s_short) and np.array_equal(d_long[:1000], d_short)
     assert abs(np.bincount(s_long)[0] - 7000) <= 2
+
+
+def test_a_blend_table_in_the_config_file_is_the_string_form(tmp_path):
+    """`[data.blend]` with `"PATH" = WEIGHT` lines gives the BlendDataset the string form
+    gives: the same sources, weights and samples. A malformed table, and a table for any other
+    string key, are refused by name."""
+    tok = _hf_tokenizer(tmp_path / "tok")
+    for name, seed, docs in (("pa", 1, 6), ("pb", 2, 4)):
+        _prepare([_corpus(tmp_path / name[1], seed=seed, docs=docs)], tmp_path / name,
+                 tokenizer=str(tok))  # fmt: skip
+    a, b = tmp_path / "pa", tmp_path / "pb"
+    toml = tmp_path / "blend.toml"
+    toml.write_text(f'[data]\nseq_len = 16\n[data.blend]\n"{a}" = 0.7\n"{b}" = 3\n')
+    table = load_config(toml)
+    string = load_config(None, ["--data.seq_len=16", f"--data.blend={a}:0.7,{b}:3"])
+    assert table.data.blend == string.data.blend
+    mine, theirs = (load_data(data_spec(c, VOCAB), "train") for c in (table, string))
+    assert isinstance(mine, BlendDataset) and isinstance(theirs, BlendDataset)
+    assert [Path(s.path) for s in mine.sources] == [Path(s.path) for s in theirs.sources]
+    assert [Path(s.path) for s in mine.sources] == [a, b]
+    assert mine.weights == theirs.weights == pytest.approx([0.7 / 3.7, 3 / 3.7])
+    every = torch.arange(len(theirs))
+    assert len(mine) == len(theirs)
+    for x, y in zip(mine.get_batch(every), theirs.get_batch(every), strict=True):
+        assert torch.equal(x, y)
+    for body, match in (
+        (f'[data.blend]\n"{a}" = "high"\n', "weight 'high' of .* is not a number"),
+        ("[data.blend]\n", "empty table"),
+        (f'[data.blend]\n"{a},{b}" = 1\n', "holds a comma"),
+        (f'[data.dataset]\n"{a}" = 1\n', "data.dataset=.* is a table"),
+    ):
+        toml.write_text(body)
+        with pytest.raises(ConfigError, match=match) as info:
+            load_config(toml)
+        assert "Fix:" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_streamed_hf_dataset_is_an_input(tmp_path, monkeypatch, capsys):
+    """`hf:json:data_files=GLOB` streams the rows through datasets.load_dataset (no Arrow copy
+    of the data is written to its cache): the shards equal those of the same texts, in the
+    same order, from a saved Dataset; a null or missing text is skipped and counted. The
+    command line takes it; a changed file, a bad option, a glob matching nothing and a
+    missing column are refused by name."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    rows = tmp_path / "rows"
+    rows.mkdir()
+    texts = []
+    for f in range(3):
+        lines = [{"text": _text(100 * f + i, 60), "n": i} for i in range(5)]
+        lines += [{"text": None, "n": 5}, {"n": 6}]  # skipped: no text
+        texts += [r["text"] for r in lines[:5]]
+        (rows / f"part{f}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    stream = f"hf:json:data_files={rows}/*.jsonl"
+    m = _prepare([stream], tmp_path / "out", val_fraction=0.0)
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    ref = _prepare([tmp_path / "saved"], tmp_path / "ref", val_fraction=0.0)
+    assert m["splits"]["train"]["docs"] == len(texts) == 15 and m["skipped_rows"][0] == 6
+    assert np.array_equal(
+        _stream(tmp_path / "out", m, "train"), _stream(tmp_path / "ref", ref, "train")
+    )
+    assert not list((tmp_path / "hf-cache").rglob("*.arrow"))  # streamed, never materialised
+    argv = ["data", "prepare", f"{stream},split=train", "--out", str(tmp_path / "cli")]
+    assert main([*argv, "--vocab-size", str(VOCAB), "--workers", "1"]) == 0
+    (rows / "part1.jsonl").write_text(json.dumps({"text": "changed"}) + "\n")
+    _refused("part1.jsonl' changed", _prepare, [stream], tmp_path / "out", val_fraction=0.0)
+    for raw, match in (
+        (f"{stream},shuffle=yes", "'shuffle=yes' is not OPTION=VALUE"),
+        (f"hf:json:data_files={tmp_path}/none/*.jsonl", "matches no file"),
+        ("hf:", "names no dataset"),
+    ):
+        _refused(match, _prepare, [raw], tmp_path / "bad")
+    _refused(r"--text-field 'body' is not a column .*\['text', 'n'\]", _prepare, [stream],
+             tmp_path / "bad", text_field="body")  # fmt: skip
 
 
 def _refused(match: str, fn, *args, **kw) -> str:

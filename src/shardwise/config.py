@@ -162,8 +162,9 @@ class DataConfig:
     blend: str = opt(
         "",
         "Weighted blend of text corpora instead of data.dataset (leave that at its default): "
-        "'dirA:0.7,dirB:0.3', prepared directories or raw corpora with one tokenizer; weights "
-        "are normalised, sample i's source is a fixed function of i ('' = off).",
+        "'dirA:0.7,dirB:0.3' (in a file also a [data.blend] table of \"dirA\" = 0.7 lines), "
+        "prepared directories or raw corpora with one tokenizer; weights are normalised, "
+        "sample i's source is a fixed function of i ('' = off).",
     )
 
 
@@ -289,7 +290,7 @@ class ParallelConfig:
         "Context-parallel degree: each sample's sequence split over this many ranks, which "
         "share the parameters with the data-parallel ranks (dp = world / (tp * pp * cp) "
         "sample streams). Built-in decoders (also with tp, pp and data.pack) and "
-        "Llama-style transformers models (tp = pp = 1, no packing).",
+        "Llama-style transformers models (tp = pp = 1, also with data.pack).",
     )
     cp_mode: Literal["ring", "ulysses"] = opt(
         "ring",
@@ -681,6 +682,25 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return own, overrides
 
 
+def _from_table(key: str, raw: Any) -> Any:
+    """A `[data.blend]` table of `"PATH" = WEIGHT` lines as the string form 'PATH:WEIGHT,...';
+    any other value (a table for another key included) unchanged, for _parse to judge."""
+    if key != "data.blend" or not isinstance(raw, dict):
+        return raw
+    fix = 'Fix: one `"PATH" = WEIGHT` line per source under [data.blend], e.g. "dirA" = 0.7.'
+    if not raw:
+        raise ConfigError(f"[data.blend] is an empty table. {fix}")
+    for path, weight in raw.items():
+        # a comma separates entries of the string form this table becomes
+        if "," in path or not path.strip():
+            raise ConfigError(f"[data.blend] source {path!r} is empty or holds a comma. {fix}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ConfigError(
+                f"[data.blend] weight {_shown(weight)} of {path!r} is not a number. {fix}"
+            )
+    return ",".join(f"{path}:{weight!r}" for path, weight in raw.items())
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the TOML file, then command-line overrides (later wins); then what the
     given keys imply for those left out (`_infer`)."""
@@ -697,7 +717,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                     )
                 raise _unknown(section, all_keys())
             for name, raw in values.items():
-                _set(cfg, f"{section}.{name}", raw)
+                _set(cfg, f"{section}.{name}", _from_table(f"{section}.{name}", raw))
                 given.add(f"{section}.{name}")
     for key, raw in parse_overrides(overrides or []):
         _set(cfg, key, raw)

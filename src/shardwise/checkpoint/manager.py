@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.checkpoint import dcp_format, lineage
+from shardwise.checkpoint import dcp_format, lineage, titan
 from shardwise.checkpoint import io as io
 from shardwise.checkpoint.state import (
     Local,
@@ -103,9 +103,21 @@ class Checkpointer:
                         flush=True,
                     )
                 return 0
+        elif titan.is_titan(mode):
+            return self._from_titan(Path(mode))
         else:
             path = self._explicit(Path(mode))
         step = self._load(path)
+        self._check_planned(step)
+        return step
+
+    def _from_titan(self, path: Path) -> int:
+        """Continue a torchtitan step checkpoint (checkpoint/titan.py) as a new line."""
+        step, line = titan.load_titan(self.run, path, self.channel)
+        self.run.resume_note = line
+        self.history = lineage.start(None, step)
+        if self.rank == 0:
+            print(f"resumed from {path} at step {step} ({line})", flush=True)
         self._check_planned(step)
         return step
 

@@ -48,6 +48,8 @@ def check_resume(cfg: Config, spec: ModelSpec) -> None:
     """Raise one `CheckpointError` if the checkpoint this job would resume cannot continue
     in it: saved with another data order, for another model, or with another tokenizer or
     labels (or a quantised base that changed since)."""
+    if cfg.checkpoint.resume not in ("auto", "none") and _titan_fit(cfg, spec):
+        return
     path = resume_target(cfg)
     if path is None:
         return
@@ -58,6 +60,28 @@ def check_resume(cfg: Config, spec: ModelSpec) -> None:
         refusal = check(index, cfg, spec, path)
         if refusal:
             raise CheckpointError(refusal)
+
+
+def _titan_fit(cfg: Config, spec: ModelSpec) -> bool:
+    """Whether `checkpoint.resume` is a torchtitan step checkpoint (checkpoint/titan.py);
+    if so, refuse it unless its optimizer state is there and its weights and moments fit this
+    model (from its metadata alone)."""
+    from shardwise.checkpoint.titan import is_titan, read_layout, refusal
+    from shardwise.models.init import canonical_name
+
+    path = Path(cfg.checkpoint.resume)
+    if not is_titan(path):
+        return False
+    wanted = {}
+    for name, p in _meta_model(cfg, spec).named_parameters():
+        key = canonical_name(name, spec)
+        wanted[f"param/{key}"] = tuple(p.shape)
+        if p.requires_grad:  # the optimizer's targets: their moments too
+            wanted |= {f"{m}/{key}": tuple(p.shape) for m in ("exp_avg", "exp_avg_sq")}
+    why = refusal(read_layout(path), wanted, spec.arch)
+    if why:
+        raise CheckpointError(why)
+    return True
 
 
 def _data_order(index: dict, cfg: Config, spec: ModelSpec, path: Path) -> str | None:

@@ -9,7 +9,9 @@ from shardwise.errors import ShardwiseError, print_error
 
 DESCRIPTION = (
     "Tokenise INPUT... (files, globs, directories of .txt/.jsonl/.json/.csv/.parquet, "
-    "stdlib, or folders a `datasets` object was saved to) into memory-mapped token shards "
+    "stdlib, folders a `datasets` object was saved to, or hf:NAME[:OPTION=VALUE,...]: a "
+    "`datasets` dataset read in streaming mode, e.g. 'hf:json:data_files=dir/*.jsonl') "
+    "into memory-mapped token shards "
     "and a manifest in --out, on --workers processes. A rerun after a kill keeps the shards "
     "already done. Train on it with --data.dataset=DIR (the same samples and losses as "
     "training on the raw corpus with the same tokenizer and held-out fraction)."
@@ -20,7 +22,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardwise data", description=DESCRIPTION)
     verbs = p.add_subparsers(dest="verb", required=True, metavar="prepare")
     v = verbs.add_parser("prepare", description=DESCRIPTION, help="tokenise a corpus to shards")
-    v.add_argument("inputs", nargs="+", metavar="INPUT", help="file, glob, directory, stdlib")
+    v.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="file, glob, directory, stdlib, saved dataset, hf:NAME[:data_files=GLOB,split=S,...]",
+    )
     v.add_argument("--out", required=True, metavar="DIR", help="new or empty directory")
     v.add_argument(
         "--tokenizer",

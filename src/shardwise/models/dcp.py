@@ -25,7 +25,7 @@ _PREFIX = "model."  # torchtitan's step checkpoints: {"model": ..., "optimizer":
 
 # torchtitan's Llama (torchtitan/models/llama3/model.py) -> ours (models/decoder.py); its w1,
 # w2, w3 are ours (gate, down, up). Its q/k rows pair RoPE channels (2i, 2i+1), as Meta's
-# weights do; ours pair (i, i + D/2) as Hugging Face's Llama: permuted on read (`_rotary`).
+# weights do; ours pair (i, i + D/2) as Hugging Face's Llama: permuted on read (`from_meta_rope`).
 _TITAN = (
     (r"tok_embeddings\.weight", "embed.weight"),
     (r"layers\.(\d+)\.attention\.w([qkvo])\.weight", "blocks.{0}.attn.w{1}.weight"),
@@ -42,8 +42,11 @@ def is_dcp(path: str | Path) -> bool:
     return (Path(path) / METADATA).is_file()
 
 
-def _sizes(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Every tensor's key, global shape and dtype, from the checkpoint's metadata."""
+def tensor_sizes(
+    path: Path, key: str = "model.init_from"
+) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Every tensor's key, global shape and dtype, from the checkpoint's metadata (`key`: the
+    config key that named `path`, for the error)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -51,8 +54,8 @@ def _sizes(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
         meta = FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # a truncated or foreign .metadata (pickle errors of any kind)
         raise ConfigError(
-            f"model.init_from='{path}': its {METADATA} cannot be read ({exc}). Fix: point "
-            "init_from at a complete checkpoint that torch.distributed.checkpoint.save wrote."
+            f"{key}='{path}': its {METADATA} cannot be read ({exc}). Fix: point {key} at a "
+            "complete checkpoint that torch.distributed.checkpoint.save wrote."
         ) from None
     return {
         k: (v.size, v.properties.dtype)
@@ -61,15 +64,21 @@ def _sizes(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
     }
 
 
-def _ours(key: str) -> tuple[str, bool] | None:
-    """(our name, whether its rows are in torchtitan's RoPE order) of checkpoint `key`."""
+def titan_name(key: str) -> tuple[str, bool] | None:
+    """(our name, whether its rows are in torchtitan's RoPE order) of a torchtitan Llama
+    parameter `key` (with or without "model."); None if it is none of its names."""
     name = key.removeprefix(_PREFIX)
     for theirs, mine in _TITAN:
         m = re.fullmatch(theirs, name)
         if m:
             mine = mine.format(*m.groups())
             return mine, mine.endswith((".wq.weight", ".wk.weight"))
-    return name, False
+    return None
+
+
+def _ours(key: str) -> tuple[str, bool]:
+    """(our name, whether its rows are in torchtitan's RoPE order) of checkpoint `key`."""
+    return titan_name(key) or (key.removeprefix(_PREFIX), False)
 
 
 class DCPWeights(HFWeights):
@@ -79,7 +88,7 @@ class DCPWeights(HFWeights):
     def __init__(self, path: str | Path, spec) -> None:
         self.path, self.spec = Path(path), spec
         self.elements_read = 0
-        self.sizes = _sizes(self.path)
+        self.sizes = tensor_sizes(self.path)
         self.keys: dict[str, tuple[str, bool]] = {}
         for key in self.sizes:
             name, rotary = _ours(key)
@@ -103,7 +112,7 @@ class DCPWeights(HFWeights):
             dcp.load({key: out}, checkpoint_id=str(self.path), no_dist=True)
         if rotary:
             heads = self.spec.n_heads if name.endswith(".wq.weight") else self.spec.n_kv_heads
-            out = _rotary(out, heads)
+            out = from_meta_rope(out, heads)
         self._last = (name, out)
         return out
 
@@ -124,9 +133,10 @@ class DCPWeights(HFWeights):
         self._last = None
 
 
-def _rotary(w: torch.Tensor, heads: int) -> torch.Tensor:
+def from_meta_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
     """q/k rows from RoPE pairs (2i, 2i+1) per head to pairs (i, i + D/2): the permutation
-    transformers' Llama conversion applies to Meta's weights."""
+    transformers' Llama conversion applies to Meta's weights (and, row for row, to AdamW's
+    moments of them: the update is element-wise)."""
     out_dim, dim = w.shape
     return w.view(heads, out_dim // heads // 2, 2, dim).transpose(1, 2).reshape(out_dim, dim)
 

@@ -8,8 +8,8 @@ model only those tokens and targets (`sequence_part`); the attention cores get a
 `SequenceContext` that hands RoPE the global positions and attends over the whole sequence
 with the kernels of parallel/context_comm.py; a learned position table (GPT-2) is read at the
 global positions too. transformers' Llama-style models attend through the same kernels from
-their attention registry (parallel/context_hf.py). Everything else in a block works token by
-token and needs nothing.
+their attention registry (parallel/context_hf.py), packed rows included. Everything else in
+a block works token by token and needs nothing.
 
 Packed rows (data.pack, models/packing.py) are split the same way: `sequence_part` hands the
 model [B, 3, S/cp] (ids, record numbers, positions within the record counted on the whole
@@ -45,6 +45,9 @@ class SequenceContext:
         self.cp, self.index = comm.topo.size("cp"), comm.topo.coord("cp")
         self.kernel = ring_attention if mode == "ring" else ulysses_attention
         self._cache: dict[tuple[int, str], torch.Tensor] = {}
+        # the packed rows of a transformers model's current forward (context_hf.py sets it in a
+        # forward pre-hook): its attention function is handed no argument that could carry them
+        self.packed: Packed | None = None
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """Global positions [local_len] of this rank's tokens (the same every forward)."""

@@ -10,7 +10,15 @@ An implementation that transformers' mask registry does not know builds no mask
 (masking_utils `_preprocess_mask_arguments`: custom attention without mask creation), so no
 causal mask of the local length is made; the kernels mask by global position. A forward
 pre-hook passes the global positions of the local tokens as `position_ids`, so the rotary
-embedding rotates each token by its place in the whole sequence."""
+embedding rotates each token by its place in the whole sequence.
+
+Packed rows (data.pack): the model receives this rank's part of each row as [B, 3, S/cp] (ids,
+record numbers, positions within the record; parallel/context.py `sequence_part`), and
+models/packing.py `take_packed_tokens` hands RoPE those within-record positions, as it does in
+one process. The attention function is given nothing that tells records apart (no mask is
+built, and transformers passes no positions to it), so the pre-hook leaves the part's
+positions on the context, and the kernels mask each query to its record from where the record
+starts: its global position minus its position within the record."""
 
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.models.packing import Packed, is_packed
 
 CP_ATTENTION = "shardwise_cp"
 CONTEXT = "shardwise_cp_context"  # the attribute of an attention module holding the context
@@ -64,7 +73,8 @@ def cp_attention(
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    return context.attend(query, key, value).transpose(1, 2).contiguous(), None
+    out = context.attend(query, key, value, context.packed)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _register() -> None:
@@ -92,12 +102,16 @@ def apply_to_transformers(model: nn.Module, context) -> bool:
     for module in modules:
         setattr(module, CONTEXT, context)
 
-    def global_positions(_model, args, kwargs):
+    def positions(_model, args, kwargs):
         ids = args[0] if args else kwargs["input_ids"]
+        if is_packed(ids):  # [B, 3, S/cp]: RoPE gets ids[:, 2] from take_packed_tokens
+            context.packed = Packed(ids[:, 2], None)
+            return args, kwargs
+        context.packed = None
         kwargs["position_ids"] = context.positions(ids.shape[1], ids.device)[None]
         return args, kwargs
 
-    model.register_forward_pre_hook(global_positions, with_kwargs=True)
+    model.register_forward_pre_hook(positions, with_kwargs=True)
     return True
 
 

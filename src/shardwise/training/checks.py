@@ -300,12 +300,6 @@ def check_context_parallel(cfg: Config, spec: ModelSpec, family: Family, tp: int
             f"{named}: dropout masks are drawn per contiguous sequence shard, not for the "
             "zig-zag positions a cp rank holds. Fix: set them to 0, or --parallel.cp=1."
         )
-    elif cfg.data.pack and not family.cp_composes:
-        why = (
-            f"data.pack=true masks attention per record, and {family.kind}'s attention under cp "
-            "(transformers' attention registry) takes no record mask; the built-in decoders' "
-            "does. Fix: --data.pack=false, or --parallel.cp=1."
-        )
     elif cfg.train.loss != "cross_entropy":
         why = (
             f"train.loss='{cfg.train.loss}' sees whole outputs, and a cp rank holds 1/{cp} of "

@@ -57,8 +57,8 @@ class Family:
     # for a checkpoint's class: the config model_types whose attention and positions the cp
     # transformation reaches (each checked against one process); empty: any it builds
     cp_model_types: tuple[str, ...] = ()
-    # cp composes with packed records (its cores mask per record), tp and pp (its stages
-    # take the global positions): each checked against one process
+    # cp composes with tp and pp (its stages take the global positions), checked against
+    # one process; packed records compose with cp in every cp family (the kernels' starts)
     cp_composes: bool = False
     # its MoE layers take an expert exchange (parallel/expert.py): parallel.ep shards experts
     expert_parallel: bool = False

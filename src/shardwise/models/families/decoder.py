@@ -21,7 +21,7 @@ _OURS = dict(
     chunked_loss=True,  # models/chunked_loss.LMHead
     compiles=True,
     context_parallel=True,  # AttentionCore.context; GPT-2's positions through pos_embed
-    cp_composes=True,  # data.pack, tp and pp under cp (tests/test_context_parallel_*.py)
+    cp_composes=True,  # tp and pp under cp (tests/test_context_parallel_measured.py)
     kind="a shardwise decoder",
 )
 
