@@ -37,6 +37,7 @@ from shardwise.models import build_model, init_weights
 from shardwise.optim import lr_at
 from shardwise.training.validate import derive
 from support.compare import case, max_param_diff
+from test_init_from_dcp import TITAN  # torchtitan's Llama names for ours, as that test writes them
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +45,6 @@ DONE = 3  # torchtitan's optimizer steps before its checkpoint
 # tiny: 4 query heads, 2 kv heads; no clipping, so the reference step is AdamW alone
 SHAPE = ["--model.n_layers=2", "--model.n_kv_heads=2", "--optim.grad_clip=0"]
 NEXT = [*SHAPE, f"--train.steps={DONE + 1}"]  # our one step after the checkpoint
-TITAN = {
-    r"embed\.weight": "tok_embeddings.weight",
-    r"blocks\.(\d+)\.attn\.w([qkvo])\.weight": "layers.{0}.attention.w{1}.weight",
-    r"blocks\.(\d+)\.mlp\.w([123])\.weight": "layers.{0}.feed_forward.w{1}.weight",
-    r"blocks\.(\d+)\.attn_norm\.weight": "layers.{0}.attention_norm.weight",
-    r"blocks\.(\d+)\.mlp_norm\.weight": "layers.{0}.ffn_norm.weight",
-    r"norm\.weight": "norm.weight",
-    r"head\.weight": "output.weight",
-}
 HEADS = {"wq": 4, "wk": 2}
 
 
