@@ -418,3 +418,55 @@ def test_inputs_in_another_order_and_a_vocab_size_beside_a_tokenizer_are_refused
     assert main([*argv, "--tokenizer", str(tok), "--vocab-size", "512"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--vocab-size 512" in err[0] and "Fix: drop --vocab-size" in err[0]
+
+
+def test_a_prepare_sigkilled_half_way_keeps_its_finished_shards(tmp_path):
+    """The real thing: `shardwise data prepare` in its own process, SIGKILLed once half of its
+    shards are recorded (workers and all, as an OOM killer or a lost node would), then run
+    again. The rerun keeps every shard recorded before the kill (same inode and mtime), redoes
+    only the rest, and ends with the manifest of an uninterrupted prepare."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(192):  # ~190 shards: about a second of shard work after start-up
+        (corpus / f"d{i:03d}.txt").write_text(_text(7000 + i, 2500))
+    tok = _hf_tokenizer(tmp_path / "tok")
+    out = tmp_path / "out"
+    argv = [
+        sys.executable,
+        "-c",
+        "import sys; from shardwise.cli.main import main; sys.exit(main())",
+    ]
+    argv += ["data", "prepare", str(corpus), "--out", str(out), "--tokenizer", str(tok)]
+    argv += ["--shard-mb", "0.01", "--workers", "2"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    half, deadline = None, time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            partial = json.loads((out / PARTIAL).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or mid-rename
+            time.sleep(0.005)
+            continue
+        if partial["plan"] and len(partial["done"]) * 2 >= len(partial["plan"]):
+            os.killpg(proc.pid, signal.SIGKILL)  # the prepare and its workers at once
+            half = partial
+            break
+        time.sleep(0.005)
+    proc.wait(timeout=60)
+    if half is None:
+        pytest.fail("the prepare finished (or hung) before half of its shards were recorded")
+    partial = json.loads((out / PARTIAL).read_text())  # what the killed run left on disk
+    done = sorted(partial["done"])
+    assert len(partial["plan"]) > len(done) >= len(half["done"]) > 0
+    before = {n: ((out / n).stat().st_ino, (out / n).stat().st_mtime_ns) for n in done}
+    m = _prepare([corpus], out, tokenizer=str(tok), shard_mb=0.01, workers=2)
+    after = {n: ((out / n).stat().st_ino, (out / n).stat().st_mtime_ns) for n in done}
+    assert after == before and not list(out.glob("*.tmp*")) and not (out / PARTIAL).exists()
+    whole = _prepare([corpus], tmp_path / "whole", tokenizer=str(tok), shard_mb=0.01, workers=2)
+    assert m["splits"] == whole["splits"]
