@@ -118,3 +118,19 @@ def test_an_unreadable_latest_is_left_to_the_ranks(tmp_path: Path) -> None:
     (tmp_path / io.LATEST).write_bytes(b"\xff\xfe\x00step")
     cfg = load_config(None, [f"--run.dir={tmp_path / 'run'}", f"--checkpoint.resume={tmp_path}"])
     assert resume_target(cfg) is None
+
+
+def test_a_hugging_face_model_directory_is_refused_as_a_resume(tmp_path: Path, capsys) -> None:
+    """checkpoint.resume naming a Hugging Face model directory (config.json and safetensors,
+    as `shardwise export --format hf` writes) stops before launch with one line naming
+    model.init_from, which starts a run from those weights; the directory is left as it was."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    before = sorted(p.name for p in model.iterdir())
+    code = main(["train", f"--checkpoint.resume={model}", f"--run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert "Hugging Face model directory" in err[0] and f"--model.init_from={model}" in err[0]
+    assert sorted(p.name for p in model.iterdir()) == before

@@ -50,6 +50,7 @@ def check_resume(cfg: Config, spec: ModelSpec) -> None:
     labels (or a quantised base that changed since)."""
     if cfg.checkpoint.resume not in ("auto", "none") and _titan_fit(cfg, spec):
         return
+    _not_a_model_dir(cfg.checkpoint.resume)
     path = resume_target(cfg)
     if path is None:
         return
@@ -60,6 +61,20 @@ def check_resume(cfg: Config, spec: ModelSpec) -> None:
         refusal = check(index, cfg, spec, path)
         if refusal:
             raise CheckpointError(refusal)
+
+
+def _not_a_model_dir(resume: str) -> None:
+    """Refuse `checkpoint.resume` naming a Hugging Face model directory (config.json and
+    safetensors, no index.json): its weights start a run, it has no state to continue."""
+    path = Path(resume)
+    if resume in ("auto", "none") or (path / io.INDEX).is_file():
+        return
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        raise CheckpointError(
+            f"checkpoint.resume={resume} is a Hugging Face model directory, not a training "
+            "checkpoint: it holds weights but no optimizer or loop state to continue. Fix: "
+            f"--model.init_from={resume} (and --checkpoint.resume=auto or none)."
+        )
 
 
 def _titan_fit(cfg: Config, spec: ModelSpec) -> bool:
