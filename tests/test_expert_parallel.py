@@ -57,7 +57,9 @@ def _args(*extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("ep")
-    ckpt = ["--checkpoint.every=3", f"--checkpoint.dir={root / 'ep4'}"]
+    # the ep 4 run saves through torch.distributed.checkpoint (checkpoint.format=dcp), the
+    # single process in ours: the resumes below cross formats as well as layouts
+    ckpt = ["--checkpoint.every=3", f"--checkpoint.dir={root / 'ep4'}", "--checkpoint.format=dcp"]
     world4 = {name: case(*MOE, *BALANCE, *extra) for name, (extra, _) in PARITY.items()}
     world4["ep4"] = case(*MOE, *BALANCE, *PARITY["ep4"][0], *ckpt)
     world4.update({n: case(*MOE, *BALANCE, *x, peer=PEER) for n, x in ROUTED.items()})
@@ -142,11 +144,11 @@ def test_a_capacity_drops_the_same_tokens(runs):
 @pytest.mark.parametrize("name", ["ep4_to_1", "ref_to_ep2"])
 def test_a_checkpoint_resumes_in_another_ep(runs, name):
     """A checkpoint stores every expert tensor under its global name and shape, so the ep=4
-    one resumes on one process and the single process's resumes at ep=2 (each rank reading
-    its experts' boxes): both continue the single-process run, the same next losses and final
-    parameters within 1e-5 on every rank."""
-    layout = read_index(Path(runs["root"]) / "ep4" / HALF)["layout"]
-    assert (layout["dp"], layout["ep"]) == (4, 4)
+    one (saved as a DCP) resumes on one process and the single process's (our format)
+    resumes at ep=2 (each rank reading its experts' boxes): both continue the single-process
+    run, the same next losses and final parameters within 1e-5 on every rank."""
+    index = read_index(Path(runs["root"]) / "ep4" / HALF)
+    assert (index["layout"]["dp"], index["layout"]["ep"], index["storage"]) == (4, 4, "dcp")
     full = _ok(runs["ref"][0])
     for resumed in map(_ok, runs[name]):
         assert [r["step"] for r in resumed["records"]] == list(range(4, STEPS + 1))
