@@ -45,7 +45,7 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict:
     return write(spec, dtype)
 
 
-def _plan(spec: ModelSpec, finetune=None) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+def hf_plan(spec: ModelSpec, finetune=None) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """Hugging Face tensor -> our parameters (name, shape) that make it up, in part order (a
     LoRA run's adapted layers under their base names: the adapters are merged in on read)."""
     model = build_on_meta(spec)
@@ -83,7 +83,7 @@ def _shards(spec: ModelSpec, plan: dict, elem: int, max_bytes: int) -> list[list
     return shards
 
 
-def _copy_tokenizer(source: Path, out: Path) -> None:
+def copy_tokenizer(source: Path, out: Path) -> None:
     """The checkpoint's tokenizer files beside the exported weights (from_pretrained(OUT))."""
     import shutil
 
@@ -106,7 +106,7 @@ def _write_tokenizer(cfg, spec, out: Path) -> None:
     if ds.dataset == "digits" or ds.label_field:
         return  # images, or a classifier's labels: no text generation
     if ds.tokenizer:  # the checkpoint's own (or data.tokenizer's) files, as they are
-        _copy_tokenizer(Path(ds.tokenizer), out)
+        copy_tokenizer(Path(ds.tokenizer), out)
         return
     cache, meta = prepare_text(ds)  # shardwise's BPE lives beside the run's token cache
     tok = PreTrainedTokenizerFast(tokenizer_file=str(cache / "tokenizer.json"))
@@ -152,15 +152,23 @@ def merging(read, cfg, spec):
 
 def _write(src: Source, out: Path, max_shard_bytes: int) -> None:
     """The Hugging Face files of `src` in `out` (a fresh folder)."""
-    from safetensors.torch import save_file
-
     cfg, spec, index = src.cfg, src.spec, src.index
-    plan = _plan(spec, cfg.finetune)
+    plan = hf_plan(spec, cfg.finetune)
     first = canonical_name(next(iter(plan.values()))[0][0], spec)  # the embedding
     kind = "master" if f"master/{first}" in index["tensors"] else "param"
     dtype = index["tensors"][f"{kind}/{first}"]["dtype"]
+    write_weights(spec, plan, merging(src.read, cfg, spec), dtype, out, max_shard_bytes)
+    write_tokenizer(cfg, spec, out)
+
+
+def write_weights(
+    spec: ModelSpec, plan: dict, read, dtype: str, out: Path, max_shard_bytes: int
+) -> None:
+    """Safetensors shards (+ index) and config.json in `out` for the model `spec`, each tensor
+    assembled from our parameters (`plan`: `hf_plan`; `read(name)` gives one at full shape)."""
+    from safetensors.torch import save_file
+
     shards = _shards(spec, plan, getattr(torch, dtype).itemsize, max_shard_bytes)
-    read = merging(src.read, cfg, spec)
     weight_map, total = {}, 0
     for i, keys in enumerate(shards):  # one output file in memory at a time
         fname = (
@@ -180,7 +188,6 @@ def _write(src: Source, out: Path, max_shard_bytes: int) -> None:
         (out / "config.json").write_text(json.dumps(export_config(spec, dtype), indent=2))
     else:
         (out / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2))
-    write_tokenizer(cfg, spec, out)
 
 
 def write_tokenizer(cfg, spec, out: Path) -> None:
@@ -188,7 +195,7 @@ def write_tokenizer(cfg, spec, out: Path) -> None:
     the one the run trained with (so `model.init_from=OUT` and from_pretrained(OUT) read text
     as the model was trained to)."""
     if family_of(spec).from_checkpoint:
-        _copy_tokenizer(Path(spec.source), out)
+        copy_tokenizer(Path(spec.source), out)
     else:
         _write_tokenizer(cfg, spec, out)
 

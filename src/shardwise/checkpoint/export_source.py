@@ -30,6 +30,11 @@ from shardwise.models.presets import ModelSpec
 from shardwise.models.spec import spec_from_config
 
 _ATTEMPTS = 3  # checkpoints pruned under us before we hold one open: give up after this many
+_TAKES = (
+    "a run directory, a checkpoint.dir or one checkpoint (index.json), a Hugging Face Llama or "
+    "GPT-2 directory (config.json + model*.safetensors) or a model's PyTorch distributed "
+    "checkpoint (.metadata)"
+)
 
 
 class _Gone(Exception):
@@ -77,13 +82,20 @@ def _run_config(run_dir: Path) -> Config:
     """The config a run recorded in run.dir/config.json, or one clear refusal."""
     path = run_dir / "config.json"
     try:
-        return config_from_dict(json.loads(path.read_text()))
+        values = json.loads(path.read_text())
+        if isinstance(values, dict) and "model_type" in values:  # (weights beside: export_model)
+            why = f"a Hugging Face '{values['model_type']}' config with no *.safetensors beside it"
+        elif not isinstance(values, dict) or not all(isinstance(v, dict) for v in values.values()):
+            why = "no [section] tables of a shardwise config"
+        else:
+            return config_from_dict(values)
     except (ShardwiseError, OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
-        raise ShardwiseError(
-            f"'{path}' is not the config of a shardwise run ({type(exc).__name__}: {exc}), so "
-            f"the run's checkpoints cannot be found from it. Fix: pass the checkpoint directory "
-            f"itself, e.g. shardwise export {run_dir / 'checkpoints'} --format hf OUT."
-        ) from None
+        why = f"{type(exc).__name__}: {exc}"
+    raise ShardwiseError(
+        f"'{path}' is not the config of a shardwise run ({why}), so the run's checkpoints "
+        "cannot be found from it. shardwise export takes " + _TAKES + ". Fix: pass one of "
+        f"those, e.g. the checkpoint directory itself: {run_dir / 'checkpoints'}."
+    )
 
 
 def _same_run(root: Path, cfg: Config) -> bool:
@@ -132,7 +144,8 @@ def _choose(path: Path, step: int | None) -> tuple[Path, Path, bool]:
     else:
         raise ShardwiseError(
             f"'{path}' is neither a run directory (no config.json) nor a checkpoint "
-            f"(no {cio.INDEX}). Fix: pass the run.dir of a training run with checkpoint.every > 0."
+            f"(no {cio.INDEX}) nor a model directory: shardwise export takes {_TAKES}. Fix: "
+            "pass one of those, e.g. the run.dir of a training run with checkpoint.every > 0."
         )
     if step is not None:
         chosen = cio.step_dir(root, step)

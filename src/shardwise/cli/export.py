@@ -1,5 +1,6 @@
 """`shardwise export RUN_DIR --format hf|peft|dcp OUT`: a run's newest checkpoint to another
-format."""
+format; also a Hugging Face model directory to a DCP, and a model's DCP (its shape given as
+`--model.*` keys) to Hugging Face safetensors (checkpoint/export_model.py)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="shardwise export",
         add_help=False,
         usage="%(prog)s RUN_DIR --format {hf,peft,dcp} OUT [--max-shard-size 2GB] [--step N] "
-        "[--overwrite]",
-        description="A run's newest checkpoint in another format.",
+        "[--overwrite]\n       %(prog)s HF_DIR --format dcp OUT\n"
+        "       %(prog)s DCP_DIR --format hf OUT --model.name=NAME [--model.KEY=VALUE ...]",
+        description="A run's newest checkpoint in another format; a Hugging Face Llama/GPT-2 "
+        "directory as a PyTorch distributed checkpoint (DCP); a model's DCP (ours or "
+        "torchtitan's) as Hugging Face safetensors, its shape from --model.* keys.",
     )
     p.add_argument(
         "paths",
@@ -63,8 +67,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def export_main(argv: list[str]) -> int:
+    from shardwise.config import split_overrides
+
     parser = _parser()
-    args, rest = parser.parse_known_intermixed_args(argv)
+    own, keys = split_overrides(argv)  # `--model.KEY[=| ]VALUE`: a model DCP's shape
+    args, rest = parser.parse_known_intermixed_args(own)
     if args.help:
         print(parser.format_help())
         return 0
@@ -81,7 +88,16 @@ def export_main(argv: list[str]) -> int:
                 f"--format hf; --format {args.format} writes its own files. Fix: leave "
                 "--max-shard-size out."
             )
-        if args.format == "peft":
+        done = _export_model(args, run_dir, out, keys)
+        if done is not None:
+            ckpt, what = done
+        elif keys:
+            raise ShardwiseError(
+                f"{keys[0]} gives the shape of a model's distributed checkpoint, which holds "
+                f"no config; '{run_dir}' is a run or checkpoint whose config gives it. Fix: "
+                "leave the --model.* keys out."
+            )
+        elif args.format == "peft":
             from shardwise.checkpoint.export_peft import export_peft
 
             ckpt = export_peft(run_dir, out, step=args.step, overwrite=args.overwrite)
@@ -102,3 +118,42 @@ def export_main(argv: list[str]) -> int:
         return getattr(exc, "code", 2)  # 128 + the signal when one stopped it
     print(f"exported {ckpt} to {out} ({what})")
     return 0
+
+
+def _export_model(
+    args: argparse.Namespace, path: str, out: str, keys: list[str]
+) -> tuple[str, str] | None:
+    """Export a model directory that is not a run (checkpoint/export_model.py): (what was
+    exported, in what format), or None for a run or checkpoint."""
+    from shardwise.checkpoint import export_model as em
+
+    kind = em.source_kind(path)
+    if kind == "run":
+        return None
+    what = {"hf": "a Hugging Face model directory", "dcp": "a model's distributed checkpoint"}
+    wanted = {"hf": "dcp", "dcp": "hf"}[kind]
+    readers = {"hf": "from_pretrained and model.init_from", "dcp": "dcp.load and model.init_from"}
+    if args.format != wanted:
+        raise ShardwiseError(
+            f"'{path}' is {what[kind]}: --format {args.format} would "
+            + ("copy it as it is" if args.format == kind else "find no LoRA adapter in it")
+            + f"; export writes it as --format {wanted}. Fix: --format {wanted}, or use it as "
+            f"it is ({readers[kind]} read it)."
+        )
+    if args.step is not None:
+        raise ShardwiseError(
+            f"--step {args.step} picks a checkpoint of a run; '{path}' is {what[kind]}, one "
+            "model. Fix: leave out --step."
+        )
+    if kind == "hf":
+        if keys:
+            raise ShardwiseError(
+                f"{keys[0]}: '{path}' is {what[kind]}, its config.json gives the shape. Fix: "
+                "leave the --model.* keys out."
+            )
+        init = em.export_hf_dir(path, out, overwrite=args.overwrite)
+        print(f"model.init_from={out} reads it with: {' '.join(init)}")
+        return path, "PyTorch distributed checkpoint"
+    size = parse_size(args.max_shard_size or "2GB")
+    em.export_model_dcp(path, out, keys, size, overwrite=args.overwrite)
+    return path, "Hugging Face safetensors + config.json"
