@@ -232,3 +232,18 @@ def test_fp8_key_is_in_the_docs() -> None:
     docs = Path(__file__).parents[1] / "docs"
     assert "precision.fp8" in (docs / "config.md").read_text()
     assert "precision.fp8" in (docs / "parallelism.md").read_text()
+
+
+def test_torchaos_enum_notice_is_dropped_and_nothing_else(caplog):
+    """torch logs a deprecation notice about torchao's float8 enums on every import of
+    torchao (transformers and peft import it when installed), on every Hugging Face run:
+    shardwise drops that one message from torch's pytree logger and lets every other through."""
+    import logging
+
+    import shardwise  # noqa: F401 (installs the filter)
+
+    log = logging.getLogger("torch.utils._pytree")
+    with caplog.at_level(logging.WARNING, logger="torch.utils._pytree"):
+        log.warning("%s is an Enum subclass and is now natively supported by torch.compile", "E")
+        log.warning("some other pytree warning")
+    assert [r.getMessage() for r in caplog.records] == ["some other pytree warning"]
