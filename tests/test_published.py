@@ -186,6 +186,26 @@ def test_the_published_3d_runs_are_predicted_within_15_percent(runs):
         assert abs(pred / c.measured_s - 1) <= 0.15, (c.row["id"], pred, c.measured_s)
 
 
+def test_the_published_long_context_runs_are_priced_and_held_out(runs):
+    """torchtitan's Llama 3.1 8B rows at 32K-256K tokens on 8 H100s (FSDP + CP, compile +
+    Float8) are priced as they ran: each with its cp degree (a ring on fused blocks), the
+    blocks' GEMMs at the FP8 peak, none in the calibration, each fitting in memory; the
+    predicted steps grow with the sequence as the measured ones do. (The errors, +13.5 % to
+    -0.7 %, are reported in RESULTS.md, not bounded here: one source, four rows.)"""
+    rows = [r for r in runs.load_rows() if r["id"].startswith("torchtitan-llama3.1-8b-8g-fsdp")]
+    cases, _ = runs.split_cases([r for r in rows if "-cp" in r["id"]])
+    assert [c.layout.cp for c in cases] == [1, 2, 4, 8]
+    steps = []
+    for c in cases:
+        assert not runs.calibration(c.row) and c.job.fp8 == "tensorwise"
+        assert c.job.deviations.cp_fused_blocks
+        pred, unfit = runs.predict(c)
+        assert unfit is None, c.row["id"]
+        steps.append((c.measured_s, pred))
+    assert [m for m, _ in steps] == sorted(m for m, _ in steps)
+    assert [p for _, p in steps] == sorted(p for _, p in steps)
+
+
 def test_stated_peak_memory_is_predicted_within_10_percent_like_for_like(runs):
     """Where a source says what its memory figure counts, the prediction is within the required
     10 %: our own H200 run's peak allocation against the planner's tensors, torchtitan's
