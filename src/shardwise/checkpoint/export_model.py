@@ -35,7 +35,7 @@ from shardwise.models.hf.weights import (
     spec_fields,
 )
 from shardwise.models.init import canonical_name
-from shardwise.models.presets import PRESETS, ModelSpec
+from shardwise.models.presets import PRESETS, ModelSpec, preset_of_arch
 
 SHAPE = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
@@ -89,7 +89,7 @@ def hf_dir_spec(path: Path) -> ModelSpec:
 
 def init_keys(spec: ModelSpec) -> list[str]:
     """The model.* keys that give `spec`'s shape to `model.init_from` of a DCP."""
-    name = next(n for n, s in PRESETS.items() if s.arch == spec.arch)  # any preset of its family
+    name = preset_of_arch(spec)  # any preset of its family
     keys = [f"--model.name={name}", *(f"--model.{k}={getattr(spec, k)}" for k in SHAPE)]
     return [*keys, f"--model.tie_embeddings={str(spec.tie_embeddings).lower()}"]
 

@@ -203,3 +203,10 @@ def preset(name: str, **overrides: object) -> ModelSpec:
         )
     spec = PRESETS[name]
     return dataclasses.replace(spec, **overrides) if overrides else spec  # type: ignore[arg-type]
+
+
+def preset_of_arch(spec: ModelSpec) -> str:
+    """The name of a preset of `spec`'s architecture (the first in PRESETS): what
+    `model.name` needs when the shape comes from model.* keys (e.g. a DCP, which holds no
+    config)."""
+    return next(n for n, s in PRESETS.items() if s.arch == spec.arch)
