@@ -80,6 +80,7 @@ def test_cp_traffic_is_counted_under_its_own_key(worlds):
 # --- what this first step refuses, before any process starts ---------------------------------
 
 TINY = ["--model.name=tiny", "--data.seq_len=32", "--train.global_batch=8"]
+PRESET_HF = "--model.name=hf-llama-tiny"
 
 
 @pytest.mark.parametrize(
@@ -93,12 +94,12 @@ TINY = ["--model.name=tiny", "--data.seq_len=32", "--train.global_batch=8"]
             ["--parallel.cp=2", "--model.name=resnet18", "--data.dataset=digits"],
             ["model.name='resnet18'", "--parallel.cp=1"],
         ),
-        # the built-in decoders compose cp with tp and pp (test_context_parallel_measured.py),
-        # transformers' models are checked under cp with dp and ZeRO only
+        # transformers' models compose cp with tp (test_context_parallel_hf.py), not with sp,
+        # and the presets are not cut into pipeline stages, cp or not
         (
             4,
-            ["--parallel.cp=2", "--parallel.tp=2", "--model.name=hf-llama-tiny"],
-            ["parallel.tp=2", "a Hugging Face model", "--parallel.tp=1"],
+            ["--parallel.cp=2", "--parallel.tp=2", "--parallel.sp=true", PRESET_HF],
+            ["parallel.sp=true", "Hugging Face models", "--parallel.sp=false"],
         ),
         (
             4,

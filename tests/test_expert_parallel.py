@@ -183,7 +183,8 @@ def test_ep_bytes_and_calls_equal_the_planner_formula_of_the_routed_rows(runs, n
 def test_explain_states_the_model_memory_per_rank_exactly(runs, name):
     """explain's params, grads, master and optimizer bytes at ep equal the engine's own
     accounting (max over ranks): experts at 1/ep per rank and ZeRO-sharded over dp/ep; and
-    the dp traffic (dense gradients over dp, expert gradients over dp/ep) byte for byte."""
+    the dp traffic (dense gradients over dp, expert gradients over dp/ep) byte for byte;
+    below ZeRO-3 the buffers exactly (ZeRO-3: not below them); the total within 5 %."""
     extra = PARITY[name][0] if name in PARITY else ROUTED[name]
     pred = explain_record(load_config(None, _args(*extra)), 4, get_hardware("cpu", calibrate=False))
     rec = _ok(runs[name][0])["records"][-1]
@@ -194,9 +195,16 @@ def test_explain_states_the_model_memory_per_rank_exactly(runs, name):
         ep = int(next(x for x in extra if x.startswith("--parallel.ep=")).split("=")[1])
         assert pred["expert_mem_bytes"]["params"] == 2 * 3 * (4 // ep) * 128 * 176 * 4
     pred = pred["mem_bytes"]
-    got = rec["mem_bytes"]
+    got = {k: max(_ok(r)["records"][-1]["mem_bytes"][k] for r in runs[name]) for k in pred}
     for key in ("params", "grads", "master", "optimizer"):
         assert pred[key] == got[key], (key, pred, got)
+    if "--parallel.zero=3" not in extra:  # ZeRO-2's gradients in flight replayed unit by unit
+        assert pred["buffers"] == got["buffers"], ("buffers", pred, got)
+    else:  # ZeRO-3's replay keeps three roots' gradients in flight (a root: dense + experts),
+        # the engine at most three units': an upper bound, never below
+        assert pred["buffers"] >= got["buffers"], ("buffers", pred, got)
+    # activations miss the exchange's saved rows (not priced: about 8 % of them at ep 2 and 4)
+    assert abs(pred["total"] - got["total"]) <= 0.05 * got["total"], ("total", pred, got)
 
 
 @pytest.mark.parametrize(

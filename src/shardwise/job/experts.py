@@ -33,6 +33,20 @@ def expert_units(model: torch.nn.Module, ep: int) -> tuple[list[Unit], list[Unit
     return split_trainable(dense), split_trainable(experts)
 
 
+def in_forward_order(dense: list[Unit], experts: list[Unit]) -> list[Unit]:
+    """Dense and expert units in the order ZeRO reduces and gathers them (parallel/zero.py):
+    each root's expert unit right after its dense ones, so that the transient buffers'
+    replay (plan/buffers.py) sees the gradients in flight the engine holds."""
+    out, by_root = [], {u.name.removesuffix("[experts]"): u for u in experts}
+    for i, u in enumerate(dense):
+        out.append(u)
+        root = u.name.removesuffix("[frozen]")
+        last = i + 1 == len(dense) or dense[i + 1].name.removesuffix("[frozen]") != root
+        if last and root in by_root:
+            out.append(by_root.pop(root))
+    return out + list(by_root.values())
+
+
 def routed_spec(spec: ModelSpec, model: torch.nn.Module) -> ModelSpec:
     """`spec` with its MoE shape (experts, top-k, every how many blocks) read from a
     transformers MoE model's stacked experts and routers where the spec has none."""

@@ -23,7 +23,7 @@ from shardwise.distributed import device as dev
 from shardwise.errors import ConfigError
 from shardwise.finetune import build_adapted
 from shardwise.finetune.quant import quant_layers
-from shardwise.job.experts import expert_units, routed_spec
+from shardwise.job.experts import expert_units, in_forward_order, routed_spec
 from shardwise.models import count_params
 from shardwise.optim import EIGHT_BIT
 from shardwise.optim.nvme import chunk_elements
@@ -346,26 +346,36 @@ def _buffers(us: list, job: Job, layout: Layout, module_buffers: int) -> float:
     module's own buffers."""
     wire = compression.zero_wire_copy(layout)
     tied = job.spec.tie_embeddings
+    # ZeRO-3 gathers a root's expert unit with its dense one (both hook the block) and
+    # prefetches the previous root's last unit; ZeRO-2 only has gradients in flight, unit by
+    # unit (parallel/zero.py), so there the expert unit counts as a root of its own
+    together = ("[frozen]", "[experts]") if layout.zero == 3 else ("[frozen]",)
     return (
-        zero_transient(us, job, layout.dp, layout.zero, wire, tied)
+        zero_transient(us, job, layout.dp, layout.zero, wire, tied, together)
         + compression.state_bytes(job, layout, us)
         + module_buffers
     )
 
 
-def _hf_stage(cfg: Config, derived, job: Job, layout: Layout, stage: int) -> tuple[dict, list]:
-    """(`mem_bytes`, ZeRO units) of pipeline rank `stage` of a Hugging Face causal LM: its
-    units' states, and one micro-batch's saved bytes from a fake forward of its chunk
-    (embedding, layers, norm + head + loss as it holds them) times the micro-batches its
-    schedule keeps."""
+def _hf_stage(cfg: Config, derived, job: Job, layout: Layout, stage: int) -> tuple:
+    """(`mem_bytes`, dense ZeRO units, expert units) of pipeline rank `stage` of a Hugging
+    Face causal LM or our MoE decoder: its units' states (its own layers' experts apart), and
+    one micro-batch's saved bytes from a fake forward of its chunk (embedding, layers, norm +
+    head + loss as it holds them) times the micro-batches its schedule keeps."""
     (model, view, mine, tp), us = _stage_model(cfg, derived, layout, stage)
+    us, experts = expert_units(model, layout.ep) if layout.ep > 1 else (us, [])
     quantised = [m.shape for _, m in quant_layers(model)]
     shards = mem.quantised_shards(layout)
     states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload, quantised, shards)
+    if experts:  # this stage's experts, sharded over their own holders (parallel/expert.py)
+        edp_job, edp = mem.expert_group(job, layout, layout.ep)
+        more = mem.model_states(experts, edp_job, edp.dp, edp.zero, edp.offload, None, shards)
+        mem.add_states(states, more)
     b, s = derived.micro_batch, cfg.data.seq_len
     with FakeTensorMode():
         _to_fake(model)
-        states["buffers"] = _buffers(us, job, layout, tensor_bytes(model.buffers()))
+        ordered = in_forward_order(us, experts)
+        states["buffers"] = _buffers(ordered, job, layout, tensor_bytes(model.buffers()))
         states["buffers"] += mem.quantised_transient(job, layout, stage, quantised)
         _as_trained(model, cfg, derived, cfg.memory.recompute)
         meter = ActivationMeter(model)
@@ -390,7 +400,16 @@ def _hf_stage(cfg: Config, derived, job: Job, layout: Layout, stage: int) -> tup
     one = layout.pp_schedule in ("1f1b", "interleaved")  # the last stage's loss: one at a time
     states["activations"] = (edge + blocks) * held + tail * (1.0 if one else held)
     states["total"] = sum(v for k, v in states.items() if not k.startswith(("host_", "disk_")))
-    return states, us
+    return states, us, experts
+
+
+def _expert_traffic(comm: dict, calls: dict, job: Job, layout: Layout, experts: list) -> None:
+    """Add the expert units' gradient reduction (and ZeRO gathers) over the (dp / ep)·tp ranks
+    holding the same experts to `comm`/`calls`' dp entries, where comm.py counts them."""
+    edp_job, edp = mem.expert_group(job, layout, layout.ep)
+    held = dataclasses.replace(edp_job, frozen=tuple(experts))
+    comm["dp"] += traffic.traffic(held, edp)["dp"]
+    calls["dp"] += traffic.collective_calls(held, edp)["dp"]
 
 
 TIME_KEYS = ("step_time_s", "tokens_per_s", "mfu", "mfu_causal", "hfu", "flop_convention", "time")
@@ -434,16 +453,22 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         # sharing, not the config's flag (a BERT classifier's config ties; it has no LM head)
         spec = dataclasses.replace(job.spec, tie_embeddings=_tied_first(model))
         job = dataclasses.replace(job, spec=spec)
-    if not formula and layout.pp > 1:  # a Hugging Face causal LM cut into stages
+    if not formula and layout.pp > 1:  # a Hugging Face causal LM or MoE decoder in stages
         stages = [_hf_stage(cfg, derived, job, layout, r) for r in range(layout.pp)]
         keys = list(stages[0][0])
-        states = {k: max(s.get(k, 0) for s, _ in stages) for k in keys}
+        states = {k: max(s.get(k, 0) for s, _, _ in stages) for k in keys}
         real = dataclasses.replace(job, frozen=tuple(stages[0][1]))
+        comm, calls = traffic.traffic(real, layout), traffic.collective_calls(real, layout)
+        if layout.ep > 1:  # stage 0's experts over their holders; the busiest stage's exchange
+            _expert_traffic(comm, calls, job, layout, stages[0][2])
+            moe_layers = max(len(e) for _, _, e in stages)
+            routed = dataclasses.replace(job, spec=routed_spec(job.spec, model))
+            comm["ep"], calls["ep"] = traffic.ep_traffic(routed, layout, layers=moe_layers)
         return n, {
             **layout.record(),
             "mem_bytes": {k: int(v) for k, v in states.items()},
-            "comm_bytes": traffic.traffic(real, layout),
-            "comm_calls": traffic.collective_calls(real, layout),
+            "comm_bytes": comm,
+            "comm_calls": calls,
         }
     if not formula:  # states + the fake forward's bytes (unsharded models only)
         # cp > 1: dp x cp replicas at seq_len / cp, as `evaluate` prices our decoders
@@ -457,7 +482,7 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         if experts:
             more = mem.model_states(experts, edp_job, edp.dp, edp.zero, edp.offload, None, shards)
             mem.add_states(states, more)
-        states["buffers"] = _buffers(dense + experts, job, layout, module_buffers)
+        states["buffers"] = _buffers(in_forward_order(dense, experts), job, layout, module_buffers)
         states["buffers"] += mem.quantised_transient(job, layout) if quantised else 0
         # what transformers' attention through the cp kernels saves beyond the fake forward's
         # SDPA (parallel/context_hf.py: the same kernels as our decoders')
@@ -468,9 +493,7 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         real = dataclasses.replace(job, frozen=tuple(dense))
         comm, calls = traffic.traffic(real, layout), traffic.collective_calls(real, layout)
         if experts:  # the expert units' reduction over their holders, counted under dp
-            held = dataclasses.replace(edp_job, frozen=tuple(experts))
-            comm["dp"] += traffic.traffic(held, edp)["dp"]
-            calls["dp"] += traffic.collective_calls(held, edp)["dp"]
+            _expert_traffic(comm, calls, job, layout, experts)
         if asked.ep > 1:  # the token exchange, at balanced routing (traffic.ep_traffic)
             routed = dataclasses.replace(whole, spec=routed_spec(whole.spec, model))
             comm["ep"], calls["ep"] = traffic.ep_traffic(routed, asked)

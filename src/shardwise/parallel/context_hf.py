@@ -10,7 +10,10 @@ An implementation that transformers' mask registry does not know builds no mask
 (masking_utils `_preprocess_mask_arguments`: custom attention without mask creation), so no
 causal mask of the local length is made; the kernels mask by global position. A forward
 pre-hook passes the global positions of the local tokens as `position_ids`, so the rotary
-embedding rotates each token by its place in the whole sequence.
+embedding rotates each token by its place in the whole sequence. Under tp an attention module
+reshapes q/k/v to the heads its rank holds, so the kernels run over those; under pp the model's
+forward (and the pre-hook) does not run, and the stages of parallel/pipeline_hf.py read the
+same positions from the context of their layer's attention module.
 
 Packed rows (data.pack): the model receives this rank's part of each row as [B, 3, S/cp] (ids,
 record numbers, positions within the record; parallel/context.py `sequence_part`), and
@@ -30,6 +33,9 @@ from shardwise.models.packing import Packed, is_packed
 
 CP_ATTENTION = "shardwise_cp"
 CONTEXT = "shardwise_cp_context"  # the attribute of an attention module holding the context
+# transformers' attention modules hold their GQA ratio under this name (read by sdpa_attention
+# too): the modules the attention function receives, and so the ones given the context
+CONTEXT_HOLDER = "num_key_value_groups"
 
 
 def cp_attention(
@@ -91,9 +97,7 @@ def apply_to_transformers(model: nn.Module, context) -> bool:
         return False
     _register()
     model.set_attn_implementation(CP_ATTENTION)
-    # transformers' attention modules are the ones the attention function receives: each
-    # holds its config and its GQA ratio (`num_key_value_groups`, read by sdpa_attention too)
-    modules = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
+    modules = [m for m in model.modules() if hasattr(m, CONTEXT_HOLDER)]
     if not modules:
         raise ConfigError(
             f"parallel.cp: {type(model).__name__} has no attention module that calls "

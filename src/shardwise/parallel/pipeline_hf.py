@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.parallel.context_hf import CONTEXT, CONTEXT_HOLDER
 
 # model_type -> its base forward is exactly its published plan plus rotary positions; each
 # checked against one process (tests/test_hf_models.py)
@@ -62,9 +63,17 @@ class _Layer(nn.Module):
     def __init__(self, layer: nn.Module, rotary: nn.Module) -> None:
         super().__init__()
         self.layer, self.rotary = layer, rotary
+        # the attention module cp hands its context (parallel/context_hf.py), set after pruning
+        self.attention = next((m for m in layer.modules() if hasattr(m, CONTEXT_HOLDER)), None)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(h.shape[1], device=h.device)[None]
+        # under cp a stage holds this rank's zig-zag part of each sequence: RoPE rotates each
+        # token by its global position, the one the model's pre-hook passes in one stage
+        context = getattr(self.attention, CONTEXT, None)
+        if context is not None:
+            positions = context.positions(h.shape[1], h.device)[None]
+        else:
+            positions = torch.arange(h.shape[1], device=h.device)[None]
         cos_sin = self.rotary(h, position_ids=positions)
         out = self.layer(
             h, attention_mask=None, position_ids=positions, position_embeddings=cos_sin

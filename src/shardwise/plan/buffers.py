@@ -33,16 +33,24 @@ def padded_numel(u: Unit, dp: int, align: int = 1) -> int:
 
 
 def zero_transient(
-    us: list[Unit], job: Job, dp: int, stage: int, wire: int = 0, tied: bool = False
+    us: list[Unit],
+    job: Job,
+    dp: int,
+    stage: int,
+    wire: int = 0,
+    tied: bool = False,
+    siblings: tuple[str, ...] = ("[frozen]",),
 ) -> float:
     """`_zero_transient` for `job`; `wire`: bytes per element of a 16-bit copy each
     reduce-scatter sends (parallel.grad_compression=bf16/fp16), 0 without. An engine that
     gathers parameter by parameter (peers.Deviations.zero3_per_tensor) holds one tensor, not a
     unit. `tied`: the first root's units are used again by the last root (a head tied to the
-    embedding)."""
+    embedding). `siblings`: the suffixes of units that belong to the root before them (ZeRO-3
+    under expert parallelism: a root's expert unit is gathered with it, parallel/zero.py)."""
     if peers.of(job).zero3_per_tensor and stage == 3:
         return _blocking_transient(us, job, dp)
-    return _zero_transient(tuple(us), dp, stage, job.bc, job.br, align_of(job), wire, tied)
+    us_, bc, br, align = tuple(us), job.bc, job.br, align_of(job)
+    return _zero_transient(us_, dp, stage, bc, br, align, wire, tied, siblings)
 
 
 def _blocking_transient(us: list[Unit], job: Job, dp: int) -> float:
@@ -59,13 +67,13 @@ def _blocking_transient(us: list[Unit], job: Job, dp: int) -> float:
     return peak
 
 
-def _roots(us: tuple) -> list[list[Unit]]:
+def _roots(us: tuple, siblings: tuple[str, ...] = ("[frozen]",)) -> list[list[Unit]]:
     """The units of each root module in forward order (a root's trainable unit and its
-    `[frozen]` sibling together; repeated blocks expanded)."""
+    `siblings`, by default its `[frozen]` one, together; repeated blocks expanded)."""
     out, i = [], 0
     while i < len(us):
         group = [us[i]]
-        if i + 1 < len(us) and us[i + 1].name == f"{us[i].name}[frozen]":
+        while i + 1 < len(us) and us[i + 1].name in {f"{group[0].name}{s}" for s in siblings}:
             group.append(us[i + 1])
             i += 1
         out += [group] * us[i].count
@@ -75,7 +83,15 @@ def _roots(us: tuple) -> list[list[Unit]]:
 
 @lru_cache(maxsize=8192)
 def _zero_transient(
-    us: tuple, dp: int, stage: int, bc: int, br: int, align: int = 1, wire: int = 0, tied=False
+    us: tuple,
+    dp: int,
+    stage: int,
+    bc: int,
+    br: int,
+    align: int = 1,
+    wire: int = 0,
+    tied=False,
+    siblings: tuple[str, ...] = ("[frozen]",),
 ) -> float:
     """Peak bytes of ZeRO's temporary buffers, replaying the engine's schedule (zero.py): ZeRO-3
     holds the root it runs plus the prefetched next unit (backward: the previous root's last
@@ -87,7 +103,7 @@ def _zero_transient(
     their gradients (both uses') are reduced, after the first root's backward: + F_0."""
     if stage < 2 and not (stage == 1 and wire):
         return 0.0
-    roots = _roots(us)
+    roots = _roots(us, siblings)
 
     def size(u: Unit, nbytes: int) -> int:
         return padded_numel(u, dp, align) * nbytes

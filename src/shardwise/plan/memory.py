@@ -462,11 +462,13 @@ def states_only(params: int, job: Job, dp: int, stage: int, offload: str = "none
 
 def expert_group(job: Job, layout: Layout, ep: int) -> tuple[Job, Layout]:
     """The job and layout that expert parallelism's expert units (parallel/expert.py) are
-    sharded and reduced in: the dp / ep ranks holding the same experts, each with the same
-    micro-batches as before; no tied embedding among those units."""
+    sharded and reduced in: the (dp / ep)·tp ranks holding the same experts (an MoE layer is
+    whole on every tp rank, each routing its sequence shard), each with the same micro-batches
+    as before; no tied embedding among those units."""
     spec = dataclasses.replace(job.spec, tie_embeddings=False) if job.spec else None
-    shrunk = dataclasses.replace(job, spec=spec, global_batch=job.global_batch // ep)
-    return shrunk, dataclasses.replace(layout, dp=layout.dp // ep, ep=1)
+    edp = layout.dp // ep * layout.tp
+    shrunk = dataclasses.replace(job, spec=spec, global_batch=job.global_batch // ep * layout.tp)
+    return shrunk, dataclasses.replace(layout, dp=edp, ep=1, tp=1, sp=False)
 
 
 def add_states(into: dict[str, float], more: dict[str, float]) -> dict[str, float]:

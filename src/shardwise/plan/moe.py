@@ -8,7 +8,7 @@ decoder's. What this module adds to the dense formulas:
 - Model states: the stacked expert weights [E, d, f] in the MoE blocks' units (exact against
   the real model's units: tests/test_plan_moe.py); under expert parallelism (`layout.ep`) they
   leave the dense units for units of their own holding E/ep experts, sharded and reduced over
-  the dp·cp/ep ranks that hold the same experts (memory.expert_group), as the engine does.
+  the (dp·cp/ep)·tp ranks that hold the same experts (memory.expert_group), as the engine does.
 - Compute: the router GEMM [tokens, E] and the routed experts as a grouped GEMM priced as the
   routed rows' GEMMs, one kernel per expert group (each at the GEMM efficiency and the
   roofline of its own m x n x k); the shared experts as one dense SwiGLU; the permutation

@@ -77,12 +77,24 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
         tp_kinds["all_gather"] += ring_share(t) * m * act * regathers(job, layout) * layers
     else:
         tp_kinds["all_reduce"] += blocks
+    moe_layers = _moe_tp_layers(job, layout)
+    if moe_layers:  # an MoE layer is whole on every tp rank, on its own sequence shard
+        # (parallel/expert_comm.SequenceShards): no all-gather/reduce-scatter pair around its
+        # MLP forward or backward; its per-(sequence, expert) counts [b, E] int64 all-gathered
+        tp_kinds["all_gather"] -= ring_share(t) * m * act * 2 * moe_layers
+        tp_kinds["reduce_scatter"] -= ring_share(t) * m * act * 2 * moe_layers
+        forwards = 1 + (layout.recompute == "full")
+        counts = ring_share(t) * m * t * b * spec.n_experts * 8 * moe_layers
+        tp_kinds["all_gather"] += counts * forwards
+        if forwards > 1:  # the recomputed block replays its counts' all-gather, not an MLP
+            # input gather (its 3 calls: the attention's pair and the counts)
+            tp_kinds["all_gather"] -= ring_share(t) * m * act * moe_layers
     if _skips_first_entry(job):  # its backward: a reduce-scatter (sp) or an all-reduce
         kind = "reduce_scatter" if layout.sp else "all_reduce"
         tp_kinds[kind] -= ring_share(t) * m * act * (1 if layout.sp else 2)
     if t > 1:  # gradients of parameters replicated over tp ranks that each saw part of them,
         # summed in fp32 (the optimizer's master gradients) once per step
-        tp_kinds["all_reduce"] += 2 * ring_share(t) * _tp_partial(job, t, layout.sp) * 4
+        tp_kinds["all_reduce"] += 2 * ring_share(t) * _tp_partial(job, t, layout.sp, layout.ep) * 4
     if quantised["tp"]:
         tp_kinds["all_gather"] = tp_kinds.get("all_gather", 0.0)
         tp_kinds["all_gather"] += ring_share(t) * m * sum(quantised["tp"])
@@ -201,7 +213,8 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
         per_layer = (8 if layout.sp else 4) + redo * (layout.recompute == "full")
         per_layer += regathers(job, layout)
         tp_calls = m * (per_layer * layers + (6 if layout.sp else 4) - _skips_first_entry(job))
-        tp_calls += 1 if _tp_partial(job, t, layout.sp) else 0
+        tp_calls -= m * 3 * _moe_tp_layers(job, layout)  # its MLP's 4 less, the counts' 1 more
+        tp_calls += 1 if _tp_partial(job, t, layout.sp, layout.ep) else 0
         tp_calls += m * len(quantised["tp"])
     pp_calls = 0
     if p > 1:  # one send per micro-batch and chunk boundary (as `traffic`), plus the tied
@@ -255,12 +268,34 @@ def _skips_first_entry(job: Job) -> bool:
 _ROW_PARALLEL = ("wo", "w2")
 
 
-def _tp_partial(job: Job, t: int, sp: bool) -> int:
+def _moe_tp_layers(job: Job, layout: Layout) -> int:
+    """MoE layers a tp rank of pipeline stage 0 runs on its sequence shard (tp > 1 with sp;
+    models/moe.py: blocks moe_every-1, 2·moe_every-1, ...); 0 otherwise."""
+    spec = job.spec
+    if layout.tp == 1 or not layout.sp or spec is None or not spec.n_experts:
+        return 0
+    return -(-spec.n_layers // layout.pp) // spec.moe_every
+
+
+def _moe_partial(spec, ep: int) -> int:
+    """Elements of an MoE decoder's layers whole on every tp rank, each seeing its sequence
+    shard: the routers, the shared experts and, without ep, the experts (with ep they are
+    reduced over their edp group, which holds the tp ranks, under dp)."""
+    per_layer = spec.n_experts * spec.dim
+    per_layer += 3 * spec.dim * spec.ffn_dim * spec.n_shared_experts
+    per_layer += 3 * spec.n_experts * spec.dim * spec.ffn_dim if ep == 1 else 0
+    return spec.n_layers // spec.moe_every * per_layer
+
+
+def _tp_partial(job: Job, t: int, sp: bool, ep: int = 1) -> int:
     """Elements of replicated parameters whose gradients are all-reduced over tp: with sp the
     norms (and GPT-2's row-layer biases and positions) saw only a sequence chunk; kv heads
     shared by several ranks' query heads (t > kv) always; LoRA adapters whole on every rank
-    (parallel/tensor_lora: A of a column-parallel target, B of a row-parallel one)."""
+    (parallel/tensor_lora: A of a column-parallel target, B of a row-parallel one); with sp
+    an MoE layer's whole parameters (`_moe_partial`)."""
     spec, ft, out = job.spec, job.finetune, 0
+    if sp and spec.n_experts:
+        out += _moe_partial(spec, ep)
     if ft.lora:
         shapes = linear_shapes(spec, 1)
         for tag in ft.lora_targets:
@@ -279,7 +314,9 @@ def _tp_partial(job: Job, t: int, sp: bool) -> int:
     return out
 
 
-def ep_traffic(job: Job, layout: Layout, rows: tuple[float, float] | None = None):
+def ep_traffic(
+    job: Job, layout: Layout, rows: tuple[float, float] | None = None, layers: int | None = None
+):
     """(bytes, calls) per rank per step of expert parallelism's token exchange
     (parallel/expert_comm.py), as comm.py counts them under "ep"; (0.0, 0) at ep = 1.
 
@@ -294,14 +331,17 @@ def ep_traffic(job: Job, layout: Layout, rows: tuple[float, float] | None = None
     micro-batches. They depend on the routing: `rows` gives the measured (sent, received);
     None prices balanced, dropless routing (every rank's b·s·k assignments per layer spread
     evenly over the experts, so (n-1)/n of them leave and as many arrive), the convention
-    `explain` and `plan` state."""
+    `explain` and `plan` state. `layers`: the MoE layers a rank runs (a pipeline stage's;
+    default all). Under sp each tp rank routes its own s / tp tokens."""
     n, spec = layout.ep, job.spec
     if n == 1 or spec is None or not spec.n_experts:
         return 0.0, 0
-    m, layers = layout.micro_batches(job), spec.n_layers // spec.moe_every
+    m = layout.micro_batches(job)
+    layers = spec.n_layers // spec.moe_every if layers is None else layers
     forwards = 1 + (layout.recompute == "full")
     if rows is None:
-        each = layers * m * layout.micro_batch * (job.seq_len // layout.cp) * spec.top_k
+        local = job.seq_len // layout.cp // (layout.tp if layout.sp else 1)
+        each = layers * m * layout.micro_batch * local * spec.top_k
         rows = (each * ring_share(n), each * ring_share(n))
     counts = forwards * layers * m * ring_share(n) * spec.n_experts * 8
     moved = (forwards + 1) * (rows[0] + rows[1]) * spec.dim * job.bc

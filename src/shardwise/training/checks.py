@@ -318,16 +318,16 @@ def check_context_parallel(cfg: Config, spec: ModelSpec, family: Family, tp: int
 
 def _cp_layout_refusal(cfg: Config, spec: ModelSpec, family: Family, tp: int, pp: int) -> str:
     """Why cp cannot split the sequence in this layout ("" when it can): the zig-zag chunks,
-    sequence parallelism's further split, Ulysses' heads per rank, and the families whose cp
-    is checked against one process without tp and pp only."""
+    sequence parallelism's further split, Ulysses' heads per rank, and a family whose cp is
+    checked against one process without tp and pp only (`Family.cp_composes`)."""
     p, cp, s = cfg.parallel, cfg.parallel.cp, cfg.data.seq_len
     heads = spec.n_heads // tp
     if (tp > 1 or pp > 1) and not family.cp_composes:
         return (
-            f"parallel.tp={tp} and parallel.pp={pp}: {family.kind} under cp (transformers' "
-            "attention and its own pipeline stages, which build positions of the local length) "
-            "is checked with data parallelism and ZeRO only; the built-in decoders compose cp "
-            "with tp and pp. Fix: --parallel.tp=1 --parallel.pp=1."
+            f"parallel.tp={tp} and parallel.pp={pp}: cp for model.name='{cfg.model.name}' "
+            f"({family.kind}) is checked with data parallelism and ZeRO only; the built-in "
+            "decoders and transformers' Llama, Mistral and Qwen2 compose cp with tp and pp. "
+            "Fix: --parallel.tp=1 --parallel.pp=1."
         )
     if s % (2 * cp):
         return (

@@ -31,6 +31,9 @@ HF_CAUSAL_LM = Family(
     # with the plain 1/sqrt(D) scale (parallel/context_hf.py)
     context_parallel=True,
     cp_model_types=("llama", "mistral", "qwen2"),
+    # cp x tp and cp x pp: its stages rotate by the global positions (parallel/pipeline_hf.py;
+    # tests/test_context_parallel_hf.py)
+    cp_composes=True,
     # a checkpoint with stacked experts (models/hf/experts.py) takes the expert exchange;
     # whether it has experts is its config's answer (parallel/expert.py)
     expert_parallel=True,

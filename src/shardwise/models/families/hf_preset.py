@@ -29,6 +29,7 @@ HF_LLAMA = Family(
     archs=("hf-llama",),
     build=_build,
     context_parallel=True,  # its attention through transformers' registry (context_hf.py)
+    cp_composes=True,  # cp x tp (tests/test_context_parallel_hf.py)
     **_EXPORT,
 )
 HF_GPT2 = Family(
