@@ -116,12 +116,11 @@ def whole_documents(tok):  # -> tokenizers.Tokenizer
     return backend
 
 
-def encode_documents(tok, texts: list[str]) -> list[list[int]]:
+def encode_documents(backend, eos: int | None, texts: list[str]) -> list[list[int]]:
     """Each document's ids as the tokenizer defines them (its post-processor's special tokens),
-    whole (never truncated or padded), followed by its end-of-sequence token when it has one
-    and did not already add it."""
-    encodings = whole_documents(tok).encode_batch_fast(texts, add_special_tokens=True)
-    eos = tok.eos_token_id
+    whole (`backend`: `whole_documents` of it, built once per corpus), followed by its
+    end-of-sequence token `eos` when it has one and did not already add it."""
+    encodings = backend.encode_batch_fast(texts, add_special_tokens=True)
     out = []
     for enc in encodings:
         ids = list(enc.ids)

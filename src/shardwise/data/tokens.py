@@ -34,6 +34,7 @@ from shardwise.data.pretrained import (
     content_key,
     encode_documents,
     load_tokenizer,
+    whole_documents,
 )
 from shardwise.errors import DataError
 
@@ -198,8 +199,10 @@ def _build(spec: DataSpec, source: Source, out: Path) -> dict:
             tok.bos_token_id,
         )
 
+        whole = whole_documents(tok)  # once: rebuilding it per chunk re-parses its JSON
+
         def encode(texts: list[str]) -> list[list[int]]:
-            return encode_documents(tok, texts)
+            return encode_documents(whole, eos_id, texts)
     else:
         _say(
             f"training a {spec.vocab_size}-token BPE on {n_chars / 1e6:.1f} M characters of "
