@@ -11,7 +11,6 @@ logits of the exported folder against our model's logits read from the DCP.
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from shardwise.models.dcp import DCPWeights, tensor_sizes  # noqa: E402
 from shardwise.models.hf.weights import HFWeights, load_weights  # noqa: E402
 from shardwise.models.spec import spec_from_config  # noqa: E402
 from support.compare import VOCAB, case  # noqa: E402
-from test_init_from_dcp import TITAN, _meta_order  # noqa: E402
+from test_init_from_dcp import _titan_dcp  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -129,25 +128,6 @@ def test_init_from_the_dcp_gives_the_hf_dirs_first_loss(hf_dirs, tmp_path, capsy
     ours = run_here(case(*keys, f"--model.init_from={out}", *common), str(tmp_path / "b"))
     assert len(hf["losses"]) == 1
     assert ours["losses"] == hf["losses"]
-
-
-def _titan_dcp(params: dict[str, torch.Tensor], out: Path, nested: bool) -> None:
-    """Our parameters under torchtitan's names, q/k rows in Meta's RoPE order; flat, or under
-    "model." beside an optimizer as its step checkpoints keep them."""
-    model = {}
-    for name, value in params.items():
-        for ours, theirs in TITAN.items():
-            m = re.fullmatch(ours, name)
-            if m:
-                key = theirs.format(*m.groups())
-                if key.endswith((".wq.weight", ".wk.weight")):
-                    value = _meta_order(value, 4 if ".wq." in key else 2)
-                model[key] = value.detach().clone()
-    assert len(model) == len(params)
-    state = {"model": model, "optimizer": {"step": torch.tensor(3.0)}} if nested else model
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, checkpoint_id=str(out), no_dist=True)
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["under-model", "flat"])

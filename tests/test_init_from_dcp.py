@@ -47,7 +47,9 @@ def _meta_order(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.view(heads, 2, out // heads // 2, dim).transpose(1, 2).reshape(out, dim)
 
 
-def _titan_dcp(params: dict[str, torch.Tensor], out: Path) -> None:
+def _titan_dcp(params: dict[str, torch.Tensor], out: Path, nested: bool = True) -> None:
+    """Our parameters under torchtitan's names, q/k rows in Meta's RoPE order; under "model."
+    beside an optimizer as its step checkpoints keep them, or flat (`nested` False)."""
     model = {}
     for name, value in params.items():
         for ours, theirs in TITAN.items():
@@ -56,9 +58,9 @@ def _titan_dcp(params: dict[str, torch.Tensor], out: Path) -> None:
                 key = theirs.format(*m.groups())
                 if key.endswith((".wq.weight", ".wk.weight")):
                     value = _meta_order(value, 4 if ".wq." in key else 2)
-                model[key] = value.clone()
+                model[key] = value.detach().clone()
     assert len(model) == len(params)
-    state = {"model": model, "optimizer": {"step": torch.tensor(3.0)}}
+    state = {"model": model, "optimizer": {"step": torch.tensor(3.0)}} if nested else model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, checkpoint_id=str(out), no_dist=True)
