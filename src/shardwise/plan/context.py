@@ -75,8 +75,7 @@ def cp_seconds(
     if n == 1:
         return {}
     m = layout.micro_batches(job)
-    ranks_here = min(job.devices, hw.per_node)
-    slowdown = max(1.0, ranks_here / hw.cores) if hw.cores else 1.0
+    slowdown = hw.slowdown(job.devices)
     layers = -(-whole.spec.n_layers // asked.pp)  # the busiest stage's
     # one micro-batch's added attention: the ring's steps after the first, behind which the
     # next block's sends travel

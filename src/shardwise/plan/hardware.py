@@ -90,6 +90,11 @@ class Hardware:
     # aligned ones; 1 = not priced (fitted where a source measured it: published_runs.py)
     misaligned_slowdown: float = 1.0
 
+    def slowdown(self, devices: int) -> float:
+        """How many times slower each rank computes when a job's `devices` ranks of a node
+        share this CPU's cores (1 where every rank has a device of its own)."""
+        return max(1.0, min(devices, self.per_node) / self.cores) if self.cores else 1.0
+
     def flops(self, precision: str) -> float:
         """Achieved FLOP/s of training compute in `precision` (peak x efficiency)."""
         eff = self.eff.get(precision, self.matmul_eff) if self.eff else self.matmul_eff

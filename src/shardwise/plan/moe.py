@@ -163,8 +163,7 @@ def ep_seconds(job, layout, moved: float, calls: int) -> dict[str, float]:
     if layout.ep == 1 or not moved:
         return {}
     hw = job.hardware
-    ranks_here = min(job.devices, hw.per_node)
-    slowdown = max(1.0, ranks_here / hw.cores) if hw.cores else 1.0
+    slowdown = hw.slowdown(job.devices)
     cost = hw.collective_cost.get("all_to_all", 1.0)
     seconds = slowdown * (moved * cost / _ep_link(job, layout) + calls * hw.latency)
     return {"ep_comm_s": seconds, "ep_exposed_s": seconds}

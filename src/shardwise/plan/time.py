@@ -127,8 +127,7 @@ def step_time(
     `traffic_by_kind` and `collective_calls` where the caller has them already."""
     hw = job.hardware
     m, t, p, dp = layout.micro_batches(job), layout.tp, layout.pp, layout.dp
-    ranks_here = min(job.devices, hw.per_node)
-    slowdown = max(1.0, ranks_here / hw.cores) if hw.cores else 1.0
+    slowdown = hw.slowdown(job.devices)
     t_mb = slowdown * _micro_batch_seconds(job, layout)
     if job.finetune.quantised:  # NF4/int8 -> bf16 dequantisation before every use of a weight
         uses = 3 if layout.recompute == "full" else 2
