@@ -4,8 +4,8 @@
 framework that ran it differs from shardwise, the job is a `plan/peers.PeerJob` with that
 framework's `Deviations`, data beside the record (`published/frameworks.toml`). Knobs a source
 does not state (micro-batch, interleaving depth) are the planner's choice, as `plan` makes it
-when those keys are not pinned. A row the planner cannot price says why. Used by
-published_runs.py and tests/test_published.py.
+when those keys are not pinned. A row the planner cannot price says why. The MoE rows'
+adapters are in published_moe.py. Used by published_runs.py and tests/test_published.py.
 """
 
 from __future__ import annotations
@@ -340,7 +340,9 @@ def load_rows() -> list[dict]:
 
 
 def make_case(row: dict) -> Case | str:
-    for prefix, adapter in ADAPTERS.items():
+    from published_moe import ADAPTERS as MOE  # (they use this module's _best and FRAMEWORKS)
+
+    for prefix, adapter in (ADAPTERS | MOE).items():
         if row["id"].startswith(prefix):
             return adapter(row)
     return "no adapter for this source yet"

@@ -24,6 +24,7 @@ import json
 import math
 
 from common import add_smoke, command_line
+from published_moe import moe_report
 from published_rows import (
     HERE,
     MISALIGNED_PAIR,
@@ -394,6 +395,7 @@ def main() -> int:
         print(f"not predicted: {rid}: {why}")
     pred = {r[0].row["id"]: r[1] for r in results}
     meas = {r[0].row["id"]: r[0].measured_s for r in results}
+    moe_report(results, skipped, {r["id"]: r for r in rows})
     memory_report(results)
     oom_report(rows)
     orderings(pred, meas, {r["id"]: r for r in rows})

@@ -109,6 +109,24 @@ def test_ep_adds_the_exposed_all_to_all_at_the_group_link():
     assert narrow["time"]["ep_comm_s"] > wide["time"]["ep_comm_s"] * 2
 
 
+def test_a_pipeline_stage_exchanges_the_tokens_of_its_own_moe_layers():
+    """Under pp a rank routes its micro-batches through its stage's MoE blocks only: plan's ep
+    bytes and calls are ep_traffic's for the busiest stage's (what `explain` counts per
+    stage), not the whole model's. With pp 2 and half the dp, a rank sends as many bytes as
+    without pp: half the layers, twice the micro-batches."""
+    job = _job()
+    flat = search.evaluate(job, Layout(dp=8, ep=4, zero=1, micro_batch=2))
+    lay = Layout(pp=2, dp=4, ep=4, zero=1, micro_batch=2)
+    staged = search.evaluate(job, lay)
+    stage = moe.moe_blocks(SPEC, SPEC.n_layers // 2)
+    moved, calls = traffic.ep_traffic(job, lay, layers=stage)
+    assert (staged["comm_bytes"]["ep"], staged["comm_calls"]["ep"]) == (moved, calls)
+    assert staged["comm_bytes"]["ep"] == flat["comm_bytes"]["ep"] > 0
+    assert traffic.ep_traffic(job, lay)[0] == 2 * moved  # the whole model's: twice
+    link = H100.intra_bw * H100.comm_eff
+    assert staged["time"]["ep_comm_s"] == pytest.approx(moved / link + calls * H100.latency)
+
+
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_ep_shards_the_expert_states_as_the_real_models_units(zero):
     """The planner's model states under ep equal the dense units' over dp plus the expert

@@ -206,6 +206,47 @@ def test_the_published_long_context_runs_are_priced_and_held_out(runs):
     assert [p for _, p in steps] == sorted(p for _, p in steps)
 
 
+def test_the_published_moe_runs_are_priced_and_held_out(runs):
+    """NeMo's Mixtral 8x7B and 8x22B rows on DGX-B200 (Megatron-Core, FP8; the 8x22B at 65,536
+    tokens over tp 2, pp 4 interleaved x14, cp 8, ep 8) are priced as they ran: 8 experts top-2,
+    every degree as the table gives it, FP8 GEMMs, TransformerEngine's ring, none in the
+    calibration, each fitting in memory. The MoE runs whose attention a ModelSpec cannot state
+    are recorded, each saying why. (The errors, -38.1 % and -0.3 % on a card the calibration
+    has no run of, are reported in RESULTS.md, not bounded here.)"""
+    rows = [r for r in runs.load_rows() if r["model"].get("n_experts")]
+    cases, skipped = runs.split_cases(rows)
+    assert sorted(c.row["model"]["name"] for c in cases) == ["Mixtral 8x22B", "Mixtral 8x7B"]
+    for c in cases:
+        lay, got = c.row["layout"], c.layout
+        assert (got.tp, got.pp, got.dp, got.cp, got.ep) == tuple(
+            lay[k] for k in ("tp", "pp", "dp", "cp", "ep")
+        )
+        assert (got.pp_virtual, got.micro_batch) == (lay["pp_virtual"], lay["micro_batch"])
+        assert got.zero == 1 and c.job.global_batch == lay["global_batch"]
+        assert c.job.fp8 == "tensorwise"
+        assert (c.job.spec.n_experts, c.job.spec.top_k) == (8, 2)
+        assert c.job.deviations.cp_fused_blocks and c.job.deviations.cp_kv_heads
+        assert not runs.calibration(c.row)
+        _, unfit = runs.predict(c)
+        assert unfit is None, c.row["id"]
+    assert len(skipped) == 2 and all("heads x 128" in why for _, why in skipped), skipped
+
+
+def test_a_transformer_engine_ring_sends_k_v_at_the_k_v_heads():
+    """TransformerEngine's p2p ring (Megatron-Core's cp) sends each K/V block as its grouped-query
+    kernels take it; ours repeats it to the query heads first: H / KV times the bytes. The
+    positions' all-gather and Ulysses' all-to-alls are the same."""
+    spec = ModelSpec("decoder", 2, 1024, 16, 4, 2816, 32000, 8192)
+    ours = Job(spec, A100, 8, seq_len=8192, global_batch=8)
+    te = run_by(ours, Deviations("te", cp_kv_heads=True))
+    ring = Layout(dp=2, cp=4)
+    (mine, calls), (theirs, te_calls) = traffic.cp_traffic(ours, ring), traffic.cp_traffic(te, ring)
+    assert theirs["send"] == mine["send"] * 4 / 16 and calls == te_calls
+    assert theirs["all_gather"] == mine["all_gather"]
+    uly = dataclasses.replace(ring, cp_mode="ulysses")
+    assert traffic.cp_traffic(te, uly) == traffic.cp_traffic(ours, uly)
+
+
 def test_stated_peak_memory_is_predicted_within_10_percent_like_for_like(runs):
     """Where a source says what its memory figure counts, the prediction is within the required
     10 %: our own H200 run's peak allocation against the planner's tensors, torchtitan's

@@ -91,6 +91,10 @@ class Deviations:
     # torchtitan uses), instead of materialising one block pair's fp32 scores (ours:
     # parallel/context_comm.py, in the fit check's transient: memory.cp_transient)
     cp_fused_blocks: bool = False
+    # the ring sends each K/V block at the model's k/v heads, as grouped-query attention
+    # kernels take them (TransformerEngine's p2p context parallelism, Megatron-Core's),
+    # instead of repeated to the query heads (ours, PyTorch's context_parallel after repeat_kv)
+    cp_kv_heads: bool = False
 
 
 NONE = Deviations()  # shardwise's own engine

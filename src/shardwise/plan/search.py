@@ -127,8 +127,11 @@ def evaluate(job: Job, lay: Layout) -> dict:
     if asked.cp > 1:  # the attention over the rest of the sequence, and its exchange
         parts.update(cp_time.cp_seconds(whole, asked, job, lay, kinds["cp"], calls["cp"], parts))
         parts["step_s"] += parts["cp_attention_s"] + parts["cp_exposed_s"]
-    if asked.ep > 1:  # the token exchange's all-to-alls, exposed (plan/moe.py)
-        moved, calls["ep"] = traffic.ep_traffic(whole, asked)
+    if asked.ep > 1:  # the token exchange's all-to-alls, exposed (plan/moe.py): the busiest
+        # pipeline stage's MoE layers, not the whole model's (as job/predict.py counts them)
+        stage = max(blocks for blocks, *_ in mem.job_split(whole, asked))
+        layers = moe.moe_blocks(whole.spec, stage)
+        moved, calls["ep"] = traffic.ep_traffic(whole, asked, layers=layers)
         kinds["ep"] = {"all_to_all": moved}
         parts.update(moe.ep_seconds(whole, asked, moved, calls["ep"]))
         parts["step_s"] += parts.get("ep_exposed_s", 0.0)

@@ -113,7 +113,8 @@ def cp_traffic(job: Job, layout: Layout) -> tuple[dict[str, float], int]:
     cp layout itself (dp: the sample streams), not its data-parallel equivalent.
 
     Per layer (of the largest pipeline stage) and micro-batch, with a K/V block of e =
-    b·(H/tp)·(s/cp)·head_dim elements (k/v heads repeated to H) and n = cp: every forward
+    b·(H/tp)·(s/cp)·head_dim elements (k/v heads repeated to H; a peer with
+    `Deviations.cp_kv_heads` sends the ring's at its k/v heads) and n = cp: every forward
     all-gathers the n·s/cp int64 positions ((n-1)/n of them sent). Ring: forward n-1 K/V blocks
     [2, e] in the compute dtype; backward the same n-1 and n-1 dK/dV blocks [2, e] in fp32 (with
     the zig-zag split every block pair has a visible key, so none is skipped). Ulysses: forward
@@ -131,6 +132,8 @@ def cp_traffic(job: Job, layout: Layout) -> tuple[dict[str, float], int]:
     local = job.seq_len // n
     # a tp rank attends over its n_heads / tp heads; a pipeline stage runs its layers only
     e = b * (spec.n_heads // layout.tp) * local * spec.head_dim
+    if peers.of(job).cp_kv_heads and layout.cp_mode == "ring":  # K/V blocks not repeated
+        e = e * spec.n_kv_heads // spec.n_heads
     gather = (n - 1) * local * 8  # (n-1)/n of the n·local int64 positions
     if job.packed and layout.cp_mode == "ulysses":  # and of the b·n·local record starts
         gather *= 1 + b

@@ -1,0 +1,128 @@
+"""The published mixture-of-experts runs (`published/moe.jsonl`) as planner cases, beside
+published_rows.py's dense ones: NVIDIA's NeMo performance tables (Mixtral on DGX-B200, run by
+Megatron-Core with TransformerEngine: `published/frameworks.toml` [nemo-megatron-core]), and
+runs the planner cannot price yet, each with what stops it. Every row is held out. Balanced,
+dropless routing is what the planner prices and what these tables ran ("we force-balance the
+token distribution among experts and all benchmarks are token-dropless"). Knobs a source does
+not state (recomputation) are the planner's choice, as `plan` makes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from published_rows import FRAMEWORKS, Case, _best
+from shardwise.models.presets import ModelSpec
+from shardwise.plan import search
+from shardwise.plan.hardware import CATALOG
+from shardwise.plan.layout import Layout
+from shardwise.plan.peers import PeerJob
+
+
+def _mixture(m: dict) -> ModelSpec:
+    """A Mixtral-style block (RMSNorm, RoPE, grouped k/v heads, `n_experts` routed SwiGLU
+    experts of `ffn_dim`, `top_k` per token, untied head) of the row's shape."""
+    return ModelSpec(
+        "moe", m["n_layers"], m["dim"], m["n_heads"], m["n_kv_heads"], m["ffn_dim"],
+        m["vocab_size"], max_seq_len=m["seq_len"], n_experts=m["n_experts"], top_k=m["top_k"],
+    )  # fmt: skip
+
+
+def unpriceable(row: dict) -> str | None:
+    """What in the run the planner cannot state, or None."""
+    m = row["model"]
+    if m.get("head_dim") and m["head_dim"] * m["n_heads"] != m["dim"]:
+        return (
+            f"attention {m['n_heads']} heads x {m['head_dim']} = "
+            f"{m['n_heads'] * m['head_dim']} wide on a {m['dim']}-wide model (a ModelSpec's "
+            "heads are dim / n_heads wide)"
+        )
+    if row["hardware"]["gpu"] not in CATALOG:
+        return f"{row['hardware']['gpu']} is not in the hardware catalog"
+    return None
+
+
+def _nemo(row: dict) -> Case | str:
+    """NeMo 2.0's performance tables: Megatron-Core's distributed optimizer (ZeRO-1 over dp,
+    the experts' states over their own dp/ep group), the layout as the table gives it (tp with
+    sp, interleaved pipeline of `pp_virtual` chunks, a cp ring, ep), FP8 per-tensor scaling
+    priced as precision.fp8 (the blocks' GEMMs at the card's FP8 peak; an assumption: the
+    sequence-parallel collectives stay bf16, where TransformerEngine may gather FP8 inputs)."""
+    if why := unpriceable(row):
+        return why
+    m, lay = row["model"], row["layout"]
+    n, s, gb = row["hardware"]["n_gpus"], m["seq_len"], lay["global_batch"]
+    peer = FRAMEWORKS["nemo-megatron-core"]
+    job = PeerJob(
+        _mixture(m), CATALOG[row["hardware"]["gpu"]], n, s, gb, "bf16", "bf16", deviations=peer
+    )
+    if lay.get("float8"):
+        job = dataclasses.replace(job, fp8="tensorwise")
+    v = lay.get("pp_virtual") or 1
+    sched = "interleaved" if v > 1 else "1f1b"
+    tp, pp, cp, ep = lay["tp"], lay["pp"], lay.get("cp") or 1, lay["ep"]
+    layouts = [
+        Layout(tp, pp, lay["dp"], 1, tp > 1, sched, v, lay["micro_batch"], rc, cp=cp, ep=ep)
+        for rc in ("none", "selective", "full")  # not stated: the planner's choice
+    ]
+    step = gb * s / (row["measured"]["tokens_per_s_per_gpu"] * n)
+    return Case(row, job, _best(job, layouts), step)
+
+
+# The same table's dense run, priced as the MoE rows are (framework, card, FP8), to tell the
+# card's uncalibrated efficiencies from the MoE block's error; not a row of the record (it
+# would move the dense MAPE). NeMo 25.02, DGX-B200: "LLAMA3-8B | 8 | 128 | 2 | 8192 | 1 | 1 |
+# 1 | 1 | 1 | 8 | 26006 | 1506" (GPUs, GBS, MBS, seq, TP, PP, CP, VP, EP, GA, tokens/s/GPU,
+# TFLOP/s/GPU); Llama 3 8B's shape as torchtitan.jsonl's rows give it
+CONTROL = {"gpus": 8, "batch": 128, "micro": 2, "seq": 8192, "tokens_per_s_per_gpu": 26006}
+
+
+def dense_control() -> tuple[float, float]:
+    """(measured, predicted) step seconds of CONTROL."""
+    c = CONTROL
+    spec = ModelSpec("decoder", 32, 4096, 32, 8, 14336, 128256, max_seq_len=c["seq"])
+    job = PeerJob(
+        spec, CATALOG["b200"], c["gpus"], c["seq"], c["batch"], "bf16", "bf16",
+        deviations=FRAMEWORKS["nemo-megatron-core"], fp8="tensorwise",
+    )  # fmt: skip
+    layouts = [
+        Layout(dp=c["gpus"], zero=1, micro_batch=c["micro"], recompute=rc)
+        for rc in ("none", "selective", "full")
+    ]
+    measured = c["batch"] * c["seq"] / (c["tokens_per_s_per_gpu"] * c["gpus"])
+    return measured, search.evaluate(job, _best(job, layouts))["step_time_s"]
+
+
+def _not_priced(row: dict) -> str:
+    """A run recorded for when the planner can state it."""
+    return unpriceable(row) or "no adapter prices this framework yet"
+
+
+ADAPTERS = {"nemo-": _nemo, "mbridge-": _not_priced, "automodel-": _not_priced}
+
+
+def is_moe(row: dict) -> bool:
+    return bool(row["model"].get("n_experts"))
+
+
+def moe_report(results: list, skipped: list[tuple[str, str]], rows: dict[str, dict]) -> None:
+    """The MoE rows' errors (all held out) and MAPE, and the MoE runs not priced, with why."""
+    mine = [r for r in results if is_moe(r[0].row)]
+    if not mine and not any(is_moe(rows[rid]) for rid, _ in skipped):
+        return
+    print("\nmixture-of-experts rows (held out; measured -> predicted step):")
+    for c, pred, unfit, err in mine:
+        print(
+            f"  {c.row['id']}: {c.layout.short()}: {c.measured_s:.3f} -> {pred:.3f} s "
+            f"({err:+.1%}){' ' + unfit if unfit else ''}"
+        )
+    if mine:
+        print(f"  MAPE {sum(abs(r[3]) for r in mine) / len(mine):.1%} over {len(mine)} rows")
+        meas, pred = dense_control()
+        print(
+            f"  dense control, the same table's Llama 3 8B on 8 B200 (not a row): {meas:.3f} -> "
+            f"{pred:.3f} s ({pred / meas - 1:+.1%}): the card's uncalibrated efficiencies"
+        )
+    for rid, why in skipped:
+        if is_moe(rows[rid]):
+            print(f"  not priced: {rid}: {why}")
