@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # A small decoder and short sequences keep 20 steps per case fast on a CPU. The learning rate is
@@ -38,11 +40,73 @@ def case(*overrides: str, **extra) -> dict:
 
 
 def max_rel(a: list[float], b: list[float]) -> float:
-    """Largest relative difference between two loss curves (b is the reference)."""
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+    """Largest relative difference between two loss curves (b is the reference); NaN if any
+    is NaN (`max` would pass over one that is not first)."""
+    diffs = [abs(x - y) / abs(y) for x, y in zip(a, b, strict=True)]
+    return math.nan if any(map(math.isnan, diffs)) else max(diffs)
 
 
 def max_param_diff(pa: dict[str, torch.Tensor], pb: dict[str, torch.Tensor]) -> float:
-    """Largest absolute difference over all parameters (same names required)."""
+    """Largest absolute difference over all parameters (same names required, at least one)."""
     assert pa.keys() == pb.keys(), sorted(set(pa) ^ set(pb))
-    return max((pa[k] - pb[k]).abs().max().item() for k in pa)
+    assert pa, "no parameters to compare"
+    return worst_tensor(pa, pb)[0]
+
+
+def worst_tensor(got: dict, ref: dict, rel_l2: bool = False) -> tuple[float, str]:
+    """The largest difference of `got`'s tensors from `ref`'s and that tensor's name: the
+    largest absolute entry, or (rel_l2) the difference's L2 norm over the reference tensor's."""
+    worst, where = 0.0, ""
+    for name, value in got.items():
+        diff = value - ref[name]
+        if rel_l2:
+            d = (diff.norm() / ref[name].norm().clamp_min(1e-30)).item()
+        else:
+            d = diff.abs().max().item()
+        if math.isnan(d):  # the worst there is (and `<` would pass over it)
+            return d, name
+        if d > worst or not where:
+            worst, where = d, name
+    return worst, where
+
+
+def assert_reproduces(
+    name: str,
+    ranks: list[dict],
+    ref: dict,
+    *,
+    tol: float = 1e-5,
+    grad_norms: bool = True,
+    params: bool = True,
+    sharded: bool = False,
+    rel_l2: bool = False,
+) -> None:
+    """Assert every rank of case `name` reproduces `ref`: losses and gradient norms within `tol`
+    relative, parameters within `tol`; messages name the case, rank, quantity and worst value.
+
+    `sharded`: each rank holds part of the parameters (a stage's, tp gathered), together all
+    of them; otherwise each rank holds all. `rel_l2`: a tensor's difference relative to its L2
+    norm, not the largest absolute entry."""
+    seen: set[str] = set()
+    for i, r in enumerate(ranks):
+        at = f"{name} rank {i}"
+        steps = (len(r["losses"]), len(ref["losses"]))
+        assert steps[0] == steps[1], f"{at}: {steps[0]} losses, the reference {steps[1]}"
+        worst = max_rel(r["losses"], ref["losses"])
+        assert worst <= tol, f"{at}: losses differ by {worst:.3g} relative (> {tol})"
+        if grad_norms:
+            got = [x["grad_norm"] for x in r["records"]]
+            worst = max_rel(got, [x["grad_norm"] for x in ref["records"]])
+            assert worst <= tol, f"{at}: grad norms differ by {worst:.3g} relative (> {tol})"
+        if not params:
+            continue
+        mine = r["params"]
+        odd = sorted(set(mine) - set(ref["params"]) if sharded else set(mine) ^ set(ref["params"]))
+        assert not odd, f"{at}: parameter names differ from the reference's: {odd}"
+        worst, where = worst_tensor(mine, ref["params"], rel_l2)
+        kind = "relative L2" if rel_l2 else "absolute"
+        assert worst <= tol, f"{at}: parameter {where} differs by {worst:.3g} {kind} (> {tol})"
+        seen |= set(mine)
+    if params and sharded:
+        missing = sorted(set(ref["params"]) - seen)
+        assert not missing, f"{name}: no rank holds parameters {missing}"
