@@ -16,36 +16,25 @@ Target: async stall < 20% of the synchronous save time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from common import add_smoke, check, command_line, load, median, table
-from shardwise.launchers.harness import run_world
-
-NPROC = 2
-MODEL = ["--model.n_layers=4", "--model.dim=256", "--model.vocab_size=8192"]
-RUN = [
-    *MODEL,
-    "--data.seq_len=64",
-    "--train.global_batch=8",
-    "--train.steps=20",
-    "--train.lr=1e-3",
-    "--optim.warmup_steps=5",
-    "--train.eval_every=0",
-    "--train.eval_batches=0",
-    "--log.tensorboard=false",
-    "--log.progress=off",
-    "--log.every=1000000",
-]
-EVERY = 5
-SMOKE = ["--model.n_layers=1", "--model.dim=64", "--train.steps=6"]  # two saves
+from common import (
+    CKPT_EVERY,
+    CKPT_NPROC,
+    CKPT_RUN,
+    CKPT_SMOKE,
+    add_smoke,
+    checkpoint_world,
+    load,
+    median,
+    table,
+)
 
 
 def cases(root: Path, rounds: int, smoke: bool = False) -> list[tuple[str, dict]]:
-    out, run = [], [*RUN, *SMOKE] if smoke else RUN
+    out, run = [], [*CKPT_RUN, *CKPT_SMOKE] if smoke else CKPT_RUN
     for r in range(rounds):
         order = ["sync", "async", "dcp"] if r % 2 == 0 else ["dcp", "async", "sync"]
         for kind in order:
@@ -54,7 +43,7 @@ def cases(root: Path, rounds: int, smoke: bool = False) -> list[tuple[str, dict]
                 case = {"overrides": [*run, *ckpt], "peer": "support.ckpt_peers:dcp_peer"}
             else:
                 flag = "true" if kind == "async" else "false"
-                every = [f"--checkpoint.every={EVERY}", f"--checkpoint.async={flag}"]
+                every = [f"--checkpoint.every={CKPT_EVERY}", f"--checkpoint.async={flag}"]
                 case = {"overrides": [*run, *ckpt, *every]}
             out.append((kind, case))
     return out
@@ -62,21 +51,13 @@ def cases(root: Path, rounds: int, smoke: bool = False) -> list[tuple[str, dict]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
     add_smoke(parser)
-    args = parser.parse_args()
-    args.rounds = 1 if args.smoke else args.rounds
-    print(f"$ {command_line()}")
-    print(f"date: {datetime.date.today()}  load average at the start: {load()} (2 cores)")
-    root = Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
-    todo = cases(root, args.rounds, args.smoke)
-    results = run_world(NPROC, [c for _, c in todo])
-    check(results)
+    args, root, results = checkpoint_world(parser, "ckpt-bench-", cases)
     stalls: dict[str, list[float]] = {"sync": [], "async": []}
     plain: dict[str, list[float]] = {"sync": [], "async": []}
     dcp: dict[str, list[float]] = {"dcp_sync_s": [], "dcp_async_stall_s": []}
     size = 0
-    for (kind, _), per_rank in zip(todo, results, strict=True):
+    for kind, per_rank in results:
         if kind == "dcp":
             for key in dcp:  # the slowest rank decides when training can go on
                 dcp[key] += [max(v) for v in zip(*(r[key] for r in per_rank), strict=True)]
@@ -93,7 +74,7 @@ def main() -> None:
     size = sum(f.stat().st_size for f in newest.glob("*.safetensors"))
     if args.smoke:  # the suite's run leaves nothing behind; a real one keeps its checkpoints
         shutil.rmtree(root, ignore_errors=True)
-    print(f"checkpointed state: {size / 1e6:.1f} MB in {NPROC} files (fp32 params + AdamW)")
+    print(f"checkpointed state: {size / 1e6:.1f} MB in {CKPT_NPROC} files (fp32 params + AdamW)")
     sync_s, async_s = median(stalls["sync"]), median(stalls["async"])
     dsync, dasync = median(dcp["dcp_sync_s"]), median(dcp["dcp_async_stall_s"])
     rows = [

@@ -13,45 +13,33 @@ over rounds in ONE world so that load drift hits all alike; medians over rounds.
 from __future__ import annotations
 
 import argparse
-import datetime
 import shutil
-import tempfile
 from pathlib import Path
 
-from common import add_smoke, check, command_line, load, median, table
-from shardwise.launchers.harness import run_world
+from common import (
+    CKPT_EVERY,
+    CKPT_RUN,
+    CKPT_SMOKE,
+    add_smoke,
+    checkpoint_world,
+    load,
+    median,
+    table,
+)
 
-NPROC = 2
-RUN = [
-    "--model.n_layers=4",
-    "--model.dim=256",
-    "--model.vocab_size=8192",
-    "--data.seq_len=64",
-    "--train.global_batch=8",
-    "--train.steps=20",
-    "--train.lr=1e-3",
-    "--optim.warmup_steps=5",
-    "--train.eval_every=0",
-    "--train.eval_batches=0",
-    "--parallel.zero=3",
-    "--log.tensorboard=false",
-    "--log.progress=off",
-    "--log.every=1000000",
-]
-EVERY = 5
-SMOKE = ["--model.n_layers=1", "--model.dim=64", "--train.steps=6"]  # two saves
+RUN = [*CKPT_RUN, "--parallel.zero=3"]
 KINDS = ["shardwise", "dcp", "shardwise async", "dcp async"]
 
 
 def cases(root: Path, rounds: int, smoke: bool = False) -> list[tuple[str, dict]]:
-    out, run = [], [*RUN, *SMOKE] if smoke else RUN
+    out, run = [], [*RUN, *CKPT_SMOKE] if smoke else RUN
     for r in range(rounds):
         for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
             fmt, *mode = kind.split()
             ckpt = [
                 f"--checkpoint.dir={root}/{kind.replace(' ', '_')}{r}",
                 "--checkpoint.resume=none",
-                f"--checkpoint.every={EVERY}",
+                f"--checkpoint.every={CKPT_EVERY}",
                 f"--checkpoint.format={fmt}",
                 f"--checkpoint.async={'true' if mode else 'false'}",
             ]
@@ -61,19 +49,11 @@ def cases(root: Path, rounds: int, smoke: bool = False) -> list[tuple[str, dict]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
     add_smoke(parser)
-    args = parser.parse_args()
-    args.rounds = 1 if args.smoke else args.rounds
-    print(f"$ {command_line()}")
-    print(f"date: {datetime.date.today()}  load average at the start: {load()} (2 cores)")
-    root = Path(tempfile.mkdtemp(prefix="ckpt-format-"))
-    todo = cases(root, args.rounds, args.smoke)
-    results = run_world(NPROC, [c for _, c in todo])
-    check(results)
+    args, root, results = checkpoint_world(parser, "ckpt-format-", cases)
     stalls: dict[str, list[float]] = {k: [] for k in KINDS}
     losses: dict[str, list[float]] = {}
-    for (kind, _), per_rank in zip(todo, results, strict=True):
+    for kind, per_rank in results:
         records = [r["records"] for r in per_rank]
         for step in range(len(records[0])):
             if "checkpoint_stall_s" in records[0][step]:

@@ -11,8 +11,10 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -279,3 +281,45 @@ def alternating_rounds(run, keys: list, rounds: int) -> list[dict]:
         order = list(keys)[:: -1 if r % 2 else 1]
         out.append(dict(zip(order, run(order), strict=True)))
     return out
+
+
+# The checkpoint benchmarks' run: a decoder whose checkpointed state (fp32 parameters and AdamW
+# moments) is >= 50 MB trains 20 steps saving every CKPT_EVERY; the smoke run saves twice.
+CKPT_RUN = [
+    "--model.n_layers=4",
+    "--model.dim=256",
+    "--model.vocab_size=8192",
+    "--data.seq_len=64",
+    "--train.global_batch=8",
+    "--train.steps=20",
+    "--train.lr=1e-3",
+    "--optim.warmup_steps=5",
+    "--train.eval_every=0",
+    "--train.eval_batches=0",
+    "--log.tensorboard=false",
+    "--log.progress=off",
+    "--log.every=1000000",
+]
+CKPT_EVERY = 5
+CKPT_SMOKE = ["--model.n_layers=1", "--model.dim=64", "--train.steps=6"]  # two saves
+CKPT_NPROC = 2
+
+
+def checkpoint_world(
+    parser: argparse.ArgumentParser, prefix: str, cases: Callable
+) -> tuple[argparse.Namespace, Path, list]:
+    """The checkpoint benchmarks' start: add `--rounds` to `parser` (which has `--smoke`),
+    parse, print the preamble, run `cases(root, rounds, smoke)` ((kind, case) pairs) in ONE
+    world of CKPT_NPROC ranks under a fresh temporary `root`; returns the arguments, root and
+    (kind, per-rank results) pairs."""
+    from shardwise.launchers.harness import run_world
+
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    args.rounds = 1 if args.smoke else args.rounds
+    preamble()
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    todo = cases(root, args.rounds, args.smoke)
+    results = run_world(CKPT_NPROC, [c for _, c in todo])
+    check(results)
+    return args, root, [(kind, r) for (kind, _), r in zip(todo, results, strict=True)]
