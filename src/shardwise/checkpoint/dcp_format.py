@@ -168,6 +168,12 @@ def _call(fn, **kw) -> None:
             raise OSError(str(exc)) from exc
 
 
+def _collective(fn, group, world: int, **kw) -> None:
+    """dcp.save/load of our planner's slices (no state_dict of DCP's own) over `group`; one
+    process runs it without a process group."""
+    _call(fn, state_dict={}, process_group=group, no_dist=world == 1, **kw)
+
+
 def file_info(path: Path) -> dict:
     """Size and SHA-256 of one written file, as our index records them."""
     digest = hashlib.sha256()
@@ -181,14 +187,7 @@ def write(tmp: Path, slices: dict[io.Piece, torch.Tensor], rank: int, group, wor
     """Write this rank's owned slices into `tmp` with dcp.save (collective over `group`);
     returns the files this rank wrote (rank 0: DCP's metadata too) with size and SHA-256."""
     writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
-    _call(
-        dcp.save,
-        state_dict={},
-        storage_writer=writer,
-        planner=_Writes(slices),
-        process_group=group,
-        no_dist=world == 1,
-    )
+    _collective(dcp.save, group, world, storage_writer=writer, planner=_Writes(slices))
     mine = sorted(
         n for n in os.listdir(tmp) if n.startswith(f"__{rank}_") and n.endswith(".distcp")
     )
@@ -205,14 +204,7 @@ def load(path: Path, wanted: list[tuple[io.Piece, str, torch.Tensor]], group, wo
         for rect in chunks(piece):
             parts.setdefault(source, []).append((rect, buf[rect[2] : rect[3]].view(rect[1])))
     reader = dcp.FileSystemReader(str(path))
-    _call(
-        dcp.load,
-        state_dict={},
-        storage_reader=reader,
-        planner=_Reads(parts),
-        process_group=group,
-        no_dist=world == 1,
-    )
+    _collective(dcp.load, group, world, storage_reader=reader, planner=_Reads(parts))
 
 
 def read_full(path: Path, key: str, entry: dict) -> torch.Tensor:

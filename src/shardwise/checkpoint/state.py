@@ -429,12 +429,17 @@ def load_state(run, path: Path, index: dict, channel: ControlChannel) -> str | N
                 )
         finally:
             reader.close()
+    finish_load(run, locals_)
+    return "; ".join(n for n in (note, changed) if n) or None
+
+
+def finish_load(run, locals_: list[Local]) -> None:
+    """After every slice of `locals_` is filled: what derives from the loaded values."""
     for local in locals_:
         if local.after_load is not None:  # 8-bit moments: quantised from the loaded fp32
             local.after_load()
     if isinstance(run.reducer, ZeroEngine):
         run.reducer.after_step()  # ZeRO-1/2: publish the loaded slices to every replica
-    return "; ".join(n for n in (note, changed) if n) or None
 
 
 def _load_dcp(run, path: Path, index: dict, locals_: list[Local], channel) -> None:

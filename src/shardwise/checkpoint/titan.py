@@ -26,10 +26,9 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint import io as io
-from shardwise.checkpoint.state import PER_RANK, Local, every_rank, local_state
+from shardwise.checkpoint.state import PER_RANK, Local, every_rank, finish_load, local_state
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.models.dcp import from_meta_rope, is_dcp, tensor_sizes, titan_name
-from shardwise.parallel.zero import ZeroEngine
 
 STATE = "optimizer.state."  # get_optimizer_state_dict's flattened keys, under "optimizer"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -216,11 +215,7 @@ def load_titan(run, path: Path, channel) -> tuple[int, str]:
         full = _full(layout, sorted({_source(lo.piece.key) for lo in here}), spec)
         for local in here:
             _fill(local, full[_source(local.piece.key)])
-    for local in locals_:
-        if local.after_load is not None:  # 8-bit moments: quantised from the loaded fp32
-            local.after_load()
-    if isinstance(run.reducer, ZeroEngine):
-        run.reducer.after_step()  # ZeRO-1/2: publish the loaded slices to every replica
+    finish_load(run, locals_)
     return step, not_carried(run.cfg, step)
 
 
