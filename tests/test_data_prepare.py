@@ -114,6 +114,9 @@ def test_prepared_stream_equals_the_token_cache(prepared, corpus, tmp_path):
         every = torch.arange(len(raw))
         for a, b in zip(mine.get_batch(every), raw.get_batch(every), strict=True):
             assert torch.equal(a, b)
+        for data, bad in ((mine, len(raw)), (raw, len(raw)), (mine, -1)):  # no silent wrap
+            with pytest.raises(IndexError, match=rf"out of range \[0, {len(raw)}\)"):
+                data.get_batch(torch.tensor([0, bad]))
 
 
 def test_a_hf_tokenizer_and_a_saved_dataset_give_the_cache_s_stream(corpus, tmp_path):
@@ -221,6 +224,8 @@ def test_a_blend_draws_each_source_by_its_weight(tmp_path):
     for row in range(64):
         sx, sy = blend.sources[which[row]].get_batch(torch.tensor([inner[row]]))
         assert torch.equal(x[row], sx[0]) and torch.equal(y[row], sy[0])
+    with pytest.raises(IndexError, match=rf"out of range \[0, {len(blend)}\)"):
+        blend.get_batch(torch.tensor([len(blend)]))
     again = load_data(spec, "train").where(idx.numpy())
     assert np.array_equal(again[0], which) and np.array_equal(again[1], inner)
     s_short, d_short = locate([0.7, 0.3], np.arange(1000))

@@ -27,7 +27,7 @@ import torch
 from shardwise.data.corpus import DataSpec
 from shardwise.data.identity import vocab_key
 from shardwise.data.shards import is_prepared, load_prepared
-from shardwise.data.tokens import TokenDataset, load_tokens
+from shardwise.data.tokens import TokenDataset, load_tokens, sample_indices
 from shardwise.errors import DataError
 
 _FORM = "Fix: data.blend='PATH:WEIGHT,PATH:WEIGHT', e.g. 'dirA:0.7,dirB:0.3'."
@@ -121,9 +121,7 @@ class BlendDataset(TokenDataset):
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), both int64 [B, seq_len], each row from its source."""
-        idx = torch.as_tensor(indices, dtype=torch.int64).cpu().numpy()
-        if idx.size and (idx.min() < 0 or idx.max() >= self._len):
-            raise IndexError(f"sample index out of range [0, {self._len}): {idx.tolist()}")
+        idx = sample_indices(indices, self._len)
         which, inner = self.where(idx)
         inputs = torch.empty(len(idx), self.seq_len, dtype=torch.int64)
         targets = torch.empty_like(inputs)

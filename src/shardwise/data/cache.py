@@ -15,6 +15,8 @@ import numpy as np
 
 
 def read_meta(root: Path) -> dict | None:
+    """The cache's meta.json at `root`, or None while it is missing or unreadable (not built,
+    or being built)."""
     try:
         return json.loads((root / "meta.json").read_text())
     except (OSError, ValueError):

@@ -29,7 +29,12 @@ import numpy as np
 from shardwise.data.corpus import check_skipped, split_documents
 from shardwise.data.identity import vocab_key
 from shardwise.data.inputs import read_inputs
-from shardwise.data.pretrained import content_key, load_tokenizer, whole_documents
+from shardwise.data.pretrained import (
+    content_key,
+    encode_documents,
+    load_tokenizer,
+    whole_documents,
+)
 from shardwise.data.resume import check_out, check_same, identity, kept
 from shardwise.data.shards import KIND, MANIFEST, PARTIAL, VERSION
 from shardwise.data.tokens import ENCODE_CHUNK_CHARS, EOS, _chunks, _train_bpe
@@ -66,14 +71,9 @@ class Encoder:
 
     def encode(self, tokenizer, texts: list[str]) -> np.ndarray:
         """The documents' ids, each followed by its end-of-text token, as one flat array: the
-        rule of tokens.py's BPE and pretrained.encode_documents."""
-        encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=self.add_special)
-        ids = []
-        for enc in encodings:
-            ids.append(enc.ids)
-            if self.eos_id is not None and (not self.add_special or enc.ids[-1:] != [self.eos_id]):
-                ids.append([self.eos_id])
-        return np.fromiter(itertools.chain.from_iterable(ids), dtype=self.dtype)
+        token cache's rule (pretrained.encode_documents)."""
+        docs = encode_documents(tokenizer, self.eos_id, texts, self.add_special)
+        return np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype)
 
 
 # What every worker reads: set before the pool forks, so the documents are not pickled.

@@ -116,15 +116,19 @@ def whole_documents(tok):  # -> tokenizers.Tokenizer
     return backend
 
 
-def encode_documents(backend, eos: int | None, texts: list[str]) -> list[list[int]]:
+def encode_documents(
+    backend, eos: int | None, texts: list[str], specials: bool = True
+) -> list[list[int]]:
     """Each document's ids as the tokenizer defines them (its post-processor's special tokens),
     whole (`backend`: `whole_documents` of it, built once per corpus), followed by its
-    end-of-sequence token `eos` when it has one and did not already add it."""
-    encodings = backend.encode_batch_fast(texts, add_special_tokens=True)
+    end-of-sequence token `eos` when it has one and did not already add it. `specials=False`
+    (our BPE, which has no post-processor): no special tokens added, `eos` after every one."""
+    # encode_batch_fast skips offset tracking: ~2x faster, and offsets are unused
+    encodings = backend.encode_batch_fast(texts, add_special_tokens=specials)
     out = []
     for enc in encodings:
         ids = list(enc.ids)
-        if eos is not None and (not ids or ids[-1] != eos):
+        if eos is not None and (not specials or not ids or ids[-1] != eos):
             ids.append(eos)
         out.append(ids)
     return out

@@ -17,7 +17,7 @@ import torch
 
 from shardwise.data.corpus import DataSpec
 from shardwise.data.pretrained import check_vocab, content_key
-from shardwise.data.tokens import TokenDataset
+from shardwise.data.tokens import TokenDataset, sample_indices
 from shardwise.errors import DataError
 
 MANIFEST = "manifest.json"
@@ -78,9 +78,7 @@ class ShardedTokenDataset(TokenDataset):
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), both int64 [B, seq_len]; targets are inputs shifted by one."""
-        idx = torch.as_tensor(indices, dtype=torch.int64).cpu().numpy()
-        if idx.size and (idx.min() < 0 or idx.max() >= self._len):
-            raise IndexError(f"sample index out of range [0, {self._len}): {idx.tolist()}")
+        idx = sample_indices(indices, self._len)
         pos = idx[:, None] * self.seq_len + self._window
         which = np.searchsorted(self.starts, pos, side="right") - 1
         windows = np.empty(pos.shape, dtype=np.int64)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shardwise.data.cache import read_meta
 from shardwise.data.corpus import (
     DataSpec,
     Source,
@@ -49,6 +50,14 @@ BPE_TRAIN_CHARS = 32_000_000
 ENCODE_CHUNK_CHARS = 8_000_000
 
 
+def sample_indices(indices: torch.Tensor, n: int) -> np.ndarray:
+    """A batch's sample indices as an int64 array; IndexError for any outside [0, n)."""
+    idx = torch.as_tensor(indices, dtype=torch.int64).cpu().numpy()
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise IndexError(f"sample index out of range [0, {n}): {idx.tolist()}")
+    return idx
+
+
 class TokenDataset:
     """Packed next-token samples over one memory-mapped token array.
 
@@ -75,9 +84,7 @@ class TokenDataset:
 
     def get_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), both int64 [B, seq_len]; targets are inputs shifted by one."""
-        idx = torch.as_tensor(indices, dtype=torch.int64).cpu().numpy()
-        if idx.size and (idx.min() < 0 or idx.max() >= self._len):
-            raise IndexError(f"sample index out of range [0, {self._len}): {idx.tolist()}")
+        idx = sample_indices(indices, self._len)
         windows = np.asarray(self.tokens[idx[:, None] * self.seq_len + self._window], np.int64)
         batch = torch.from_numpy(windows)
         return batch[:, :-1], batch[:, 1:]
@@ -93,7 +100,7 @@ def prepare_text(spec: DataSpec) -> tuple[Path, dict]:
     """Build the corpus cache if missing; return its directory and meta. Checks sizes."""
     source = resolve_source(spec)
     out = spec.cache_root() / f"{source.label}-{_cache_key(spec, source)}"
-    meta = _read_meta(out)
+    meta = read_meta(out)
     if meta is not None and (damage := _damage(out, meta)):
         _say(f"the token cache {out} is damaged ({damage}): rebuilding it")
         meta = None
@@ -108,7 +115,7 @@ def prepare_text(spec: DataSpec) -> tuple[Path, dict]:
             ) from exc
         with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
-            meta = _read_meta(out)  # another process may have built it while we waited
+            meta = read_meta(out)  # another process may have built it while we waited
             if meta is None or _damage(out, meta):
                 meta = _build(spec, source, out)
     check_vocab(spec, meta)
@@ -150,13 +157,6 @@ def _cache_key(spec: DataSpec, source: Source) -> str:
     }
     blob = json.dumps(ident, sort_keys=True).encode("utf-8")
     return hashlib.blake2b(blob, digest_size=8).hexdigest()
-
-
-def _read_meta(out: Path) -> dict | None:
-    try:
-        return json.loads((out / "meta.json").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _damage(out: Path, meta: dict) -> str | None:
@@ -212,9 +212,7 @@ def _build(spec: DataSpec, source: Source, out: Path) -> dict:
         vocab, eos_id, bos_id = tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS), None
 
         def encode(texts: list[str]) -> list[list[int]]:
-            # encode_batch_fast skips offset tracking: ~2x faster, and offsets are unused.
-            encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-            return [[*enc.ids, eos_id] for enc in encodings]
+            return encode_documents(tokenizer, eos_id, texts, specials=False)
 
     trained = time.perf_counter()
     dtype = np.uint16 if vocab < 2**16 else np.uint32
