@@ -12,6 +12,7 @@ own class for the checkpoint in model.init_from, with its own tokenizer.
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -638,3 +639,19 @@ def test_the_ids_fed_to_each_family_decode_to_the_source(world, name):
                 assert " ".join(words) in source, piece
                 checked += 1
     assert checked >= 6, checked
+
+
+def test_without_transformers_both_builds_name_the_fix(monkeypatch, tmp_path):
+    """A checkpoint's config (model.name=hf) and an hf-* preset both stop with one message
+    naming the missing package and how to install it."""
+    from shardwise.models.hf.auto import read_hf_config
+    from shardwise.models.hf.build import build_hf
+    from shardwise.models.presets import preset
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
+    for build in (lambda: read_hf_config(str(tmp_path)), lambda: build_hf(preset("hf-llama-tiny"))):
+        with pytest.raises(ConfigError) as err:
+            build()
+        assert "`transformers` package" in str(err.value), str(err.value)
+        assert "pip install -c constraints.txt -e '.[dev]'" in str(err.value), str(err.value)

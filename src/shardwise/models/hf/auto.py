@@ -29,12 +29,14 @@ TASKS = {
 }
 
 
-def _transformers():
+def import_transformers():
+    """The `transformers` module (an optional dependency), or one message naming the fix."""
     try:
         import transformers
     except ImportError:
         raise ConfigError(
-            "model.name=hf builds the model with `transformers`. Fix: pip install -c "
+            "Hugging Face models (model.name=hf, hf-llama, hf-gpt2, ...) are built with the "
+            "`transformers` package, which is not installed. Fix: pip install -c "
             "constraints.txt -e '.[dev]'"
         ) from None
     return transformers
@@ -48,7 +50,7 @@ def read_hf_config(path: str):
             "Fix: --model.init_from=path/to/checkpoint."
         )
     p = checkpoint_dir(path)
-    tf = _transformers()
+    tf = import_transformers()
     try:
         return tf.AutoConfig.from_pretrained(str(p), local_files_only=True)
     except Exception as exc:  # unknown model_type, malformed json, ...
@@ -86,7 +88,7 @@ def build_auto(spec) -> nn.Module:
     from shardwise.models.custom import on_meta
     from shardwise.models.hf.experts import use_shardwise_experts
 
-    tf = _transformers()
+    tf = import_transformers()
     config = training_config(spec)
     cls = getattr(tf, TASKS[spec.task])
     model = on_meta(lambda: cls.from_config(config))

@@ -10,25 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardwise.errors import ConfigError
+from shardwise.models.hf.auto import import_transformers
 from shardwise.models.packing import take_packed_tokens
 from shardwise.models.presets import ModelSpec
 
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError(
-            "Hugging Face models need the `transformers` package. Fix: "
-            "pip install -c constraints.txt -e '.[dev]'"
-        ) from None
-    return transformers
-
-
 def build_hf(spec: ModelSpec) -> nn.Module:
     """The Hugging Face model for `spec` on the current default device (meta is fine)."""
-    tf = _transformers()
+    tf = import_transformers()
     config = _config(spec)
     cls = tf.LlamaForCausalLM if spec.arch == "hf-llama" else tf.GPT2LMHeadModel
     model = cls(config)
@@ -54,7 +43,7 @@ def export_config(spec: ModelSpec, dtype: str) -> dict:
 
 def _config(spec: ModelSpec):
     """The transformers config of the hf-* preset `spec`."""
-    tf = _transformers()
+    tf = import_transformers()
     if spec.arch == "hf-llama":
         return tf.LlamaConfig(
             vocab_size=spec.vocab_size,
