@@ -10,8 +10,9 @@ Per run: the median step after the warm-up steps, MFU under two FLOP conventions
 allocator's peak (`max_memory_allocated`), and the ratios to the peer. `--llama3-layers K`
 runs a Llama-3-8B-shaped decoder instead (its widths: dim 4096, 32 heads, 8 kv heads, ffn
 14336) trimmed to K layers to fit one card, on the data's own vocabulary. Where the card has
-FP8 tensor cores (compute capability 8.9+: H100, H200, L40S) two more eager runs train with
-`precision.fp8=tensorwise` and `rowwise` (torchao float8: the blocks' linear layers in FP8);
+FP8 tensor cores (compute capability 8.9+: H100, H200, L40S) four more runs train with
+`precision.fp8=tensorwise` and `rowwise` (torchao float8: the blocks' linear layers in FP8),
+eager and with compiled blocks (where inductor fuses the casts into their neighbours);
 the MFU columns keep the bf16 peak as denominator, so an FP8 run's MFU above the bf16 run's
 is its speed-up. `--row FILE` appends each shardwise run as a row of the published record.
 `--smoke` runs the tiny preset a few steps on whatever device there is (CPU here, FP8 in
@@ -48,6 +49,8 @@ ENGINES = [("eager", "false", "none"), ("compiled blocks", "blocks", "none")]
 FP8 = [
     ("eager + FP8 tensorwise", "false", "tensorwise"),
     ("eager + FP8 rowwise", "false", "rowwise"),
+    ("compiled + FP8 tensorwise", "blocks", "tensorwise"),
+    ("compiled + FP8 rowwise", "blocks", "rowwise"),
 ]
 LLAMA3 = ["--model.dim=4096", "--model.n_heads=32", "--model.n_kv_heads=8", "--model.ffn_dim=14336"]
 

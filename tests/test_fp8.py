@@ -177,7 +177,6 @@ def test_cuda_without_fp8_units_is_refused(monkeypatch) -> None:
         (["--precision.compute=fp32"], "precision.compute=fp32: torchao's float8 recipes"),
         (["--finetune.lora_rank=4", "--parallel.tp=2"], "finetune.lora_rank=4 with parallel.tp"),
         (["--finetune.lora_rank=4", "--finetune.base_quant=nf4"], "base_quant=nf4 stores"),
-        (["--train.compile=blocks"], "train.compile=blocks: inductor's compiled FP8 casts"),
         (["--model.name=moe-tiny"], "is an MoE decoder, whose FP8 training is not tested"),
         (["--model.name=resnet18", "--data.dataset=digits"], "whose FP8 training is not tested"),
     ],

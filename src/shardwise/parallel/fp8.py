@@ -11,6 +11,10 @@ convert (`Family.fp8_linear`): embedding, output head, norms and routers keep th
 On a CUDA device with FP8 tensor cores (compute capability 8.9+) the matmuls run on them. On
 CPU torchao's `emulate=True` runs the same casts and scales and multiplies the FP8 values in
 fp32 ("numerics mode"): the numbers of FP8 training, without its speed.
+
+Compiled blocks (`train.compile=blocks`) compile torchao's casts bit-exactly; their bf16 inputs
+round at other points (inductor's fused chains), which dynamic scaling amplifies into a second
+draw of FP8's roundings: tests/test_fp8_compile.py bounds it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from shardwise.distributed import device as dev
 from shardwise.errors import ConfigError
 from shardwise.finetune.lora import is_adapter_name
 from shardwise.models.families import Family
+from shardwise.models.presets import ModelSpec
 
 # torch._scaled_mm wants every GEMM dimension a multiple of 16 (torchao's own filter example);
 # numerics mode keeps the same rule so CPU runs convert exactly the layers a GPU run would
@@ -38,7 +43,7 @@ def torchao_installed() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
-def check_fp8(cfg: Config, family: Family, tp: int) -> None:
+def check_fp8(cfg: Config, spec: ModelSpec, family: Family, tp: int) -> None:
     """precision.fp8: the families and layouts whose FP8 training is tested; refuse the rest."""
     recipe = cfg.precision.fp8
     if recipe == "none":
@@ -52,7 +57,8 @@ def check_fp8(cfg: Config, family: Family, tp: int) -> None:
     elif family.fp8_linear is None:
         why = (
             f"model.name='{cfg.model.name}' is {family.kind}, whose FP8 training is not tested "
-            "(the built-in decoders' is)"
+            "(the built-in decoders', the hf-llama presets' and Llama, Mistral and Qwen2 "
+            "checkpoints' is)"
         )
     elif cfg.precision.compute != "bf16":
         why = (
@@ -66,23 +72,47 @@ def check_fp8(cfg: Config, family: Family, tp: int) -> None:
             "layers in 4/8 bits, which FP8 training cannot convert. Fix: "
             "--finetune.base_quant=none (LoRA on a bf16 base converts), or --precision.fp8=none"
         )
-    elif cfg.finetune.lora_rank and tp > 1:
-        why = (
+    elif tp > 1:
+        why = _tp_refusal(cfg, family, tp)
+    if not why and family.fp8_model_types:  # a checkpoint's class: its model_type decides
+        why = _model_type_refusal(spec, family)
+    if why:
+        fix = "" if "Fix:" in why else " Fix: --precision.fp8=none."
+        raise ConfigError(f"precision.fp8={recipe}: {why}.{fix}")
+
+
+def _tp_refusal(cfg: Config, family: Family, tp: int) -> str:
+    """Why FP8 cannot run under parallel.tp=`tp` ("" when it can)."""
+    if not family.fp8_tensor_parallel:
+        # a tp rank scales its own slice of a weight, activation or gradient by that slice's
+        # maximum: other numbers than one process's, checked for the built-in decoders only
+        return (
+            f"parallel.tp={tp} with model.name='{cfg.model.name}' ({family.kind}): each tp "
+            "rank would scale its own slices by their own maximum, which is checked against "
+            "one process for the built-in decoders only. Fix: --parallel.tp=1 (dp and ZeRO-3 "
+            "shard the model with one process's numbers), or --precision.fp8=none"
+        )
+    if cfg.finetune.lora_rank:
+        return (
             f"finetune.lora_rank={cfg.finetune.lora_rank} with parallel.tp={tp}: the split "
             "LoRA layers multiply their frozen base outside torchao's FP8 casts "
             "(parallel/tensor_lora.py). Fix: --parallel.tp=1, or --precision.fp8=none"
         )
-    elif cfg.train.compile != "false":
-        # measured: compiled FP8 blocks trained 3e-4 (relative loss, 6 steps) from eager FP8,
-        # as far as FP8 is from bf16: inductor rounds the casts at other points
-        why = (
-            f"train.compile={cfg.train.compile}: inductor's compiled FP8 casts round "
-            "differently from the eager ones this engine validates (the loss moves as much as "
-            "FP8 itself moves it)"
-        )
-    if why:
-        fix = "" if "Fix:" in why else " Fix: --precision.fp8=none."
-        raise ConfigError(f"precision.fp8={recipe}: {why}.{fix}")
+    return ""
+
+
+def _model_type_refusal(spec: ModelSpec, family: Family) -> str:
+    """Why the checkpoint's layers do not convert ("" when its model_type is tested)."""
+    from shardwise.models.hf.auto import read_hf_config
+
+    kind = getattr(read_hf_config(spec.source), "model_type", "?")
+    if kind in family.fp8_model_types:
+        return ""
+    return (
+        f"model.init_from holds a '{kind}' model, and FP8 training converts the decoder "
+        f"layers of {', '.join(family.fp8_model_types)} models only (their q/k/v/o and "
+        "gate/up/down projections; others name or shape their layers otherwise)"
+    )
 
 
 def fp8_emulated(info: dev.DeviceInfo, recipe: str) -> bool:

@@ -59,6 +59,8 @@ def invalid(job: Job, lay: Layout) -> str | None:
         return "tp not built for this model family"
     if lay.pp > 1 and fam.pipeline == "none":
         return "pp not built for this model family"
+    if lay.tp > 1 and job.fp8 != "none" and not fam.fp8_tensor_parallel:  # parallel/fp8.py
+        return "FP8 with tp on this model family (per-slice scales unchecked)"
     if lay.tp > 1 and spec.n_experts and not lay.sp:  # (training/checks.py refuses it too)
         return "MoE tp without sp (every tp rank would run every token's experts)"
     if lay.ep > 1 and not (fam.expert_parallel and spec.n_experts):

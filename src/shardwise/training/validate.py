@@ -237,7 +237,7 @@ def derive(cfg: Config, world: int) -> Derived:
     check_loss(cfg, tp, pp)
     check_loss_chunks(cfg, family, tp, pp)
     check_compile(cfg, family)
-    check_fp8(cfg, family, tp)
+    check_fp8(cfg, spec, family, tp)
     if tp > 1 and family.tp_refusal:
         raise ConfigError(family.tp_refusal.format(tp=tp, name=cfg.model.name))
     check_lora(spec, cfg)

@@ -67,6 +67,12 @@ class Family:
     # projections; embedding, head, norms and routers keep their dtype); None: FP8 training
     # of this family is not tested, and refused (parallel/fp8.py)
     fp8_linear: Callable[[str], bool] | None = None
+    # for a checkpoint's class: the config model_types whose block linears fp8_linear names
+    # (each trained against bf16 and one process); empty: any it builds
+    fp8_model_types: tuple[str, ...] = ()
+    # FP8 under tp is checked against one process (each rank scales its own slices); False:
+    # precision.fp8 with parallel.tp > 1 is refused
+    fp8_tensor_parallel: bool = False
     block: BlockShape = BlockShape()
     # `shardwise export --format hf` of our own modules: the config.json transformers reads
     # (None: no Hugging Face class holds this family; a checkpoint's class writes its own)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
 from shardwise.models.families.base import Family
@@ -13,6 +15,19 @@ def build_checkpoint_model(spec: ModelSpec) -> nn.Module:
     from shardwise.models.hf.auto import build_auto  # imports transformers on first use
 
     return build_auto(spec)
+
+
+# transformers' Llama, Mistral and Qwen2 decoder layers: attention's q/k/v/o and the MLP's
+# gate/up/down projections (peft's LoRA keeps the frozen one as `.base_layer`); embeddings,
+# lm_head and the norms keep the compute dtype
+_BLOCK_LINEAR = re.compile(
+    r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)(\.base_layer)?$"
+)
+
+
+def hf_block_linear(name: str) -> bool:
+    """A projection inside a Llama-style decoder layer (model.layers.N.self_attn.q_proj ...)."""
+    return _BLOCK_LINEAR.search(name) is not None
 
 
 HF_CAUSAL_LM = Family(
@@ -37,4 +52,8 @@ HF_CAUSAL_LM = Family(
     # a checkpoint with stacked experts (models/hf/experts.py) takes the expert exchange;
     # whether it has experts is its config's answer (parallel/expert.py)
     expert_parallel=True,
+    # precision.fp8: the decoder layers' projections of the model types tested against bf16
+    # and one process (tests/test_fp8_hf.py); tp's per-slice scales are not checked here
+    fp8_linear=hf_block_linear,
+    fp8_model_types=("llama", "mistral", "qwen2"),
 )

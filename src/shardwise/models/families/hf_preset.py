@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from shardwise.models.families.base import Family
+from shardwise.models.families.hf_causal import hf_block_linear
 from shardwise.models.presets import ModelSpec
 
 
@@ -30,6 +31,7 @@ HF_LLAMA = Family(
     build=_build,
     context_parallel=True,  # its attention through transformers' registry (context_hf.py)
     cp_composes=True,  # cp x tp (tests/test_context_parallel_hf.py)
+    fp8_linear=hf_block_linear,  # precision.fp8 (tests/test_fp8_hf.py)
     **_EXPORT,
 )
 HF_GPT2 = Family(
