@@ -255,7 +255,8 @@ class FinetuneConfig:
         "all-linear",
         "Comma-separated module-name patterns that get adapters: a plain name matches the last "
         "part of a path ('wq', 'q_proj'), a pattern with '.' or '*' the whole path "
-        "('blocks.*.attn.wq'); all-linear = every linear layer but the output head.",
+        "('blocks.*.attn.wq'); all-linear = every linear layer but the output head; "
+        "experts = every MoE layer's stacked expert weights (a pair per expert, docs/moe.md).",
     )
     base_quant: Literal["none", "nf4", "int8"] = opt(
         "none",

@@ -27,6 +27,7 @@ from shardwise.checkpoint.state import check_base
 from shardwise.errors import ShardwiseError
 from shardwise.finetune.lora import ADAPTER, apply_lora, is_adapter_name
 from shardwise.models import build_on_meta
+from shardwise.models.expert_lora import adapted_weights, merged_delta
 from shardwise.models.families import family_of
 from shardwise.models.hf.rule import hf_shape
 from shardwise.models.hf.weights import INDEX, SINGLE, rule_for
@@ -129,15 +130,29 @@ def _quantised_base(cfg, spec) -> dict[str, torch.Tensor]:
     return {f"{path}.weight": layer.dequantised() for path, layer in quant_layers(model)}
 
 
+def _adapted_experts(cfg, spec) -> dict[str, bool]:
+    """A LoRA run's adapted stacked expert weights by name -> their layout (`in_out`)."""
+    if not cfg.finetune.lora_rank:
+        return {}
+    model = build_on_meta(spec)
+    apply_lora(model, cfg.finetune)
+    return adapted_weights(model)
+
+
 def merging(read, cfg, spec):
     """`read`, with a LoRA layer's base weight read as W + (alpha / r)·B·A (peft's merge); a
     quantised base (QLoRA) is the dequantised NF4 weight the run trained against."""
     scale = cfg.finetune.lora_alpha / max(cfg.finetune.lora_rank, 1)
     suffix = ".base_layer.weight"
     quantised = _quantised_base(cfg, spec) if cfg.finetune.base_quant != "none" else {}
+    experts = _adapted_experts(cfg, spec)
 
     def merged(name: str) -> torch.Tensor:
         w = quantised[name] if name in quantised else read(name)
+        if name in experts:  # stacked expert weights: a pair per expert
+            path, _, leaf = name.rpartition(".")
+            a, b = read(f"{path}.lora_A.{leaf}"), read(f"{path}.lora_B.{leaf}")
+            return (w.float() + merged_delta(a, b, scale, experts[name])).to(w.dtype)
         if not name.endswith(suffix) or not cfg.finetune.lora_rank:
             return w
         layer = name[: -len(suffix)]

@@ -20,6 +20,7 @@ from shardwise.checkpoint.export_source import Source, open_source
 from shardwise.errors import ShardwiseError
 from shardwise.finetune.lora import ADAPTER, apply_lora
 from shardwise.models import build_on_meta
+from shardwise.models.expert_lora import adapted_weights
 from shardwise.models.families import family_of
 from shardwise.models.hf.weights import rule_for
 from shardwise.models.init import canonical_name
@@ -45,6 +46,14 @@ def _adapter(src: Source) -> tuple[dict[str, torch.Tensor], list[str], list[str]
     spec, ft = src.spec, src.cfg.finetune
     model = build_on_meta(spec)
     layers = apply_lora(model, ft)
+    experts = adapted_weights(model)
+    if experts:
+        raise ShardwiseError(
+            f"the run's adapters include stacked expert weights ({next(iter(experts))}, ...; "
+            f"finetune.lora_targets='{ft.lora_targets}'), which shardwise keeps as a pair per "
+            "expert and a peft adapter file does not hold. Fix: --format hf (the adapters "
+            "merged into the weights)."
+        )
     tensors, paths = {}, []
     for layer in layers:
         theirs = _their_path(spec, layer)

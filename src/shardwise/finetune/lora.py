@@ -13,6 +13,10 @@ frozen. Three things make that fit the engine:
   layout: it is replaced by LayoutFreeDropout (masks keyed by seed, step, sample and site);
 * tensor parallelism splits A or B with the layer they adapt (parallel/tensor_lora.py), and
   ZeRO keeps trainable and frozen parameters in separate units (parallel/zero.py).
+
+Stacked expert weights (an MoE layer's [E, ...] parameters, not linear layers) take a pair per
+expert of shardwise's own instead (models/expert_lora.py), named by `experts`, a weight's name
+or path; expert parallelism cuts the pair with the experts (parallel/expert.py).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from torch import nn
 from shardwise.config import FinetuneConfig
 from shardwise.errors import ConfigError
 from shardwise.models.dropout import LayoutFreeDropout, name_sites
+from shardwise.models.expert_lora import add_expert_adapters
 from shardwise.models.families import family_of
 from shardwise.models.init import find_spec
+from shardwise.models.moe import MoE
 from shardwise.models.tp_plans import is_conv1d
 from shardwise.optim import quiet_bitsandbytes
 
@@ -64,26 +70,66 @@ def _matches(path: str, pattern: str) -> bool:
     return path.rpartition(".")[2] == pattern
 
 
-def _refuse_experts(model: nn.Module, pattern: str) -> None:
-    """A pattern naming transformers' stacked experts (or their parameters) is refused with
-    why: they are [E, out, in] parameters, not nn.Linear layers, and peft adapts them only
-    through `target_parameters` (one adapter over all experts), which shardwise does not
-    apply (its adapters are valued, split and sharded per nn.Linear)."""
-    from shardwise.models.hf.experts import experts_modules
+EXPERTS = "experts"  # the pattern naming every stacked expert weight
 
-    owners = {id(m) for m in experts_modules(model)}
-    for name, module in model.named_modules():
-        if id(module) not in owners:
-            continue
-        paths = [name] + [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)]
-        if any(_matches(path, pattern) for path in paths):
-            raise ConfigError(
-                f"finetune.lora_targets pattern '{pattern}' names the stacked experts "
-                f"'{name}' of {type(model).__name__}: [experts, out, in] parameters, not "
-                "nn.Linear layers; peft adapts those only through target_parameters, which "
-                "shardwise does not apply. Fix: adapt the attention projections "
-                "(q_proj,k_proj,v_proj,o_proj), or train the experts whole without LoRA."
+
+def _experts_of(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, ...], bool]]:
+    """(path, module, stacked weight names, is it transformers') of every experts module: our
+    MoE layers (models/moe.py) and transformers' stacked experts (models/hf/experts.py)."""
+    from shardwise.models.hf.experts import experts_modules, stacked_weights
+
+    theirs = {id(m) for m in experts_modules(model)}
+    out = []
+    for path, m in model.named_modules():
+        if isinstance(m, MoE):
+            out.append((path, m, ("w1", "w3", "w2"), False))
+        elif id(m) in theirs:
+            out.append((path, m, stacked_weights(m), True))
+    return out
+
+
+def expert_targets(model: nn.Module, patterns: str) -> list[tuple[str, nn.Module, list[str]]]:
+    """(path, module, weights) of the stacked expert weights `patterns` names: `experts` names
+    them all, a weight's name or path pattern ('w1', 'gate_up_proj', 'blocks.*.mlp.w2') that
+    weight, and for transformers' classes the experts module's own path ('experts') all its
+    weights. `all-linear` names none (they are not linear layers)."""
+    pats = [p.strip() for p in patterns.split(",") if p.strip()]
+    out = []
+    for path, module, leaves, theirs in _experts_of(model):
+        hit = [
+            leaf
+            for leaf in leaves
+            if any(
+                p == EXPERTS or _matches(f"{path}.{leaf}", p) or (theirs and _matches(path, p))
+                for p in pats
+                if p != ALL_LINEAR
             )
+        ]
+        if hit:
+            out.append((path, module, hit))
+    return out
+
+
+def _check_experts(model: nn.Module, found: list, ft: FinetuneConfig) -> None:
+    """Adapters on experts: only where shardwise computes the experts (its own forward) and
+    without dropout (the rows of a token are permuted among experts: no per-sample site)."""
+    from shardwise.models.hf.experts import computes_experts
+
+    for path, module, _ in found:
+        if not isinstance(module, MoE) and not computes_experts(model):
+            raise ConfigError(
+                f"finetune.lora_targets='{ft.lora_targets}' names the experts '{path}' of "
+                f"{type(model).__name__}, whose layout (biases, a post-expert norm or [in, out] "
+                "weights) transformers computes itself, so an adapter there would not be "
+                "applied. Fix: adapt the attention projections (q_proj,k_proj,v_proj,o_proj)."
+            )
+    if found and ft.lora_dropout:
+        raise ConfigError(
+            f"finetune.lora_dropout={ft.lora_dropout} with adapters on experts "
+            f"(finetune.lora_targets='{ft.lora_targets}'): dropout is not built for an "
+            "expert adapter's input. Fix: --finetune.lora_dropout=0, or leave the experts out "
+            "of the targets."
+        )
 
 
 def target_modules(model: nn.Module, patterns: str, new: set[str] = frozenset()) -> list[str]:
@@ -95,13 +141,13 @@ def target_modules(model: nn.Module, patterns: str, new: set[str] = frozenset())
         heads = _heads(model, new)
         return [n for n in linear if n not in heads]
     for pat in pats:
-        if not any(_matches(n, pat) for n in linear):
-            _refuse_experts(model, pat)
+        if not any(_matches(n, pat) for n in linear) and not expert_targets(model, pat):
             short = ", ".join(dict.fromkeys(n.rpartition(".")[2] for n in linear))
+            experts = f", {EXPERTS} (stacked expert weights)" if _experts_of(model) else ""
             raise ConfigError(
                 f"finetune.lora_targets pattern '{pat}' matches no linear layer of "
-                f"{type(model).__name__}. Fix: name some of its linear layers ({short}), a "
-                f"path pattern such as '{linear[0] if linear else 'blocks.*.attn.wq'}', or "
+                f"{type(model).__name__}. Fix: name some of its linear layers ({short}){experts}, "
+                f"a path pattern such as '{linear[0] if linear else 'blocks.*.attn.wq'}', or "
                 f"{ALL_LINEAR}."
             )
     if not pats:
@@ -146,13 +192,18 @@ def apply_lora(model: nn.Module, ft: FinetuneConfig) -> list[str]:
 
     new = _new_parameters(model)
     targets = target_modules(model, ft.lora_targets, new)
-    config = LoraConfig(
-        r=ft.lora_rank, lora_alpha=ft.lora_alpha, lora_dropout=0.0, target_modules=targets
-    )
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
-    for name, p in model.named_parameters():
-        if name in new:
-            p.requires_grad_(True)
+    experts = expert_targets(model, ft.lora_targets)
+    _check_experts(model, experts, ft)
+    if targets:
+        config = LoraConfig(
+            r=ft.lora_rank, lora_alpha=ft.lora_alpha, lora_dropout=0.0, target_modules=targets
+        )
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    for _, module, leaves in experts:  # ours hold [E, in, out], transformers' [E, out, in]
+        in_out = isinstance(module, MoE)
+        add_expert_adapters(module, leaves, ft.lora_rank, ft.lora_alpha, in_out=in_out)
+    for name, p in model.named_parameters():  # the base frozen (as peft freezes it)
+        p.requires_grad_(name in new or is_adapter_name(name))
     if ft.lora_dropout:
         for module in model.modules():
             if is_lora_layer(module):

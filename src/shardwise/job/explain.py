@@ -13,6 +13,7 @@ from shardwise.config import Config
 from shardwise.finetune.lora import is_lora_layer
 from shardwise.finetune.quant import quant_layers
 from shardwise.job.predict import _meta_model, predict_config
+from shardwise.models.expert_lora import adapted_weights
 from shardwise.optim import EIGHT_BIT
 from shardwise.plan.gpu import ALIGN, misaligned
 from shardwise.plan.hardware import Hardware, detect_hardware
@@ -152,7 +153,9 @@ def parameter_counts(cfg: Config, spec) -> dict:
             "rank": ft.lora_rank,
             "alpha": ft.lora_alpha if ft.lora_rank else 0.0,
             "targets": ft.lora_targets if ft.lora_rank else "",
-            "layers": sum(1 for m in model.modules() if is_lora_layer(m)),
+            # linear layers peft wrapped, and stacked expert weights with a pair per expert
+            "layers": sum(1 for m in model.modules() if is_lora_layer(m))
+            + len(adapted_weights(model)),
         },
     }
 

@@ -22,6 +22,7 @@ from shardwise.data.callables import resolve
 from shardwise.distributed import device as dev
 from shardwise.errors import ConfigError
 from shardwise.finetune import build_adapted
+from shardwise.finetune.lora import EXPERTS
 from shardwise.finetune.quant import quant_layers
 from shardwise.job.experts import expert_units, in_forward_order, routed_spec
 from shardwise.models import count_params
@@ -78,7 +79,7 @@ def finetune_of(cfg: Config, spec) -> FineTune:
     pats = [p.strip() for p in ft.lora_targets.split(",") if p.strip()]
     if pats != ["all-linear"] and tags:
         for pat in pats:
-            if pat.rpartition(".")[2] not in tags:
+            if pat.rpartition(".")[2] not in tags and pat != EXPERTS:
                 raise ConfigError(
                     f"finetune.lora_targets pattern '{pat}' matches no linear layer of the "
                     f"planned model. Fix: some of {', '.join(tags)}, or all-linear."

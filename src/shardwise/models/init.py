@@ -38,6 +38,9 @@ _WRAPPER_SEGMENTS = (
 )
 _LORA_A = re.compile(r"\.lora_A\.[^.]+\.weight$")
 _LORA_B = re.compile(r"\.lora_B\.[^.]+\.weight$")
+# LoRA pairs of stacked expert weights (models/expert_lora.py): `<experts>.lora_A.<weight>`
+_EXPERT_A = re.compile(r"\.lora_A\.[^.]+$")
+_EXPERT_B = re.compile(r"\.lora_B\.[^.]+$")
 _OUT_PROJ = re.compile(r"(^|\.)(attn\.wo|mlp\.w2|mlp\.shared\.w2)\.weight$")
 _NORMS = (RMSNorm, LayerNorm, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
@@ -80,12 +83,25 @@ def _lora_a(t: torch.Tensor, g: torch.Generator) -> object:
     return nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=g)
 
 
+def _expert_lora_a(t: torch.Tensor, g: torch.Generator) -> object:
+    # [E, r, in]: each expert's A as _lora_a draws an [r, in] one (bound 1 / sqrt(in)); torch's
+    # fan-in of a 3-D tensor would be r·in
+    bound = 1.0 / math.sqrt(t.shape[-1])
+    return nn.init.uniform_(t, -bound, bound, generator=g)
+
+
+def _is_adapter(name: str) -> bool:
+    return any(r.search(name) for r in (_LORA_A, _LORA_B, _EXPERT_A, _EXPERT_B))
+
+
 def init_rule(module: nn.Module, leaf: str, name: str, spec: ModelSpec | None) -> Rule:
     """The one dispatch table: module type + (canonical) parameter name -> in-place init."""
-    if _LORA_B.search(name):
+    if _LORA_B.search(name) or _EXPERT_B.search(name):
         return _zeros  # LoRA starts as the base model: B·A = 0 (Hu et al. 2021, §4.1)
     if _LORA_A.search(name):
         return _lora_a
+    if _EXPERT_A.search(name):
+        return _expert_lora_a
     if leaf == "bias":
         return _zeros  # every bias: Linear, LayerNorm, BatchNorm
     if isinstance(module, _BatchNorm):
@@ -133,8 +149,9 @@ def initial_value(
 
     Sharding code slices this to get a local shard equal to the same slice of the full init.
     """
-    adapter = _LORA_A.search(name) or _LORA_B.search(name)
-    if spec is not None and spec.arch == "custom" and not adapter:  # its own reset_parameters()
+    if (
+        spec is not None and spec.arch == "custom" and not _is_adapter(name)
+    ):  # its own reset_parameters()
         from shardwise.models.custom import reset_value
 
         return reset_value(module, leaf, param_seed(seed, name.rpartition(".")[0]))

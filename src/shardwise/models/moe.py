@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from shardwise.models.decoder import MLP, Decoder, SwiGLUAct
+from shardwise.models.expert_lora import adapter_delta
 from shardwise.models.presets import ModelSpec
 
 BASE_STD = 0.02  # as models/init.py: the stacked expert weights draw like nn.Linear ones
@@ -102,6 +103,13 @@ def expert_matmul(
     # planner measures the bytes saved, which do not depend on the split)
     parts = xs.split(counts.tolist()) if _has_data(xs) else xs.tensor_split(w.shape[0])
     return torch.cat([p @ w[e] for e, p in enumerate(parts)])
+
+
+def _equal_groups(xs: torch.Tensor, w: torch.Tensor, counts: None) -> torch.Tensor:
+    """Rows in E equal groups (the capacity layout) times their expert's `w` [E, in, out]:
+    one batched matmul."""
+    g = xs.view(w.shape[0], -1, xs.shape[-1])
+    return torch.bmm(g, w).reshape(-1, w.shape[-1])
 
 
 class MoE(nn.Module):
@@ -214,12 +222,16 @@ class MoE(nn.Module):
     def _experts(self, xs: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
         """SwiGLU of every expert on its rows: w2(silu(x w1) * x w3); counts None: E equal
         groups (the capacity layout), one batched matmul each."""
-        if counts is None:
-            g = xs.view(self.n_experts, -1, xs.shape[-1])
-            h = self.act(torch.bmm(g, self.w1), torch.bmm(g, self.w3))
-            return torch.bmm(h, self.w2).reshape(-1, xs.shape[-1])
-        h = self.act(expert_matmul(xs, self.w1, counts), expert_matmul(xs, self.w3, counts))
-        return expert_matmul(h, self.w2, counts)
+        h = self.act(self._product("w1", xs, counts), self._product("w3", xs, counts))
+        return self._product("w2", h, counts)
+
+    def _product(self, leaf: str, xs: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+        """The rows times their expert's weight `leaf`, plus its LoRA adapter's delta if it has
+        one (models/expert_lora.py)."""
+        matmul = expert_matmul if counts is not None else _equal_groups
+        y = matmul(xs, getattr(self, leaf), counts)
+        delta = adapter_delta(self, leaf, xs, counts, matmul)
+        return y if delta is None else y + delta
 
     def _dropless(self, flat, expert, weights, keep: torch.Tensor | None = None):
         """Every assignment (or every kept one) computed: rows sorted by expert (stable:

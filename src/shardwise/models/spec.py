@@ -156,12 +156,11 @@ def _moe(cfg: Config, spec: ModelSpec) -> dict[str, object]:
     for key in ("moe_aux_loss", "moe_bias_balance"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0. Fix: 0 for off.")
-    if m.init_from or cfg.finetune.lora_rank:
-        key = "model.init_from" if m.init_from else "finetune.lora_rank"
+    if m.init_from:
         raise ConfigError(
-            f"{key} is not built for MoE models yet (model.name='{m.name}': no checkpoint "
-            "maps a dense MLP onto experts, and LoRA adapts nn.Linear layers, not stacked "
-            f"expert weights). Fix: remove {key}, or a dense decoder preset."
+            f"model.init_from is not built for MoE models yet (model.name='{m.name}': no "
+            "checkpoint maps a dense MLP onto experts). Fix: remove model.init_from, or a "
+            "dense decoder preset."
         )
     out: dict[str, object] = {"arch": "moe"}
     out.update({k: getattr(m, k) for k in ("n_experts", "top_k") if getattr(m, k) > 0})

@@ -7,6 +7,8 @@ parallelism), as a transformation of the plain MoE decoder on the meta device.
   so init draws the full (seed, name) value and keeps the slice, and checkpoints store the
   global names and shapes (an ep=4 checkpoint resumes at ep=1 and back).
 * The layer's router, shared experts and the rest of the model stay replicated over dp.
+* LoRA pairs on the stacked weights ([E, r, in] and [E, out, r], models/expert_lora.py) are
+  cut the same way, with the weight they adapt, and reduced over the same ranks.
 * Expert gradients are summed over the "edp" ranks holding the same experts (dp / ep of them)
   and ZeRO shards them there (`reduce_dim`); every token's contribution is in them already,
   because the all-to-all brought every ep rank's rows to the experts (parallel/expert_comm.py).
@@ -25,6 +27,7 @@ from torch import nn
 from shardwise.config import Config
 from shardwise.distributed.comm import Comm
 from shardwise.errors import ConfigError
+from shardwise.models.expert_lora import PARTS, ExpertAdapters, expert_adapters
 from shardwise.models.families.base import Family
 from shardwise.models.hf.experts import experts_modules, stacked_weights
 from shardwise.models.init import LocalSlice, canonical_name
@@ -93,20 +96,30 @@ def apply_expert_parallel(model: nn.Module, comm: Comm) -> ExpertParallel | None
             )
         exchange = ExpertExchange(comm, e)
         lo, hi = exchange.first, exchange.first + exchange.local
+        path = names[id(layer)]
         for leaf in leaves:
-            p = layer._parameters[leaf]
-            if not p.is_meta:
-                raise ValueError("expert parallelism transforms a model on the meta device")
-            cut = LocalSlice(tuple(p.shape), 0, ((lo, hi),), e)
-            local = nn.Parameter(
-                torch.empty((hi - lo, *p.shape[1:]), dtype=p.dtype, device="meta"),
-                requires_grad=p.requires_grad,
-            )
-            local.tp_slice, local.tp_kind, local.reduce_dim = cut, "shard", "edp"
-            layer._parameters[leaf] = local
-            slices[f"{names[id(layer)]}.{leaf}"] = cut
+            slices[f"{path}.{leaf}"] = _keep_experts(layer, leaf, lo, hi)
+        for leaf in expert_adapters(layer):  # LoRA pairs split with the weight they adapt
+            for part in PARTS:
+                slices[f"{path}.{part}.{leaf}"] = _keep_experts(getattr(layer, part), leaf, lo, hi)
         layer.exchange = exchange
     return ExpertParallel(comm, slices)
+
+
+def _keep_experts(owner: nn.Module, leaf: str, lo: int, hi: int) -> LocalSlice:
+    """Replace the meta [E, ...] parameter `owner.leaf` by its experts [lo, hi), marked as a
+    slice reduced over the ranks holding the same experts; returns the slice."""
+    p = owner._parameters[leaf]
+    if not p.is_meta:
+        raise ValueError("expert parallelism transforms a model on the meta device")
+    cut = LocalSlice(tuple(p.shape), 0, ((lo, hi),), p.shape[0])
+    local = nn.Parameter(
+        torch.empty((hi - lo, *p.shape[1:]), dtype=p.dtype, device="meta"),
+        requires_grad=p.requires_grad,
+    )
+    local.tp_slice, local.tp_kind, local.reduce_dim = cut, "shard", "edp"
+    owner._parameters[leaf] = local
+    return cut
 
 
 def apply_sequence_shards(model: nn.Module, comm: Comm, sp: bool) -> None:
@@ -186,6 +199,8 @@ def check_expert_parallel(cfg: Config, spec: ModelSpec, family: Family, shared: 
 
 def is_expert_weight(module: nn.Module, leaf: str) -> bool:
     """Whether `module.leaf` is a routed expert weight that expert parallelism shards."""
+    if isinstance(module, ExpertAdapters):  # a LoRA pair of a stacked weight: cut with it
+        return True
     if isinstance(module, MoE):
         return leaf in EXPERT_WEIGHTS
     return module in experts_modules(module) and leaf in stacked_weights(module)

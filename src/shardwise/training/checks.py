@@ -140,6 +140,7 @@ def check_lora(spec: ModelSpec, cfg: Config) -> None:
     before launch)."""
     from shardwise.finetune import build_adapted
     from shardwise.finetune.lora import check
+    from shardwise.models.expert_lora import adapted_weights
 
     check(cfg.finetune)
     quant = cfg.finetune.base_quant
@@ -150,7 +151,15 @@ def check_lora(spec: ModelSpec, cfg: Config) -> None:
         )
     if cfg.finetune.lora_rank == 0:
         return
-    build_adapted(spec, cfg.finetune)
+    model = build_adapted(spec, cfg.finetune)[0]
+    p = cfg.parallel
+    if (p.tp > 1 or p.pp > 1) and adapted_weights(model):  # (models/expert_lora.py)
+        raise ConfigError(
+            f"finetune.lora_targets='{cfg.finetune.lora_targets}' adapts stacked expert "
+            f"weights, which are not checked with parallel.tp={p.tp} or parallel.pp={p.pp} "
+            "yet. Fix: --parallel.tp=1 --parallel.pp=1 (data, ZeRO and expert parallelism "
+            "run), or leave the experts out of the targets."
+        )
 
 
 def check_pipeline(

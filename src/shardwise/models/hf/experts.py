@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardwise.models.expert_lora import adapter_delta
 from shardwise.models.moe import expert_matmul
 
 NAME = "shardwise"
@@ -47,10 +48,18 @@ def _experts_forward(
 def _products(self: nn.Module, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The experts held here on rows grouped by expert (counts [held experts]): the [gate;
     up] product, the gate, the down product."""
-    up = self.gate_up_proj if self.has_gate else self.up_proj
-    out = expert_matmul(xs, up.transpose(-2, -1), counts)
+    up = "gate_up_proj" if self.has_gate else "up_proj"
+    out = _product(self, up, xs, counts)
     out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
-    return expert_matmul(out, self.down_proj.transpose(-2, -1), counts)
+    return _product(self, "down_proj", out, counts)
+
+
+def _product(self: nn.Module, leaf: str, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The rows times their expert's [E, out, in] weight `leaf`, plus its LoRA adapter's delta
+    if it has one (models/expert_lora.py)."""
+    out = expert_matmul(xs, getattr(self, leaf).transpose(-2, -1), counts)
+    delta = adapter_delta(self, leaf, xs, counts, expert_matmul)
+    return out if delta is None else out + delta
 
 
 def stacked_weights(module: nn.Module) -> tuple[str, ...]:
@@ -74,11 +83,17 @@ def experts_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "is_concatenated") and hasattr(m, "has_gate")]
 
 
+def computes_experts(model: nn.Module) -> bool:
+    """Whether `_experts_forward` computes `model`'s stacked experts: it has some, all of a
+    layout it computes (else transformers' own forward runs them)."""
+    found = experts_modules(model)
+    return bool(found) and all(_plain(m) for m in found)
+
+
 def use_shardwise_experts(model: nn.Module) -> None:
     """Make `model`'s stacked experts run through `_experts_forward` (a no-op for models without
     experts, or with a layout it does not compute: transformers' own forward then)."""
-    found = experts_modules(model)
-    if not found or not all(_plain(m) for m in found):
+    if not computes_experts(model):
         return
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
