@@ -16,9 +16,10 @@ Composed (dp 1 in the 4-rank world): cp 2 x tp 2 ring on the preset and on the L
 and Qwen2 checkpoints (each rank's cp kernels get its n_heads / tp heads), cp 2 x pp 2 ring on
 the checkpoints and Ulysses on Llama's (its stages rotate by the global positions of the
 rank's zig-zag part and exchange activations of the local length) must reproduce the single
-process's losses, gradient norms and parameters, and under tp the planner must predict cp, tp
-and dp traffic and the model states exactly. One 4-rank world runs every multi-rank case,
-one process the references."""
+process's losses, gradient norms and parameters; under tp the planner must predict cp, tp
+and dp traffic and the model states exactly, under pp (and for packed rows) every memory
+category and the cp, pp and dp traffic. One 4-rank world runs every multi-rank case, one
+process the references."""
 
 from __future__ import annotations
 
@@ -210,6 +211,27 @@ def test_the_plan_is_exact_under_tp(worlds, made, name):
                 assert pred["mem_bytes"][key] == got, (key, rec["mem_bytes"], pred["mem_bytes"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in COMPOSED_CASES if "_pp2_" in n])
+def test_the_plan_is_exact_under_pp(worlds, made, name):
+    """A checkpoint cut into pipeline stages under cp (job/stages.py): comm_bytes and
+    comm_calls over cp (each stage's layers through the kernels) and pp (activations of the
+    rank's s/cp tokens) on every rank and step, over dp (the gradient reduction over the
+    dp x cp ranks) rank 0's (the first stage's units, as explain prices them), and every
+    memory category at the busiest stage (max over the ranks of each step): the stages'
+    fake forwards at s/cp plus the kernels' saved bytes, byte for byte."""
+    pred = _explain(_composed_case(made, name)["overrides"])
+    ranks = worlds[4][name]
+    for i, rank in enumerate(ranks):
+        for rec in rank["records"]:
+            for dim in ("cp", "pp", "dp") if i == 0 else ("cp", "pp"):
+                assert rec["comm_bytes"][dim] == pred["comm_bytes"][dim] > 0, (dim, rec, pred)
+                assert rec["comm_calls"][dim] == pred["comm_calls"][dim], (dim, rec, pred)
+    for step in zip(*(rank["records"] for rank in ranks), strict=True):
+        got = {k: max(rec["mem_bytes"][k] for rec in step) for k in step[0]["mem_bytes"]}
+        assert got == pred["mem_bytes"], (got, pred["mem_bytes"])
+
+
 def _explain(overrides: list[str]) -> dict:
     return explain_record(load_config(None, overrides), 4, get_hardware("cpu", calibrate=False))
 
@@ -223,7 +245,7 @@ def test_the_plan_is_exact(worlds, name):
     the same kernels with the same tensors; the gradient reduction (ZeRO-3's gathers too)
     spans the dp x cp ranks. Memory: states over dp x cp, the fake forward at seq_len / cp,
     plus what the kernels save (plan/memory.py `cp_saved_bytes`) and the repeated k/v that
-    transformers' SDPA does not keep (job/predict.py `_repeated_kv_bytes`); measured exact
+    transformers' SDPA does not keep (job/measured.py `repeated_kv_bytes`); measured exact
     here and at 512 tokens, where a missed term is a MiB."""
     pred = _explain(case(*SHORT, PRESET, *PRESET_CASES[name])["overrides"])
     for rank in worlds[4][name]:
@@ -261,6 +283,21 @@ def test_packed_traffic_is_predicted_byte_for_byte(worlds, packed_root, name):
             for dim in ("cp", "dp"):
                 assert rec["comm_bytes"][dim] == pred["comm_bytes"][dim] > 0, (dim, rec, pred)
                 assert rec["comm_calls"][dim] == pred["comm_calls"][dim], (dim, rec, pred)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PACKED_CASES))
+def test_packed_memory_is_predicted_byte_for_byte(worlds, packed_root, name):
+    """Every memory category of packed rows under cp as explain predicts it, on every rank
+    and step: the fake forward at s/cp without the records' additive mask [b, 1, s/cp, s/cp]
+    (a rank's part builds none: the kernels mask by record), its k/v repeated already (the
+    mask turns SDPA's GQA off), plus the kernels' saved bytes, for Ulysses also the records'
+    mask of the whole sequence that its SDPA keeps as fp32 [b, 1, s, s] in every layer."""
+    cfg = load_config(None, [*_packed_base(packed_root, name), *PACKED_CASES[name]])
+    pred = explain_record(cfg, 4, get_hardware("cpu", calibrate=False))["mem_bytes"]
+    for rank in worlds[4][name]:
+        for rec in rank["records"]:
+            assert rec["mem_bytes"] == pred, (name, rec["mem_bytes"], pred)
 
 
 def test_other_checkpoints_are_refused_by_model_type(tmp_path):

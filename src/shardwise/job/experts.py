@@ -1,6 +1,6 @@
-"""What the planner's measured path (job/predict.py) needs to price expert parallelism
-(parallel/expert.py) from the real model: the expert units apart from the dense ones, and the
-MoE shape of a transformers MoE model, whose spec has none."""
+"""What the planner's measured path (job/measured.py, job/stages.py) needs to price expert
+parallelism (parallel/expert.py) from the real model: the expert units apart from the dense
+ones, and the MoE shape of a transformers MoE model, whose spec has none."""
 
 from __future__ import annotations
 

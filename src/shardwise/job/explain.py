@@ -12,7 +12,8 @@ from __future__ import annotations
 from shardwise.config import Config
 from shardwise.finetune.lora import is_lora_layer
 from shardwise.finetune.quant import quant_layers
-from shardwise.job.predict import _meta_model, predict_config
+from shardwise.job.fake import meta_model
+from shardwise.job.predict import predict_config
 from shardwise.models.expert_lora import adapted_weights
 from shardwise.optim import EIGHT_BIT
 from shardwise.plan.gpu import ALIGN, misaligned
@@ -141,7 +142,7 @@ def parameter_counts(cfg: Config, spec) -> dict:
     """What the model trains: its parameters trainable, frozen (LoRA's base, train.freeze) and
     quantised (a low-bit base, no longer parameters), counted on the model as training builds
     it on meta; and its LoRA adapters (rank 0: none)."""
-    model = _meta_model(cfg, spec)
+    model = meta_model(cfg, spec)
     params = {id(p): p for p in model.parameters()}.values()  # a tied weight once
     ft = cfg.finetune
     return {

@@ -97,10 +97,12 @@ def _zero_transient(
     holds the root it runs plus the prefetched next unit (backward: the previous root's last
     unit); ZeRO-2/3 reduce-scatter each trainable unit's gradients from a fresh flat buffer, at
     most three in flight (two pending, one launching). Backward visits roots in reverse; at root
-    k: F_k + F_last(k-1) + G_k + G_k+1 + G_k+2 (a frozen unit has no G). A 16-bit wire adds
-    its copy to each G (ZeRO-1: G is only that copy; its flat buffer is persistent). A tied
-    head gathers the first root's units again before backward, and they stay gathered until
-    their gradients (both uses') are reduced, after the first root's backward: + F_0."""
+    k: F_k + F_last(k-1) + G_k + G_k+1 + G_k+2 (a frozen unit has no G; a root of several
+    trainable units, under expert parallelism, holds them as that many of the three G). A
+    16-bit wire adds its copy to each G (ZeRO-1: G is only that copy; its flat buffer is
+    persistent). A tied head gathers the first root's units again before backward, and they
+    stay gathered until their gradients (both uses') are reduced, after the first root's
+    backward: + F_0."""
     if stage < 2 and not (stage == 1 and wire):
         return 0.0
     roots = _roots(us, siblings)
@@ -110,12 +112,17 @@ def _zero_transient(
 
     full = [[size(u, bc) if stage == 3 else 0 for u in r] for r in roots]
     per = (br if stage >= 2 else 0) + wire
-    grad = [sum(size(u, per) for u in r if any(e[1] for e in u.entries)) for r in roots]
+    # the gradients in flight are counted unit by unit (the engine reduces units, not roots: a
+    # root's expert unit is one of the three); a root without trainable units takes a slot
+    grad = [[size(u, per) for u in r if any(e[1] for e in u.entries)] or [0] for r in roots]
     n, peak = len(roots), 0.0
     for k in range(n):  # forward: the running root + the next root's first unit, prefetched
         peak = max(peak, sum(full[k]) + (full[k + 1][0] if k + 1 < n else 0))
+    flight: list[int] = []  # gradient buffers in backward order, the latest last
     for k in range(n - 1, -1, -1):
         gathered = sum(full[k]) + (full[k - 1][-1] if k > 0 else 0)
         gathered += sum(full[0]) if tied and k > 0 else 0
-        peak = max(peak, gathered + sum(grad[k : k + 3]))
+        for g in reversed(grad[k]):  # the root's units in backward (reverse) order
+            flight.append(g)
+            peak = max(peak, gathered + sum(flight[-3:]))
     return peak

@@ -325,22 +325,36 @@ def cp_saved_bytes(job: Job, layout: Layout) -> float:
     saved apart: the ring's merged output in fp32 (4e; its log-sum-exp [B, H, S/cp] in fp32,
     as SDPA's); Ulysses' SDPA output in fp32 (4e) over q/k/v cast to fp32 (3(4 - c)e beyond
     the compute-dtype q/k/v plain SDPA keeps) and its two int64 reorderings of the whole
-    sequence. A recomputed core or block keeps only its inputs: nothing more. Outside the
-    blocks: the rank's token ids and targets are copies taken at its positions (8·b·s/cp
-    each), not views of one (b, s/cp + 1) window."""
+    sequence; with packed rows also the records' mask of the whole sequence that SDPA gets
+    ([B, 1, S, S], as fp32 like q). A recomputed core or block keeps only its inputs: nothing
+    more. Outside the blocks: the rank's token ids and targets are copies taken at its
+    positions (8·b·s/cp each), not views of one (b, s/cp + 1) window; packed rows (models/
+    packing.py) are no window, and a rank's part of them builds no additive mask [b, 1, s/cp,
+    s/cp] (the kernels mask by record themselves), which the equivalent holds once."""
     if layout.cp == 1:
         return 0.0
-    spec, b, local, e = _cp_shape(job, layout)
-    c = job.bc
-    per_layer = 0.0
-    if layout.recompute == "none":
-        per_layer = 4 * e
-        if layout.cp_mode == "ulysses":
-            per_layer += 3 * (4 - c) * e + 2 * 8 * job.seq_len
-    # the formula's ids are the (b, s+1) window, its flattened targets a copy of it for b > 1
-    # and the window itself for one sample
-    edge = -8 * b + (8 * local if b == 1 and job.loss_chunks <= 1 else 0)
-    return per_layer * -(-spec.n_layers // layout.pp) + edge  # the largest stage's layers
+    spec, b, local, _ = _cp_shape(job, layout)
+    if job.packed:
+        edge = -job.bc * b * local * local
+    else:  # the formula's ids are the (b, s+1) window, its flattened targets a copy of it for
+        # b > 1 and the window itself for one sample
+        edge = -8 * b + (8 * local if b == 1 and job.loss_chunks <= 1 else 0)
+    layers = -(-spec.n_layers // layout.pp)  # the largest stage's
+    return cp_layer_saved_bytes(job, layout) * layers + edge
+
+
+def cp_layer_saved_bytes(job: Job, layout: Layout) -> float:
+    """`cp_saved_bytes` of one layer (the kernels' own), without what is saved outside the
+    blocks; 0 at cp = 1."""
+    if layout.cp == 1 or layout.recompute != "none":
+        return 0.0
+    _, _, _, e = _cp_shape(job, layout)
+    per_layer = 4 * e
+    if layout.cp_mode == "ulysses":
+        per_layer += 3 * (4 - job.bc) * e + 2 * 8 * job.seq_len
+        if job.packed:  # the records' mask of the whole sequence, as SDPA converts it
+            per_layer += 4 * layout.micro_batch * job.seq_len * job.seq_len
+    return per_layer
 
 
 def cp_transient(job: Job, layout: Layout) -> float:

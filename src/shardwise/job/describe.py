@@ -1,0 +1,81 @@
+"""A train config as the planner's description: the job (model, data, precision, fine-tuning,
+hardware) and the layout (plan/layout.py), one source of truth for `explain`, `plan`,
+`--plan auto` and the profile's remedies."""
+
+from __future__ import annotations
+
+from shardwise.config import Config
+from shardwise.errors import ConfigError
+from shardwise.finetune.lora import EXPERTS
+from shardwise.optim import EIGHT_BIT
+from shardwise.optim.nvme import chunk_elements
+from shardwise.plan.hardware import Hardware
+from shardwise.plan.layout import FineTune, Job, Layout
+from shardwise.plan.shapes import linear_shapes
+
+
+def job_from_config(
+    cfg: Config, hardware: Hardware, devices: int, spec=None, finetune: FineTune | None = None
+) -> Job:
+    """The planner's job of `cfg` on `devices` of `hardware` (its model spec unless given)."""
+    from shardwise.training.validate import model_spec
+
+    spec = spec or model_spec(cfg)
+    return Job(
+        spec=spec,
+        hardware=hardware,
+        devices=devices,
+        seq_len=cfg.data.seq_len,
+        packed=cfg.data.pack,
+        loss_chunks=cfg.train.loss_chunks,
+        global_batch=cfg.train.global_batch,
+        precision=cfg.precision.compute,
+        reduce=cfg.precision.reduce,
+        fp8=cfg.precision.fp8,
+        finetune=finetune or finetune_of(cfg, spec),
+        pp_split=cfg.parallel.pp_split,
+        bucket_mb=cfg.parallel.bucket_mb,
+        powersgd_rank=cfg.parallel.powersgd_rank,
+        compressions=tuple(dict.fromkeys(("none", cfg.parallel.grad_compression))),
+        nvme_chunk=chunk_elements(cfg.memory.nvme_buffer_mb),
+    )
+
+
+def finetune_of(cfg: Config, spec) -> FineTune:
+    """The planner's fine-tuning inputs from the train config's `finetune.*` keys (one source
+    of truth): LoRA's targets as the planner's names of the block linears they match."""
+    ft, eight = cfg.finetune, cfg.optim.name in EIGHT_BIT
+    if not ft.lora_rank:
+        return FineTune(base_quant=ft.base_quant, optim_8bit=eight)
+    tags = tuple(linear_shapes(spec)) if spec.is_transformer else ()
+    pats = [p.strip() for p in ft.lora_targets.split(",") if p.strip()]
+    if pats != ["all-linear"] and tags:
+        for pat in pats:
+            if pat.rpartition(".")[2] not in tags and pat != EXPERTS:
+                raise ConfigError(
+                    f"finetune.lora_targets pattern '{pat}' matches no linear layer of the "
+                    f"planned model. Fix: some of {', '.join(tags)}, or all-linear."
+                )
+        tags = tuple(t for t in tags if any(p.rpartition(".")[2] == t for p in pats))
+    return FineTune(ft.lora_rank, tags, ft.base_quant, eight, ft.lora_dropout)
+
+
+def layout_from_config(cfg: Config, derived) -> Layout:
+    """The planner's layout of `cfg` as `derived` (training/validate.derive) resolved it."""
+    p = cfg.parallel
+    return Layout(
+        tp=derived.tp,
+        pp=derived.pp,
+        dp=derived.dp,
+        zero=p.zero,
+        sp=p.sp,
+        pp_schedule=p.pp_schedule,
+        pp_virtual=p.pp_virtual,
+        micro_batch=derived.micro_batch,
+        recompute=cfg.memory.recompute,
+        offload=cfg.memory.offload,
+        compression=p.grad_compression,
+        cp=derived.cp,
+        cp_mode=p.cp_mode,
+        ep=derived.ep,
+    )
