@@ -1,10 +1,13 @@
 """The published mixture-of-experts runs (`published/moe.jsonl`) as planner cases, beside
 published_rows.py's dense ones: NVIDIA's NeMo performance tables (Mixtral on DGX-B200, run by
-Megatron-Core with TransformerEngine: `published/frameworks.toml` [nemo-megatron-core]), and
-runs the planner cannot price yet, each with what stops it. Every row is held out. Balanced,
-dropless routing is what the planner prices and what these tables ran ("we force-balance the
-token distribution among experts and all benchmarks are token-dropless"). Knobs a source does
-not state (recomputation) are the planner's choice, as `plan` makes it.
+Megatron-Core with TransformerEngine: `published/frameworks.toml` [nemo-megatron-core]),
+Megatron-Bridge's (Qwen3-30B-A3B on DGX-H100, the same engine: [megatron-bridge]) and NeMo
+AutoModel's (the same model on DGX-H100 under FSDP2: [nemo-automodel]); a run the planner
+cannot price says what stops it. Every row is held out. Balanced, dropless routing is what the
+planner prices and what these tables ran ("we force-balance the token distribution among
+experts and all benchmarks are token-dropless"; AutoModel: "Fake balanced gate is enabled to
+simulate ideal expert routing"). Knobs a source does not state (recomputation) are the
+planner's choice, as `plan` makes it.
 """
 
 from __future__ import annotations
@@ -21,38 +24,36 @@ from shardwise.plan.peers import PeerJob
 
 def _mixture(m: dict) -> ModelSpec:
     """A Mixtral-style block (RMSNorm, RoPE, grouped k/v heads, `n_experts` routed SwiGLU
-    experts of `ffn_dim`, `top_k` per token, untied head) of the row's shape."""
+    experts of `ffn_dim`, `top_k` per token, untied head) of the row's shape; heads of their
+    own width where the row's head_dim is not dim / n_heads (Qwen3: 32 of 128 on 2048)."""
+    width = m.get("head_dim") or 0
+    own = width if width * m["n_heads"] != m["dim"] else 0
     return ModelSpec(
         "moe", m["n_layers"], m["dim"], m["n_heads"], m["n_kv_heads"], m["ffn_dim"],
         m["vocab_size"], max_seq_len=m["seq_len"], n_experts=m["n_experts"], top_k=m["top_k"],
+        head_dim_override=own,
     )  # fmt: skip
 
 
 def unpriceable(row: dict) -> str | None:
     """What in the run the planner cannot state, or None."""
-    m = row["model"]
-    if m.get("head_dim") and m["head_dim"] * m["n_heads"] != m["dim"]:
-        return (
-            f"attention {m['n_heads']} heads x {m['head_dim']} = "
-            f"{m['n_heads'] * m['head_dim']} wide on a {m['dim']}-wide model (a ModelSpec's "
-            "heads are dim / n_heads wide)"
-        )
     if row["hardware"]["gpu"] not in CATALOG:
         return f"{row['hardware']['gpu']} is not in the hardware catalog"
     return None
 
 
-def _nemo(row: dict) -> Case | str:
-    """NeMo 2.0's performance tables: Megatron-Core's distributed optimizer (ZeRO-1 over dp,
-    the experts' states over their own dp/ep group), the layout as the table gives it (tp with
-    sp, interleaved pipeline of `pp_virtual` chunks, a cp ring, ep), FP8 per-tensor scaling
-    priced as precision.fp8 (the blocks' GEMMs at the card's FP8 peak; an assumption: the
+def _nemo(row: dict, framework: str = "nemo-megatron-core") -> Case | str:
+    """NeMo 2.0's performance tables (and Megatron-Bridge's, the same Megatron-Core):
+    Megatron-Core's distributed optimizer (ZeRO-1 over dp, the experts' states over their own
+    dp/ep group), the layout as the table gives it (tp with sp, interleaved pipeline of
+    `pp_virtual` chunks, a cp ring, ep), FP8 per-tensor or current scaling priced as
+    precision.fp8 (the blocks' GEMMs at the card's FP8 peak; an assumption: the
     sequence-parallel collectives stay bf16, where TransformerEngine may gather FP8 inputs)."""
     if why := unpriceable(row):
         return why
     m, lay = row["model"], row["layout"]
     n, s, gb = row["hardware"]["n_gpus"], m["seq_len"], lay["global_batch"]
-    peer = FRAMEWORKS["nemo-megatron-core"]
+    peer = FRAMEWORKS[framework]
     job = PeerJob(
         _mixture(m), CATALOG[row["hardware"]["gpu"]], n, s, gb, "bf16", "bf16", deviations=peer
     )
@@ -93,12 +94,34 @@ def dense_control() -> tuple[float, float]:
     return measured, search.evaluate(job, _best(job, layouts))["step_time_s"]
 
 
-def _not_priced(row: dict) -> str:
-    """A run recorded for when the planner can state it."""
-    return unpriceable(row) or "no adapter prices this framework yet"
+def _automodel(row: dict) -> Case | str:
+    """NeMo AutoModel's pre-training table: FSDP2 over all dp ranks (ZeRO-3: parameters,
+    gradients and optimizer states sharded, the experts' over their dp/ep group), experts split
+    over ep, bf16, TransformerEngine's fused attention, the recomputation its benchmark config
+    sets (the row's layout.recompute). Its DeepEP dispatch and combine are priced as the
+    planner prices an all-to-all, with the permutation kernels beside them (DeepEP writes the
+    rows in expert order itself) and nothing overlapped: an upper bound on the exchange."""
+    if why := unpriceable(row):
+        return why
+    m, lay = row["model"], row["layout"]
+    n, s, gb = row["hardware"]["n_gpus"], m["seq_len"], lay["global_batch"]
+    peer = FRAMEWORKS["nemo-automodel"]
+    job = PeerJob(
+        _mixture(m), CATALOG[row["hardware"]["gpu"]], n, s, gb, "bf16", "bf16", deviations=peer
+    )
+    stated = (lay["recompute"],) if lay.get("recompute") else ("none", "selective", "full")
+    layouts = [  # a recomputation the row does not state is the planner's choice
+        Layout(dp=lay["dp"], zero=3, micro_batch=lay["micro_batch"], recompute=rc, ep=lay["ep"])
+        for rc in stated
+    ]
+    return Case(row, job, _best(job, layouts), row["measured"]["step_time_s"])
 
 
-ADAPTERS = {"nemo-": _nemo, "mbridge-": _not_priced, "automodel-": _not_priced}
+ADAPTERS = {
+    "nemo-": _nemo,
+    "mbridge-": lambda row: _nemo(row, "megatron-bridge"),
+    "automodel-": _automodel,
+}
 
 
 def is_moe(row: dict) -> bool:

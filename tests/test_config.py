@@ -32,6 +32,7 @@ GOLDEN_KEYS = [
     "model.dim",
     "model.n_heads",
     "model.n_kv_heads",
+    "model.head_dim",
     "model.ffn_dim",
     "model.vocab_size",
     "model.tie_embeddings",

@@ -75,15 +75,17 @@ def _meter_bytes(spec, mode: str, dtype: torch.dtype, b: int, s: int) -> int:
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny", "gpt2-tiny", "tiny-mha", "tiny-dropout", "gpt2-tiny-dropout"]
+    "name", ["tiny", "gpt2-tiny", "tiny-mha", "tiny-dropout", "gpt2-tiny-dropout", "tiny-hd"]
 )
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 def test_block_formula_matches_the_engine_accounting(name, precision, mode):
-    base = name.removesuffix("-mha").removesuffix("-dropout")
+    base = name.removesuffix("-mha").removesuffix("-dropout").removesuffix("-hd")
     drop = 0.1 if name.endswith("-dropout") else 0.0
     kv = 4 if name == "tiny-mha" else preset(base).n_kv_heads  # tiny-mha: 4 kv heads of 4
     spec = preset(base, n_layers=3, n_kv_heads=kv, dropout=drop, attn_dropout=drop)
+    if name == "tiny-hd":  # heads of their own width: 4 x 48 = 192 on a 128-wide model
+        spec = dataclasses.replace(spec, head_dim_override=48)
     b, s = 3, 24
     job = Job(spec, H100, 1, seq_len=s, global_batch=b, precision=precision)
     predicted = predict_memory(job, Layout(micro_batch=b, recompute=mode))["activations"]

@@ -51,6 +51,11 @@ class ModelConfig:
     n_kv_heads: int = opt(
         0, "Override the key/value heads for grouped-query attention (0 = preset)."
     )
+    head_dim: int = opt(
+        0,
+        "Channels per attention head (0 = dim / n_heads); q/k/v are n_heads * head_dim wide "
+        "whatever dim is, as Qwen3's 32 heads of 128 on a 2048-wide model.",
+    )
     ffn_dim: int = opt(0, "Override the MLP hidden size (0 = preset).")
     vocab_size: int = opt(
         0, "Override the vocabulary size; the BPE tokenizer is trained to it (0 = preset)."

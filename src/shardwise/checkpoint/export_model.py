@@ -91,6 +91,8 @@ def init_keys(spec: ModelSpec) -> list[str]:
     """The model.* keys that give `spec`'s shape to `model.init_from` of a DCP."""
     name = preset_of_arch(spec)  # any preset of its family
     keys = [f"--model.name={name}", *(f"--model.{k}={getattr(spec, k)}" for k in SHAPE)]
+    if spec.head_dim_override:  # (0, the default, derives it)
+        keys.append(f"--model.head_dim={spec.head_dim_override}")
     return [*keys, f"--model.tie_embeddings={str(spec.tie_embeddings).lower()}"]
 
 

@@ -221,7 +221,9 @@ def alignment_warning(spec, precision: str, hw: Hardware, tp: int = 1) -> str | 
         return None
     shown = ", ".join(f"{name} {n}" for name, n in bad.items())
     fix = ""
-    if "head dim" in bad:
+    if "head dim" in bad and spec.head_dim_override:  # a width of its own: change it alone
+        fix = f" Fix: e.g. --model.head_dim={-(-spec.head_dim // ALIGN) * ALIGN}."
+    elif "head dim" in bad:
         dim = spec.dim
         heads = [h for h in range(1, dim + 1) if dim % h == 0 and (dim // h) % ALIGN == 0]
         if heads:

@@ -58,6 +58,10 @@ class ModelSpec:
     moe_every: int = 1  # every k-th block is MoE (1: all)
     router: Literal["softmax", "sigmoid"] = "softmax"
     capacity_factor: float = 0.0  # 0: dropless; > 0: slots per expert and sequence (moe.py)
+    # channels per attention head where they are not dim / n_heads (model.head_dim; Qwen3's
+    # 32 heads of 128 on a 2048-wide model); 0: dim / n_heads. Kept apart from `head_dim` so a
+    # `dataclasses.replace` of dim or n_heads re-derives the width of a spec that set none
+    head_dim_override: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -80,10 +84,11 @@ class ModelSpec:
         _require_positive(self, ("n_kv_heads", "ffn_dim"))
         if self.arch == "moe":
             _check_moe(self)
-        if self.dim % self.n_heads:
+        _check_head_dim(self)
+        if self.dim % self.n_heads and not self.head_dim_override:
             raise ConfigError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}. "
-                "Fix: pick n_heads dividing dim."
+                "Fix: pick n_heads dividing dim, or set the head width (--model.head_dim)."
             )
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
@@ -92,14 +97,26 @@ class ModelSpec:
             )
         if self.arch in ("decoder", "moe", "hf-llama") and self.head_dim % 2:
             raise ConfigError(
-                f"head dim dim/n_heads={self.dim}/{self.n_heads}={self.head_dim} is odd; "
-                "RoPE rotates pairs of channels. Fix: choose dim and n_heads with an even ratio."
+                f"head dim {self._head_dim_text()} is odd; RoPE rotates pairs of channels. "
+                "Fix: an even head width (dim and n_heads with an even ratio, or an even "
+                "--model.head_dim)."
             )
 
     @property
     def head_dim(self) -> int:
-        """Channels per attention head."""
-        return self.dim // self.n_heads
+        """Channels per attention head: model.head_dim where given, else dim / n_heads."""
+        return self.head_dim_override or self.dim // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries and of the attention output: n_heads · head_dim (dim unless
+        model.head_dim sets a width of its own)."""
+        return self.n_heads * self.head_dim if self.n_heads else self.dim
+
+    def _head_dim_text(self) -> str:
+        if self.head_dim_override:
+            return f"model.head_dim={self.head_dim_override}"
+        return f"dim/n_heads={self.dim}/{self.n_heads}={self.head_dim}"
 
     @property
     def is_transformer(self) -> bool:
@@ -114,6 +131,22 @@ def _require_positive(spec: ModelSpec, names: tuple[str, ...]) -> None:
             raise ConfigError(
                 f"model.{name}={value} must be > 0 for arch {spec.arch!r}. Fix: set it positive."
             )
+
+
+def _check_head_dim(spec: ModelSpec) -> None:
+    """A head width of its own: positive, and only where q/k/v are projections of their own
+    (the Llama-style decoders; GPT-2's fused c_attn and its export have no head_dim)."""
+    if spec.head_dim_override < 0:
+        raise ConfigError(
+            f"model.head_dim={spec.head_dim_override} must be >= 0. Fix: e.g. 128, or 0 for "
+            "dim / n_heads."
+        )
+    if spec.head_dim_override and spec.arch not in ("decoder", "moe", "hf-llama", "hf"):
+        raise ConfigError(
+            f"model.head_dim={spec.head_dim_override} applies to the Llama-style decoders "
+            f"(decoder, moe), and this model is arch {spec.arch!r}, whose heads are dim / "
+            "n_heads wide. Fix: --model.head_dim=0, or a Llama-style preset (tiny, 125m, ...)."
+        )
 
 
 def _check_moe(spec: ModelSpec) -> None:

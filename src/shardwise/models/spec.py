@@ -41,6 +41,7 @@ def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> Mode
             "dim",
             "n_heads",
             "n_kv_heads",
+            "head_dim",
             "ffn_dim",
             "vocab_size",
             "max_seq_len",
@@ -89,6 +90,8 @@ def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> Mode
                 f"<one of {divisors}>."
             )
         overrides["n_kv_heads"] = min(kv, heads)
+    if "head_dim" in overrides:  # the spec's field (its `head_dim` is the width it derives)
+        overrides["head_dim_override"] = overrides.pop("head_dim")
     if "vocab_size" in overrides and overrides["vocab_size"] < 257:
         raise ConfigError(
             f"model.vocab_size={overrides['vocab_size']} is below 257, the 256 "
@@ -188,7 +191,7 @@ def _custom(cfg: Config) -> ModelSpec:
     from shardwise.models.custom import build_custom, check_initialisable
 
     m = cfg.model
-    keys = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+    keys = ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len")
     shaped = [k for k in keys if getattr(m, k)]
     if shaped or m.init_from or m.tie_embeddings != "preset" or m.dropout or m.attn_dropout:
         given = shaped or ["init_from/tie_embeddings/dropout"]
@@ -213,7 +216,8 @@ def _auto(cfg: Config, recorded: tuple[str, ...] | None = None) -> ModelSpec:
     from shardwise.models.hf.auto import check_checkpoint, read_hf_config
 
     m = cfg.model
-    shaped = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
+    shaped = ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size")
+    shaped += ("max_seq_len",)
     given = [k for k in shaped if getattr(m, k)]
     if given or m.tie_embeddings != "preset" or m.dropout or m.attn_dropout:
         key = given[0] if given else "tie_embeddings/dropout"
@@ -263,6 +267,7 @@ def _auto(cfg: Config, recorded: tuple[str, ...] | None = None) -> ModelSpec:
         ffn_dim=int(getattr(text, "intermediate_size", 0) or 0),
         vocab_size=int(getattr(text, "vocab_size", 0) or 0),
         max_seq_len=int(limit or cfg.data.seq_len),
+        head_dim_override=_hf_head_dim(text),
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         source=m.init_from,
         task=m.task,
@@ -270,3 +275,11 @@ def _auto(cfg: Config, recorded: tuple[str, ...] | None = None) -> ModelSpec:
     )
     check_checkpoint(spec)
     return spec
+
+
+def _hf_head_dim(text) -> int:
+    """A checkpoint config's head_dim where it is not hidden_size / num_attention_heads (Qwen3,
+    Gemma); 0 (derived) otherwise."""
+    width = int(getattr(text, "head_dim", 0) or 0)
+    heads, dim = getattr(text, "num_attention_heads", 0) or 0, getattr(text, "hidden_size", 0) or 0
+    return width if width and heads and width * heads != dim else 0

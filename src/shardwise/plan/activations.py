@@ -74,13 +74,14 @@ def paper_block_terms(spec: ModelSpec, s: int, b: int, unfused: bool) -> tuple[T
     other frameworks (`peers.Deviations.block_memory = "paper"`); our engine's block is
     `block_terms`."""
     sbh, sbf, as2b = s * b * spec.dim, s * b * spec.ffn_dim, spec.n_heads * s * s * b
+    sbq = s * b * spec.q_dim  # the heads' width: h unless model.head_dim
     kv = spec.n_kv_heads / spec.n_heads
     out = [
         Term("LayerNorm inputs", 4 * sbh, False, True),
         Term("QKV input", 2 * sbh, False, True),
-        Term("Q, K", 2 * sbh * (1 + kv), True, True),
-        Term("V", 2 * sbh * kv, True, True),
-        Term("output projection input", 2 * sbh, True, True),
+        Term("Q, K", 2 * sbq * (1 + kv), True, True),
+        Term("V", 2 * sbq * kv, True, True),
+        Term("output projection input", 2 * sbq, True, True),
         Term("MLP input", 2 * sbh, False, True),
         Term("activation input", (4 if family_of(spec).block.gated_mlp else 2) * sbf, True, True),
         Term("second linear input", 2 * sbf, True, True),
@@ -150,13 +151,14 @@ def block_terms(spec: ModelSpec, s: int, b: int, c: int, packed: bool = False) -
     """Our block (models/decoder.Block) in compute dtype of `c` bytes; `packed` rows
     (models/packing.py) rotate each sample by its own positions."""
     sbh, sbf = s * b * spec.dim, s * b * spec.ffn_dim
+    sbq = s * b * spec.q_dim  # q, k/v repeated to n_heads, and the output: n_heads · head_dim
     kv = spec.n_kv_heads / spec.n_heads
     block = family_of(spec).block
     out = norm_terms(spec, s, b, c, "attn_norm")
     if block.rotary:  # cos/sin tables for q and k, fp32 [(b,) s, head_dim] each
         rope = 4 * 4 * s * spec.head_dim * (b if packed else 1)
         out.append(Term("RoPE tables", rope, False, False, "not_selective"))
-    out.append(Term("SDPA q, k, v", 3 * c * sbh, True, False, "not_selective"))
+    out.append(Term("SDPA q, k, v", 3 * c * sbq, True, False, "not_selective"))
     if spec.attn_dropout:  # the explicit softmax (models/decoder.AttentionCore._explicit)
         as2b = spec.n_heads * s * s * b
         out += [
@@ -166,13 +168,13 @@ def block_terms(spec: ModelSpec, s: int, b: int, c: int, packed: bool = False) -
         ]
     else:
         out.append(Term("SDPA log-sum-exp", 4 * b * spec.n_heads * s, True, False, "not_selective"))
-    out.append(Term("attention output (wo input)", c * sbh, True, False))
+    out.append(Term("attention output (wo input)", c * sbq, True, False))
     if block.rotary:  # the checkpointed core saves its inputs: q and un-repeated k, v
         out.append(
-            Term("core inputs q, k, v", c * sbh * (1 + 2 * kv), True, False, "selective_only")
+            Term("core inputs q, k, v", c * sbq * (1 + 2 * kv), True, False, "selective_only")
         )
     else:  # GPT-2's q, k, v are the core's inputs either way
-        out.append(Term("core inputs q, k, v", 3 * c * sbh, True, False, "selective_only"))
+        out.append(Term("core inputs q, k, v", 3 * c * sbq, True, False, "selective_only"))
     out += norm_terms(spec, s, b, c, "mlp_norm")
     if block.gated_mlp:
         out += [

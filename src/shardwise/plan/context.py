@@ -34,9 +34,9 @@ def _attention_seconds(job: Job, layout: Layout, mode: str, n: int) -> float:
         fwd, bwd = gpu.attention_seconds(hw, spec, t, b, s, c, peak, unfused)
         return fwd * passes + bwd
 
-    if not hw.kernel_model:  # one rate: QK^T and AV, 4·s·h FLOPs per token and layer
+    if not hw.kernel_model:  # one rate: QK^T and AV, 4·s·H·hd FLOPs per token and layer
         # forward (2x backward), causal: n - 1 more triangles of the local length
-        flops = 4.0 * s * spec.dim / t * b * s / 2 * (passes + 2)
+        flops = 4.0 * s * spec.q_dim / t * b * s / 2 * (passes + 2)
         return (n - 1) * flops / hw.flops(job.precision)
     fused = core(job.bc, hw.peak[job.precision], peers.of(job).unfused_attention)
     if mode == "ring" and not peers.of(job).cp_fused_blocks:

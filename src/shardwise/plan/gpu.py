@@ -55,7 +55,7 @@ def _gemms(spec, t: int, tokens: float, ep: int = 1) -> list[tuple[float, float,
     MoE block's MLP is its router, experts and shared experts (plan/moe.py) on one of `ep`."""
     h, f, hd = spec.dim, spec.ffn_dim, spec.head_dim
     qkv = (spec.n_heads + 2 * spec.n_kv_heads) * hd
-    attention = [(tokens, qkv / t, h), (tokens, h, h / t)]
+    attention = [(tokens, qkv / t, h), (tokens, h, spec.q_dim / t)]  # q, k, v; the output
     if moe.is_moe(spec):
         return [*attention, *moe.mlp_gemms(spec, t, tokens, ep)]
     if family_of(spec).block.gated_mlp:  # SwiGLU: gate and up, then down
@@ -97,7 +97,7 @@ def _elementwise_seconds(
         kernels += 1
     if block.rotary:
         kv = spec.n_kv_heads / spec.n_heads
-        elems += 2 * tokens * h * (1 + kv) / t  # RoPE on q and k
+        elems += 2 * tokens * spec.q_dim * (1 + kv) / t  # RoPE on q and k
         kernels += 1
     kernels += routing_kernels
     return (c * elems + routing) / (hw.hbm_bw * hw.mem_eff) + kernels * hw.kernel_s

@@ -13,7 +13,7 @@ from shardwise.errors import ConfigError
 from shardwise.models.families import family_of
 from shardwise.plan import context as cp_time
 from shardwise.plan import memory as mem
-from shardwise.plan import moe, traffic
+from shardwise.plan import moe, peers, traffic
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import GiB
 from shardwise.plan.layout import Job, Layout, as_data_parallel
@@ -59,7 +59,10 @@ def invalid(job: Job, lay: Layout) -> str | None:
         return "tp not built for this model family"
     if lay.pp > 1 and fam.pipeline == "none":
         return "pp not built for this model family"
-    if lay.tp > 1 and job.fp8 != "none" and not fam.fp8_tensor_parallel:  # parallel/fp8.py
+    # our engine's per-slice FP8 scales are checked per family (parallel/fp8.py); a published
+    # run's framework ran its own FP8 under tp
+    ours = peers.of(job) is peers.NONE
+    if ours and lay.tp > 1 and job.fp8 != "none" and not fam.fp8_tensor_parallel:
         return "FP8 with tp on this model family (per-slice scales unchecked)"
     if lay.tp > 1 and spec.n_experts and not lay.sp:  # (training/checks.py refuses it too)
         return "MoE tp without sp (every tp rank would run every token's experts)"

@@ -44,7 +44,9 @@ def model_flops_per_token(job: Job, causal: bool = False) -> float:
     gradient: 4N (adapters are negligible)."""
     spec = job.spec
     n = moe.active_params(job) * (4.0 if job.finetune.lora else 6.0)  # MoE: active only
-    return n + (6.0 if causal else 12.0) * spec.n_layers * spec.dim * job.seq_len
+    # h of the attention term is its width, n_heads · head_dim: QK^T and AV are that wide
+    # (Megatron-Core's num_floating_point_operations counts its query_projection_size)
+    return n + (6.0 if causal else 12.0) * spec.n_layers * spec.q_dim * job.seq_len
 
 
 def hardware_flops_per_token(job: Job, layout: Layout) -> float:
@@ -53,7 +55,7 @@ def hardware_flops_per_token(job: Job, layout: Layout) -> float:
     gradient (2N of the 6N) but adds its adapters."""
     spec, s = job.spec, job.seq_len
     n = moe.active_params(job)  # (MoE: the experts a token is routed to)
-    attn = 12.0 * spec.n_layers * spec.dim * s
+    attn = 12.0 * spec.n_layers * spec.q_dim * s
     flops = 6.0 * n + attn
     if job.finetune.lora:
         flops -= 2.0 * n

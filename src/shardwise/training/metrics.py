@@ -25,14 +25,15 @@ TB = "tb"  # TensorBoard's event files
 
 def flops_per_token(model: nn.Module, derived) -> float:
     """Training FLOPs per token, 6N + 12·L·h·s (PaLM, Chowdhery et al. 2022, appendix B), with
-    N the non-embedding parameters (the head matmul counts; a lookup is not a matmul).
+    N the non-embedding parameters (the head matmul counts; a lookup is not a matmul) and h
+    the attention's width, n_heads · head_dim (the model's width unless model.head_dim).
     Zero for image models, whose FLOPs are not proportional to a token count."""
     spec = derived.spec
     if not derived.family.flops_per_token:
         return 0.0  # (a user's module: no formula knows what its parameters do per token)
     n = count_params(model, exclude_embedding=True)  # a tied head stays counted
     n -= inactive_params(model)  # MoE: the experts a token is not routed to do no work
-    return 6.0 * n + 12.0 * spec.n_layers * spec.dim * derived.tokens_per_sample
+    return 6.0 * n + 12.0 * spec.n_layers * spec.q_dim * derived.tokens_per_sample
 
 
 def human_bytes(n: float) -> str:

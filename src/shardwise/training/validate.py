@@ -67,10 +67,10 @@ def resolve_model(cfg: Config) -> tuple[ModelSpec, Family]:
 
 
 def _check_transformer(spec: ModelSpec, family: Family, cfg: Config) -> None:
-    if spec.dim % spec.n_heads:
+    if spec.dim % spec.n_heads and not spec.head_dim_override:  # (a set width needs none)
         raise ConfigError(
             f"model.dim={spec.dim} is not divisible by model.n_heads="
-            f"{spec.n_heads}. Fix: pick n_heads dividing dim."
+            f"{spec.n_heads}. Fix: pick n_heads dividing dim, or set --model.head_dim."
         )
     if spec.n_kv_heads and spec.n_heads % spec.n_kv_heads:
         raise ConfigError(

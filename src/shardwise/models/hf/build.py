@@ -52,6 +52,7 @@ def _config(spec: ModelSpec):
             num_hidden_layers=spec.n_layers,
             num_attention_heads=spec.n_heads,
             num_key_value_heads=spec.n_kv_heads,
+            head_dim=spec.head_dim,
             max_position_embeddings=spec.max_seq_len,
             rms_norm_eps=spec.norm_eps,
             rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},

@@ -38,9 +38,9 @@ def fields(cfg: dict, path: str | Path) -> dict:
         raise unsupported(path, f"hidden_act={cfg['hidden_act']!r}")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise unsupported(path, "attention/MLP biases")
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    if head_dim * heads != cfg["hidden_size"]:
-        raise unsupported(path, f"head_dim={head_dim} != hidden_size / heads")
+    # a head width of its own (head_dim * heads != hidden_size) is the spec's head_dim_override
+    head_dim = cfg.get("head_dim") or 0
+    own = head_dim if head_dim and head_dim * heads != cfg["hidden_size"] else 0
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise unsupported(path, f"RoPE scaling {rope}")
@@ -56,6 +56,7 @@ def fields(cfg: dict, path: str | Path) -> dict:
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "norm_eps": cfg.get("rms_norm_eps", 1e-6),
         "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        "head_dim_override": own,
     }
 
 

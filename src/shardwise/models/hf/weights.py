@@ -268,6 +268,12 @@ def adapt_spec(spec, model_cfg, path: str | Path):
                 f"model.{key}={mine} but model.init_from='{path}' has {key}={fields[key]}. "
                 f"Fix: --model.{key}=0 (take it from the checkpoint)."
             )
+    width = fields.get("head_dim_override") or fields["dim"] // fields["n_heads"]
+    if model_cfg.head_dim and model_cfg.head_dim != width:
+        raise ConfigError(
+            f"model.head_dim={model_cfg.head_dim} but model.init_from='{path}' has heads of "
+            f"{width} channels. Fix: --model.head_dim=0 (take it from the checkpoint)."
+        )
     tie = model_cfg.tie_embeddings
     if tie != "preset" and (tie == "true") != fields["tie_embeddings"]:
         raise ConfigError(
