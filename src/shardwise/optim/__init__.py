@@ -53,6 +53,7 @@ class StepResult:
     grad_norm: float
     skipped: bool
     nonfinite: tuple[str, ...] = ()  # targets (this rank's pieces) whose gradient is not finite
+    loss: float = math.nan  # the step's reduced loss handed to `step` (fetched with the norm)
 
 
 @dataclass
@@ -116,6 +117,7 @@ class MixedPrecisionAdamW:
         else:
             self.update = TorchUpdate(targets, cfg, offload)
         self.grad_clip = cfg.optim.grad_clip
+        self._kinds: tuple[torch.Tensor, ...] | None = None  # (_target_kinds)
         self.sum_over_shards = sum_over_shards
         self.reduce_partial = reduce_partial
         self.after_step = after_step
@@ -186,10 +188,12 @@ class MixedPrecisionAdamW:
         self.update.set_lr(lr)
 
     @torch.no_grad()
-    def step(self, skip: bool = False) -> StepResult:
+    def step(self, loss: torch.Tensor | None = None, skip: bool = False) -> StepResult:
         """Unscale, measure the global norm, clip and step; returns the norm and whether the
-        step was skipped: a non-finite norm skips it on every rank alike, and so does `skip`
-        (the caller saw a non-finite loss; every rank must pass the same value)."""
+        step was skipped: a non-finite norm skips it on every rank alike, and so does a
+        non-finite `loss` (the step's loss, already reduced: every rank sees the same value)
+        or `skip`. The norm and the loss come to the host in one transfer, the step's only
+        one: skip and clip need them."""
         grads = self.update.take_grads(self.targets)
         if self.reduce_partial is not None:
             self.reduce_partial(
@@ -197,23 +201,16 @@ class MixedPrecisionAdamW:
             )
         if grads and self.scaler.scale != 1.0:  # (a frozen pipeline stage has none)
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        # [tp-sharded, the rest]: over tp the first adds up, the second is counted once
-        parts = torch.zeros(2, dtype=torch.float64)
-        norms = torch.zeros(0, dtype=torch.float64)  # squared, per target
-        if grads:
-            # fp64 accumulation: an fp32 norm of a large tensor is off by ~1e-6 relative, and by
-            # a different amount when the tensor is cut into other shards (layout invariance)
-            norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)).square()
-            sharded = torch.tensor([t.tp == "shard" for t in self.targets], device=norms.device)
-            counted = torch.tensor([t.in_norm for t in self.targets], device=norms.device)
-            norms = norms * counted
-            parts = torch.stack([norms[sharded].sum(), norms[~sharded].sum()])
+        norms, parts = self._squared_norms(grads)
         parts = parts.to(self.device)  # collectives run on the compute device
         if self.sum_over_shards is not None:
             self.sum_over_shards(parts)
-        norm_value = math.sqrt(
-            float(parts.sum())
-        )  # the step's one host sync: skip and clip need it
+        if loss is not None:
+            parts = torch.cat([parts, loss.detach().double().reshape(1).to(parts.device)])
+        fetched = parts.tolist()  # [tp-sharded, the rest(, loss)]: one transfer
+        norm_value = math.sqrt(fetched[0] + fetched[1])  # = float(parts[:2].sum()), bitwise
+        loss_value = fetched[2] if loss is not None else math.nan
+        skip = skip or (loss is not None and not math.isfinite(loss_value))
         finite = math.isfinite(norm_value)
         self.scaler.update(finite)
         if finite and not skip:
@@ -227,7 +224,61 @@ class MixedPrecisionAdamW:
         if not finite:  # name the culprits (one more sync, on skipped steps only)
             flags = (~torch.isfinite(norms)).tolist()
             bad = tuple(t.name for t, f in zip(self.targets, flags, strict=True) if f)
-        return StepResult(norm_value, not finite or skip, bad)
+        return StepResult(norm_value, not finite or skip, bad, loss_value)
+
+    def _squared_norms(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(squared norm per target, [squared norm of tp-sharded targets, of the others]):
+        over tp the first adds up, the second is counted once. No host sync: the targets'
+        kinds are index tensors made once on the norms' device (a boolean mask would sync to
+        size its result, and a list copied in each step would wait for the device)."""
+        if not grads:
+            return torch.zeros(0, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+        norms = torch.stack([squared_norm(g) for g in grads])
+        if self._kinds is None or self._kinds[0].device != norms.device:
+            self._kinds = _target_kinds(self.targets, norms.device)
+        counted, sharded, rest = self._kinds
+        norms = norms * counted
+        # index_select takes the masked elements in the same order: the sums are bitwise those
+        # of norms[mask].sum()
+        parts = torch.stack(
+            [norms.index_select(0, sharded).sum(), norms.index_select(0, rest).sum()]
+        )
+        return norms, parts
+
+
+# elements per fp32 partial sum of `squared_norm`
+NORM_BLOCK = 1024
+
+
+def squared_norm(g: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of `g` as an fp64 scalar: fp32 norms of blocks of NORM_BLOCK
+    elements, their squares summed in fp64."""
+    # One fp32 sum over a large tensor is off by ~1e-6 relative, and by a different amount when
+    # the tensor is cut into other shards (layout invariance). fp64 throughout is exact enough
+    # but a CPU converts each element: 693 ms for 134M elements, against 68 ms in fp32 blocks
+    # and ~100 ms for torch's fused AdamW step itself (benchmarks/optimizer_step.py). A block's
+    # fp32 sum errs by < 1e-6 relative (log2(1024) roundings), so the total does too, whatever
+    # the shards (measured: 1e-9 against fp64); AdamW's update is invariant to the scale of its
+    # gradient (but for eps), so a clip coefficient off by that much moves it by far less.
+    flat = g.reshape(-1)
+    whole = flat.numel() - flat.numel() % NORM_BLOCK
+    parts = [torch.zeros(0, dtype=flat.dtype, device=flat.device)]  # (an empty shard: 0)
+    if whole:
+        parts.append(torch.linalg.vector_norm(flat[:whole].view(-1, NORM_BLOCK), dim=1))
+    if whole < flat.numel():
+        parts.append(torch.linalg.vector_norm(flat[whole:]).reshape(1))
+    return torch.cat(parts).double().square().sum()
+
+
+def _target_kinds(targets: list[Target], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(whether each target counts in the norm, indices of tp-sharded targets, of the others)
+    on `device`."""
+    sharded = [t.tp == "shard" for t in targets]
+    return (
+        torch.tensor([t.in_norm for t in targets], device=device),
+        torch.tensor([i for i, s in enumerate(sharded) if s], dtype=torch.long, device=device),
+        torch.tensor([i for i, s in enumerate(sharded) if not s], dtype=torch.long, device=device),
+    )
 
 
 def lr_at(step: int, cfg: Config) -> float:

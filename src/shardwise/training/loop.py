@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -200,7 +199,8 @@ def _steps(run: Run, start: int, loop: _Loop) -> tuple[list[dict], int]:
         with clk.phase("optimizer"):
             # every tp rank holds the whole loss of its dp replica: sum over dp only
             run.comm.all_reduce(loss_sum, "dp", control=True)
-            result = run.optimizer.step(skip=not math.isfinite(float(loss_sum)))
+            # the loss comes to the host with the gradient norm, in one transfer
+            result = run.optimizer.step(loss_sum)
             # MoE: loads summed over the global batch move every rank's bias alike
             moe = run.experts.after_step(run.comm, result.skipped) if run.experts else {}
             sync_buffers(model, run.comm)
@@ -218,7 +218,7 @@ def _steps(run: Run, start: int, loop: _Loop) -> tuple[list[dict], int]:
         tokens_per_s = d.tokens_per_step / step_time
         record = {
             "step": step + 1,
-            "loss": float(loss_sum),
+            "loss": result.loss,
             "grad_norm": result.grad_norm,
             "lr": lr,
             "tokens": d.tokens_per_step * (step + 1),
