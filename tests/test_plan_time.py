@@ -29,7 +29,7 @@ def test_step_composes_the_measured_kernels(monkeypatch):
 
     monkeypatch.setattr(kernels, "block_seconds", block)
     monkeypatch.setattr(kernels, "head_seconds", lambda dim, vocab, tokens, prec: 0.003)
-    monkeypatch.setattr(kernels, "adam_seconds_per_element", lambda: 1e-9)
+    monkeypatch.setattr(kernels, "optimizer_seconds_per_element", lambda: 1e-9)
     job = _job(True)
     lay = Layout(tp=2, dp=1, micro_batch=2, recompute="selective", sp=True)
     mem = predict_memory(job, lay)

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,24 +24,16 @@ from shardwise.plan import time as tm
 from shardwise.plan.hardware import get_hardware
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.peers import Deviations, PeerJob, run_by
+from support.bench import bench_module
 from support.livepeak import LivePeak
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 A100 = get_hardware("a100-80gb")
 
 
-def _bench(name: str):
-    """The module `name` of benchmarks/ (a folder of scripts, not a package)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCH))
-
-
 @pytest.fixture(scope="module")
 def runs():
-    return _bench("published_runs")
+    return bench_module("published_runs")
 
 
 def test_every_published_row_names_its_source_and_quotes_it(runs):
@@ -154,7 +144,7 @@ def test_other_frameworks_costs_where_they_differ():
 def test_other_frameworks_are_data_beside_the_record(tmp_path):
     """shardwise's own jobs carry no deviations; every other framework's come from
     published/frameworks.toml, each deviation with its source, a `base` extended."""
-    rows = _bench("published_rows")
+    rows = bench_module("published_rows")
     assert peers.of(Job(preset("7b"), A100, 8)) == peers.NONE == Deviations()
     mg, mg22 = rows.FRAMEWORKS["megatron-lm"], rows.FRAMEWORKS["megatron-lm-2022"]
     assert mg.overlap_dp is False and mg.unfused_attention
@@ -288,7 +278,7 @@ def test_a_gpu_run_of_ours_is_written_as_a_row_the_record_reads(runs, monkeypatc
 
     from shardwise.plan import hardware
 
-    cuda_profile = _bench("cuda_profile")
+    cuda_profile = bench_module("cuda_profile")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(hardware, "detect_hardware", lambda: hardware.get_hardware("h200"))
     a = argparse.Namespace(

@@ -38,6 +38,7 @@ def job_from_config(
         powersgd_rank=cfg.parallel.powersgd_rank,
         compressions=tuple(dict.fromkeys(("none", cfg.parallel.grad_compression))),
         nvme_chunk=chunk_elements(cfg.memory.nvme_buffer_mb),
+        compiled=cfg.train.compile == "blocks",
     )
 
 

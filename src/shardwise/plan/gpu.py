@@ -23,6 +23,7 @@ from shardwise.errors import ConfigError
 from shardwise.models.families import family_of
 from shardwise.plan import activations as act
 from shardwise.plan import moe, peers
+from shardwise.plan.eager import block_bytes as eager_bytes
 from shardwise.plan.hardware import Hardware
 
 # 16-bit Tensor Cores want every GEMM dimension a multiple of 16 bytes (NVIDIA, "Matrix
@@ -64,7 +65,14 @@ def _gemms(spec, t: int, tokens: float, ep: int = 1) -> list[tuple[float, float,
 
 
 def _elementwise_seconds(
-    hw: Hardware, spec, t: int, tokens: float, c: int, sp: bool, backward: bool = False
+    hw: Hardware,
+    spec,
+    t: int,
+    tokens: float,
+    c: int,
+    sp: bool,
+    backward: bool = False,
+    eager: bool = False,
 ) -> float:
     """Seconds of a block's element-wise kernels in forward (or `backward`): the elements
     they read + write at the achieved bandwidth, and a fixed cost each. Norms and residual adds
@@ -75,10 +83,15 @@ def _elementwise_seconds(
     GELU reads its input and the gradient and writes one (3 to 2), SwiGLU reads gate, up and
     the gradient and writes two (5 to 3), RoPE rotates the gradients back (2 to 2). An MoE
     block's SwiGLU runs on its routed rows and shared experts, and its routing adds
-    moe.routing_bytes."""
+    moe.routing_bytes. This is the fused count (a compiled block, or hand-fused kernels);
+    `eager`: each op of the module's code its own kernel (plan/eager.py)."""
     h, f = spec.dim, moe.act_width(spec)
     routing, routing_kernels = moe.routing_bytes(spec, tokens, c, backward)
     spec = moe.dense_spec(spec)  # norms, residuals and RoPE as the dense decoder's
+    bw = hw.hbm_bw * hw.mem_eff
+    if eager:
+        moved, kernels = eager_bytes(spec, f, t, tokens, c, sp, backward)
+        return (moved + routing) / bw + (kernels + routing_kernels) * hw.kernel_s
     hidden = tokens * h / (t if sp else 1)
     elems = 2 * (3 if backward else 2) * hidden  # two norms
     if backward:  # two residual adds, each with its bias (and dropout)
@@ -100,7 +113,7 @@ def _elementwise_seconds(
         elems += 2 * tokens * spec.q_dim * (1 + kv) / t  # RoPE on q and k
         kernels += 1
     kernels += routing_kernels
-    return (c * elems + routing) / (hw.hbm_bw * hw.mem_eff) + kernels * hw.kernel_s
+    return (c * elems + routing) / bw + kernels * hw.kernel_s
 
 
 def _attention(hw: Hardware, spec, t, b, s, c, peak, unfused: bool) -> tuple:
@@ -146,22 +159,26 @@ def block_seconds(
     unfused: bool = False,
     linear=None,
     ep: int = 1,
+    eager: bool = False,
 ):
     """(forward, backward, attention forward) seconds of one block for a micro-batch of `b`
     sequences of `s` tokens on one tensor-parallel rank; `linear`: the linear layers' peak
     FLOP/s where it is not `peak` (precision.fp8: `linear_peak`); `ep`: the expert-parallel
-    degree an MoE block's experts are split over."""
+    degree an MoE block's experts are split over; `eager`: element-wise ops priced as eager
+    PyTorch runs them (peers.eager_elementwise)."""
     tokens, linear = b * s, linear or peak
     gemm = sum(_gemm(hw, c, *g, linear) for g in _gemms(spec, t, tokens, ep))
     # backward: the input gradient and the weight gradient, each as big as the forward GEMM
     gemm_bwd = sum(backward_gemm_seconds(hw, spec, t, tokens, c, linear, ep))
-    ew = _elementwise_seconds(hw, spec, t, tokens, c, sp)
-    ew_bwd = _elementwise_seconds(hw, spec, t, tokens, c, sp, backward=True)
+    ew = _elementwise_seconds(hw, spec, t, tokens, c, sp, eager=eager)
+    ew_bwd = _elementwise_seconds(hw, spec, t, tokens, c, sp, backward=True, eager=eager)
     attn_f, attn_b = _attention(hw, spec, t, b, s, c, peak, unfused)
     return gemm + ew + attn_f, gemm_bwd + ew_bwd + attn_b, attn_f
 
 
-def op_recompute_seconds(hw: Hardware, spec, t, b, s, c, sp: bool, peak: float) -> float:
+def op_recompute_seconds(
+    hw: Hardware, spec, t, b, s, c, sp: bool, peak: float, eager: bool = False
+) -> float:
     """What per-op selective checkpointing (activations.op_sac_terms) runs again in backward:
     the matmuls it did not keep (every second one) and the forward's element-wise kernels."""
     tokens = b * s
@@ -169,7 +186,7 @@ def op_recompute_seconds(hw: Hardware, spec, t, b, s, c, sp: bool, peak: float) 
         _gemm(hw, c, tokens, n / t if column else n, k if column else k / t, peak)
         for _, k, n, column in act.linears(spec)[1::2]
     )
-    return redo + _elementwise_seconds(hw, spec, t, tokens, c, sp)
+    return redo + _elementwise_seconds(hw, spec, t, tokens, c, sp, eager=eager)
 
 
 def head_seconds(hw: Hardware, spec, t: int, tokens: float, c: int, peak: float) -> float:
@@ -217,13 +234,13 @@ def _layer_seconds(hw: Hardware, job, layout, spec) -> float:
     """`layer_seconds` of one block shaped as `spec`."""
     s, b, t = job.seq_len, layout.micro_batch, layout.tp
     peak, linear = hw.peak[job.precision], linear_peak(hw, job)
-    unfused = peers.of(job).unfused_attention
+    unfused, eager = peers.of(job).unfused_attention, peers.eager_elementwise(job)
     fwd, bwd, attn = block_seconds(
-        hw, spec, t, b, s, job.bc, layout.sp, peak, unfused, linear, layout.ep
+        hw, spec, t, b, s, job.bc, layout.sp, peak, unfused, linear, layout.ep, eager
     )
     redo = {"full": fwd, "selective": attn}.get(layout.recompute, 0.0)
     if layout.recompute == "selective" and peers.of(job).selective_ops:
-        redo = op_recompute_seconds(hw, spec, t, b, s, job.bc, layout.sp, linear)
+        redo = op_recompute_seconds(hw, spec, t, b, s, job.bc, layout.sp, linear, eager)
     per_layer = fwd + bwd + redo
     if job.finetune.lora:  # frozen weights: no weight gradient (a third of the GEMM time)
         per_layer -= _weight_grad(hw, spec, t, b * s, job.bc, linear, layout.ep)

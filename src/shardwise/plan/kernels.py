@@ -172,9 +172,12 @@ def head_seconds(dim: int, vocab: int, tokens: int, precision: str) -> float | N
 
 
 @_cached
-def adam_seconds_per_element(n: int = 1 << 21, tensors: int = 16) -> float:
-    """CPU seconds per fp32 element of optim.py's step: the foreach norm for clipping, the
-    clip multiply and torch's fused AdamW (measured on `tensors` tensors of n elements)."""
+def optimizer_seconds_per_element(n: int = 1 << 21, tensors: int = 16) -> float:
+    """CPU seconds per fp32 element of optim.py's step: the norm for clipping
+    (optim.squared_norm), the clip multiply and torch's fused AdamW (measured on `tensors`
+    tensors of n elements)."""
+    from shardwise.optim import squared_norm
+
     with one_thread():
         params = [torch.zeros(n // tensors, requires_grad=True) for _ in range(tensors)]
         for p in params:
@@ -183,7 +186,7 @@ def adam_seconds_per_element(n: int = 1 << 21, tensors: int = 16) -> float:
         grads = [p.grad for p in params]
 
         def step() -> None:
-            torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64)).sum().item()
+            torch.stack([squared_norm(g) for g in grads]).sum().item()
             torch._foreach_mul_(grads, 0.5)
             opt.step()
 

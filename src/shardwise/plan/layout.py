@@ -67,6 +67,9 @@ class Job:
     # what the search may send ZeRO-0 gradients as: none, plus the config's grad_compression
     compressions: tuple[str, ...] = ("none",)
     nvme_chunk: int = 1 << 22  # memory.nvme_buffer_mb in fp32 elements (optimizer+nvme)
+    # train.compile=blocks: TorchInductor fuses each block's element-wise chains (a GPU's
+    # kernel model prices one pass per op instead of eager's kernel per op: plan/eager.py)
+    compiled: bool = False
 
     @property
     def bc(self) -> int:

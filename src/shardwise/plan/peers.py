@@ -95,6 +95,15 @@ class Deviations:
     # kernels take them (TransformerEngine's p2p context parallelism, Megatron-Core's),
     # instead of repeated to the query heads (ours, PyTorch's context_parallel after repeat_kv)
     cp_kv_heads: bool = False
+    # a block's element-wise ops run as plain eager PyTorch, a kernel per op of the module's
+    # code (plan/eager.py), unless the run compiles its blocks (Job.compiled), instead of the
+    # one pass per op that compiled blocks and hand-fused kernels run (Megatron-LM's apex and
+    # jit fusions, DeepSpeed's, llm-foundry's). Off for shardwise's own engine although it
+    # runs eager: priced so, its one GPU run (the H200 calibration row) comes out 34 % slow
+    # with the kernel parameters fitted to the record, and refitted they price llm-foundry's
+    # H100 rows worse (held-out MAPE 7.9 -> 9.6 %). The count matches a trace of our block
+    # (tests/test_plan_eager.py); the bandwidth it is priced at was fitted on fused blocks
+    eager_elementwise: bool = False
 
 
 NONE = Deviations()  # shardwise's own engine
@@ -110,6 +119,12 @@ class PeerJob(Job):
 def of(job: Job) -> Deviations:
     """How the framework that runs `job` differs from shardwise (`NONE` for a plain `Job`)."""
     return job.deviations if isinstance(job, PeerJob) else NONE
+
+
+def eager_elementwise(job: Job) -> bool:
+    """Whether `job`'s blocks run each element-wise op as its own eager PyTorch kernel: a
+    framework that runs them so (`Deviations.eager_elementwise`), not compiled this time."""
+    return of(job).eager_elementwise and not job.compiled
 
 
 def run_by(job: Job, deviations: Deviations) -> PeerJob:

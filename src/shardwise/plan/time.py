@@ -192,7 +192,7 @@ def step_time(
     if layout.offload in ("optimizer+nvme", "params+nvme"):  # host_master: only the slots
         elems = mem_bytes["disk_optimizer"] / 12
     if hw.measured_kernels:  # the optimizer runs on this CPU: its measured rate
-        optimizer = elems * kernels.adam_seconds_per_element() * slowdown
+        optimizer = elems * kernels.optimizer_seconds_per_element() * slowdown
     else:
         opt_bw = hw.host_mem_bw if layout.offload != "none" else hw.hbm_bw * hw.mem_eff
         optimizer = elems * ADAM_BYTES * slowdown / opt_bw

@@ -1,0 +1,171 @@
+"""Eager element-wise pricing (plan/eager.py): the counts are our block's real kernels, and the
+job's engine decides which count prices it.
+
+The counts are checked against what PyTorch dispatches for our modules: a trace of one block's
+forward and backward on this CPU, every op that moves memory (not the GEMMs, not the attention
+kernel, not views) summed as its inputs read plus its outputs written. The norm's fp32 core is
+the one place where the CPU and a GPU differ: CUDA runs rms_norm as one fused kernel, this CPU
+build as six ops, so the trace stands in one fused norm kernel (native_layer_norm: reads the
+input, writes the output; backward reads the gradient and the input, writes one), which is what
+the GPU runs and plan/eager.py counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardwise.models.decoder import Block
+from shardwise.models.presets import preset
+from shardwise.plan import eager, gpu, peers
+from shardwise.plan.hardware import get_hardware
+from shardwise.plan.layout import Job, Layout
+from support.bench import bench_module
+
+NOT_MOVING = {"mm", "addmm", "bmm", "view", "_unsafe_view", "t", "transpose", "expand",
+              "permute", "unsqueeze", "squeeze", "split", "slice", "select", "detach", "alias",
+              "as_strided", "chunk", "unbind", "split_with_sizes"}  # fmt: skip
+
+
+def _elements(t: torch.Tensor) -> int:
+    """Elements a kernel touches in `t` (an expanded dimension, stride 0, only once)."""
+    return math.prod(n for n, s in zip(t.shape, t.stride(), strict=True) if s != 0)
+
+
+class _Bytes(TorchDispatchMode):
+    """Bytes read + written by the ops that move memory, and how many of them touch at least
+    `big` elements (the tables of RoPE and the weights' casts are smaller)."""
+
+    def __init__(self, big: int) -> None:
+        super().__init__()
+        self.big, self.moved, self.kernels = big, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in NOT_MOVING or "scaled_dot_product" in name:
+            return out
+        flat = [*args, *(kwargs or {}).values()]
+        flat = [x for a in flat for x in (a if isinstance(a, list | tuple) else [a])]
+        outs = out if isinstance(out, list | tuple) else [out]
+        tensors = [x for x in [*flat, *outs] if isinstance(x, torch.Tensor)]
+        self.moved += sum(_elements(x) * x.element_size() for x in tensors)
+        self.kernels += any(_elements(x) >= self.big for x in tensors)
+        return out
+
+
+def _one_kernel_rms_norm(x, shape, weight=None, eps=None):
+    """CUDA's fused rms_norm's traffic: one kernel each way (see the module docstring)."""
+    return F.layer_norm(x, shape, weight, None, eps or 1e-6)
+
+
+def _traced(spec, b: int, s: int, dtype: torch.dtype, monkeypatch) -> tuple[int, int, int, int]:
+    """(forward bytes, forward kernels, backward bytes, backward kernels) of one block."""
+    monkeypatch.setattr(F, "rms_norm", _one_kernel_rms_norm)
+    block = Block(spec).to(dtype)
+    x = torch.randn(b, s, spec.dim, dtype=dtype, requires_grad=True)
+    big = 2 * s * spec.head_dim  # above the RoPE tables [s, head_dim]
+    with _Bytes(big) as fwd:
+        y = block(x)
+    grad = torch.randn_like(y)
+    with _Bytes(big) as bwd:
+        y.backward(grad)
+    return fwd.moved, fwd.kernels, bwd.moved, bwd.kernels
+
+
+MODELS = {
+    "llama gqa": dict(arch="decoder", n_heads=4, n_kv_heads=2),
+    "llama mha": dict(arch="decoder", n_heads=4, n_kv_heads=4),
+    "gpt2": dict(arch="gpt2", n_heads=4, n_kv_heads=4, ffn_dim=512),
+}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_eager_counts_are_our_blocks_kernels(model, precision, monkeypatch):
+    spec = dataclasses.replace(preset("tiny"), dropout=0.0, attn_dropout=0.0, **MODELS[model])
+    b, s = 8, 64
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    c = torch.finfo(dtype).bits // 8
+    f_bytes, f_kernels, b_bytes, b_kernels = _traced(spec, b, s, dtype, monkeypatch)
+    want_f = eager.block_bytes(spec, spec.ffn_dim, 1, b * s, c, False)
+    want_b = eager.block_bytes(spec, spec.ffn_dim, 1, b * s, c, False, backward=True)
+    # the small ops the count leaves out (RoPE's [s, head_dim] tables, the weights' casts,
+    # the norms' per-token statistics) are under 3 % of the bytes at this shape
+    assert f_bytes == pytest.approx(want_f[0], rel=0.03)
+    assert b_bytes == pytest.approx(want_b[0], rel=0.03)
+    assert f_kernels == want_f[1]
+    assert b_kernels == want_b[1]
+
+
+H100 = get_hardware("h100-sxm")
+LLAMA_8B = dataclasses.replace(preset("tiny"), dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                               ffn_dim=14336, vocab_size=128256, max_seq_len=8192)  # fmt: skip
+EAGER = peers.Deviations(name="an eager framework", eager_elementwise=True)
+
+
+def _layer(job: Job, layout: Layout) -> float:
+    return gpu.layer_seconds(job.hardware, job, layout)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_compiled_over_eager_is_the_counted_passes_ratio(sp):
+    """An eager framework's block costs, beyond the same block compiled, exactly the bytes
+    plan/eager.py counts over the one-pass-per-op count, at the kernel model's bandwidth (the
+    fixed cost per kernel set to 0 here, so the ratio of the element-wise times is the ratio of
+    the bytes)."""
+    hw = H100.with_overrides(kernel_s=0.0)
+    tp = 2 if sp else 1
+    layout = Layout(dp=8 // tp, tp=tp, sp=sp, zero=3, micro_batch=2, recompute="none")
+    eager_job = peers.PeerJob(LLAMA_8B, hw, 8, 8192, 16, "bf16", "bf16", deviations=EAGER)
+    compiled_job = dataclasses.replace(eager_job, compiled=True)
+    tokens, c, bw = 2 * 8192, 2, hw.hbm_bw * hw.mem_eff
+    fused = sum(  # the kernel model's count (one pass per op), forward and backward
+        gpu._elementwise_seconds(hw, LLAMA_8B, tp, tokens, c, sp, backward=b) for b in (0, 1)
+    )
+    counted = sum(
+        eager.block_bytes(LLAMA_8B, LLAMA_8B.ffn_dim, tp, tokens, c, sp, backward=b)[0]
+        for b in (0, 1)
+    )
+    extra = _layer(eager_job, layout) - _layer(compiled_job, layout)
+    assert extra == pytest.approx(counted / bw - fused, rel=1e-9)
+    assert (extra + fused) / fused == pytest.approx(counted / (fused * bw), rel=1e-9)
+    assert counted / (fused * bw) > 3  # eager moves several times the fused bytes
+
+
+def test_engine_data_decides_which_count_prices_a_job():
+    """Our engine keeps the fused count (kept off: peers.Deviations.eager_elementwise says
+    why), compiled or not; a framework whose data says it runs eager pays the eager count
+    unless compiled; in the published record that is torchtitan alone, and its rows that
+    state `compile: false`."""
+    layout = Layout(dp=8, zero=3, micro_batch=2, recompute="selective")
+    ours = Job(LLAMA_8B, H100, 8, 8192, 16, "bf16", "bf16")
+    assert _layer(ours, layout) == _layer(dataclasses.replace(ours, compiled=True), layout)
+    theirs = peers.run_by(ours, EAGER)
+    assert _layer(theirs, layout) > _layer(dataclasses.replace(theirs, compiled=True), layout)
+
+    bench_module("published_runs")  # imports the row adapters, the MoE ones included
+    rows = bench_module("published_rows")
+    eager_ones = [n for n, d in rows.FRAMEWORKS.items() if d.eager_elementwise]
+    assert eager_ones == ["torchtitan"]
+    by_id = {r["id"]: r for r in rows.load_rows()}
+    flags = {
+        rid: peers.eager_elementwise(rows.make_case(by_id[rid]).job)
+        for rid in (
+            "torchtitan-llama3.1-8b-8g-fsdp",  # compile: false
+            "torchtitan-llama3.1-8b-8g-fsdp-compile",  # compile: true
+            "torchtitan-llama3-70b-64g-a100-fsdp64-fullac",  # compile not stated
+            "foundry-h100-sxm-13b-8g-s2048-mb2",  # llm-foundry: fused kernels
+        )
+    }
+    assert flags == {
+        "torchtitan-llama3.1-8b-8g-fsdp": True,
+        "torchtitan-llama3.1-8b-8g-fsdp-compile": False,
+        "torchtitan-llama3-70b-64g-a100-fsdp64-fullac": False,
+        "foundry-h100-sxm-13b-8g-s2048-mb2": False,
+    }
