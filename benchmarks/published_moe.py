@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from published_rows import FRAMEWORKS, Case, _best
+from published_case import FRAMEWORKS, Case, best_layout
 from shardwise.models.presets import ModelSpec
 from shardwise.plan import search
 from shardwise.plan.hardware import CATALOG
@@ -67,7 +67,7 @@ def _nemo(row: dict, framework: str = "nemo-megatron-core") -> Case | str:
         for rc in ("none", "selective", "full")  # not stated: the planner's choice
     ]
     step = gb * s / (row["measured"]["tokens_per_s_per_gpu"] * n)
-    return Case(row, job, _best(job, layouts), step)
+    return Case(row, job, best_layout(job, layouts), step)
 
 
 # The same table's dense run, priced as the MoE rows are (framework, card, FP8), to tell the
@@ -91,7 +91,7 @@ def dense_control() -> tuple[float, float]:
         for rc in ("none", "selective", "full")
     ]
     measured = c["batch"] * c["seq"] / (c["tokens_per_s_per_gpu"] * c["gpus"])
-    return measured, search.evaluate(job, _best(job, layouts))["step_time_s"]
+    return measured, search.evaluate(job, best_layout(job, layouts))["step_time_s"]
 
 
 def _automodel(row: dict) -> Case | str:
@@ -114,7 +114,7 @@ def _automodel(row: dict) -> Case | str:
         Layout(dp=lay["dp"], zero=3, micro_batch=lay["micro_batch"], recompute=rc, ep=lay["ep"])
         for rc in stated
     ]
-    return Case(row, job, _best(job, layouts), row["measured"]["step_time_s"])
+    return Case(row, job, best_layout(job, layouts), row["measured"]["step_time_s"])
 
 
 ADAPTERS = {

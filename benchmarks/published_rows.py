@@ -13,46 +13,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import tomllib
-from dataclasses import dataclass
-from pathlib import Path
 
+from published_case import FRAMEWORKS, HERE, Case, best_layout
+from published_moe import ADAPTERS as MOE
 from shardwise.models.presets import ModelSpec, preset
-from shardwise.plan import search
 from shardwise.plan.hardware import CATALOG
 from shardwise.plan.layout import Job, Layout
-from shardwise.plan.peers import NONE, Deviations, PeerJob
-
-HERE = Path(__file__).resolve().parent / "published"
-
-
-def load_frameworks(path: Path = HERE / "frameworks.toml") -> dict[str, Deviations]:
-    """Each framework's `Deviations` from `path`: a table per framework of the fields it sets,
-    each `{ value, source }`, and optionally the `base` (a framework above) it starts from."""
-    out: dict[str, Deviations] = {}
-    known = {f.name for f in dataclasses.fields(Deviations)} - {"name"}
-    for name, entry in tomllib.loads(path.read_text()).items():
-        sets = {k: v for k, v in entry.items() if k not in ("about", "base")}
-        if unknown := sorted(sets.keys() - known):
-            raise ValueError(f"{path.name} [{name}]: not a Deviations field: {unknown}")
-        if unsourced := sorted(k for k, v in sets.items() if not v.get("source")):
-            raise ValueError(f"{path.name} [{name}]: no source for {unsourced}")
-        base = out[entry["base"]] if "base" in entry else NONE
-        values = {k: v["value"] for k, v in sets.items()}
-        out[name] = dataclasses.replace(base, name=name, **values)
-    return out
-
-
-FRAMEWORKS = load_frameworks()
-
-
-@dataclass
-class Case:
-    row: dict
-    job: Job
-    layout: Layout
-    measured_s: float  # nan for a run the source says ran out of memory
-    oom: bool = False
+from shardwise.plan.peers import Deviations, PeerJob
 
 
 def source(row: dict) -> str:
@@ -115,21 +82,6 @@ def _unsupported(row: dict, priced: tuple[str, ...] = ()) -> str | None:
     return None
 
 
-def _best(job: Job, candidates: list[Layout]) -> Layout:
-    """For knobs the source does not state (micro-batch, interleaving depth): the planner's
-    fastest candidate that fits, as `plan` picks when those keys are not pinned."""
-    scored, why = [], set()
-    for lay in candidates:
-        if reason := search.invalid(job, lay):
-            why.add(reason)
-            continue
-        rec = search.evaluate(job, lay)
-        scored.append((search.fits(job, rec) is not None, rec["step_time_s"], lay))
-    if not scored:
-        raise ValueError(f"the layout is invalid for the planner: {', '.join(sorted(why))}")
-    return min(scored, key=lambda x: (x[0], x[1]))[2]
-
-
 def _layouts(row: dict, job: Job, zero: int, recompute: str) -> Layout:
     lay = row["layout"]
     tp, pp, dp = lay["tp"], lay["pp"], lay["dp"]
@@ -146,7 +98,7 @@ def _layouts(row: dict, job: Job, zero: int, recompute: str) -> Layout:
         plans = [("1f1b", 1)] + [("interleaved", v) for v in (2, 3, 4, 6, 8)]
     sp = bool(lay.get("sp")) and tp > 1
     cp = {"cp": lay.get("cp") or 1}  # (a ring over the cp ranks: torchtitan's)
-    return _best(
+    return best_layout(
         job,
         [
             Layout(tp, pp, dp, zero, sp, sc, v, mb, recompute, **cp)
@@ -342,8 +294,6 @@ def load_rows() -> list[dict]:
 
 
 def make_case(row: dict) -> Case | str:
-    from published_moe import ADAPTERS as MOE  # (they use this module's _best and FRAMEWORKS)
-
     for prefix, adapter in (ADAPTERS | MOE).items():
         if row["id"].startswith(prefix):
             return adapter(row)

@@ -13,7 +13,13 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 # imported, or running them
-HELPERS = {"common.py", "smoke_all.py", "published_rows.py", "published_moe.py"}
+HELPERS = {
+    "common.py",
+    "smoke_all.py",
+    "published_case.py",
+    "published_rows.py",
+    "published_moe.py",
+}
 # Smoke runs left to `make bench-smoke` (every script), not this suite, to keep it under 15
 # minutes on 2 cores: each launches `shardwise train` (fault_soak: a reference, a signalled
 # run and its rerun; cpu_malloc: two runs; default_job: the default job, ~10 s), ~40 s of the

@@ -144,7 +144,7 @@ def test_other_frameworks_costs_where_they_differ():
 def test_other_frameworks_are_data_beside_the_record(tmp_path):
     """shardwise's own jobs carry no deviations; every other framework's come from
     published/frameworks.toml, each deviation with its source, a `base` extended."""
-    rows = bench_module("published_rows")
+    rows = bench_module("published_case")
     assert peers.of(Job(preset("7b"), A100, 8)) == peers.NONE == Deviations()
     mg, mg22 = rows.FRAMEWORKS["megatron-lm"], rows.FRAMEWORKS["megatron-lm-2022"]
     assert mg.overlap_dp is False and mg.unfused_attention
