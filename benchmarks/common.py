@@ -231,12 +231,13 @@ def paired_peer(cfg) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from shardwise.data import split_for_rank
+    from shardwise.job.prepare import validate_here
     from shardwise.models import build_model, init_weights
     from shardwise.training.loop import fit
     from shardwise.training.runtime import build_run
 
     steps, cfg.train.steps = cfg.train.steps, 1
-    run = build_run(cfg)
+    run = build_run(cfg, validate_here(cfg))
     d, o = run.derived, cfg.optim
     with torch.device(run.info.device):
         model = build_model(d.spec)

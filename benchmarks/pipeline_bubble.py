@@ -118,10 +118,11 @@ def formula(schedule: str, m: int, v: int) -> float | None:
 
 def traced(cfg) -> dict:
     """One rank's run (`fit`) that also keeps each step's pass durations, in plan order."""
+    from shardwise.job.prepare import validate_here
     from shardwise.training.loop import fit
     from shardwise.training.runtime import build_run
 
-    run = build_run(cfg)
+    run = build_run(cfg, validate_here(cfg))
     pipeline, passes, steal = run.pipeline, [], []
     train_step = pipeline.train_step
 

@@ -121,11 +121,12 @@ def _torch_side(run, cfg):
 
 def paired(cfg) -> dict:
     """Alternate one step of ours and one of PyTorch's, order flipped every step."""
+    from shardwise.job.prepare import validate_here
     from shardwise.training.loop import fit
     from shardwise.training.runtime import build_run
 
     steps, cfg.train.steps = cfg.train.steps, 1
-    run = build_run(cfg)
+    run = build_run(cfg, validate_here(cfg))
     theirs = _torch_side(run, cfg)
     times: dict[str, list[float]] = {"ours": [], "torch": []}
     first: dict[str, float] = {}

@@ -90,9 +90,10 @@ def ours_timed(cfg) -> dict:
     step's process CPU time, from `zero_grad` (the step's start) to the end of the optimizer
     step: with other jobs on the machine, wall-clock inflates more than CPU time does."""
     from shardwise.cli.verify import timed_fit
+    from shardwise.job.prepare import validate_here
     from shardwise.training.runtime import build_run
 
-    run = build_run(cfg)
+    run = build_run(cfg, validate_here(cfg))
     out = timed_fit(run)
     out["losses"] = [r["loss"] for r in out["records"]]
     out["params"] = run.reducer.full_parameters()

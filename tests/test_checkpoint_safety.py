@@ -277,7 +277,7 @@ def test_a_failure_every_rank_shares_is_printed_by_rank_0_alone(monkeypatch, cap
     print the same line), and every rank still exits 2."""
     from shardwise.launchers import local
 
-    def fails(cfg, hook=None):
+    def fails(cfg, hook=None, derived=None):
         exc = CheckpointError("saving step 4 failed (rank 0 writing x: No space left on device)")
         exc.every_rank = True
         raise exc

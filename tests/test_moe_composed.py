@@ -18,6 +18,7 @@ from shardwise.checkpoint.io import read_index
 from shardwise.config import Config, load_config
 from shardwise.errors import ConfigError
 from shardwise.job.explain import explain_record
+from shardwise.job.prepare import validate_here
 from shardwise.launchers.harness import run_named_worlds
 from shardwise.plan.hardware import get_hardware
 from shardwise.training.loop import fit
@@ -70,7 +71,7 @@ CPU = get_hardware("cpu", calibrate=False)
 def first_grads(cfg: Config) -> dict:
     """One optimizer step; every gradient this rank applies (tp partial sums reduced, tp and
     ep slices gathered to full shape), as the optimizer hands them to the update."""
-    run = build_run(cfg)
+    run = build_run(cfg, validate_here(cfg))
     grads: dict[str, torch.Tensor] = {}
     apply = run.optimizer.update.apply
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.config import Config
+from shardwise.job.prepare import validate_here
 from shardwise.models.moe import moe_layers
 from shardwise.training.loop import fit
 from shardwise.training.runtime import build_run
@@ -19,7 +20,7 @@ def routed_rows(cfg: Config) -> dict:
     micro-batches), computed from every rank's per-expert loads. Dropless; a forward that
     recomputation replays inside backward is not counted again (the planner's formula
     prices the replay from the forward's rows)."""
-    run = build_run(cfg)
+    run = build_run(cfg, validate_here(cfg))
     loads: list[torch.Tensor] = []
 
     def tally(m, args, out) -> None:
@@ -54,7 +55,7 @@ def first_grads(cfg: Config) -> dict:
     """One optimizer step; return every parameter's reduced gradient of that step at full
     shape (ZeRO-0: each rank holds them whole; expert slices gathered over ep), taken just
     before the optimizer uses it, and the step's loss."""
-    run = build_run(cfg)
+    run = build_run(cfg, validate_here(cfg))
     grads: dict[str, torch.Tensor] = {}
     step = run.optimizer.step
 

@@ -155,9 +155,10 @@ def thread_affinities(cfg) -> dict:
     nothing: the distinct core sets of this rank's threads, gloo's included."""
     import os
 
+    from shardwise.job.prepare import validate_here
     from shardwise.training.runtime import build_run
 
-    run = build_run(cfg)
+    run = build_run(cfg, validate_here(cfg))
     try:
         tids = os.listdir("/proc/self/task")
         sets = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids}

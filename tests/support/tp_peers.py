@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 from shardwise.config import Config
 from shardwise.data import GlobalSampler, load_data, split_for_rank
 from shardwise.distributed import device as dev
+from shardwise.job.prepare import validate_here
 from shardwise.models import build_model, init_weights
 from shardwise.models.families import DECODER
 from shardwise.optim import adamw, lr_at
@@ -123,7 +124,7 @@ def layer_probe(cfg: Config) -> dict:
     out = {}
     for sp in (False, True):
         c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sp=sp))
-        run = build_run(c)
+        run = build_run(c, validate_here(c))
         b, s, h = run.derived.micro_batch, cfg.data.seq_len, run.derived.spec.dim
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(b, s, h, generator=gen).to(run.info.device)

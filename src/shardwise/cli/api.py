@@ -63,7 +63,7 @@ def train(
     if n < 1:
         raise ConfigError(f"nproc={nproc} must be >= 1. Fix: nproc=2")
     with prepare(cfg, n, force=force) as job:  # the checks and refusals of `shardwise train`
-        launch_local(job.cfg, n)
+        launch_local(job.cfg, n, derived=job.derived)
     return _records(cfg)
 
 

@@ -167,7 +167,7 @@ def train_nodes(cfg: Config, nproc: int, args: argparse.Namespace) -> None:
     with prepare(cfg, nodes.world, force=force, plan_auto=plan_auto, lock=False) as job:
         d = job.derived
         print(placement_line(nodes, d.pp, d.dp, d.tp), flush=True)
-        launch_nodes(job.cfg, nodes, restarts)
+        launch_nodes(job.cfg, nodes, restarts, job.derived)
 
 
 def explain_world(args: argparse.Namespace, nproc: int) -> int:

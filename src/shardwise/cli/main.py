@@ -167,7 +167,7 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> None:
         return
     nproc = _nproc(args)
     with prepare(cfg, nproc, force=args.force, plan_auto=args.plan == "auto") as job:
-        launch_local(job.cfg, nproc, max_restarts=max_restarts)
+        launch_local(job.cfg, nproc, max_restarts=max_restarts, derived=job.derived)
 
 
 def cmd_explain(cfg: Config, args: argparse.Namespace) -> None:

@@ -93,7 +93,7 @@ def profile(
     with prepare(pcfg, nproc, force=force) as job:
         for stale in folder.glob("rank*.json"):  # an earlier profile's: never mixed into this one
             stale.unlink()
-        launch_local(job.cfg, nproc, hook)
+        launch_local(job.cfg, nproc, hook, derived=job.derived)
     return summarise(pcfg, nproc)
 
 

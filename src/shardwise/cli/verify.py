@@ -9,7 +9,7 @@ import time
 
 from shardwise.config import load_config
 from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.job.prepare import validate
+from shardwise.job.prepare import validate, validate_here
 from shardwise.plan.layout import Job
 from shardwise.training.metrics import human_bytes
 
@@ -43,7 +43,7 @@ def timed_run(cfg) -> dict:
     machine wall-clock time inflates with the other jobs, CPU time much less."""
     from shardwise.training.runtime import build_run
 
-    return timed_fit(build_run(cfg))
+    return timed_fit(build_run(cfg, validate_here(cfg)))
 
 
 def timed_fit(run) -> dict:

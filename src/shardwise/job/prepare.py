@@ -6,7 +6,12 @@ step `validate`), so a job one entry point refuses is refused by every one, with
 message: validate and derive the config for the world size, prepare the data once, check
 that the checkpoint it would resume fits the model and the data, predict
 memory and step time, refuse what will not fit (memory: `force` overrides; disk), print the
-plan, and hold the run-dir lock until the job ends."""
+plan, and hold the run-dir lock until the job ends.
+
+The ranks receive the derived run description (`PreparedJob.derived`) and validate nothing
+again. Where no launcher of ours prepared the job (ranks started by torchrun or srun, a
+test's own world), `validate_here` runs the same checks in each rank before it joins the
+process group."""
 
 from __future__ import annotations
 
@@ -47,6 +52,28 @@ def validate(cfg: Config, world: int) -> Derived:
     return derive(cfg, world)
 
 
+def check_data(cfg: Config, derived: Derived) -> None:
+    """Prepare the data once (tokenizer, cache; safe from every rank at once) and check that
+    its held-out split gives every data-parallel rank a sample."""
+    from shardwise.data import data_spec, load_held_out, prepare_data
+    from shardwise.training.validate import check_held_out
+
+    spec, labelled = derived.spec, derived.family.classifier
+    prepare_data(data_spec(cfg, spec.vocab_size, labelled))  # the cache, once, not per rank
+    check_held_out(cfg, derived, load_held_out(cfg, spec.vocab_size, labelled))
+
+
+def validate_here(cfg: Config) -> Derived:
+    """The checks of a job no launcher of ours prepared (torchrun, srun, a test's own world),
+    in the process about to train, before it joins the process group: `validate` for the
+    world it joins, then its data. Returns the run description `build_run` takes."""
+    from shardwise.distributed.join import joining_world
+
+    derived = validate(cfg, joining_world())
+    check_data(cfg, derived)
+    return derived
+
+
 def prepare(
     cfg: Config,
     world: int,
@@ -63,21 +90,16 @@ def prepare(
     checkpoint-dir locks from here (not for one node of a multi-node job: global rank 0
     takes them there). `show`: print the plan line."""
     from shardwise.checkpoint.precheck import check_resume
-    from shardwise.data import data_spec, load_held_out, prepare_data
     from shardwise.job.explain import explain_record, print_plan
-    from shardwise.models.families import family_of
-    from shardwise.training.validate import check_held_out
 
     if plan_auto:
         from shardwise.job.auto import auto_config
 
         cfg = auto_config(cfg, world)
     derived = validate(cfg, world)
-    spec = derived.spec
-    labelled = family_of(spec).classifier
-    prepare_data(data_spec(cfg, spec.vocab_size, labelled))  # the cache, once, not per rank
-    check_held_out(cfg, derived, load_held_out(cfg, spec.vocab_size, labelled))
-    check_resume(cfg, spec)  # the checkpoint it would resume fits (its index only), not per rank
+    check_data(cfg, derived)
+    # the checkpoint it would resume fits (its index only), not per rank
+    check_resume(cfg, derived.spec)
     record = explain_record(cfg, world)
     if show:
         print_plan(record)

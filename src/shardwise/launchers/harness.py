@@ -30,13 +30,14 @@ def _resolve(path: str):
 
 def _run_case(case: dict, run_dir: str) -> dict:
     from shardwise.config import load_config
+    from shardwise.job.prepare import validate_here
     from shardwise.training.loop import fit
     from shardwise.training.runtime import build_run
 
     cfg = load_config(None, [*BASE, f"--run.dir={run_dir}", *case.get("overrides", [])])
     if case.get("peer"):
         return _resolve(case["peer"])(cfg)
-    run = build_run(cfg)
+    run = build_run(cfg, validate_here(cfg))  # no launcher prepared this world's job
     try:
         result = _train_case(case, run, fit)
     except BaseException as exc:

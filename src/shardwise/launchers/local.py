@@ -26,6 +26,8 @@ SHUTDOWN_GRACE_S = SIGNAL_GRACE_S  # torch elastic's wait for signalled ranks to
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
 
+    from shardwise.training.validate import Derived
+
 
 # launcher variables read as integers: (lowest value, what it is, an example)
 INT_ENV = {
@@ -100,16 +102,20 @@ def adopt_slurm_env() -> None:
         )
 
 
-def train_here(cfg: Config, hook: str | None = None) -> None:
+def train_here(cfg: Config, hook: str | None = None, derived: Derived | None = None) -> None:
     """Train as one rank of the current job (errors propagate to the caller). `hook`
-    ("module:function") is applied to the built run first: tests inject faults with it."""
+    ("module:function") is applied to the built run first: tests inject faults with it.
+    `derived`: the run description the job layer validated (`job.prepare`); None where no
+    launcher of ours prepared the job (torchrun, srun): its checks run here, before this rank
+    joins the process group."""
     import torch.distributed as dist
 
+    from shardwise.job.prepare import validate_here
     from shardwise.training.loop import fit
     from shardwise.training.runtime import build_run
 
     try:
-        run = build_run(cfg)
+        run = build_run(cfg, derived if derived is not None else validate_here(cfg))
         try:
             if hook:
                 module, _, name = hook.partition(":")
@@ -124,14 +130,16 @@ def train_here(cfg: Config, hook: str | None = None) -> None:
             dist.destroy_process_group()
 
 
-def rank_main(cfg_dict: dict, hook: str | None = None, local: bool = False) -> None:
+def rank_main(
+    cfg_dict: dict, hook: str | None = None, local: bool = False, derived: Derived | None = None
+) -> None:
     """Entry point of every rank the elastic launcher starts (picklable). A user error is
     printed once, by the rank that hit it, without a traceback. `local`: started by
-    `launch_local`, which prints a hang report itself."""
+    `launch_local`, which prints a hang report itself. `derived`: as for `train_here`."""
     if local:
         os.environ[LOCAL_LAUNCH_ENV] = "1"
     try:
-        train_here(config_from_dict(cfg_dict), hook)
+        train_here(config_from_dict(cfg_dict), hook, derived)
     except Preempted as exc:  # saved: the documented status, no traceback; rank 0 says why
         if os.environ.get("RANK", "0") == "0" and not local:  # (else launch_local does)
             print(f"shardwise: {exc}", file=sys.stderr, flush=True)
@@ -148,14 +156,21 @@ class _DropAll(logging.Filter):
         return False
 
 
-def launch_local(cfg: Config, nproc: int, hook: str | None = None, max_restarts: int = 0) -> None:
+def launch_local(
+    cfg: Config,
+    nproc: int,
+    hook: str | None = None,
+    max_restarts: int = 0,
+    derived: Derived | None = None,
+) -> None:
     """Run `nproc` ranks on this machine (in-process when nproc == 1 and nothing needs
     restarting). A job stopped by the hang watchdog fails with its report as the message.
     After a failure torch elastic stops every rank and starts them all again, up to
-    `max_restarts` times; they resume from the newest valid checkpoint."""
+    `max_restarts` times; they resume from the newest valid checkpoint. `derived`: the job
+    layer's run description for `nproc` ranks, handed to every rank (None: each validates)."""
     check_launch_env()
     if nproc == 1 and not max_restarts:
-        train_here(cfg, hook)
+        train_here(cfg, hook, derived)
         return
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -186,7 +201,7 @@ def launch_local(cfg: Config, nproc: int, hook: str | None = None, max_restarts:
     os.environ[HELD_ENV] = "1"
     os.environ[BIND_ENV] = "1"
     try:
-        run_elastic(config, cfg, hook, local=True)
+        run_elastic(config, cfg, hook, local=True, derived=derived)
     finally:
         if held:
             os.environ.pop(HELD_ENV, None)
@@ -224,11 +239,16 @@ def _first_line(message: object) -> str:
 
 
 def run_elastic(
-    config: LaunchConfig, cfg: Config, hook: str | None = None, local: bool = False
+    config: LaunchConfig,
+    cfg: Config,
+    hook: str | None = None,
+    local: bool = False,
+    derived: Derived | None = None,
 ) -> None:
     """Run this node's torch elastic agent with `rank_main` as every rank's entry point; a
     failure becomes one ShardwiseError (the ranks print their own messages). `local`: every
-    rank is on this machine, so a hang report in run.dir is printed here, not by a rank."""
+    rank is on this machine, so a hang report in run.dir is printed here, not by a rank.
+    `derived`: the job layer's run description, handed to every rank (restarted ones too)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -244,7 +264,7 @@ def run_elastic(
     agent.addFilter(note)
     started = time.time()
     try:
-        elastic_launch(config, rank_main)(cfg.to_dict(), hook, local)
+        elastic_launch(config, rank_main)(cfg.to_dict(), hook, local, derived)
     except SignalException as exc:  # the agent was signalled; its ranks saved and stopped
         # while the handler is still held here: torch leaves its keep-alive thread running
         rendezvous.stop_heartbeats()

@@ -14,11 +14,15 @@ import re
 import socket
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from shardwise.config import Config
 from shardwise.errors import ConfigError, ShardwiseError
+
+if TYPE_CHECKING:
+    from shardwise.training.validate import Derived
 
 DEFAULT_PORT = 29400  # torchrun's default c10d rendezvous port
 
@@ -138,10 +142,13 @@ def placement_line(nodes: Nodes, pp: int, dp: int, tp: int) -> str:
     return line
 
 
-def launch_nodes(cfg: Config, nodes: Nodes, max_restarts: int = 0) -> None:
+def launch_nodes(
+    cfg: Config, nodes: Nodes, max_restarts: int = 0, derived: Derived | None = None
+) -> None:
     """Run this node's agent: it joins the rendezvous, starts `nproc_per_node` ranks, and
     restarts them (up to `max_restarts` times, in a new rendezvous round) when any rank of
-    the job fails."""
+    the job fails. `derived`: the job layer's run description for the whole world, handed
+    to this node's ranks."""
     from torch.distributed import DistError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig
@@ -180,7 +187,7 @@ def launch_nodes(cfg: Config, nodes: Nodes, max_restarts: int = 0) -> None:
     )
     os.environ[BIND_ENV] = "1"  # rank 0's store on MASTER_ADDR (this node's address) only
     try:
-        run_elastic(config, cfg)
+        run_elastic(config, cfg, derived=derived)
     except ShardwiseError as exc:
         # gloo names the remote end of the broken connection ("Read error [ADDR]:PORT:
         # Connection reset by peer"): that node's ranks are gone.

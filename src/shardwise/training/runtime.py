@@ -1,10 +1,10 @@
 """From a validated config to a ready-to-train run on this rank: process group, topology,
-model (built on meta, transformed, then materialised), data and optimizer."""
+model (built on meta, transformed, then materialised), data and optimizer. The config was
+validated and derived before the rank started (the job layer): nothing here checks it again."""
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import fnmatch
 import os
 import sys
@@ -19,7 +19,8 @@ from shardwise.config import Config
 from shardwise.data import GlobalSampler, data_spec, load_data, load_held_out
 from shardwise.data.callables import resolve
 from shardwise.distributed import device as dev
-from shardwise.distributed.comm import BIND_ENV, Comm, rank_store
+from shardwise.distributed.comm import Comm
+from shardwise.distributed.join import join_process_group, joining_world
 from shardwise.distributed.topology import Topology, build_topology
 from shardwise.distributed.watchdog import Watchdog, start_watchdog
 from shardwise.errors import ConfigError
@@ -50,64 +51,13 @@ from shardwise.parallel.zero_units import Sharding
 from shardwise.training.lock import HELD_ENV, acquire, release
 from shardwise.training.memory import ActivationMeter
 from shardwise.training.moe import ExpertTally, expert_tally
-from shardwise.training.validate import Derived, check_held_out, derive
+from shardwise.training.validate import Derived
 
 
 def init_distributed(cfg: Config) -> dev.DeviceInfo:
-    """Join the job's process group: from torchrun/elastic env vars when present, else a
-    one-rank group, so 1 and N ranks run the same code."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    info = dev.detect(cfg.run.device, local_rank)
-    if dist.is_initialized():
-        return info
-    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        store = None  # env:// (torchrun, srun, or the agent's store shared with the ranks)
-        if os.environ.get(BIND_ENV) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            # started by our launcher without the agent's store: rank 0 hosts one, not on
-            # every interface as env:// would
-            store = rank_store(cfg.parallel.timeout_s)
-        elif not ("TORCHELASTIC_RUN_ID" in os.environ or "SLURM_PROCID" in os.environ):
-            # RANK/WORLD_SIZE by hand (or left over in the shell): join within a bound
-            store = _join_by_hand(cfg.parallel.timeout_s)
-        if store is None:
-            dist.init_process_group(info.backend, timeout=timeout)
-        else:
-            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            dist.init_process_group(
-                info.backend, store=store, rank=rank, world_size=world, timeout=timeout
-            )
-    else:
-        dist.init_process_group(
-            info.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-        )
-    return info
-
-
-JOIN_S = 60.0  # how long ranks started by hand wait for each other
-
-
-def _join_by_hand(timeout_s: float):
-    """The store of ranks started without torchrun or srun, from RANK, WORLD_SIZE,
-    MASTER_ADDR and MASTER_PORT: rank 0 hosts it on MASTER_ADDR and waits for the others up to
-    a minute, then says what is wrong instead of waiting parallel.timeout_s for each step."""
-    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    shown = " ".join(f"{k}={v}" for k, v in env.items() if v is not None)
-    fix = (
-        "Fix: unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT (shardwise train "
-        "--nproc N starts the ranks itself), or start every rank of the world."
-    )
-    if not env["MASTER_ADDR"] or not env["MASTER_PORT"]:
-        raise ConfigError(f"{shown} are set, but not MASTER_ADDR and MASTER_PORT. {fix}")
-    join = min(JOIN_S, timeout_s)
-    try:
-        return rank_store(join, wait_for_all=True)
-    except (RuntimeError, OSError) as exc:  # torch's DistStoreError is a RuntimeError
-        raise ConfigError(
-            f"{shown} are set in the environment, but no torchrun or srun started this "
-            f"process and the world's other ranks did not join within {join:g} s ("
-            f"{str(exc).splitlines()[0][:120]}): a stale environment? {fix}"
-        ) from None
+    """Join the job's process group (distributed/join.py) on run.device, its collectives
+    bounded by parallel.timeout_s."""
+    return join_process_group(cfg.run.device, cfg.parallel.timeout_s)
 
 
 @dataclass
@@ -309,10 +259,17 @@ def verify_replicas(model: nn.Module, comm: Comm) -> None:
         raise RuntimeError(f"parameters differ across ranks after init: {bad[:5]}")
 
 
-def build_run(cfg: Config) -> Run:
-    """Everything one rank needs for `fit()`. The process group must exist (init_distributed)."""
+def build_run(cfg: Config, derived: Derived) -> Run:
+    """Everything one rank needs for `fit()`, from `cfg` and the run description the job layer
+    validated and derived from it (`job.prepare`, `job.prepare.validate_here`)."""
+    world = joining_world()
+    if derived.world != world:  # a description made for another layout: refused unjoined
+        raise ConfigError(
+            f"this rank joins a world of {world} ranks, but its job was validated for "
+            f"{derived.world}. Fix: start as many ranks as the job was prepared for (--nproc, "
+            "--nnodes x ranks per node)."
+        )
     info = init_distributed(cfg)
-    derived = derive(cfg, dist.get_world_size())
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     dev.pin_cpu_cores(cfg.run.cpu_affinity, int(os.environ.get("LOCAL_RANK", "0")), local_world)
     if info.type == "cpu":
@@ -346,9 +303,12 @@ def _build(
 ) -> Run:
     spec = derived.spec
     labelled = derived.family.classifier
+    # what the run reads, in which order, and the loss it is scored with (data/)
     train_data = load_data(data_spec(cfg, spec.vocab_size, labelled), "train")
     val_data = load_held_out(cfg, spec.vocab_size, labelled)
-    check_held_out(cfg, derived, val_data)
+    sampler = GlobalSampler(len(train_data), cfg.train.global_batch, cfg.train.seed)
+    custom_loss = cfg.train.loss != "cross_entropy"
+    user_loss = resolve(cfg.train.loss, "train.loss") if custom_loss else None
     model, quantised = build_adapted(spec, cfg.finetune)  # LoRA, QLoRA's base (finetune/)
     freeze(model, cfg.train.freeze)
     model, reducer, tp, pipeline = parallelize(model, cfg, derived, comm, info)
@@ -385,7 +345,6 @@ def _build(
     optimizer = MixedPrecisionAdamW(
         targets, cfg, sum_over_shards, after, offload, tp.reduce_partial, nvme
     )
-    sampler = GlobalSampler(len(train_data), cfg.train.global_batch, cfg.train.seed)
     return Run(
         cfg,
         derived,
@@ -402,9 +361,7 @@ def _build(
         sampler,
         pipeline=pipeline,
         watchdog=watchdog,
-        user_loss=resolve(cfg.train.loss, "train.loss")
-        if cfg.train.loss != "cross_entropy"
-        else None,
+        user_loss=user_loss,
         experts=expert_tally(model, cfg.train, topo.size("pp")),
         expert_parallel=ep,
     )
