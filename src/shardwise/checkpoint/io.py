@@ -49,7 +49,6 @@ instead of the rank files, and the index says `"storage": "dcp"` (checkpoint/dcp
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -110,19 +109,6 @@ def file_key(piece: Piece) -> str:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def flock_or_holder(fh) -> str | None:
-    """Take an exclusive lock on open file `fh` without waiting: None when taken; else `fh` is
-    closed and the holder it names is returned (host, PID, start time as a lock writes them)."""
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.seek(0)
-        holder = fh.read().strip() or "a process that has not written its name yet"
-        fh.close()
-        return holder
-    return None
 
 
 def step_dir(root: Path, step: int) -> Path:

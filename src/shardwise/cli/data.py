@@ -12,8 +12,9 @@ DESCRIPTION = (
     "stdlib, folders a `datasets` object was saved to, or hf:NAME[:OPTION=VALUE,...]: a "
     "`datasets` dataset read in streaming mode, e.g. 'hf:json:data_files=dir/*.jsonl') "
     "into memory-mapped token shards "
-    "and a manifest in --out, on --workers processes. A rerun after a kill keeps the shards "
-    "already done. Train on it with --data.dataset=DIR (the same samples and losses as "
+    "and a manifest in --out, on --workers processes, reading the corpus as a stream (never "
+    "whole in memory). A rerun after a kill keeps the shards already done; one prepare at a "
+    "time owns --out. Train on it with --data.dataset=DIR (the same samples and losses as "
     "training on the raw corpus with the same tokenizer and held-out fraction)."
 )
 

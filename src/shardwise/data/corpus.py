@@ -223,11 +223,8 @@ def split_documents(
     if val_fraction <= 0:
         return [text for _, text in docs], []
     if len(docs) == 1:
-        text = docs[0][1]
-        cut = int(len(text) * (1.0 - val_fraction))
-        newline = text.rfind("\n", 0, cut)
-        cut = newline + 1 if newline > 0 else cut
-        return [text[:cut]], [text[cut:]]
+        head, tail = cut_single(docs[0][1], val_fraction)
+        return [head], [tail]
     units = [stable_unit(doc_id) for doc_id, _ in docs]
     is_val = [u < val_fraction for u in units]
     if not any(is_val):
@@ -237,6 +234,15 @@ def split_documents(
     train = [text for (_, text), v in zip(docs, is_val, strict=True) if not v]
     val = [text for (_, text), v in zip(docs, is_val, strict=True) if v]
     return train, val
+
+
+def cut_single(text: str, val_fraction: float) -> tuple[str, str]:
+    """A corpus of one document: (head to train on, tail held out), cut at the line break
+    before the point that leaves val_fraction of the text in the tail."""
+    cut = int(len(text) * (1.0 - val_fraction))
+    newline = text.rfind("\n", 0, cut)
+    cut = newline + 1 if newline > 0 else cut
+    return text[:cut], text[cut:]
 
 
 def _walk(root: Path, suffixes: tuple[str, ...] | None, skip: set) -> Iterator[Path]:
@@ -283,7 +289,7 @@ def _read_txt(path: Path) -> str:
 def _read_rows(
     path: Path, rel: str, suffix: str, text_field: str, skipped: list[str] | None
 ) -> Iterator[tuple[str, str]]:
-    values = load_column(path, builder_of(suffix), text_field)
+    values = iter_column(path, builder_of(suffix), text_field)
     for i, value in enumerate(values):
         if value is None and skipped is not None:  # the field missing (or null) in this row
             skipped.append(f"{rel} row {i + 1}")
@@ -323,8 +329,30 @@ def builder_of(suffix: str) -> str:
 
 def load_column(path: Path, builder: str, text_field: str, key: str = "data.text_field") -> list:
     """Load one json/parquet file with `datasets`, quietly, and return its text column."""
+    return list(iter_column(path, builder, text_field, key))
+
+
+def iter_column(
+    path: Path, builder: str, text_field: str, key: str = "data.text_field"
+) -> Iterator:
+    """The values of one json/parquet/csv file's column, one Arrow batch at a time: the file
+    is converted to a memory-mapped Arrow file, and only one batch's values are Python
+    objects at once (a multi-GB JSON lines file is never held whole)."""
     import tempfile
 
+    # The arrow copy is only needed while we read it; keep it out of ~/.cache/huggingface.
+    with tempfile.TemporaryDirectory(prefix="shardwise-hf-") as tmp:
+        column = _arrow_column(path, builder, text_field, key, tmp)
+        for batch in column.chunks:
+            try:
+                values = batch.to_pylist()
+            except Exception as exc:  # Arrow keeps bytes that are not UTF-8 until this
+                raise _unreadable(path, builder, exc) from exc
+            yield from values
+
+
+def _arrow_column(path: Path, builder: str, text_field: str, key: str, tmp: str):
+    """The column `text_field` of `path` loaded by `datasets` into `tmp`, quietly."""
     import datasets
     from datasets.utils import logging as ds_logging
 
@@ -332,32 +360,32 @@ def load_column(path: Path, builder: str, text_field: str, key: str = "data.text
     ds_logging.set_verbosity(ds_logging.CRITICAL + 10)  # silence its own error log too
     ds_logging.disable_progress_bar()
     try:
-        # The arrow copy is only needed while we read it; keep it out of ~/.cache/huggingface.
-        with tempfile.TemporaryDirectory(prefix="shardwise-hf-") as tmp:
-            ds = datasets.load_dataset(
-                builder, data_files=[str(path)], split="train", cache_dir=tmp
+        ds = datasets.load_dataset(builder, data_files=[str(path)], split="train", cache_dir=tmp)
+        if text_field not in ds.column_names:
+            records = "chat" if "messages" in ds.column_names else "instruction"
+            raise DataError(
+                f"{key}={text_field!r} is not a column of {str(path)!r}; its "
+                f"columns are {ds.column_names}. Fix: set {key} to the column holding it, "
+                f"or --data.format={records} for {records} records (loss on the responses)."
             )
-            if text_field not in ds.column_names:
-                records = "chat" if "messages" in ds.column_names else "instruction"
-                raise DataError(
-                    f"{key}={text_field!r} is not a column of {str(path)!r}; its "
-                    f"columns are {ds.column_names}. Fix: set {key} to the column holding it, "
-                    f"or --data.format={records} for {records} records (loss on the responses)."
-                )
-            return ds.data.column(text_field).to_pylist()
+        return ds.data.column(text_field)
     except DataError:
         raise
     except Exception as exc:
-        kind = {"json": "JSON / JSON lines", "csv": "CSV"}.get(builder, "Parquet")
-        where = first_bad_line(path) if builder in ("json", "csv") else None
-        raise DataError(
-            f"data file {str(path)!r} cannot be read as {kind}: "
-            f"{where or _root_cause(exc)}. Fix: check that it is valid {kind}."
-        ) from exc
+        raise _unreadable(path, builder, exc) from exc
     finally:
         ds_logging.set_verbosity(verbosity)
         if bars:
             ds_logging.enable_progress_bar()
+
+
+def _unreadable(path: Path, builder: str, exc: BaseException) -> DataError:
+    kind = {"json": "JSON / JSON lines", "csv": "CSV"}.get(builder, "Parquet")
+    where = first_bad_line(path) if builder in ("json", "csv") else None
+    return DataError(
+        f"data file {str(path)!r} cannot be read as {kind}: "
+        f"{where or _root_cause(exc)}. Fix: check that it is valid {kind}."
+    )
 
 
 def _root_cause(exc: BaseException) -> str:

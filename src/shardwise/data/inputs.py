@@ -1,5 +1,9 @@
 """The documents of `shardwise data prepare`'s inputs, in order, with their identity.
 
+Inputs are resolved (found, their files listed and identified) before any is read, and
+their documents are then read as a stream, one file, Arrow batch or streamed row at a
+time, as often as the prepare needs them: never the whole corpus at once.
+
 An input is what `data.dataset` takes (a file, directory or glob of .txt/.jsonl/.json/.csv/
 .parquet files, or `stdlib`), read by the same code (data/corpus.py), a folder a Hugging
 Face `datasets` object was saved to with `save_to_disk`, or `hf:NAME[:OPTION=VALUE,...]`: what
@@ -14,21 +18,25 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.data.corpus import DataSpec, read_documents, resolve_source
+from shardwise.data.corpus import DataSpec, Source, read_documents, resolve_source
+from shardwise.data.files import excluded_dirs, inside
 from shardwise.errors import DataError
 
 
-@dataclass
-class Inputs:
-    """Every document of the inputs, in order, and what identifies them."""
+@dataclass(frozen=True)
+class Input:
+    """One INPUT resolved (it exists, its files are found) but not read yet."""
 
-    docs: list[tuple[str, str]] = field(default_factory=list)  # (document id, text)
-    skipped: list[str] = field(default_factory=list)  # rows without a text value
-    identity: list = field(default_factory=list)  # (path, size, mtime_ns) per file read
+    raw: str  # as given
+    prefix: str  # of its document ids: "k:" with several inputs
+    identity: list  # (path, size, mtime_ns) per file it reads
+    source: Source | None = None  # files read as data.dataset reads them
+    saved: Path | None = None  # a save_to_disk folder
+    stream: dict | None = None  # load_dataset arguments of hf:NAME
 
 
 def is_hf_saved(path: Path) -> bool:
@@ -39,39 +47,68 @@ def is_hf_saved(path: Path) -> bool:
     )
 
 
-def read_inputs(inputs: list[str], text_field: str, exclude: tuple[str, ...]) -> Inputs:
-    """The documents of every input in order; `exclude`: directories a scan leaves out (the
-    output directory)."""
+def resolve_inputs(inputs: list[str], text_field: str, exclude: tuple[str, ...]) -> list[Input]:
+    """Every INPUT found and identified, none read; `exclude`: directories a scan leaves out
+    (the output directory)."""
     if not inputs:
         raise DataError("no INPUT given. Fix: shardwise data prepare INPUT... --out DIR.")
-    out = Inputs()
+    out = []
     for k, raw in enumerate(inputs):
         prefix = f"{k}:" if len(inputs) > 1 else ""
-        before = len(out.docs)
         path = Path(os.path.expanduser(raw))
         if raw.startswith(STREAM):
-            _read_stream(raw, text_field, prefix, out)
+            spec = _stream_files(raw, stream_spec(raw), exclude)
+            files = [Path(f) for f in spec.get("data_files", [])]
+            # what a rerun must find unchanged: the request, and the local files it reads
+            out.append(Input(raw, prefix, [(raw, 0, 0), *_stat(files)], stream=spec))
         elif is_hf_saved(path):
-            _read_hf(path, text_field, prefix, out)
+            files = sorted(p for p in path.rglob("*") if p.is_file())
+            out.append(Input(raw, prefix, _stat(files), saved=path))
         else:
             try:
                 source = resolve_source(DataSpec(raw, text_field=text_field, exclude=exclude))
             except DataError as exc:  # its words are data.dataset's; here it is an INPUT
                 raise DataError(str(exc).replace("data.dataset=", "INPUT ", 1)) from None
-            out.identity += source.identity()
-            for doc_id, text in read_documents(source, text_field, out.skipped):
-                out.docs.append((prefix + doc_id, text))
-        if len(out.docs) == before:
-            raise DataError(
-                f"INPUT {raw!r} holds no text (0 non-empty documents in its {text_field!r} "
-                "field). Fix: drop it, or point it at non-empty files (--text-field names the "
-                "column)."
-            )
+            files = source.identity()
+            if all(size == 0 for _, size, _ in files):  # known before any file is read
+                _no_text(raw, text_field)
+            out.append(Input(raw, prefix, files, source=source))
     return out
 
 
-def _read_hf(path: Path, text_field: str, prefix: str, out: Inputs) -> None:
-    """The rows of a `save_to_disk` folder (every split of a DatasetDict, in its order)."""
+def documents(
+    inputs: list[Input], text_field: str, skipped: list[str]
+) -> Iterator[tuple[str, str]]:
+    """(document id, text) of every input in order, read one file (or Arrow batch, or
+    streamed row) at a time; rows without a text value go into `skipped`."""
+    for one in inputs:
+        n = 0
+        if one.stream is not None:
+            docs = _read_stream(one.raw, one.stream, text_field, one.prefix, skipped)
+        elif one.saved is not None:
+            docs = _read_hf(one.saved, text_field, one.prefix, skipped)
+        else:
+            read = read_documents(one.source, text_field, skipped)
+            docs = ((one.prefix + doc_id, text) for doc_id, text in read)
+        for doc in docs:
+            n += 1
+            yield doc
+        if not n:
+            _no_text(one.raw, text_field)
+
+
+def _no_text(raw: str, text_field: str) -> None:
+    raise DataError(
+        f"INPUT {raw!r} holds no text (0 non-empty documents in its {text_field!r} field). "
+        "Fix: drop it, or point it at non-empty files (--text-field names the column)."
+    )
+
+
+def _read_hf(
+    path: Path, text_field: str, prefix: str, skipped: list[str]
+) -> Iterator[tuple[str, str]]:
+    """The rows of a `save_to_disk` folder (every split of a DatasetDict, in its order), one
+    Arrow batch at a time."""
     import datasets
 
     try:
@@ -85,9 +122,10 @@ def _read_hf(path: Path, text_field: str, prefix: str, out: Inputs) -> None:
     for split, ds in parts:
         if text_field not in ds.column_names:
             _no_column(text_field, str(path), split, ds.column_names)
-        values = ds.data.column(text_field).to_pylist()
-        _take(values, text_field, str(path), f"{path.name}/{split}", f"{prefix}{split}", out)
-    _stat(sorted(p for p in path.rglob("*") if p.is_file()), out)
+        column = ds.data.column(text_field)
+        values = (v for batch in column.chunks for v in batch.to_pylist())
+        where, row_of = str(path), f"{path.name}/{split}"
+        yield from _take(values, text_field, where, row_of, f"{prefix}{split}", skipped)
 
 
 def _no_column(text_field: str, where: str, split: str, columns: list) -> None:
@@ -99,26 +137,28 @@ def _no_column(text_field: str, where: str, split: str, columns: list) -> None:
 
 
 def _take(
-    values: Iterable, text_field: str, where: str, row_of: str, ids: str, out: Inputs
-) -> None:
+    values: Iterable, text_field: str, where: str, row_of: str, ids: str, skipped: list[str]
+) -> Iterator[tuple[str, str]]:
     """Each non-empty text value of `values` one document `{ids}#{i}`; a missing one skipped
     (counted against --max-bad-rows), anything else refused."""
     for i, value in enumerate(values):
         if value is None:
-            out.skipped.append(f"{row_of} row {i + 1}")
+            skipped.append(f"{row_of} row {i + 1}")
         elif not isinstance(value, str):
             raise DataError(
                 f"--text-field {text_field!r} holds a {type(value).__name__} in row {i} of "
                 f"{where!r}, not text. Fix: --text-field naming a string column."
             )
         elif value:
-            out.docs.append((f"{ids}#{i}", value))
+            yield f"{ids}#{i}", value
 
 
-def _stat(files: list[Path], out: Inputs) -> None:
+def _stat(files: list[Path]) -> list[tuple[str, int, int]]:
+    out = []
     for f in files:
         st = f.stat()
-        out.identity.append((str(f.resolve()), st.st_size, st.st_mtime_ns))
+        out.append((str(f.resolve()), st.st_size, st.st_mtime_ns))
+    return out
 
 
 # -- hf:NAME: a `datasets` dataset read in streaming mode ---------------------------------------
@@ -146,22 +186,29 @@ def stream_spec(raw: str) -> dict[str, str]:
     return spec
 
 
-def _read_stream(raw: str, text_field: str, prefix: str, out: Inputs) -> None:
-    """The rows of `load_dataset(..., streaming=True)`, one at a time: no Arrow copy of the
-    dataset is built; each row's text joins the documents."""
+def _stream_files(raw: str, spec: dict, exclude: tuple[str, ...]) -> dict:
+    """`spec` with its data_files glob resolved to the sorted files it matches, less those in
+    `exclude` (the output directory: its tokenizer.json would otherwise be a document)."""
+    if "data_files" not in spec:
+        return spec
+    skip = excluded_dirs(exclude)
+    files = sorted(glob.glob(os.path.expanduser(spec["data_files"]), recursive=True))
+    files = [f for f in files if os.path.isfile(f) and not inside(Path(os.path.realpath(f)), skip)]
+    if not files:
+        raise DataError(
+            f"INPUT {raw!r}: data_files {spec['data_files']!r} matches no file. Fix: a glob "
+            "of existing files (quoted, so the shell leaves it to shardwise)."
+        )
+    return {**spec, "data_files": files}
+
+
+def _read_stream(
+    raw: str, spec: dict, text_field: str, prefix: str, skipped: list[str]
+) -> Iterator[tuple[str, str]]:
+    """The rows of `load_dataset(**spec, streaming=True)`, one at a time: no Arrow copy of
+    the dataset is built; each row's text is a document."""
     import datasets
 
-    spec = stream_spec(raw)
-    files = []
-    if "data_files" in spec:
-        files = sorted(glob.glob(os.path.expanduser(spec["data_files"]), recursive=True))
-        files = [f for f in files if os.path.isfile(f)]
-        if not files:
-            raise DataError(
-                f"INPUT {raw!r}: data_files {spec['data_files']!r} matches no file. Fix: a glob "
-                "of existing files (quoted, so the shell leaves it to shardwise)."
-            )
-        spec["data_files"] = files
     try:
         loaded = datasets.load_dataset(**spec, streaming=True)
         parts = loaded.items() if isinstance(loaded, datasets.IterableDatasetDict) else None
@@ -171,7 +218,7 @@ def _read_stream(raw: str, text_field: str, prefix: str, out: Inputs) -> None:
             if first is not None and text_field not in first:
                 _no_column(text_field, raw, split, list(first))
             values = (row.get(text_field) for row in _chain(first, rows))
-            _take(values, text_field, raw, f"{raw}/{split}", f"{prefix}{split}", out)
+            yield from _take(values, text_field, raw, f"{raw}/{split}", f"{prefix}{split}", skipped)
     except DataError:
         raise
     except Exception as exc:  # datasets raises ConnectionError, ValueError, its own... by case
@@ -179,9 +226,6 @@ def _read_stream(raw: str, text_field: str, prefix: str, out: Inputs) -> None:
             f"INPUT {raw!r} does not stream with datasets.load_dataset: {type(exc).__name__}: "
             f"{exc}. Fix: a builder and data files that load (a Hub dataset needs the network)."
         ) from None
-    # what a rerun must find unchanged: the request, and the local files it read
-    out.identity.append((raw, 0, 0))
-    _stat([Path(f) for f in files], out)
 
 
 def _chain(first, rest) -> Iterable:

@@ -2,46 +2,44 @@
 
 The documents, their order, the held-out split, the BPE (trained on the same training
 documents) and each document's ids with its end-of-text token are exactly those of the token
-cache (data/tokens.py), so the train shards concatenated equal the cache's `train.bin`.
-Shards are runs of whole documents, encoded by `workers` processes; each is written to a
-temporary name, fsynced and renamed, then recorded in `manifest.partial.json` (the plan and
-the shards done). A rerun of the same command keeps every recorded shard whose bytes still
-match its checksum and encodes the rest; `manifest.json` is written last.
+cache (data/tokens.py), so the train shards concatenated equal the cache's `train.bin`. The
+corpus is never held whole: a scan plans the shards (data/scan.py), the documents stream past
+again to be encoded in bounded chunks (data/encode.py). Shards are runs of whole documents;
+each is written to a temporary name, fsynced and renamed, then recorded in
+`manifest.partial.json` (the plan and the shards done). A rerun of the same command keeps
+every recorded shard whose bytes still match its checksum and encodes the rest;
+`manifest.json` is written last. One prepare at a time owns --out (dirlock.py), and it never
+writes into a directory holding files it did not write.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import json
-import multiprocessing as mp
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
-from shardwise.data.corpus import check_skipped, split_documents
+from shardwise.data.corpus import check_skipped
+from shardwise.data.encode import Encoder, chunks, encode_all
 from shardwise.data.identity import vocab_key
-from shardwise.data.inputs import read_inputs
-from shardwise.data.pretrained import (
-    content_key,
-    encode_documents,
-    load_tokenizer,
-    whole_documents,
-)
-from shardwise.data.resume import check_out, check_same, identity, kept
+from shardwise.data.inputs import Input, documents, resolve_inputs
+from shardwise.data.pretrained import content_key, has_tokenizer, load_tokenizer, whole_documents
+from shardwise.data.resume import check_inputs, check_out, check_same, identity, kept
+from shardwise.data.scan import Rule, Scan, scan
 from shardwise.data.shards import KIND, MANIFEST, PARTIAL, VERSION
-from shardwise.data.tokens import ENCODE_CHUNK_CHARS, EOS, _chunks, _train_bpe
+from shardwise.data.tokens import BPE_TRAIN_CHARS, ENCODE_CHUNK_CHARS, EOS, _train_bpe
+from shardwise.dirlock import lock_dir
+from shardwise.errors import DataError
 
 # 64 MB of text per shard: ~16 M tokens, a 32 MB uint16 file; enough shards for every worker
 # on a corpus of a few GB, few enough that the partial manifest stays small.
 SHARD_MB = 64.0
+# Characters of documents encoded as one task; at most 2 per worker are in flight, and one
+# is filling per split, so the documents held at once are bounded by this, not the corpus.
+CHUNK_CHARS = ENCODE_CHUNK_CHARS
 
 
 @dataclass(frozen=True)
@@ -59,89 +57,107 @@ class Options:
     max_bad_rows: int = 100
 
 
-@dataclass(frozen=True)
-class Encoder:
-    """A tokenizer as workers rebuild it: its JSON, whether it adds its own special tokens
-    (a checkpoint's BOS), its end-of-text id and the shards' dtype."""
-
-    json: str
-    add_special: bool
-    eos_id: int | None
-    dtype: str
-
-    def encode(self, tokenizer, texts: list[str]) -> np.ndarray:
-        """The documents' ids, each followed by its end-of-text token, as one flat array: the
-        token cache's rule (pretrained.encode_documents)."""
-        docs = encode_documents(tokenizer, self.eos_id, texts, self.add_special)
-        return np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype)
-
-
-# What every worker reads: set before the pool forks, so the documents are not pickled.
-_JOB: dict = {}
-
-
 def prepare(opts: Options, on_shard: Callable[[str], None] | None = None) -> dict:
     """Prepare `opts.inputs` into `opts.out` (resuming an unfinished run); return the
     manifest. `on_shard(name)` is called after each shard is recorded done."""
     start = time.perf_counter()
     out = Path(opts.out).expanduser().resolve()
-    state = check_out(out)
-    inputs = read_inputs(list(opts.inputs), opts.text_field, (str(out),))
-    skipped = inputs.skipped
-    check_skipped(len(skipped), skipped[:3], opts.text_field, opts.max_bad_rows, say=True)
-    ident = identity(opts, inputs.identity)
+    inputs = resolve_inputs(list(opts.inputs), opts.text_field, (str(out),))
+    check_inputs(out, inputs)
+    state = check_out(out)  # before anything is written: refuse someone else's directory
+    ident = identity(opts, [f for one in inputs for f in one.identity])
     if state is not None:
         check_same(state, ident, out, opts)
         if state.pop("finished"):
             _say(f"{out} is already prepared from these inputs: nothing to do")
             return state
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("*.tmp*"):  # ours only: the directory held nothing else at the start
+    hf = _load_hf(opts.tokenizer)  # a tokenizer that does not load: refused before writing
+    busy = "two prepares would overwrite each other's shards"
+    lock = lock_dir(out, f"--out {str(out)!r}", "data prepare", busy, "--out", DataError)
+    try:
+        return _prepare_locked(opts, out, inputs, ident, hf, on_shard, start)
+    finally:
+        lock.close()  # (the kernel drops the flock with the last descriptor)
+
+
+def _prepare_locked(opts, out, inputs, ident, hf, on_shard, start) -> dict:
+    state = check_out(out)  # again, under the lock: another prepare may have run meanwhile
+    if state is not None:
+        check_same(state, ident, out, opts)
+        if state.pop("finished"):
+            _say(f"{out} is already prepared from these inputs: nothing to do")
+            return state
+    skipped: list[str] = []
+    plan = _scan(opts, inputs, skipped)
+    check_skipped(len(skipped), skipped[:3], opts.text_field, opts.max_bad_rows, say=True)
+    for stale in out.glob("*.tmp*"):  # ours only: others' files were refused above
         if stale.name.split(".tmp")[0] in (MANIFEST, PARTIAL, "tokenizer.json"):
             stale.unlink(missing_ok=True)
-    if state is None:  # first, so that a rerun after a kill knows the directory is ours
-        _write_json(out / PARTIAL, {"identity": ident, "plan": [], "done": {}})
-    train, val = split_documents(inputs.docs, opts.val_fraction, " ".join(opts.inputs))
-    del inputs
-    encoder, tok_info = _tokenizer(opts, out, train, resuming=state is not None)
-    plan = _plan({"train": train, "val": val}, opts.shard_mb)
-    done = {} if state is None else kept(out, state.get("done", {}), plan)
-    partial = {"identity": ident, "plan": plan, "tokenizer": tok_info, "done": done}
-    _write_json(out / PARTIAL, partial)
-    for p in plan:  # temporary files of ours a killed run left behind
+    for p in plan.plan:  # temporary files of ours a killed run left behind
         for stale in out.glob(f"{p['name']}.tmp*"):
             stale.unlink(missing_ok=True)
+    done = {} if state is None else kept(out, state.get("done", {}), plan.plan)
+    partial = {"identity": ident, "plan": plan.plan, "done": done}
+    _write_json(out / PARTIAL, partial)  # first, so that a rerun knows the directory is ours
+    encoder, tok_info = _tokenizer(opts, out, hf, plan, resuming=state is not None)
+    partial["tokenizer"] = tok_info
+    _write_json(out / PARTIAL, partial)
     if state is not None:
-        _say(f"kept {len(done)} of {len(plan)} shards finished by an earlier run")
-    todo = [p for p in plan if p["name"] not in done]
-    _encode_all(todo, {"train": train, "val": val}, encoder, out, partial, opts, on_shard)
-    manifest = _manifest(opts, ident, plan, done, tok_info, encoder.dtype, skipped)
+        _say(f"kept {len(done)} of {len(plan.plan)} shards finished by an earlier run")
+    _encode(opts, inputs, plan, encoder, out, partial, on_shard)
+    manifest = _manifest(opts, ident, plan.plan, done, tok_info, encoder.dtype, skipped)
     manifest["prepare_s"] = round(time.perf_counter() - start, 2)
     _write_json(out / MANIFEST, manifest)  # last: the marker of a finished prepare
     (out / PARTIAL).unlink(missing_ok=True)
     t, v = manifest["splits"]["train"]["tokens"], manifest["splits"]["val"]["tokens"]
-    _say(f"prepared {t:,} train / {v:,} held-out tokens in {len(plan)} shards into {out}")
+    _say(f"prepared {t:,} train / {v:,} held-out tokens in {len(plan.plan)} shards into {out}")
     return manifest
 
 
-def _tokenizer(opts: Options, out: Path, train: list[str], resuming: bool) -> tuple[Encoder, dict]:
+def _scan(opts: Options, inputs: list[Input], skipped: list[str]) -> Scan:
+    """The shard plan (and the BPE's text) from one pass over the documents, or two when the
+    held-out rule's corner cases show (data/scan.py)."""
+    sample = 0 if opts.tokenizer else BPE_TRAIN_CHARS
+    rule = Rule(opts.val_fraction)
+    found = scan(documents(inputs, opts.text_field, skipped), rule, opts.shard_mb, sample)
+    if found.rule != rule:
+        skipped.clear()
+        docs = documents(inputs, opts.text_field, skipped)
+        found = scan(docs, found.rule, opts.shard_mb, sample)
+    return found
+
+
+def _load_hf(path: str):  # -> transformers.PreTrainedTokenizerFast | None
+    """The --tokenizer folder's tokenizer (None: train a BPE); a missing one refused by name."""
+    if not path:
+        return None
+    if not has_tokenizer(path):
+        what = "does not exist" if not os.path.exists(path) else "holds no tokenizer"
+        raise DataError(
+            f"--tokenizer {path!r} {what} (no tokenizer.json or tokenizer_config.json). Fix: "
+            "the folder tokenizer.save_pretrained wrote, or no --tokenizer to train a BPE."
+        )
+    return load_tokenizer(path)
+
+
+def _tokenizer(opts: Options, out: Path, hf, plan: Scan, resuming: bool) -> tuple[Encoder, dict]:
     """The encoder of the shards and the tokenizer's record; its JSON goes to tokenizer.json.
     A resumed BPE prepare reloads the BPE it trained (training again would take as long)."""
     from tokenizers import Tokenizer
 
     path = out / "tokenizer.json"
-    if opts.tokenizer:
-        tok = load_tokenizer(opts.tokenizer)
-        text, vocab = whole_documents(tok).to_str(), len(tok)
-        eos, bos, add_special = tok.eos_token_id, tok.bos_token_id, True
+    if hf is not None:
+        text, vocab = whole_documents(hf).to_str(), len(hf)
+        eos, bos, add_special = hf.eos_token_id, hf.bos_token_id, True
         info = {"kind": "hf", "source": opts.tokenizer, "content_key": content_key(opts.tokenizer)}
     else:
         if resuming and path.is_file():
             bpe = Tokenizer.from_file(str(path))
         else:
-            n = sum(map(len, train))
+            n = plan.train_chars
             _say(f"training a {opts.vocab_size}-token BPE on {n / 1e6:.1f} M characters")
-            bpe = _train_bpe(train, opts.vocab_size)
+            bpe = _train_bpe(plan.sample, opts.vocab_size)  # (its first BPE_TRAIN_CHARS)
+        plan.sample.clear()
         text, vocab, add_special = bpe.to_str(), bpe.get_vocab_size(), False
         eos, bos = bpe.token_to_id(EOS), None
         info = {"kind": "bpe", "source": "bpe", "requested_vocab_size": opts.vocab_size}
@@ -152,91 +168,33 @@ def _tokenizer(opts: Options, out: Path, train: list[str], resuming: bool) -> tu
     return Encoder(text, add_special, eos, dtype), info
 
 
-def _plan(splits: dict[str, list[str]], shard_mb: float) -> list[dict]:
-    """Consecutive runs of whole documents of each split, each about `shard_mb` MB of text."""
-    budget = max(1, int(shard_mb * 1e6))
-    plan = []
-    for split, texts in splits.items():
-        start, size, k = 0, 0, 0
-        for i, text in enumerate(texts):
-            size += len(text)
-            if size >= budget or i == len(texts) - 1:
-                name = f"{split}-{k:05d}.bin"
-                plan.append({"name": name, "split": split, "start": start, "stop": i + 1})
-                start, size, k = i + 1, 0, k + 1
-    return plan
-
-
-def _encode_all(todo, splits, encoder, out, partial, opts, on_shard) -> None:
-    """Encode the shards of `todo` on worker processes, recording each as it finishes."""
-    _JOB.update(splits=splits, encoder=encoder, out=out, tokenizer=None)
-    workers = min(opts.workers or os.cpu_count() or 1, max(len(todo), 1))
+def _encode(opts, inputs, plan: Scan, encoder, out: Path, partial: dict, on_shard) -> None:
+    """Stream the documents again into the shards not done, recording each as it finishes."""
     from tqdm import tqdm
 
-    n = len(partial["plan"])
-    bar = tqdm(total=n, initial=n - len(todo), desc="shardwise: shards", unit="shard")
-    tokens, start = 0, time.perf_counter()
-    tasks = [(p["name"], p["split"], p["start"], p["stop"]) for p in todo]
-    pool = _fork_pool(workers) if workers > 1 and todo else None
+    n, done = len(plan.plan), partial["done"]
+    todo = n - len(done)
+    workers = min(opts.workers or os.cpu_count() or 1, max(todo, 1))
+    bar = tqdm(total=n, initial=n - todo, desc="shardwise: shards", unit="shard")
+    tokens, t0 = 0, time.perf_counter()
+
+    def record(name: str, count: int, digest: str) -> None:
+        nonlocal tokens
+        done[name] = {"tokens": count, "sha256": digest}
+        _write_json(out / PARTIAL, partial)  # recorded only once the shard is in place
+        tokens += count
+        bar.set_postfix_str(f"{tokens / (time.perf_counter() - t0) / 1e6:.2f} M tok/s")
+        bar.update()
+        if on_shard is not None:
+            on_shard(name)
+
+    stream = plan.rule.assign(documents(inputs, opts.text_field, []))
+    work = chunks(stream, plan.plan, dict(done), CHUNK_CHARS)
     try:
-        results = pool.imap_unordered(_encode_shard, tasks) if pool else map(_encode_shard, tasks)
-        for name, count, digest in results:
-            partial["done"][name] = {"tokens": count, "sha256": digest}
-            _write_json(out / PARTIAL, partial)  # recorded only once the shard is in place
-            tokens += count
-            bar.set_postfix_str(f"{tokens / (time.perf_counter() - start) / 1e6:.2f} M tok/s")
-            bar.update()
-            if on_shard is not None:
-                on_shard(name)
+        if todo:
+            encode_all(work, encoder, out, workers, record)
     finally:
         bar.close()
-        if pool is not None:
-            pool.terminate()
-        _JOB.clear()
-
-
-def _fork_pool(workers: int):
-    """Worker processes forked with SIGTERM's default action: terminate() ends them with it,
-    and a worker that inherited a Python handler of the caller's (or stuck before running
-    any Python) would ignore it, and terminate() would wait for it forever."""
-    main = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGTERM, signal.SIG_DFL) if main else None
-    try:
-        return mp.get_context("fork").Pool(workers, _quiet)
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, old)
-
-
-def _quiet() -> None:
-    # one encoding thread per worker process: the processes are the parallelism
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # the parent's stop handlers are not the worker's: it ends when the pool ends it
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def _encode_shard(task: tuple[str, str, int, int]) -> tuple[str, int, str]:
-    """Encode one shard to a temporary file, fsync and rename it: (name, tokens, sha256)."""
-    from tokenizers import Tokenizer
-
-    name, split, start, stop = task
-    enc: Encoder = _JOB["encoder"]
-    if _JOB["tokenizer"] is None:
-        _JOB["tokenizer"] = Tokenizer.from_str(enc.json)
-    path = _JOB["out"] / name
-    tmp = path.with_name(f"{name}.tmp{os.getpid()}")
-    digest, total = hashlib.sha256(), 0
-    with open(tmp, "wb") as f:
-        for chunk in _chunks(_JOB["splits"][split][start:stop], ENCODE_CHUNK_CHARS):
-            data = enc.encode(_JOB["tokenizer"], chunk).tobytes()
-            digest.update(data)
-            f.write(data)
-            total += len(data) // np.dtype(enc.dtype).itemsize
-        f.flush()
-        os.fsync(f.fileno())  # on disk before it is recorded done
-    os.replace(tmp, path)
-    return name, total, digest.hexdigest()
 
 
 def _manifest(opts, ident, plan, done, tok_info, dtype, skipped) -> dict:

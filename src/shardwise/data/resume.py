@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 from pathlib import Path
 
+from shardwise.data.inputs import stream_spec
 from shardwise.data.pretrained import content_key
 from shardwise.data.shards import KIND, MANIFEST, PARTIAL, VERSION
+from shardwise.dirlock import LOCK
 from shardwise.errors import DataError
 
 
@@ -23,6 +27,8 @@ def check_out(out: Path) -> dict | None:
     "finished" false), None for a new or empty directory; refuse anything else's files."""
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {str(out)!r} is a file. Fix: --out naming a new directory.")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    entries = [e for e in entries if not _LEFT.match(e)]
     for name, finished in ((MANIFEST, True), (PARTIAL, False)):
         if (out / name).is_file():
             try:
@@ -34,14 +40,69 @@ def check_out(out: Path) -> dict | None:
                 ) from None
             if finished and state.get("kind") != KIND:
                 break  # someone else's manifest.json
+            if not finished:  # a rerun writes there: only beside files of ours
+                _refuse_foreign(out, [e for e in entries if not _OURS.match(e)], "beside")
             return {**state, "finished": finished}
-    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if entries:
-        raise DataError(
-            f"--out {str(out)!r} already holds {len(entries)} entries that shardwise data prepare "
-            f"did not write (e.g. {entries[0]!r}); it never deletes or overwrites them. Fix: "
-            "--out naming a new or empty directory."
-        )
+    _refuse_foreign(out, entries, "")
+    return None
+
+
+# What a prepare writes in --out (the shards, manifests, tokenizer and their temporary
+# names), and what its lock leaves (dirlock.py): nothing else is ever touched.
+_OURS = re.compile(
+    r"^((train|val)-\d{5}\.bin|manifest\.json|manifest\.partial\.json|tokenizer\.json)"
+    r"(\.tmp\d+)?$"
+)
+_LEFT = re.compile(rf"^({re.escape(LOCK)}|\.shardwise-writable-.*)$")
+
+
+def _refuse_foreign(out: Path, foreign: list[str], beside: str) -> None:
+    if not foreign:
+        return
+    shown = ", ".join(repr(e) for e in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+    where = " beside an unfinished prepare's files" if beside else ""
+    raise DataError(
+        f"--out {str(out)!r} already holds {len(foreign)} "
+        f"entr{'y' if len(foreign) == 1 else 'ies'} that shardwise data prepare did not "
+        f"write{where} ({shown}); it never deletes or overwrites them. Fix: --out naming a new "
+        "or empty directory."
+    )
+
+
+def check_inputs(out: Path, inputs: list) -> None:  # inputs: inputs.Input
+    """Refuse an --out that is, holds or lies inside one of the inputs: the prepare would
+    read its own files as documents and write among the user's, and its shards, manifest and
+    tokenizer.json would become documents of that input for every later reader."""
+    fix = "Fix: --out naming a new directory outside the inputs."
+    for one in inputs:
+        paths = [Path(f[0]) for f in one.identity if os.path.isabs(f[0])]
+        held = [p for p in paths if p == out or out in p.parents]
+        if held:
+            raise DataError(
+                f"--out {str(out)!r} holds INPUT {one.raw!r} (e.g. '{held[0]}'): the prepare "
+                f"would read its own output as documents and write among your files. {fix}"
+            )
+        root = _root(one)
+        if root is not None and (out == root or root in out.parents):
+            raise DataError(
+                f"--out {str(out)!r} lies inside INPUT {one.raw!r}: its shards, manifest and "
+                "tokenizer.json would become documents of that input for every later reader "
+                f"(training on it, another prepare). {fix}"
+            )
+
+
+def _root(one) -> Path | None:
+    """The directory an input reads everything below (None: it names its files)."""
+    if one.saved is not None:
+        return one.saved.resolve()
+    pattern = stream_spec(one.raw).get("data_files", "") if one.stream is not None else one.raw
+    if one.source is not None and one.source.is_stdlib:
+        return Path(os.path.commonpath([str(f) for f in one.source.files]))
+    path = Path(os.path.expanduser(pattern))
+    if one.source is not None and path.is_dir():
+        return path.resolve()
+    if "**" in pattern:  # a recursive glob reaches every folder below its fixed part
+        return Path(os.path.realpath(os.path.dirname(re.split(r"[*?\[]", pattern)[0]) or "."))
     return None
 
 
