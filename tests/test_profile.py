@@ -327,7 +327,7 @@ def test_the_device_ledger_charges_each_instant_by_what_the_gpu_ran():
     # the copy (30) and the idle device while the host fetched (70)
     assert led["data_s"] == ms(100)
     # idle while the host was in the all-reduce's call (20) + NCCL alone (100 + 40)
-    assert led["comm_exposed_s"] == {"dp": ms(160), "tp": 0.0, "pp": 0.0}
+    assert led["comm_exposed_s"] == {"dp": ms(160), "tp": 0.0, "pp": 0.0, "cp": 0.0, "ep": 0.0}
     assert led["comm_overlapped_s"]["dp"] == ms(40)  # under the optimizer's kernel: not added
     assert led["optimizer_s"] == ms(40)
     # idle inside forward (100-150) and the optimizer region (800-900): waiting for launches
@@ -385,6 +385,7 @@ def test_findings_on_cuda_are_priced_from_the_devices_split():
         "bubble_s": 0.0, "data_s": 70e-6, "optimizer_s": 0.0, "checkpoint_s": 0.0,
         "eval_s": 0.0, "launch_bound_s": 150e-6, "straggler_wait_s": 0.0, "other_s": 80e-6,
         "comm_exposed_s.dp": 20e-6, "comm_exposed_s.tp": 0.0, "comm_exposed_s.pp": 0.0,
+        "comm_exposed_s.cp": 0.0, "comm_exposed_s.ep": 0.0,
     }  # fmt: skip
     f = (2000 - 680) / 320
     assert view["forward_s"] == pytest.approx(led["forward_s"])

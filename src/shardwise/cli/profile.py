@@ -110,6 +110,7 @@ def summarise(pcfg: Config, world: int) -> dict:
         summary_ranks,
         timeline,
     )
+    from shardwise.profile.ledger import DIMS
     from shardwise.profile.report import (
         STATISTIC,
         device_table,
@@ -123,12 +124,14 @@ def summarise(pcfg: Config, world: int) -> dict:
     split_stragglers(parts)
     ranks = summary_ranks(parts)
     steps = [s for p in parts for s in p["steps"]]
-    comm = {
-        key: {d: sum(s[key][d] for s in steps) / len(steps) for d in ("dp", "tp", "pp")}
+    comm = {  # (metrics carry cp and ep only where their degree is > 1)
+        key: {d: sum(s[key].get(d, 0) for s in steps) / len(steps) for d in DIMS}
         for key in ("comm_calls", "comm_bytes")
     }
     trace = timeline(parts)
     priced = device_view(mean_ledger(ranks), ranks)
+    measured = {s["step"] for s in parts[0]["steps"]}
+    moe = _moe(folder / "metrics.jsonl", measured)
     summary = {
         "world": world,
         "warmup": pcfg.profile.warmup,
@@ -136,10 +139,11 @@ def summarise(pcfg: Config, world: int) -> dict:
         "ranks": ranks,
         "statistic": STATISTIC,  # of the measured steps: the table's, the findings', the MFU's
         # priced from the device's split where there is one (CUDA: profile/kernels.py)
-        "findings": findings(pcfg, world, priced, ranks, comm, detect_hardware()),
+        "findings": findings(pcfg, world, priced, ranks, comm, detect_hardware(), moe),
         "findings_from": priced.get("source", "host"),
         "findings_ledger": priced,  # the mean ledger they were priced from
-        "mfu": _mfu(folder / "metrics.jsonl", {s["step"] for s in parts[0]["steps"]}),
+        "mfu": _mfu(folder / "metrics.jsonl", measured),
+        **({"moe": moe} if moe else {}),  # the expert statistics the findings read (MoE)
         "traces": [p["trace"] for p in parts if p["trace"]],
         "problems": problems,
         "timeline": trace,
@@ -165,6 +169,28 @@ def _mfu(metrics: Path, steps: set[int]) -> float | None:
         return None
     values = [r["mfu"] for r in records if r.get("step") in steps and r.get("mfu")]
     return statistics.fmean(values) if values else None
+
+
+def _moe(metrics: Path, steps: set[int]) -> dict | None:
+    """The measured steps' mean MoE statistics per layer (training/moe.py's moe_* keys):
+    `load_max_mean`, `dropped` (where our balancing runs) and `balance`; None without them."""
+    try:
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    except (OSError, ValueError):
+        return None
+    rows = [r for r in records if r.get("step") in steps and r.get("moe_load_max_mean")]
+    if not rows:
+        return None
+
+    def mean(key: str) -> list[float]:
+        return [round(statistics.fmean(v), 6) for v in zip(*(r[key] for r in rows), strict=True)]
+
+    balance = all("moe_dropped" in r for r in rows)
+    return {
+        "load_max_mean": mean("moe_load_max_mean"),
+        **({"dropped": mean("moe_dropped")} if balance else {}),
+        "balance": balance,
+    }
 
 
 def step_s(summary: dict) -> float:

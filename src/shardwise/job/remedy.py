@@ -4,9 +4,11 @@ costs (the measured part of the step scaled by the model's ratio between the two
 the rest of the step unchanged).
 
 Causes (`cause`, the documented vocabulary): `data_wait`, `exposed_dp_communication`,
-`exposed_tp_communication`, `exposed_pp_communication`, `pipeline_bubble`, `straggler`,
-`recompute`, `cpu_contention`. A cause under `SHARE` of the step is not reported
-(`cpu_contention`: under `CONTENTION_SHARE`).
+`exposed_tp_communication`, `exposed_pp_communication`, `exposed_cp_communication`,
+`exposed_ep_communication`, `expert_load_imbalance`, `pipeline_bubble`, `straggler`,
+`recompute`, `cpu_contention` (cp, ep and the imbalance: job/remedy_sharded.py). A cause
+under `SHARE` of the step is not reported (`cpu_contention`: under `CONTENTION_SHARE`;
+`expert_load_imbalance`: by its max/mean load, `remedy_sharded.IMBALANCE`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import dataclasses
 import math
 
 from shardwise.config import Config, with_overrides
+from shardwise.job import remedy_sharded as sharded
+from shardwise.job.finding import finding as _finding
+from shardwise.job.finding import pct as _pct
 from shardwise.job.predict import job_from_config, layout_from_config, predict_config
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import Hardware
@@ -32,26 +37,18 @@ OWN_LOAD = 0.5
 PREFETCH = 2  # micro-batches loaded ahead: one computing, one more queued
 
 
-def _finding(cause: str, evidence: str, remedy: list[str], step_s: float, new_s: float) -> dict:
-    new_s = min(step_s, max(new_s, 0.0))
-    return {
-        "cause": cause,
-        "evidence": evidence,
-        "remedy": remedy,
-        "predicted_step_s": round(new_s, 6),
-        "predicted_gain": round(1.0 - new_s / step_s, 4) if step_s else 0.0,
-    }
-
-
-def _pct(x: float, step_s: float) -> str:
-    return f"{x * 1000:.1f} ms/step ({100 * x / step_s:.0f}% of {step_s * 1000:.0f} ms)"
-
-
 def findings(
-    cfg: Config, world: int, mean: dict, ranks: list[dict], comm: dict, hw: Hardware
+    cfg: Config,
+    world: int,
+    mean: dict,
+    ranks: list[dict],
+    comm: dict,
+    hw: Hardware,
+    moe: dict | None = None,
 ) -> list[dict]:
     """Ranked findings (by predicted gain) from the mean ledger over ranks and steps, the
-    per-rank ledgers and the mean measured `comm_calls`/`comm_bytes` per step."""
+    per-rank ledgers, the mean measured `comm_calls`/`comm_bytes` per step and, for an MoE
+    model, the measured steps' mean expert statistics (`load_max_mean`, `dropped` per layer)."""
     step = mean["step_s"]
     out = []
     late = _straggler(ranks, step)
@@ -83,6 +80,14 @@ def findings(
                     step,
                 )
             )
+    exposed = mean["comm_exposed_s"]
+    if exposed.get("ep", 0.0) >= SHARE * step:
+        out.append(sharded.exposed_ep(cfg, world, exposed["ep"], comm, hw, step))
+    if exposed.get("cp", 0.0) >= SHARE * step:
+        out.append(sharded.exposed_cp(cfg, world, exposed["cp"], comm, hw, step))
+    imbalance = sharded.load_imbalance(cfg, moe, step) if moe else None
+    if imbalance is not None:
+        out.append(imbalance)
     if mean["bubble_s"] >= SHARE * step:
         out.append(_bubble(cfg, world, mean, step))
     if mean["recompute_s"] >= SHARE * step:
@@ -97,7 +102,7 @@ def findings(
 
 
 # waits on other ranks or their transport threads, which CPU contention lengthens
-_WAITS = {"straggler", *(f"exposed_{d}_communication" for d in ("dp", "tp", "pp"))}
+_WAITS = {"straggler", *(f"exposed_{d}_communication" for d in ("dp", "tp", "pp", "cp", "ep"))}
 
 
 def _data_wait(cfg: Config, mean: dict, step: float) -> dict:

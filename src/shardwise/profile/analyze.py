@@ -4,10 +4,11 @@ clock-aligned timeline.
 A straggler: every member of a group must enter a collective before any can leave it, so the
 member that arrived last waits least; what another member waited beyond that least wait was
 spent waiting for the late one, not communicating. Matching the same collective across ranks
-(mesh dimension, its index on that dimension, call or async wait) gives, per rank and step,
-`straggler_wait_s` taken out of that dimension's exposed communication (or, for control
-collectives over all ranks, out of `other_s`), `waited_for`: the seconds per late rank, and
-`straggler_by_dim`: the seconds per dimension (`world` for the control collectives).
+(mesh dimension, its index on that dimension, call or async wait; cp and ep over their runs
+of a dp line) gives, per rank and step, `straggler_wait_s` taken out of that dimension's
+exposed communication (or, for control collectives over all ranks, out of `other_s`),
+`waited_for`: the seconds per late rank, and `straggler_by_dim`: the seconds per dimension
+(`world` for the control collectives).
 Point-to-point pipeline waits are left out: a stage waiting for its neighbour is the bubble.
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from shardwise.errors import ShardwiseError
 
-DIMS = ("dp", "tp", "pp")
+DIMS = ("dp", "tp", "pp")  # the mesh's lines (cp and ep are runs inside a dp line)
 
 
 def load_parts(folder: Path, world: int) -> tuple[list[dict], list[str]]:
@@ -45,6 +46,14 @@ def _groups(parts: list[dict], dim: str) -> list[list[int]]:
     """Indices into `parts` of the ranks that share a collective over `dim` ('world': all)."""
     if dim == "world":
         return [list(range(len(parts)))]
+    if dim in ("cp", "ep"):  # a run of consecutive dp coordinates: same pp, tp, run start
+        if any(dim not in p["coords"] for p in parts):
+            return []  # (a capture from before cp/ep coordinates were written)
+        runs: dict[tuple, list[int]] = defaultdict(list)
+        for i, part in enumerate(parts):
+            c = part["coords"]
+            runs[(c["pp"], c["tp"], c["dp"] - c[dim])].append(i)
+        return list(runs.values())
     others = [d for d in DIMS if d != dim]
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, part in enumerate(parts):
@@ -61,7 +70,7 @@ def split_stragglers(parts: list[dict]) -> None:
         for s in steps:
             s["ledger"]["waited_for"] = {}
             s["ledger"]["straggler_by_dim"] = {}
-        for dim in ("dp", "tp", "world"):
+        for dim in ("dp", "tp", "cp", "ep", "world"):
             for group in _groups(parts, dim):
                 if len(group) > 1:
                     _split_group(parts, steps, waits, group, dim)

@@ -155,7 +155,7 @@ class Capture:
             "rank": rank,
             "world": topo.world,
             "host": socket.gethostname(),  # (ranks on one host share its cores: cpu.py)
-            "coords": {d: topo.coord(d) for d in ("dp", "tp", "pp")},
+            "coords": {d: topo.coord(d) for d in ("dp", "tp", "pp", "cp", "ep")},
             "sync_wall": time.time() - (time.perf_counter() - self.sync),
             "steps": self.steps,
             "traced_ledger": self.traced_ledger,

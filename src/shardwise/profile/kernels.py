@@ -9,9 +9,10 @@ backward and communication follows the launches. Here every instant of the trace
   matched by correlation id, lies inside the innermost `sw:<region>` range open then; the
   backward's kernels are launched from autograd's thread while the loop waits in `backward`);
 - only communication kernels (NCCL) ran: exposed communication over the dimension of the
-  `comm:<dim>` region that launched them; a pipeline send/receive (or a collective launched
-  inside a pipeline wait) is the stage waiting for its neighbours, `bubble` as in the host
-  ledger (`comm_overlapped_s` counts NCCL time under compute: shown, not added);
+  `comm:<dim>` region that launched them (dp, tp, pp, cp, ep; the expert gradients' edp is
+  dp's); a pipeline send/receive (or a collective launched inside a pipeline wait) is the
+  stage waiting for its neighbours, `bubble` as in the host ledger (`comm_overlapped_s`
+  counts NCCL time under compute: shown, not added);
 - nothing ran: what the host was doing then (waiting for data, a pipeline neighbour, a
   collective) or, inside compute and optimizer regions, `launch_bound_s`: the device waited
   for the host's next launch.
@@ -134,7 +135,8 @@ def _sweep(lo: float, hi: float, kernels: list, regions: list) -> dict:
         elif comm:
             key = _comm_key(min(comm))
         else:
-            key = "launch_bound" if host in _BUSY_HOST else host
+            dim = _dim(host)  # (a host wait in a collective: its ledger dimension)
+            key = "launch_bound" if host in _BUSY_HOST else f"comm:{dim}" if dim else host
             idle[key] = idle.get(key, 0.0) + (b - a)
         charged[key] = charged.get(key, 0.0) + (b - a)
     ledger = _ledger((hi - lo) / 1e6, _seconds(charged), overlapped)
@@ -172,7 +174,9 @@ def _seconds(us: dict[str, float]) -> dict[str, float]:
 
 
 def _dim(region: str) -> str | None:
+    """The ledger dimension of a `comm:<dim>` region (the expert gradients' `edp` is dp's)."""
     dim = region.removeprefix("comm:")
+    dim = "dp" if dim == "edp" else dim
     return dim if region.startswith("comm:") and dim in DIMS else None
 
 

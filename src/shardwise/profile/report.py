@@ -17,6 +17,8 @@ COLUMNS = (
     ("dp comm", lambda s: s["comm_exposed_s"]["dp"]),
     ("tp comm", lambda s: s["comm_exposed_s"]["tp"]),
     ("pp comm", lambda s: s["comm_exposed_s"]["pp"]),
+    ("cp comm", lambda s: s["comm_exposed_s"].get("cp", 0.0)),
+    ("ep comm", lambda s: s["comm_exposed_s"].get("ep", 0.0)),
     ("bubble", lambda s: s["bubble_s"]),
     ("data", lambda s: s["data_s"]),
     ("optimizer", lambda s: s["optimizer_s"]),
@@ -30,6 +32,8 @@ COLOURS = {
     "dp comm": "#dd8452",
     "tp comm": "#c44e52",
     "pp comm": "#8172b3",
+    "cp comm": "#e377c2",
+    "ep comm": "#17becf",
     "bubble": "#bbbbbb",
     "data": "#55a868",
     "optimizer": "#937860",
@@ -46,7 +50,12 @@ _EVENT_COLUMN = {
     "comm:dp": "dp comm",
     "comm:tp": "tp comm",
     "comm:pp": "pp comm",
+    "comm:cp": "cp comm",
+    "comm:ep": "ep comm",
+    "comm:edp": "dp comm",  # the expert gradients' reduction: data-parallel (ledger.py)
 }
+# columns shown only where a rank spent time in them (runs without cp or ep)
+_OPTIONAL = {"cp comm", "ep comm"}
 
 
 def per_rank(summary: dict) -> list[tuple[int, dict]]:
@@ -80,6 +89,7 @@ def device_table(summary: dict) -> str | None:
 
 
 def _table(columns, rows: list[tuple[int, dict]]) -> str:
+    columns = _used(columns, rows)
     head = ["rank", "step", *(name for name, _ in columns)]
     out = [head]
     for rank, m in rows:
@@ -88,6 +98,11 @@ def _table(columns, rows: list[tuple[int, dict]]) -> str:
         )
     widths = [max(len(r[i]) for r in out) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in out)
+
+
+def _used(columns, rows: list[tuple[int, dict]]) -> list:
+    """`columns` less the optional ones no rank spent time in."""
+    return [(n, f) for n, f in columns if n not in _OPTIONAL or any(f(m) for _, m in rows)]
 
 
 def findings_text(findings: list[dict], top: int | None = None) -> str:
