@@ -1,11 +1,12 @@
 """checkpoint.format=dcp: step directories written by torch.distributed.checkpoint, resumed in
 any layout.
 
-One spawned 4-rank world runs seven cases in turn: dp4 ZeRO-3 saving DCP checkpoints at steps
+One spawned 4-rank world runs eight cases in turn: dp4 ZeRO-3 saving DCP checkpoints at steps
 4 and 8 (the reference), the same with the shardwise format (the same tensors, bit for bit),
 the same saving asynchronously, the same resumed from its step 4, tp2 x pp2 resuming that
-checkpoint, and a bf16 PowerSGD run and its resume. The
-one-process resume, the damaged-checkpoint refusals and the exports run in this process."""
+checkpoint, a bf16 PowerSGD run and its resume, and dp2 x cp2 saving DCP checkpoints. The
+one-process resumes (of ZeRO-3's and of cp2's step 4), the damaged-checkpoint refusals and the
+exports run in this process."""
 
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
             DCP,
             f"--checkpoint.resume={root / 'z3' / HALF}",
         ),
+        # dp2 x cp2: the cp ranks hold the same dense parameters (resumed below at cp 1)
+        "cp2": _ckpt(root, "cp2", "--parallel.cp=2", DCP),
     }
     out: dict = {"root": root}
     for name, per_rank in zip(cases, run_world(4, list(cases.values())), strict=True):
@@ -72,6 +75,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         *RUN, f"--checkpoint.dir={root / 'dp1'}", f"--checkpoint.resume={root / 'z3' / HALF}"
     )
     out["dp1"] = run_here(resumed, str(tmp_path_factory.mktemp("dp1")))
+    cp1 = case(
+        *RUN, f"--checkpoint.dir={root / 'cp1'}", f"--checkpoint.resume={root / 'cp2' / HALF}"
+    )
+    out["cp1"] = run_here(cp1, str(tmp_path_factory.mktemp("cp1")))
     return out
 
 
@@ -106,6 +113,16 @@ def test_a_zero3_dcp_checkpoint_resumes_at_tp2_pp2(runs: dict) -> None:
 def test_a_zero3_dcp_checkpoint_resumes_on_one_process(runs: dict) -> None:
     _resumed_like(runs["dp1"], runs["z3"])
     assert io.read_index(runs["root"] / "dp1" / END).get("storage") is None  # shardwise
+
+
+@pytest.mark.slow
+def test_a_cp2_dcp_checkpoint_resumes_on_one_process(runs: dict) -> None:
+    """Saved by dp2 x cp2 (each sequence split over two ranks), resumed at cp 1: the same
+    next loss as the uninterrupted cp2 run, whose losses are the dp4 ZeRO-3 run's (layout
+    invariance: the same global batches)."""
+    assert io.read_index(runs["root"] / "cp2" / HALF).get("storage") == "dcp"
+    _resumed_like(runs["cp1"], runs["cp2"])
+    assert max_rel(runs["cp2"]["losses"], runs["z3"]["losses"]) <= 1e-5
 
 
 @pytest.mark.slow

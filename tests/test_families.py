@@ -4,6 +4,7 @@ registry line instead of edits across the layers."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -87,12 +88,15 @@ def test_building_on_meta_is_one_function(name: str) -> None:
 
 def test_block_shapes_describe_our_two_decoders() -> None:
     """The planner prices a block from its family's description: the Llama-style decoder is
-    gated with RoPE and RMSNorm, GPT-2 has LayerNorm, biases and a position table, and a
-    family the formula does not model (a transformers preset) describes no such part."""
+    gated with RoPE and RMSNorm, GPT-2 has LayerNorm, biases and a position table,
+    transformers' Llama preset is our decoder's block with its norms registered last, and a
+    family the formula does not model (transformers' GPT-2 preset) describes no such part."""
     llama, gpt2 = family_of(preset("tiny")).block, family_of(preset("gpt2-tiny")).block
     assert llama.gated_mlp and llama.rotary and llama.rms_norm and not llama.biases
     assert gpt2.layer_norm and gpt2.biases and gpt2.learned_positions and not gpt2.gated_mlp
-    other = family_of(ModelSpec("hf-llama", n_layers=1, dim=8, n_heads=2, vocab_size=300)).block
+    theirs = family_of(preset("hf-llama-tiny")).block
+    assert theirs == dataclasses.replace(llama, norms_last=True) and not llama.norms_last
+    other = family_of(ModelSpec("hf-gpt2", n_layers=1, dim=8, n_heads=2, vocab_size=300)).block
     assert not any(vars(other).values())
 
 

@@ -309,6 +309,26 @@ def test_what_is_not_built_is_refused(extra, size, message):
         derive(load_config(None, _moe(*LORA, *extra)["overrides"]), size)
 
 
+def test_a_quantised_base_with_only_expert_adapters_names_the_real_problem():
+    """base_quant quantises adapted linear layers; adapters on the experts alone leave none
+    (the experts stay in compute dtype): refused before launch, naming that and both fixes;
+    the experts with attention linears beside them pass."""
+    pytest.importorskip("bitsandbytes")
+    from shardwise.finetune import build_adapted
+
+    quant = ["--finetune.base_quant=nf4"]
+    only = _moe(*PAIR, "--finetune.lora_targets=experts", *quant)["overrides"]
+    with pytest.raises(ConfigError) as err:
+        derive(load_config(None, only), 1)
+    text = str(err.value)
+    assert "finetune.lora_targets='experts' adapts stacked expert weights only" in text, text
+    assert "stay in the compute dtype" in text and "lora_rank=16" not in text, text
+    assert "--finetune.lora_targets=experts,wq,wv" in text, text
+    assert "--finetune.base_quant=none" in text, text
+    both = load_config(None, _moe(*LORA, *quant)["overrides"])
+    assert build_adapted(derive(both, 1).spec, both.finetune)[1]  # wq and wv quantised
+
+
 def _adapted(overrides: list[str]) -> set[str]:
     from shardwise.finetune import build_adapted
     from shardwise.models.expert_lora import adapted_weights

@@ -104,6 +104,22 @@ def test_analytic_units_are_the_engine_units(name, tied):
     assert [[e[:2] for e in u.entries] for u in real] == [entries for _, entries in flat]
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_analytic_units_hold_transformers_llama_presets_parameters(tied):
+    """transformers' LlamaForCausalLM from a preset: every parameter's size in module order
+    (gate, up and down projections; both norms after the linears). The engine makes its
+    LlamaModel one ZeRO unit (tests/test_zero.py), so the order is compared across units."""
+    pytest.importorskip("transformers")
+    spec = preset("hf-llama-tiny", n_layers=2, tie_embeddings=tied)
+    with torch.device("meta"):
+        real = model_units(build_model(spec))
+    analytic = [e[:2] for u in units(spec) for _ in range(u.count) for e in u.entries]
+    assert [e[:2] for u in real for e in u.entries] == analytic
+    # MFU's matmul parameters: all but the untied embedding table (a tied head counts)
+    lookup = 0 if tied else spec.vocab_size * spec.dim
+    assert non_embedding_params(spec) == sum(u.numel for u in real) - lookup
+
+
 def _two(spec):
     import dataclasses
 

@@ -241,3 +241,50 @@ def test_plan_cli_searches_ep_and_states_what_explain_states(capsys):
     for key in ("params", "grads", "optimizer"):
         assert cand["mem_bytes"][key] == rec["mem_bytes"][key], key
     assert cand["step_time_s"] == pytest.approx(rec["step_time_s"], rel=1e-9)
+
+
+def _lora_moe_flops(spec: ModelSpec, adapted: list[str], rank: int, tokens: int) -> int:
+    """FLOPs (torch's count) of one MoE layer's forward and backward, base frozen, the input
+    needing its gradient as after attention; `adapted` stacked weights with rank-r pairs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from shardwise.models import moe as moe_model
+    from shardwise.models.expert_lora import add_expert_adapters
+
+    torch.manual_seed(0)
+    layer = moe_model.MoE(spec)
+    if adapted:
+        add_expert_adapters(layer, adapted, rank, 2.0 * rank, in_out=True)
+    for name, p in layer.named_parameters():
+        torch.nn.init.normal_(p, std=0.02)
+        p.requires_grad_("lora_" in name)  # the base frozen, as finetune/lora.py freezes it
+    x = torch.randn(1, tokens, spec.dim, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        layer(x).sum().backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("targets", ["experts,wq", "w2", "wq"])
+def test_expert_adapters_flops_are_the_real_layers(monkeypatch, targets):
+    """plan/moe.lora_gemms (forward; backward twice that) against torch's FLOP count of our
+    MoE layer with and without expert adapters. The per-expert loop stands in for
+    torch._grouped_mm, which the counter does not count: each group times its expert's matrix,
+    the same products. Dropless top-2 of 4 experts: rows total tokens·k, however routed."""
+    from shardwise.job.describe import finetune_of
+    from shardwise.models import moe as moe_model
+
+    monkeypatch.setattr(moe_model, "grouped_mm_runs", lambda *a, **k: False)
+    spec, rank, tokens = ModelSpec("moe", 1, 128, 4, 2, 176, 512, 512, n_experts=4), 8, 32
+    over = [f"--finetune.lora_rank={rank}", f"--finetune.lora_targets={targets}"]
+    ft = finetune_of(load_config(None, over), spec)
+    adapted = {"experts,wq": ["w1", "w3", "w2"], "w2": ["w2"], "wq": []}[targets]
+    assert list(ft.lora_experts) == adapted
+    extra = _lora_moe_flops(spec, adapted, rank, tokens) - _lora_moe_flops(spec, [], rank, tokens)
+    gemms = moe.lora_gemms(spec, ft, 1, tokens, 1, 4)  # fp32: rank 8 needs no padding
+    assert extra == 3 * sum(2 * m * n * k for m, n, k in gemms)
+    assert (extra > 0) == bool(adapted)
+    job = dataclasses.replace(_job(spec), finetune=ft)
+    plain = dataclasses.replace(job, finetune=dataclasses.replace(ft, lora_experts=()))
+    layout = Layout(dp=8, micro_batch=1)
+    more = gpu.layer_seconds(H100, job, layout) - gpu.layer_seconds(H100, plain, layout)
+    assert (more > 0) == bool(adapted)  # step time prices them

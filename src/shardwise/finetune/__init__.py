@@ -20,4 +20,4 @@ def build_adapted(spec: ModelSpec, ft: FinetuneConfig) -> tuple[nn.Module, list[
 
     model = build_on_meta(spec)
     apply_lora(model, ft)
-    return model, quantise_base(model, ft.base_quant)
+    return model, quantise_base(model, ft.base_quant, ft.lora_targets)

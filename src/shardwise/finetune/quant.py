@@ -285,9 +285,9 @@ class _DequantLinear(torch.autograd.Function):
         return grad @ ctx.layer.local_weight(grad.dtype), None
 
 
-def quantise_base(model: nn.Module, base_quant: str) -> list[str]:
+def quantise_base(model: nn.Module, base_quant: str, targets: str = "") -> list[str]:
     """Replace the base layer of every LoRA layer by a QuantLinear (on meta: shapes only);
-    returns their paths (`...wq.base_layer`)."""
+    returns their paths (`...wq.base_layer`). `targets`: finetune.lora_targets, for messages."""
     if base_quant == "none":
         return []
     if base_quant not in KINDS:
@@ -303,11 +303,26 @@ def quantise_base(model: nn.Module, base_quant: str) -> list[str]:
             module.base_layer = QuantLinear(base, base_quant)
             done.append(f"{path}.base_layer")
     if not done:
-        raise ConfigError(
-            f"finetune.base_quant={base_quant} quantises the base linears under LoRA adapters, "
-            "and this model has none. Fix: --finetune.lora_rank=16 (QLoRA), or base_quant=none."
-        )
+        raise ConfigError(_nothing_to_quantise(model, base_quant, targets))
     return done
+
+
+def _nothing_to_quantise(model: nn.Module, base_quant: str, targets: str) -> str:
+    """Why base_quant found no adapted linear layer, and the fix that fits the model."""
+    from shardwise.models.expert_lora import adapted_weights
+
+    if adapted_weights(model):  # adapters on stacked experts only (models/expert_lora.py)
+        return (
+            f"finetune.base_quant={base_quant} quantises the frozen base of adapted linear "
+            f"layers, and finetune.lora_targets='{targets}' adapts stacked expert weights "
+            "only: the experts stay in the compute dtype, so there is nothing to quantise. "
+            "Fix: add attention or MLP linears to finetune.lora_targets (e.g. "
+            f"--finetune.lora_targets={targets},wq,wv), or --finetune.base_quant=none."
+        )
+    return (
+        f"finetune.base_quant={base_quant} quantises the base linears under LoRA adapters, "
+        "and this model has none. Fix: --finetune.lora_rank=16 (QLoRA), or base_quant=none."
+    )
 
 
 def quant_layers(model: nn.Module) -> list[tuple[str, QuantLinear]]:

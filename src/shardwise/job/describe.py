@@ -11,6 +11,7 @@ from shardwise.optim import EIGHT_BIT
 from shardwise.optim.nvme import chunk_elements
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import FineTune, Job, Layout
+from shardwise.plan.moe import adapted_experts
 from shardwise.plan.shapes import linear_shapes
 
 
@@ -58,7 +59,9 @@ def finetune_of(cfg: Config, spec) -> FineTune:
                     f"planned model. Fix: some of {', '.join(tags)}, or all-linear."
                 )
         tags = tuple(t for t in tags if any(p.rpartition(".")[2] == t for p in pats))
-    return FineTune(ft.lora_rank, tags, ft.base_quant, eight, ft.lora_dropout)
+    # the stacked expert weights `experts` or their names adapt (finetune/lora.expert_targets)
+    experts = adapted_experts([p.rpartition(".")[2] for p in pats]) if spec.n_experts else ()
+    return FineTune(ft.lora_rank, tags, ft.base_quant, eight, ft.lora_dropout, experts)
 
 
 def layout_from_config(cfg: Config, derived) -> Layout:

@@ -244,6 +244,11 @@ def _layer_seconds(hw: Hardware, job, layout, spec) -> float:
     per_layer = fwd + bwd + redo
     if job.finetune.lora:  # frozen weights: no weight gradient (a third of the GEMM time)
         per_layer -= _weight_grad(hw, spec, t, b * s, job.bc, linear, layout.ep)
+        # the expert adapters train: forward, input and weight gradients (+ full recompute's
+        # forward again); a backward GEMM permutes its forward's (m, n, k): the same seconds
+        gemms = moe.lora_gemms(spec, job.finetune, t, b * s, layout.ep, job.bc)
+        passes = 4 if layout.recompute == "full" else 3
+        per_layer += passes * sum(_gemm(hw, job.bc, *g, linear) for g in gemms)
     return per_layer
 
 

@@ -24,6 +24,8 @@ class FineTune:
     base_quant: str = "none"  # finetune.base_quant: none | nf4 | int8
     optim_8bit: bool = False
     lora_dropout: float = 0.0  # its masks and dropped inputs are saved for backward
+    # the MoE layers' stacked weights with adapters of their own (plan/moe.lora_gemms)
+    lora_experts: tuple[str, ...] = ()
 
     @property
     def lora(self) -> bool:

@@ -37,13 +37,16 @@ from shardwise.plan.shapes import (  # the MoE blocks' shapes live with the othe
 )
 
 __all__ = [  # (the first five from shapes: callers ask this module)
+    "EXPERT_WEIGHTS",
     "act_width",
     "active_params",
+    "adapted_experts",
     "block_units",
     "dense_spec",
     "ep_seconds",
     "inactive_params",
     "is_moe",
+    "lora_gemms",
     "mlp_gemms",
     "moe_block_entries",
     "moe_blocks",
@@ -105,18 +108,56 @@ def mlp_gemms(spec: ModelSpec, t: int, tokens: float, ep: int) -> list[tuple]:
     computes its slots (ep = 1: padded to capacity; ep > 1: only kept rows travel). Under tp
     (with sp) the layer is whole on every tp rank and routes that rank's 1/t of the tokens."""
     h, f, e = spec.dim, spec.ffn_dim, spec.n_experts
+    local, rows = _routed_rows(spec, t, tokens, ep)
     tokens = tokens / t
-    local = e // ep
-    fill = spec.capacity_factor if spec.capacity_factor else 1.0
-    if ep > 1:
-        fill = min(fill, 1.0)
-    rows = tokens * spec.top_k * fill / local
     out = [(tokens, e, h)]  # the router (replicated over tp)
     for _ in range(local):
         out += [(rows, f, h), (rows, f, h), (rows, h, f)]
     if spec.n_shared_experts:
         wide = f * spec.n_shared_experts
         out += [(tokens, wide, h), (tokens, wide, h), (tokens, h, wide)]
+    return out
+
+
+def _routed_rows(spec: ModelSpec, t: int, tokens: float, ep: int) -> tuple[int, float]:
+    """(experts on this rank, rows each receives) under balanced routing (`mlp_gemms`)."""
+    local = spec.n_experts // ep
+    fill = spec.capacity_factor if spec.capacity_factor else 1.0
+    if ep > 1:
+        fill = min(fill, 1.0)
+    return local, tokens / t * spec.top_k * fill / local
+
+
+EXPERT_WEIGHTS = ("w1", "w3", "w2")  # models/moe.MoE's stacked weights, in forward order
+
+
+def adapted_experts(names: list[str]) -> tuple[str, ...]:
+    """The stacked expert weights LoRA target `names` (patterns' last parts) adapt
+    (finetune/lora.expert_targets): `experts` all of them, else those named."""
+    if "experts" in names:
+        return EXPERT_WEIGHTS
+    return tuple(w for w in EXPERT_WEIGHTS if w in names)
+
+
+def lora_gemms(spec: ModelSpec, ft, t: int, tokens: float, ep: int, c: int) -> list[tuple]:
+    """(m, n, k) of an MoE block's expert adapters in forward on one rank
+    (models/expert_lora.adapter_delta): per local expert and adapted weight [in, out], its rows
+    times Aᵀ [in, r], then times Bᵀ [r, out]: 2·rows·r·(in + out) FLOPs. The rank is padded
+    to 16 bytes as adapter_delta pads it for torch._grouped_mm. Backward runs each twice (input
+    and weight gradients: the adapters train even where the base is frozen)."""
+    leaves = ft.lora_experts if ft.lora and is_moe(spec) else ()
+    if not leaves:
+        return []
+    step = max(1, 16 // c)
+    r = -(-ft.lora_rank // step) * step
+    h, f = spec.dim, spec.ffn_dim
+    shapes = {"w1": (h, f), "w3": (h, f), "w2": (f, h)}
+    local, rows = _routed_rows(spec, t, tokens, ep)
+    out = []
+    for _ in range(local):
+        for leaf in leaves:
+            d_in, d_out = shapes[leaf]
+            out += [(rows, r, d_in), (rows, d_out, r)]
     return out
 
 

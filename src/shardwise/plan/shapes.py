@@ -66,18 +66,20 @@ def _kv_width(spec: ModelSpec, tp: int) -> int:
 
 def block_entries(spec: ModelSpec, tp: int = 1) -> list[Entry]:
     """One block's parameters in module order (attn_norm, wq, wk, wv, wo, mlp_norm, w1[, w3],
-    w2). Biases of row-parallel layers (wo, w2) are replicated, column-parallel ones split."""
-    h, hd, bias = spec.dim, spec.head_dim, family_of(spec).block.biases
+    w2; both norms last where the family registers them so). Biases of row-parallel layers
+    (wo, w2) are replicated, column-parallel ones split."""
+    block = family_of(spec).block
+    h, hd, bias = spec.dim, spec.head_dim, block.biases
     q, kv, f = spec.n_heads * hd // tp, _kv_width(spec, tp), spec.ffn_dim // tp
-    out = _norm(spec)
-    out += _linear(h, q, bias, "wq") + _linear(h, kv, bias, "wk") + _linear(h, kv, bias, "wv")
-    out += [(q * h, True, "wo")] + ([(h, True)] if bias else [])
-    out += _norm(spec)
-    out += _linear(h, f, bias, "w1")
-    if family_of(spec).block.gated_mlp:
-        out += _linear(h, f, False, "w3")
-    out += [(f * h, True, "w2")] + ([(h, True)] if bias else [])
-    return out
+    attn = _linear(h, q, bias, "wq") + _linear(h, kv, bias, "wk") + _linear(h, kv, bias, "wv")
+    attn += [(q * h, True, "wo")] + ([(h, True)] if bias else [])
+    mlp = _linear(h, f, bias, "w1")
+    if block.gated_mlp:
+        mlp += _linear(h, f, False, "w3")
+    mlp += [(f * h, True, "w2")] + ([(h, True)] if bias else [])
+    if block.norms_last:
+        return attn + mlp + _norm(spec) + _norm(spec)
+    return _norm(spec) + attn + _norm(spec) + mlp
 
 
 def linear_shapes(spec: ModelSpec, tp: int = 1) -> dict[str, tuple[int, int]]:

@@ -14,7 +14,9 @@ from shardwise.models.presets import ModelSpec
 @dataclass(frozen=True)
 class BlockShape:
     """How the planner's formulas see one block: the parts in which our decoders differ
-    (models/decoder.py). A family whose blocks the formulas do not model keeps all False."""
+    (models/decoder.py). A family whose blocks the formulas do not model keeps all False;
+    transformers' Llama preset is our decoder's block (its units and GEMMs), its
+    activations measured."""
 
     gated_mlp: bool = False  # SwiGLU: gate, up and down projections (Shazeer 2020); else GELU
     rotary: bool = False  # RoPE on q and k (Su et al. 2021)
@@ -22,6 +24,9 @@ class BlockShape:
     layer_norm: bool = False  # LayerNorm with weight and bias
     biases: bool = False  # every linear has a bias
     learned_positions: bool = False  # a learned position table beside the token embedding
+    # the two norms registered after the linears (transformers' LlamaDecoderLayer), which
+    # puts them last in the block's ZeRO unit; ours register each norm before its sub-layer
+    norms_last: bool = False
 
 
 Recompute = Literal["plans", "checkpoint_blocks", "containers"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardwise.models.families.base import Family
+from shardwise.models.families.base import BlockShape, Family
 from shardwise.models.families.hf_causal import hf_block_linear
 from shardwise.models.presets import ModelSpec
 
@@ -32,6 +32,8 @@ HF_LLAMA = Family(
     context_parallel=True,  # its attention through transformers' registry (context_hf.py)
     cp_composes=True,  # cp x tp (tests/test_context_parallel_hf.py)
     fp8_linear=hf_block_linear,  # precision.fp8 (tests/test_fp8_hf.py)
+    # gate_proj, up_proj, down_proj with RoPE and RMSNorm, as our decoder (models/hf/build.py)
+    block=BlockShape(gated_mlp=True, rotary=True, rms_norm=True, norms_last=True),
     **_EXPORT,
 )
 HF_GPT2 = Family(
