@@ -8,7 +8,9 @@ params, grads and optimizer bytes, and explain's prediction of each with its exp
 (b) the exchange per step: the ep bytes comm.py counted (mean over steps, slowest rank) next
 to the planner's balanced-routing formula (plan/traffic.ep_traffic), the calls, and the
 seconds ranks spent blocked in ep collectives (`comm_wait_s.ep`, median over steady steps,
-slowest rank) beside the median step. On a CPU machine with fewer cores than ranks the ranks
+slowest rank) beside explain's exposed all-to-all time for this machine (plan/moe.ep_seconds:
+the formula's bytes over the CPU entry's link, uncalibrated, plus a latency per call) and the
+median step. On a CPU machine with fewer cores than ranks the ranks
 share cores: the times show the exchange's cost here, not a speed-up.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/expert_parallel.py [--steps 12]
@@ -99,6 +101,7 @@ def main() -> int:
                 f"{got['ep_bytes'] / formula:.3f}" if formula else "-",
                 f"{got['ep_calls']} / {pred['comm_calls'].get('ep', 0)}",
                 f"{got['ep_wait'] * 1000:.1f}",
+                f"{pred.get('time', {}).get('ep_exposed_s', 0.0) * 1000:.1f}",
                 f"{got['step'] * 1000:.1f}",
             ]
         )
@@ -114,6 +117,7 @@ def main() -> int:
         "measured / formula",
         "calls measured / planned",
         "blocked in ep ms",
+        "planned exposed ep ms",
         "step ms",
     ]
     print(table(header, comm_rows))
