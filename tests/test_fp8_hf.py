@@ -37,6 +37,7 @@ from shardwise.plan.hardware import get_hardware  # noqa: E402
 from shardwise.plan.layout import Job, Layout  # noqa: E402
 from shardwise.training.validate import derive  # noqa: E402
 from support.compare import SMALL, VOCAB, case, max_rel  # noqa: E402
+from test_context_parallel_hf import SHAPE  # noqa: E402 (the checkpoints' shape: SMALL's, the BPE's vocabulary)
 
 pytestmark = pytest.mark.slow
 
@@ -46,16 +47,6 @@ FP8 = [*BF16, "--precision.fp8=tensorwise"]
 SHORT = ["--train.steps=10", "--optim.warmup_steps=2"]
 LORA = ["--finetune.lora_rank=16", "--finetune.lora_alpha=32"]
 ZERO3 = ["--parallel.zero=3"]
-# the checkpoints' shape is the one SMALL gives the preset; the data trains its BPE
-SHAPE = dict(
-    vocab_size=VOCAB,
-    hidden_size=128,
-    intermediate_size=352,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
 CPU = dev.DeviceInfo("cpu", "gloo", torch.device("cpu"), "cpu")
 BLOCK = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 

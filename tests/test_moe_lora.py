@@ -21,12 +21,13 @@ from shardwise.errors import ConfigError, ShardwiseError  # noqa: E402
 from shardwise.finetune.lora import apply_lora  # noqa: E402
 from shardwise.job.explain import explain_record  # noqa: E402
 from shardwise.launchers.harness import run_named_worlds  # noqa: E402
-from shardwise.models import build_model, init_weights, to_empty  # noqa: E402
+from shardwise.models import build_model, to_empty  # noqa: E402
 from shardwise.models.init import canonical_name, restore_buffers  # noqa: E402
 from shardwise.plan.hardware import get_hardware  # noqa: E402
 from shardwise.training.validate import derive  # noqa: E402
 from support.compare import case, max_param_diff, max_rel  # noqa: E402
 from test_hf_moe import COMMON, IDS, STEPS, _lm, world  # noqa: E402, F401 (the checkpoints' fixture)
+from test_lora import _initial  # noqa: E402 (the parameters a LoRA run starts from)
 
 pytestmark = pytest.mark.slow
 
@@ -106,18 +107,6 @@ def test_ep2_first_gradients_equal_one_process(runs, name):
         for n, want in ref.items():
             scale = want.abs().max().item()
             assert (r["grads"][n] - want).abs().max().item() <= 1e-5 * scale, n
-
-
-def _initial(overrides: list[str]) -> dict[str, torch.Tensor]:
-    """The parameters a LoRA run of moe-tiny starts from (seed, name), on one process."""
-    cfg = load_config(None, overrides)
-    spec = derive(cfg, 1).spec
-    with torch.device("meta"):
-        model = build_model(spec)
-        apply_lora(model, cfg.finetune)
-    to_empty(model, torch.device("cpu"))
-    init_weights(model, cfg.train.seed)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def test_the_base_stays_bitwise_and_the_expert_adapters_move(runs):
