@@ -2,9 +2,9 @@
 stacked experts of transformers' Mixtral, Qwen2-MoE (with its shared expert) and OLMoE classes
 split over the ep ranks, each rank reading only its experts' rows from the per-expert tensors,
 the rows exchanged inside our experts forward (models/hf/experts.py). fp32, the tiny
-checkpoints of tests/test_hf_moe.py: ep 2 on 2 ranks (ZeRO-0 and ZeRO-3) must reproduce one
-process's losses, parameters (gathered to full shape) and expert loads; a dense checkpoint is
-refused."""
+checkpoints of tests/test_hf_moe.py (4 experts): ep 2 on 2 ranks (ZeRO-0 and ZeRO-3) and ep 4
+on 4 ranks (one expert a rank) must reproduce one process's losses, parameters (gathered to
+full shape) and expert loads; a dense checkpoint is refused."""
 
 from __future__ import annotations
 
@@ -29,14 +29,20 @@ EP2 = {  # name: (checkpoint, extra overrides on 2 ranks)
     "olmoe_ep2_z1": ("olmoe", ["--parallel.ep=2", "--parallel.zero=1"]),
 }
 
+EP4 = {  # name: (checkpoint, extra overrides on 4 ranks)
+    "mixtral_ep4": ("mixtral", ["--parallel.ep=4"]),
+    "qwen2_moe_ep4_z3": ("qwen2_moe", ["--parallel.ep=4", "--parallel.zero=3"]),
+}
+
 
 @pytest.fixture(scope="module")
 def runs(world):  # noqa: F811
     one = {ckpt: {"overrides": _lm(world, ckpt, *STEPS)} for ckpt, _ in EP2.values()}
     two = {n: {"overrides": _lm(world, ckpt, *STEPS, *x)} for n, (ckpt, x) in EP2.items()}
+    four = {n: {"overrides": _lm(world, ckpt, *STEPS, *x)} for n, (ckpt, x) in EP4.items()}
     kept = ["--checkpoint.every=4", f"--run.dir={world['root'] / 'run_ep2'}"]
     two["mixtral_ep2"]["overrides"] += kept  # the export round trip below reads its checkpoint
-    return run_named_worlds({1: one, 2: two})
+    return run_named_worlds({1: one, 2: two, 4: four})
 
 
 @pytest.mark.parametrize("name", list(EP2))
@@ -50,6 +56,19 @@ def test_ep2_reproduces_one_process(runs, name):
         loads = [r["moe_load_max_mean"] for r in two["records"]]
         assert loads == [r["moe_load_max_mean"] for r in one["records"]]
         assert two["records"][-1]["comm_bytes"]["ep"] > 0
+
+
+@pytest.mark.parametrize("name", list(EP4))
+def test_ep4_reproduces_one_process(runs, name):
+    """ep 4 on 4 ranks, one expert each (dp 4 shares the dense weights): losses and gradient
+    norms within 1e-5 relative, every parameter within 1e-5, the same expert loads."""
+    one = runs[1][EP4[name][0]][0]
+    assert len(runs[4][name]) == 4
+    assert_reproduces(name, runs[4][name], one)
+    for rank in runs[4][name]:
+        loads = [r["moe_load_max_mean"] for r in rank["records"]]
+        assert loads == [r["moe_load_max_mean"] for r in one["records"]]
+        assert rank["records"][-1]["comm_bytes"]["ep"] > 0
 
 
 @pytest.mark.parametrize("name", list(EP2))
