@@ -18,8 +18,8 @@ import torch
 
 from shardwise.cli.main import main
 from shardwise.data import load_data
+from shardwise.data.dirlock import LOCK
 from shardwise.data.shards import PARTIAL
-from shardwise.dirlock import LOCK
 from support.compare import VOCAB
 from support.textdata import spec as _spec
 from support.textdata import text as _text

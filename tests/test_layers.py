@@ -9,7 +9,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Top to bottom; a module may import its own layer or any layer below it. The root modules
-# (config, errors, dirlock, optim) are the ground floor.
+# (config, errors, optim) are the ground floor.
 LAYERS = [
     ("cli",),
     ("launchers",),
@@ -21,7 +21,7 @@ LAYERS = [
     ("distributed",),
     ("models", "finetune"),
     ("data",),
-    ("config", "errors", "dirlock", "optim"),
+    ("config", "errors", "optim"),
 ]
 FLOOR = {name: len(LAYERS) - i for i, names in enumerate(LAYERS) for name in names}
 

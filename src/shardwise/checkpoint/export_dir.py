@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from shardwise.dirlock import flock_or_holder
+from shardwise.data.dirlock import flock_or_holder
 from shardwise.errors import ShardwiseError
 
 MARKER = ".shardwise-export.json"

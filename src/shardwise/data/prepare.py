@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from shardwise.data.corpus import check_skipped
+from shardwise.data.dirlock import lock_dir
 from shardwise.data.encode import Encoder, chunks, encode_all
 from shardwise.data.identity import vocab_key
 from shardwise.data.inputs import Input, documents, resolve_inputs
@@ -31,7 +32,6 @@ from shardwise.data.resume import check_inputs, check_out, check_same, identity,
 from shardwise.data.scan import Rule, Scan, scan
 from shardwise.data.shards import KIND, MANIFEST, PARTIAL, VERSION
 from shardwise.data.tokens import BPE_TRAIN_CHARS, ENCODE_CHUNK_CHARS, EOS, _train_bpe
-from shardwise.dirlock import lock_dir
 from shardwise.errors import DataError
 
 # 64 MB of text per shard: ~16 M tokens, a 32 MB uint16 file; enough shards for every worker

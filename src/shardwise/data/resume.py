@@ -15,10 +15,10 @@ import os
 import re
 from pathlib import Path
 
+from shardwise.data.dirlock import LOCK
 from shardwise.data.inputs import stream_spec
 from shardwise.data.pretrained import content_key
 from shardwise.data.shards import KIND, MANIFEST, PARTIAL, VERSION
-from shardwise.dirlock import LOCK
 from shardwise.errors import DataError
 
 

@@ -1,7 +1,7 @@
 """One live job per run.dir and per checkpoint.dir.
 
 The job's first process takes an exclusive `flock` on `DIR/.shardwise.lock` and writes who
-holds it (host, PID, start time: dirlock.py, which `shardwise data prepare` uses too); the
+holds it (host, PID, start time: data/dirlock.py, which `shardwise data prepare` uses too); the
 kernel releases it when that process ends, however it ends, so a lock is never stale. A
 second job on the same directory is refused at once, naming the holder. The checkpoint.dir a
 job saves into is locked as resolved, also when it is the default run.dir/checkpoints, so a
@@ -18,7 +18,7 @@ from typing import IO
 
 from shardwise.checkpoint.lineage import check_dir, checkpoint_root
 from shardwise.config import Config
-from shardwise.dirlock import lock_dir
+from shardwise.data.dirlock import lock_dir
 from shardwise.errors import ConfigError
 
 HELD_ENV = "SHARDWISE_DIRS_LOCKED"
