@@ -7,9 +7,10 @@ parameter at a time) and written into a temporary folder that replaces OUT at th
 (`export_dir.writing`); no more than one output shard and one parameter are in memory at
 once, whatever the layout the run was trained in.
 The fp32 master weights are exported when the run kept them apart from the (bf16/fp16)
-parameters, else the parameters. `config.json` describes the Llama or GPT-2 model so
-`transformers`' `from_pretrained(OUT)` loads it; the tensor layouts are those of
-shardwise.models.hf.gpt2 (transposed Conv1D and fused c_attn for GPT-2).
+parameters, else the parameters. `config.json` describes the Llama or GPT-2 model (the MoE
+decoder as Qwen2-MoE, where it computes the same: models/hf/qwen2_moe.py) so `transformers`'
+`from_pretrained(OUT)` loads it; the tensor layouts are those of shardwise.models.hf.gpt2
+(transposed Conv1D and fused c_attn for GPT-2) and qwen2_moe (stacked experts).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict:
     write = family_of(spec).hf_config
     if write is None:
         raise ShardwiseError(
-            f"only Llama-style and GPT-2 models export to Hugging Face, not {spec.arch}"
+            f"only Llama-style, GPT-2 and MoE decoders export to Hugging Face, not {spec.arch}"
         )
     return write(spec, dtype)
 
@@ -65,6 +66,8 @@ def _assemble(spec: ModelSpec, parts: list, read) -> torch.Tensor:
     """The Hugging Face tensor from our parameters (`read(name)` gives one at full shape)."""
     pieces = [read(name) for name, _ in parts]
     rule, _ = rule_for(spec.arch, canonical_name(parts[0][0], spec))
+    if rule.stacked:  # experts [E, in, out] -> [E, out, in], parts along their out axis
+        return torch.cat([p.transpose(1, 2) for p in pieces], 1).contiguous()
     full = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]
     return full.t().contiguous() if rule.transposed else full
 
@@ -172,6 +175,12 @@ def _write(src: Source, out: Path, max_shard_bytes: int) -> None:
     first = canonical_name(next(iter(plan.values()))[0][0], spec)  # the embedding
     kind = "master" if f"master/{first}" in index["tensors"] else "param"
     dtype = index["tensors"][f"{kind}/{first}"]["dtype"]
+    check = family_of(spec).hf_check
+    if check is not None:  # before any file: a refusal leaves OUT as it was
+        names = [k for k in index["tensors"] if k.startswith("buffer/")]
+        buffers = {k.removeprefix("buffer/"): src.tensor(k) for k in names}
+        for note in check(spec, buffers):
+            print(f"note: {note}", file=sys.stderr)
     write_weights(spec, plan, merging(src.read, cfg, spec), dtype, out, max_shard_bytes)
     write_tokenizer(cfg, spec, out)
 
@@ -184,12 +193,17 @@ def write_weights(
     from safetensors.torch import save_file
 
     shards = _shards(spec, plan, getattr(torch, dtype).itemsize, max_shard_bytes)
+    family = family_of(spec)
+    extra = family.hf_extra(spec) if family.hf_extra is not None else {}
     weight_map, total = {}, 0
     for i, keys in enumerate(shards):  # one output file in memory at a time
         fname = (
             SINGLE if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         )
         tensors = {key: _assemble(spec, plan[key], read).to(getattr(torch, dtype)) for key in keys}
+        if i == len(shards) - 1:  # the class's own tensors (few and small) in the last file
+            tensors.update({k: v.to(getattr(torch, dtype)) for k, v in extra.items()})
+            keys = list(tensors)
         save_file(tensors, out / fname, metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(keys, fname))
@@ -197,7 +211,7 @@ def write_weights(
     if len(shards) > 1:
         index_out = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX).write_text(json.dumps(index_out, indent=2))
-    if family_of(spec).from_checkpoint:  # transformers' class: its config, labels, tokenizer
+    if family.from_checkpoint:  # transformers' class: its config, labels, tokenizer
         from shardwise.models.hf.auto import export_config
 
         (out / "config.json").write_text(json.dumps(export_config(spec, dtype), indent=2))
@@ -236,7 +250,7 @@ def export_hf(
     if family.hf_config is not None and not family.hf_keeps_dropout and spec.dropout > 0:
         print(
             f"note: model.dropout={spec.dropout} (embedding and residual dropout) is not in the "
-            "exported config: transformers' Llama has attention dropout only "
+            "exported config: transformers' Llama and Qwen2-MoE have attention dropout only "
             f"(attention_dropout={spec.attn_dropout} is)",
             file=sys.stderr,
         )

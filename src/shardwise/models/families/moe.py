@@ -4,11 +4,13 @@ Data parallelism and ZeRO-1/2/3 (the stacked expert weights shard like any other
 parallelism (parallel.ep: the experts split over ranks, parallel/expert.py), pipeline
 parallelism (cut as the decoder's), tensor parallelism with sequence parallelism (the experts
 whole on every tp rank, each routing its own sequence shard), activation recomputation.
-Context parallelism is refused."""
+Context parallelism is refused. `export --format hf` writes transformers' Qwen2-MoE where it
+computes the same (models/hf/qwen2_moe.py)."""
 
 from __future__ import annotations
 
 from shardwise.models.families.base import Family
+from shardwise.models.hf import qwen2_moe
 from shardwise.models.moe import MoEDecoder
 
 MOE = Family(
@@ -26,4 +28,8 @@ MOE = Family(
     pipeline="blocks",  # cut as the decoder's; each stage tallies its own MoE layers
     expert_parallel=True,
     chunked_loss=True,  # the decoder's LMHead
+    # softmax routing without shared experts or a moved bias: transformers' Qwen2-MoE
+    hf_config=qwen2_moe.config,
+    hf_extra=qwen2_moe.extra,
+    hf_check=qwen2_moe.check,
 )
