@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,34 @@ def test_a_torchrun_rank_is_validated_before_it_joins(tmp_path, monkeypatch, cap
     assert not dist.is_initialized()
     with pytest.raises(AssertionError, match="joined a process group"):
         main(["train", *TINY, f"--run.dir={tmp_path / 'good'}"])
+
+
+def test_plan_verify_validates_each_candidate_once_not_again_in_its_ranks(
+    tmp_path, monkeypatch, capsys
+):
+    """`plan --verify` validates a candidate before its world starts and hands the ranks the
+    run description: a verified candidate's rank (run here, in this process, on the harness's
+    own path) calls no check. The same case without the description does: the probe works."""
+    from shardwise.launchers import harness
+
+    ranks: list[set[str]] = []
+
+    def rank(case: dict, where: Path, out: list[dict]) -> None:
+        out.append(harness.run_here(case, str(where)))
+
+    def run_world_here(nproc: int, cases: list[dict]) -> list[list[dict]]:
+        assert nproc == 1 and all(c.get("derived") is not None for c in cases)
+        results: list[dict] = []
+        for i, case in enumerate(cases):
+            ranks.append(_checks_called(partial(rank, case, tmp_path / f"case{i}", results)))
+            own = {k: v for k, v in case.items() if k != "derived"}
+            control = _checks_called(partial(rank, own, tmp_path / f"own{i}", []))
+            assert {"derive", "check_held_out"} <= control  # seen where they do run
+        return [[r] for r in results]
+
+    monkeypatch.setattr(harness, "run_world", run_world_here)
+    argv = ["plan", "--hardware", "cpu", "--devices", "1", "--top", "1", "--verify", *TINY]
+    assert main(argv) == 0, capsys.readouterr().err
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert row.startswith("tp1") and "failed" not in row, row
+    assert ranks == [set()]

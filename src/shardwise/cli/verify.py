@@ -9,11 +9,13 @@ import time
 
 from shardwise.config import load_config
 from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.job.prepare import validate, validate_here
+from shardwise.job.prepare import check_data, job_here, validate
 from shardwise.plan.layout import Job
 from shardwise.training.metrics import human_bytes
+from shardwise.training.validate import Derived
 
 STATES = ("params", "grads", "master", "optimizer")
+STEPS = 6  # the steps `plan --verify` runs per candidate: 2 of warm-up, 4 measured
 
 
 def layout_overrides(c: dict) -> list[str]:
@@ -37,13 +39,22 @@ def layout_overrides(c: dict) -> list[str]:
     return out
 
 
-def timed_run(cfg) -> dict:
+def timed_run(cfg, derived: Derived | None = None) -> dict:
     """One rank of a harness case (`build_run`, `fit`) that also takes each step's process CPU
     time, from `zero_grad` (the step's start) to the end of the optimizer step: on a shared
-    machine wall-clock time inflates with the other jobs, CPU time much less."""
+    machine wall-clock time inflates with the other jobs, CPU time much less. `derived`: the
+    run description `verify` validated (None: this rank validates, `job_here`)."""
     from shardwise.training.runtime import build_run
 
-    return timed_fit(build_run(cfg, validate_here(cfg)))
+    with job_here(cfg, derived) as described:
+        run = build_run(cfg, described)
+        try:
+            out = timed_fit(run)
+        except BaseException as exc:
+            run.close(exc)
+            raise
+        run.close()
+    return out
 
 
 def timed_fit(run) -> dict:
@@ -66,7 +77,7 @@ def timed_fit(run) -> dict:
     return {"records": fit(run), "step_cpu_times": cpu}
 
 
-def predicted_run(cfg) -> dict:
+def predicted_run(cfg, derived: Derived | None = None) -> dict:
     """`timed_run`, with the planner's prediction for this config (`pred`) made in this world
     just before: rank 0 times the layout's kernels afresh while the other ranks wait, so a
     drift of a shared machine's speed between calibration and measurement stays out of the
@@ -82,23 +93,37 @@ def predicted_run(cfg) -> dict:
         kernels.clear()
         pred = explain_record(cfg, dist.get_world_size(), cpu_hardware())
     dist.barrier()
-    return {**timed_run(cfg), "pred": pred}
+    return {**timed_run(cfg, derived), "pred": pred}
+
+
+def quiet(steps: int) -> list[str]:
+    """The overrides `measure` adds to every case: `steps` steps, no evaluation."""
+    return ["--train.eval_every=0", "--train.eval_batches=0", f"--train.steps={steps}"]
 
 
 def measure(
-    nproc: int, cases: list[list[str]], steps: int = 6, warmup: int = 2, predict: bool = False
+    nproc: int,
+    cases: list[list[str]],
+    steps: int = STEPS,
+    warmup: int = 2,
+    predict: bool = False,
+    derived: list[Derived] | None = None,
 ) -> list[dict]:
     """Run each list of overrides on `nproc` local ranks (one world for all); per case: the
     last step's `mem_bytes` and `comm_bytes` (max over ranks), the median over the steps after
     `warmup` of the slowest rank's wall-clock step time (`step_time_s`; its fastest step:
     `step_best_s`) and process CPU time (`step_cpu_s`), or `error`; with `predict`, also the
-    prediction made just before (`predicted_run`)."""
+    prediction made just before (`predicted_run`). `derived`: each case's run description,
+    validated by the caller for `nproc` ranks with `quiet(steps)` added (None: the ranks
+    validate each case themselves)."""
     from shardwise.launchers.harness import run_world
 
-    quiet = ["--train.eval_every=0", "--train.eval_batches=0", f"--train.steps={steps}"]
     peer = f"shardwise.cli.verify:{'predicted_run' if predict else 'timed_run'}"
+    todo = [{"overrides": [*c, *quiet(steps)], "peer": peer} for c in cases]
+    for case, d in zip(todo, derived or [None] * len(todo), strict=True):
+        case["derived"] = d  # validated once, by the caller, not again per rank
     out = []
-    for per_rank in run_world(nproc, [{"overrides": [*c, *quiet], "peer": peer} for c in cases]):
+    for per_rank in run_world(nproc, todo):
         errors = [r["error"] for r in per_rank if "error" in r]
         if errors:
             out.append({"error": errors[0].splitlines()[0]})
@@ -148,23 +173,26 @@ def verify(job: Job, cands: list[dict], config: str | None, overrides: list[str]
             "Fix: pass its values as overrides."
         )
     base = [*overrides, "--log.tensorboard=false", "--log.progress=off", "--log.every=1000000"]
-    runnable, cases, skipped = [], [], 0
+    runnable, cases, described, skipped = [], [], [], 0
     for c in cands:  # the best `top` that this version of the engine can run
         case = [*base, *layout_overrides(c)]
+        cfg = load_config(None, [*case, *quiet(STEPS)])  # what the ranks will run
         try:
-            validate(load_config(None, case), job.devices)  # the job layer's checks
+            derived = validate(cfg, job.devices)  # the job layer's checks, once
         except ShardwiseError:
             skipped += 1
             continue
+        check_data(cfg, derived)  # the data, prepared once: a refusal stops here, unrun
         runnable.append(c)
         cases.append(case)
+        described.append(derived)  # handed to the ranks: they validate nothing again
         if len(cases) == top:
             break
     if not cases:
         raise ConfigError("--verify: none of the candidates can run in this version.")
     if skipped:
         print(f"({skipped} better-ranked candidates need features this version lacks)")
-    results = measure(job.devices, cases)
+    results = measure(job.devices, cases, STEPS, derived=described)
     print(
         f"{'layout':<52} {'pred total':>11} {'meas total':>11} {'err':>6} {'states':>7} "
         f"{'pred s':>8} {'wall s':>8} {'err':>6} {'CPU s':>8} {'err':>6}"

@@ -4,8 +4,11 @@ The owner writes who holds the lock (host, PID, start time) into the file; the k
 the lock when that process ends, however it ends (SIGKILL included), so a lock is never stale:
 the next owner truncates the dead holder's line and writes its own. A second owner is refused
 at once, naming the holder. The lock file is never opened through a symbolic link, and a file
-there that a lock did not write is never truncated. Jobs lock their run.dir and checkpoint.dir
-with it (training/lock.py), `shardwise data prepare` its --out (data/prepare.py).
+there that a lock did not write is never truncated. A holder may remove its lock file before
+it lets go (a refused `data prepare` removes what it wrote): an owner that locked the removed
+file sees it is no longer the one in the directory and locks the new one. Jobs lock their
+run.dir and checkpoint.dir with it (training/lock.py), `shardwise data prepare` its --out
+(data/prepare.py).
 """
 
 from __future__ import annotations
@@ -40,18 +43,16 @@ def flock_or_holder(fh) -> str | None:
     return None
 
 
-def lock_dir(
-    path: Path, name: str, who: str, busy: str, flag: str, error: type[ShardwiseError]
-) -> IO[str]:
-    """Lock directory `path` (creating it) for this process; the handle holds the lock until
-    closed. Messages say the directory as `name` (`run.dir=/x`), the owner as `who` (job),
-    what a second owner would do as `busy`, and `flag` picks another directory; refusals
-    raise `error`."""
+_TRIES = 3  # a lock file removed under us is taken anew; it cannot be removed again and again
+
+
+def _open(path: Path, flag: str, name: str, error: type[ShardwiseError]) -> int:
+    """The lock file's descriptor (the directory made, and proved writable, first)."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         # the owner writes there: prove it can before any work is spent
         os.rmdir(tempfile.mkdtemp(prefix=".shardwise-writable-", dir=path))
-        fd = os.open(path / LOCK, _OPEN, 0o644)
+        return os.open(path / LOCK, _OPEN, 0o644)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise error(
@@ -61,13 +62,39 @@ def lock_dir(
         raise error(
             f"{name} cannot be written ({exc.strerror or exc}). Fix: {flag}=<a writable directory>."
         ) from None
-    fh = os.fdopen(fd, "r+")
-    holder = flock_or_holder(fh)
-    if holder is not None:
-        raise error(
-            f"{name} is in use by another shardwise {who} ({holder}): {busy}. Fix: wait for it "
-            f"to end, or give this {who} another {flag}."
-        ) from None
+
+
+def _still_there(lock: Path, fd: int) -> bool:
+    """Whether the file locked through `fd` is still the one at `lock`: a holder that removes
+    its lock file before it lets go (data prepare, refused) leaves a lock on a file no one
+    else will ever open."""
+    try:
+        return os.stat(lock, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def lock_dir(
+    path: Path, name: str, who: str, busy: str, flag: str, error: type[ShardwiseError]
+) -> IO[str]:
+    """Lock directory `path` (creating it) for this process; the handle holds the lock until
+    closed. Messages say the directory as `name` (`run.dir=/x`), the owner as `who` (job),
+    what a second owner would do as `busy`, and `flag` picks another directory; refusals
+    raise `error`."""
+    for _ in range(_TRIES):
+        fd = _open(path, flag, name, error)
+        fh = os.fdopen(fd, "r+")
+        holder = flock_or_holder(fh)
+        if holder is not None:
+            raise error(
+                f"{name} is in use by another shardwise {who} ({holder}): {busy}. Fix: wait "
+                f"for it to end, or give this {who} another {flag}."
+            ) from None
+        if _still_there(path / LOCK, fd):
+            break
+        fh.close()  # its holder removed it (a refused prepare, on its way out): lock anew
+    else:
+        raise error(f"{name} keeps losing its lock file. Fix: {flag}=<another directory>.")
     fh.seek(0)
     if not _HOLDER.match(fh.read(4096)):  # not a lock file of ours: never truncated
         fh.close()

@@ -158,7 +158,30 @@ def _encode(texts: list[str]) -> bytes:
     enc: Encoder = _JOB["encoder"]
     if _JOB["tokenizer"] is None:
         _JOB["tokenizer"] = Tokenizer.from_str(enc.json)
-    return enc.encode(_JOB["tokenizer"], texts).tobytes()
+    try:
+        return enc.encode(_JOB["tokenizer"], texts).tobytes()
+    except Exception as exc:  # tokenizers raises TypeError, its own... by document
+        raise _unencodable(enc, texts, exc) from None
+
+
+def _unencodable(enc: Encoder, texts: list[str], exc: Exception) -> DataError:
+    """The refusal of a chunk the tokenizer fails on, naming the first document it fails on
+    (found by encoding them one at a time: only ever on this failing path)."""
+    bad = next((t for t in texts if not _encodes(enc, t)), texts[0] if texts else "")
+    why = (str(exc).strip().splitlines() or [""])[0][:200]
+    return DataError(
+        f"the tokenizer cannot encode the document that begins {bad[:60]!r} "
+        f"({type(exc).__name__}: {why}). Fix: repair or drop that document (e.g. a lone "
+        "surrogate from a JSON \\u escape is not text), or --tokenizer one that encodes it."
+    )
+
+
+def _encodes(enc: Encoder, text: str) -> bool:
+    try:
+        enc.encode(_JOB["tokenizer"], [text])
+    except Exception:
+        return False
+    return True
 
 
 def _fork_pool(workers: int):

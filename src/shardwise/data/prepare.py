@@ -9,11 +9,16 @@ each is written to a temporary name, fsynced and renamed, then recorded in
 `manifest.partial.json` (the plan and the shards done). A rerun of the same command keeps
 every recorded shard whose bytes still match its checksum and encodes the rest;
 `manifest.json` is written last. One prepare at a time owns --out (dirlock.py), and it never
-writes into a directory holding files it did not write.
+writes into a directory holding files it did not write. A refusal found only while reading
+(an input undecodable or empty half-way, a document the tokenizer cannot encode) removes what
+this prepare wrote: its shards, manifests, tokenizer.json and lock, and --out itself when it
+created it and left it empty; files an earlier run wrote stay, and a kill or Ctrl-C removes
+nothing (the rerun continues).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -23,16 +28,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from shardwise.data.corpus import check_skipped
-from shardwise.data.dirlock import lock_dir
+from shardwise.data.dirlock import LOCK, lock_dir
 from shardwise.data.encode import Encoder, chunks, encode_all
 from shardwise.data.identity import vocab_key
 from shardwise.data.inputs import Input, documents, resolve_inputs
 from shardwise.data.pretrained import content_key, has_tokenizer, load_tokenizer, whole_documents
-from shardwise.data.resume import check_inputs, check_out, check_same, identity, kept
+from shardwise.data.resume import check_inputs, check_out, check_same, identity, kept, ours
 from shardwise.data.scan import Rule, Scan, scan
 from shardwise.data.shards import KIND, MANIFEST, PARTIAL, VERSION
 from shardwise.data.tokens import BPE_TRAIN_CHARS, ENCODE_CHUNK_CHARS, EOS, _train_bpe
-from shardwise.errors import DataError
+from shardwise.errors import DataError, ShardwiseError
 
 # 64 MB of text per shard: ~16 M tokens, a 32 MB uint16 file; enough shards for every worker
 # on a corpus of a few GB, few enough that the partial manifest stays small.
@@ -73,11 +78,30 @@ def prepare(opts: Options, on_shard: Callable[[str], None] | None = None) -> dic
             return state
     hf = _load_hf(opts.tokenizer)  # a tokenizer that does not load: refused before writing
     busy = "two prepares would overwrite each other's shards"
+    created, had_lock = not out.exists(), (out / LOCK).exists()
     lock = lock_dir(out, f"--out {str(out)!r}", "data prepare", busy, "--out", DataError)
     try:
+        before = set(os.listdir(out))  # under the lock: what is here is no one's in flight
         return _prepare_locked(opts, out, inputs, ident, hf, on_shard, start)
+    except ShardwiseError:  # refused half-way: nothing of this prepare is left to trip on
+        _remove_written(out, before, created, had_lock)
+        raise
     finally:
         lock.close()  # (the kernel drops the flock with the last descriptor)
+
+
+def _remove_written(out: Path, before: set[str], created: bool, had_lock: bool) -> None:
+    """Remove the files of ours in `out` that were not in `before` (this prepare wrote them),
+    the lock file if this prepare made it, and `out` if it made it and it is now empty. An
+    earlier run's files stay (a rerun keeps its shards) and no one else's is ever touched."""
+    for name in sorted(set(os.listdir(out)) - before):
+        if ours(name):
+            (out / name).unlink(missing_ok=True)
+    if not had_lock:  # (held until it is gone: dirlock.py's next owner locks a fresh one)
+        (out / LOCK).unlink(missing_ok=True)
+    if created:
+        with contextlib.suppress(OSError):  # one file of anyone's there keeps it
+            out.rmdir()
 
 
 def _prepare_locked(opts, out, inputs, ident, hf, on_shard, start) -> dict:

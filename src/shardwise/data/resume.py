@@ -56,6 +56,12 @@ _OURS = re.compile(
 _LEFT = re.compile(rf"^({re.escape(LOCK)}|\.shardwise-writable-.*)$")
 
 
+def ours(name: str) -> bool:
+    """Whether an entry of --out named `name` is one a prepare writes (a shard, a manifest,
+    tokenizer.json or a temporary name of one): the only names it ever removes."""
+    return bool(_OURS.match(name))
+
+
 def _refuse_foreign(out: Path, foreign: list[str], beside: str) -> None:
     if not foreign:
         return

@@ -57,6 +57,16 @@ def joining_world() -> int:
     return 1
 
 
+def joining_rank() -> int:
+    """This process's global rank in the group `join_process_group` joins (or has joined):
+    the launcher's RANK, else zero."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"])
+    return 0
+
+
 def _join_by_hand(timeout_s: float):
     """The store of ranks started without torchrun or srun, from RANK, WORLD_SIZE,
     MASTER_ADDR and MASTER_PORT: rank 0 hosts it on MASTER_ADDR and waits for the others up to

@@ -11,11 +11,15 @@ plan, and hold the run-dir lock until the job ends.
 The ranks receive the derived run description (`PreparedJob.derived`) and validate nothing
 again. Where no launcher of ours prepared the job (ranks started by torchrun or srun, a
 test's own world), `validate_here` runs the same checks in each rank before it joins the
-process group."""
+process group. Every rank runs its part of the job inside `job_here`, which also takes the
+locks where no launcher holds them: global rank 0, before it joins the process group, so
+`training/runtime.build_run` locks nothing."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -72,6 +76,33 @@ def validate_here(cfg: Config) -> Derived:
     derived = validate(cfg, joining_world())
     check_data(cfg, derived)
     return derived
+
+
+def lock_here(cfg: Config) -> list[IO[str]]:
+    """The run-dir and checkpoint-dir locks of a job whose launcher holds none (torchrun,
+    srun, one node of `train --nnodes`, a test's own world), taken by global rank 0 before it
+    joins the process group; [] on every other rank and where a launcher of ours holds them."""
+    from shardwise.distributed.join import joining_rank
+    from shardwise.training.lock import HELD_ENV, acquire
+
+    if os.environ.get(HELD_ENV) == "1" or joining_rank() != 0:
+        return []
+    return acquire(cfg)  # one live job per run.dir and checkpoint.dir (refused: never joined)
+
+
+@contextmanager
+def job_here(cfg: Config, derived: Derived | None = None) -> Iterator[Derived]:
+    """This rank's part of the job: the run description (`derived` as the job layer handed
+    it, else `validate_here`'s), with the directories locked (`lock_here`) until the block
+    ends, however it ends. A rank builds (`build_run`) and trains inside it."""
+    from shardwise.training.lock import release
+
+    derived = validate_here(cfg) if derived is None else derived
+    locks = lock_here(cfg)
+    try:
+        yield derived
+    finally:
+        release(locks)
 
 
 def prepare(

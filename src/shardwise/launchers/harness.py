@@ -1,10 +1,11 @@
 """The parity harness: one world of N gloo ranks runs a list of cases.
 
 Process start-up dominates on small machines, so a world is started once and every case
-(a list of `--section.key=value` overrides, optionally a hook or the PyTorch-peer flag) runs
-in it in turn. Each rank returns its losses, per-step records and final parameters. For the
-tests, `run_cases`/`run_named` run one rank in the calling process and compute a case that
-several test modules share (the same overrides, hook and peer on as many ranks) once."""
+(a list of `--section.key=value` overrides, optionally a hook or the PyTorch-peer flag, and
+the run description its caller's job layer derived, if any) runs in it in turn. Each rank
+returns its losses, per-step records and final parameters. For the tests,
+`run_cases`/`run_named` run one rank in the calling process and compute a case that several
+test modules share (the same overrides, hook and peer on as many ranks) once."""
 
 from __future__ import annotations
 
@@ -30,20 +31,23 @@ def _resolve(path: str):
 
 def _run_case(case: dict, run_dir: str) -> dict:
     from shardwise.config import load_config
-    from shardwise.job.prepare import validate_here
+    from shardwise.job.prepare import job_here
     from shardwise.training.loop import fit
     from shardwise.training.runtime import build_run
 
     cfg = load_config(None, [*BASE, f"--run.dir={run_dir}", *case.get("overrides", [])])
+    derived = case.get("derived")  # the caller's job layer validated it for this world
     if case.get("peer"):
-        return _resolve(case["peer"])(cfg)
-    run = build_run(cfg, validate_here(cfg))  # no launcher prepared this world's job
-    try:
-        result = _train_case(case, run, fit)
-    except BaseException as exc:
-        run.close(exc)
-        raise
-    run.close()
+        peer = _resolve(case["peer"])
+        return peer(cfg) if derived is None else peer(cfg, derived=derived)
+    with job_here(cfg, derived) as described:  # no launcher prepared this world's job
+        run = build_run(cfg, described)
+        try:
+            result = _train_case(case, run, fit)
+        except BaseException as exc:
+            run.close(exc)
+            raise
+        run.close()
     return result
 
 

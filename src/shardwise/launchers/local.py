@@ -107,24 +107,26 @@ def train_here(cfg: Config, hook: str | None = None, derived: Derived | None = N
     ("module:function") is applied to the built run first: tests inject faults with it.
     `derived`: the run description the job layer validated (`job.prepare`); None where no
     launcher of ours prepared the job (torchrun, srun): its checks run here, before this rank
-    joins the process group."""
+    joins the process group. Where no launcher holds the run-dir lock, global rank 0 takes it
+    here, also before joining (`job.prepare.job_here`)."""
     import torch.distributed as dist
 
-    from shardwise.job.prepare import validate_here
+    from shardwise.job.prepare import job_here
     from shardwise.training.loop import fit
     from shardwise.training.runtime import build_run
 
     try:
-        run = build_run(cfg, derived if derived is not None else validate_here(cfg))
-        try:
-            if hook:
-                module, _, name = hook.partition(":")
-                getattr(importlib.import_module(module), name)(run)
-            fit(run)
-        except BaseException as exc:
-            run.close(exc)
-            raise
-        run.close()
+        with job_here(cfg, derived) as described:
+            run = build_run(cfg, described)
+            try:
+                if hook:
+                    module, _, name = hook.partition(":")
+                    getattr(importlib.import_module(module), name)(run)
+                fit(run)
+            except BaseException as exc:
+                run.close(exc)
+                raise
+            run.close()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -9,7 +9,8 @@ job pointing its checkpoint.dir into another job's run is refused too. Taking a 
 the directory writable before any step is lost to it; the lock file is never opened through
 a symbolic link, and a file there that a lock did not write is never truncated. The local
 launcher takes the locks before it starts any rank and tells its ranks so
-(`SHARDWISE_DIRS_LOCKED`); under torchrun or srun, global rank 0 takes them."""
+(`SHARDWISE_DIRS_LOCKED`); under torchrun or srun, global rank 0 takes them before it joins
+the process group (job/prepare.py `job_here`)."""
 
 from __future__ import annotations
 

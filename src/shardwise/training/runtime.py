@@ -4,7 +4,6 @@ validated and derived before the rank started (the job layer): nothing here chec
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import os
 import sys
@@ -48,7 +47,6 @@ from shardwise.parallel.sync_batchnorm import apply_sync_batchnorm
 from shardwise.parallel.tensor import TensorParallel, apply_tensor_parallel, keep_tp_marks
 from shardwise.parallel.zero import ZeroEngine, apply_zero
 from shardwise.parallel.zero_units import Sharding
-from shardwise.training.lock import HELD_ENV, acquire, release
 from shardwise.training.memory import ActivationMeter
 from shardwise.training.moe import ExpertTally, expert_tally
 from shardwise.training.validate import Derived
@@ -78,7 +76,6 @@ class Run:
     pipeline: Pipeline | None = None  # pp > 1: runs the micro-batches through the stages
     watchdog: Watchdog | None = None
     user_loss: Callable | None = None  # train.loss=module:fn
-    locks: list = dataclasses.field(default_factory=list)  # run.dir / checkpoint.dir (lock.py)
     resume_note: str | None = None  # what a resume could not restore (checkpoint/state.py)
     experts: ExpertTally | None = None  # MoE models: balance loss, loads, bias (moe.py)
     expert_parallel: ExpertParallel | None = None  # ep > 1: the expert slices (expert.py)
@@ -92,7 +89,6 @@ class Run:
             self.optimizer.close()
         if hasattr(self.reducer, "close"):
             self.reducer.close()
-        release(self.locks)
 
     @property
     def dp_rank(self) -> int:
@@ -261,7 +257,8 @@ def verify_replicas(model: nn.Module, comm: Comm) -> None:
 
 def build_run(cfg: Config, derived: Derived) -> Run:
     """Everything one rank needs for `fit()`, from `cfg` and the run description the job layer
-    validated and derived from it (`job.prepare`, `job.prepare.validate_here`)."""
+    validated and derived from it (`job.prepare`, `job.prepare.job_here`, which also holds
+    the run-dir lock: nothing here takes one)."""
     world = joining_world()
     if derived.world != world:  # a description made for another layout: refused unjoined
         raise ConfigError(
@@ -279,18 +276,12 @@ def build_run(cfg: Config, derived: Derived) -> Run:
     topo = build_topology(p.tp, p.pp, info.type, p.timeout_s, p.cp, p.ep)
     comm = Comm(topo)
     watchdog = start_watchdog(comm, cfg.parallel.timeout_s, cfg.run.dir)
-    locks = []
     try:
-        if dist.get_rank() == 0 and os.environ.get(HELD_ENV) != "1":
-            locks = acquire(cfg)  # one live job per run.dir / checkpoint.dir
-        run = _build(cfg, derived, info, topo, comm, watchdog)
+        return _build(cfg, derived, info, topo, comm, watchdog)
     except BaseException as exc:
-        release(locks)
         if watchdog is not None:
             watchdog.stop(exc)
         raise
-    run.locks = locks
-    return run
 
 
 def _build(
