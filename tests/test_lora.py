@@ -330,7 +330,7 @@ def test_qlora_stores_half_a_byte_per_base_weight_and_explain_predicts_it(worlds
     """The quantised linears are no longer parameters; their bytes (4 bits per weight, an 8-bit
     absmax per 64, fp32 absmax per 256 blocks, two small maps) replace them in `params`, as the
     planner predicts exactly."""
-    from shardwise.finetune.quant import layer_bytes
+    from shardwise.finetune.quant_shards import layer_bytes
     from shardwise.job.explain import explain_record
     from shardwise.plan.hardware import get_hardware
 
@@ -357,7 +357,7 @@ def test_an_int8_base_stores_a_byte_per_weight_and_a_scale_per_row(worlds):
     """int8 (LLM.int8's weight format): a byte per weight and an fp32 absmax per row replace
     the fp32 weights in `params`, bit for bit what bitsandbytes' int8_vectorwise_quant keeps;
     under ZeRO-3 each rank keeps half the rows."""
-    from shardwise.finetune.quant import layer_bytes
+    from shardwise.finetune.quant_shards import layer_bytes
 
     lora, i8 = worlds[1]["ref"][0], worlds[1]["i8"][0]
     bases = [p for n, p in lora["params"].items() if ".base_layer." in n]
@@ -393,7 +393,7 @@ def test_zero3_and_tp_split_the_nf4_base_and_no_rank_reads_it_whole(worlds):
     """ZeRO-3 or tp over 2 ranks: each rank reads from the checkpoint only the rows holding its
     half of every quantised weight's 64-weight blocks (never the whole tensor; the two halves
     cover it), and keeps half of its codes and absmax."""
-    from shardwise.finetune.quant import layer_bytes
+    from shardwise.finetune.quant_shards import layer_bytes
 
     for name in ("q_hf_z3", "q_hf_tp2"):
         _assert_half_read(worlds[2][name])

@@ -175,14 +175,14 @@ def test_lora_qlora_and_8bit_adam_formulas():
     """Hu et al. 2021: r(in + out) trainable per adapted linear; Dettmers et al. 2023: NF4 with
     double quantisation = 4 + 8/64 + 32/(64*256) bits per weight; 8-bit Adam: 2 bytes + absmax
     per block (Dettmers et al. 2022)."""
-    from shardwise.finetune.quant import layer_bytes
+    from shardwise.finetune.quant_shards import layer_bytes
 
     spec = preset("7b")
     ft = FineTune(lora_rank=16, lora_targets=("wq", "wv"), base_quant="nf4", optim_8bit=True)
     job = Job(spec, get_hardware("rtx4090"), 1, seq_len=512, global_batch=1, finetune=ft)
     mem = predict_memory(job, Layout(micro_batch=1, recompute="full"))
     lora = spec.n_layers * 2 * 16 * (spec.dim + spec.dim)
-    # the adapted linears' bases in NF4 (finetune/quant's bytes, maps included); the others
+    # the adapted linears' bases in NF4 (finetune/quant_shards' bytes, maps included); the others
     # (wk, wo, the MLP) frozen in bf16
     quantised = spec.n_layers * 2 * layer_bytes(spec.dim, spec.dim)
     assert quantised == pytest.approx(spec.n_layers * 2 * spec.dim**2 * NF4_BYTES, rel=1e-3)

@@ -24,7 +24,7 @@ import torch
 
 from shardwise.checkpoint.export_dir import writing
 from shardwise.checkpoint.export_source import Source, open_source
-from shardwise.checkpoint.state import check_base
+from shardwise.checkpoint.refusals import check_base
 from shardwise.errors import ShardwiseError
 from shardwise.finetune.lora import ADAPTER, apply_lora, is_adapter_name
 from shardwise.models import build_on_meta

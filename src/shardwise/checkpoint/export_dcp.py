@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from shardwise.checkpoint.export import merging, write_tokenizer
 from shardwise.checkpoint.export_dir import writing
 from shardwise.checkpoint.export_source import Source, open_source
-from shardwise.checkpoint.state import check_base
+from shardwise.checkpoint.refusals import check_base
 from shardwise.finetune import build_adapted
 from shardwise.finetune.lora import is_adapter_name
 from shardwise.models import build_on_meta

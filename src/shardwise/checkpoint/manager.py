@@ -18,15 +18,14 @@ import torch
 
 from shardwise.checkpoint import dcp_format, lineage, titan
 from shardwise.checkpoint import io as io
+from shardwise.checkpoint.refusals import every_rank, order_refusal
 from shardwise.checkpoint.state import (
     Local,
     adam_step,
     assign_writers,
     build_index,
-    every_rank,
     load_state,
     local_state,
-    order_refusal,
 )
 from shardwise.distributed import device as dev
 from shardwise.distributed.comm import ControlChannel

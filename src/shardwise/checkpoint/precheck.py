@@ -100,13 +100,13 @@ def _titan_fit(cfg: Config, spec: ModelSpec) -> bool:
 
 
 def _data_order(index: dict, cfg: Config, spec: ModelSpec, path: Path) -> str | None:
-    from shardwise.checkpoint.state import order_refusal
+    from shardwise.checkpoint.refusals import order_refusal
 
     return order_refusal(index, cfg, path)
 
 
 def _base(index: dict, cfg: Config, spec: ModelSpec, path: Path) -> str | None:
-    from shardwise.checkpoint.state import base_change
+    from shardwise.checkpoint.refusals import base_change
 
     return base_change(index, cfg, path)
 
@@ -122,7 +122,7 @@ def _meta_model(cfg: Config, spec: ModelSpec):
 def _model_fit(index: dict, cfg: Config, spec: ModelSpec, path: Path) -> str | None:
     """The refusal of a checkpoint whose saved parameters are not this model's (by name and
     full shape: the same in any layout)."""
-    from shardwise.checkpoint.state import mismatch_message
+    from shardwise.checkpoint.refusals import mismatch_message
     from shardwise.models.init import canonical_name
 
     saved = index.get("tensors", {})

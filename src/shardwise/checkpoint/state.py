@@ -9,7 +9,8 @@ layout (the format is in checkpoint_io; when to save and resume is in checkpoint
   replicated on several (data parallelism) by the least-loaded holder, largest first. So
   every rank writes only what it owns, in parallel, into its own file; nothing is gathered.
 * **Loading** (`load_state`) lists the same slices for the *current* layout and reads, from
-  the stored slices, exactly the elements each one needs.
+  the stored slices, exactly the elements each one needs; whether the checkpoint fits this run
+  at all is checkpoint/refusals.py's question.
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint import io as io
-from shardwise.checkpoint import lineage
+from shardwise.checkpoint.refusals import (
+    every_rank,
+    identity_problems,
+    mismatch_message,
+    run_identity,
+)
 from shardwise.distributed.comm import ControlChannel
 from shardwise.errors import CheckpointError
-from shardwise.models.families import family_of
 from shardwise.models.init import canonical_name, find_spec
 from shardwise.optim import MixedPrecisionAdamW, lr_at
 from shardwise.parallel.compress import PowerSGD
@@ -243,63 +248,6 @@ def build_index(run, step: int, owner: dict[io.Piece, int], adam: int) -> dict:
     }
 
 
-def run_identity(run) -> dict:
-    """What the saved weights mean something only with: the data's tokenizer and labels
-    (data/identity.py), and the `init_from` base a quantised run does not store."""
-    from shardwise.data import data_spec
-    from shardwise.data.identity import data_identity
-
-    cfg = run.cfg
-    spec = run.derived.spec
-    labelled = family_of(spec).classifier
-    out = {"data": data_identity(data_spec(cfg, spec.vocab_size, labelled), run.train_data)}
-    if cfg.model.init_from:
-        from shardwise.models.hf.weights import base_identity
-
-        out["base"] = base_identity(cfg.model.init_from)
-    return out
-
-
-def base_change(index: dict, cfg, path: Path) -> str | None:
-    """The refusal of a checkpoint whose quantised base (not stored: re-read from
-    `model.init_from` on resume and export) changed since it was saved; None if unchanged."""
-    saved = index.get("identity", {}).get("base")
-    if cfg.finetune.base_quant == "none" or not cfg.model.init_from or saved is None:
-        return None
-    from shardwise.models.hf.weights import base_identity
-
-    now = base_identity(cfg.model.init_from)
-    changed = sorted(n for n in saved.keys() | now.keys() if saved.get(n) != now.get(n))
-    if not changed:
-        return None
-    return (
-        f"checkpoint {path} holds adapters trained against the finetune.base_quant="
-        f"{cfg.finetune.base_quant} base read from model.init_from='{cfg.model.init_from}', "
-        f"whose files changed since ({', '.join(changed[:4])}): the base is not stored in the "
-        "checkpoint, so the adapters would be paired with another model. Fix: restore the "
-        "original weights in that folder, or start a new run from this base with "
-        "--checkpoint.resume=none and another --run.dir."
-    )
-
-
-def check_base(index: dict, cfg, path: Path) -> None:
-    """Raise `base_change`'s refusal, if any (an export merging a quantised base)."""
-    refusal = base_change(index, cfg, path)
-    if refusal:
-        raise CheckpointError(refusal)
-
-
-def _identity_problems(run, index: dict, path: Path) -> tuple[str | None, str | None]:
-    """(refusal, note) of resuming `index` in this run: another tokenizer, other labels or a
-    changed quantised base are refused; other data with the same tokenizer is noted."""
-    from shardwise.data.identity import compare_data
-
-    saved = index.get("identity", {})
-    now = run_identity(run)["data"]
-    refusal, note = compare_data(saved.get("data"), now, path, lineage.new_run(run.cfg))
-    return refusal or base_change(index, run.cfg, path), note
-
-
 # -- loading ------------------------------------------------------------------------------------
 def _source(index: dict, piece: io.Piece) -> str | None:
     """The stored tensor a slice is read from. fp32 values come from the masters when the
@@ -326,51 +274,6 @@ def _fit_problems(index: dict, locals_: list[Local]) -> list[tuple[str, str]]:
     return problems
 
 
-def order_refusal(index: dict, cfg, path: Path) -> str | None:
-    """The refusal of a checkpoint saved with another data order (global batch or seed)."""
-    data, t = index["loop"]["data"], cfg.train
-    if (data["global_batch"], data["seed"]) == (t.global_batch, t.seed):
-        return None
-    return (
-        f"checkpoint {path} was saved with train.global_batch={data['global_batch']} "
-        f"and train.seed={data['seed']}; this run has {t.global_batch} and {t.seed}, "
-        "which would change the data order. Fix: --train.global_batch="
-        f"{data['global_batch']} --train.seed={data['seed']}."
-    )
-
-
-def mismatch_message(path: Path, problems: list[tuple[str, str]], cfg, index: dict) -> str:
-    """One line: what of the checkpoint at `path` does not fit this run's model, and how to
-    start a new run instead (the model it was saved with named, when another)."""
-    parts = []
-    for kind, title in (
-        ("missing", "missing"),
-        ("shape", "of another shape"),
-        ("extra", "not in this model"),
-    ):
-        # parameters first: they say what differs; their optimizer state follows suit
-        items = sorted(
-            {text for k, text in problems if k == kind},
-            key=lambda t: (not t.startswith("param/"), t),
-        )
-        if items:
-            shown = ", ".join(items[:12]) + (", ..." if len(items) > 12 else "")
-            parts.append(f"{len(items)} {title}: {shown}")
-    was = index.get("config", {}).get("model", {}).get("name")
-    names = f" (saved by model.name={was!r}; this run has {cfg.model.name!r})"
-    return (
-        f"checkpoint {path}{names if was and was != cfg.model.name else ''} does not fit this "
-        f"model: {'; '.join(parts)}. Fix: resume with the model config it was saved with (see "
-        f"{path / io.INDEX}), or start a new run with {lineage.new_run(cfg)}."
-    )
-
-
-def every_rank(exc: CheckpointError) -> CheckpointError:
-    """Mark a failure every rank raises alike: only rank 0 prints it (launchers/local.py)."""
-    exc.every_rank = True
-    return exc
-
-
 def _restorable(index: dict, run, own: list[Local]) -> bool:
     """Whether this rank's own state (`_per_rank`) can be read back: saved by the same layout
     (rank r then is the same place in the mesh) with the same shapes."""
@@ -391,7 +294,7 @@ def load_state(run, path: Path, index: dict, channel: ControlChannel) -> str | N
     own = [lo for lo in locals_ if lo.piece.key.startswith(PER_RANK)]
     locals_ = [lo for lo in locals_ if not lo.piece.key.startswith(PER_RANK)]
     names = {lo.piece.key for lo in locals_ if lo.piece.key.startswith("param/")}
-    refusal, changed = _identity_problems(run, index, path)
+    refusal, changed = identity_problems(run, index, path)
     gathered = channel.all_gather(
         (_fit_problems(index, locals_), names, _restorable(index, run, own), bool(own), refusal)
     )

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint import io as io
-from shardwise.checkpoint.state import PER_RANK, Local, every_rank, finish_load, local_state
+from shardwise.checkpoint.refusals import every_rank
+from shardwise.checkpoint.state import PER_RANK, Local, finish_load, local_state
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.models.dcp import from_meta_rope, is_dcp, tensor_sizes, titan_name
 

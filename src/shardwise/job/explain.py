@@ -41,6 +41,7 @@ def ep_note(d: Derived, record: dict) -> str:
 
 
 def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) -> dict:
+    """Every derived value of `cfg` on `world` ranks and the planner's prediction for it."""
     d = derive(cfg, world)
     hw = hardware or detect_hardware()
     n, pred = predict_config(cfg, d, hw)
@@ -81,11 +82,24 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
         or {"dp": 0.0, "tp": 0.0, "pp": 0.0},
         "comm_calls": pred.get("comm_calls", {"dp": 0, "tp": 0, "pp": 0}),
     }
+    record.update(_predicted_extras(cfg, d, pred))
+    if d.ep > 1:  # parallel/expert.py: the experts' share of the model states per rank
+        record["expert_mem_bytes"] = pred.get("expert_mem_bytes", {})
+    warnings = _warnings(cfg, d, hw, record)
+    if any(warnings):
+        record["warnings"] = [w for w in warnings if w]
+    return record
+
+
+def _predicted_extras(cfg: Config, d: Derived, pred: dict) -> dict:
+    """What the prediction adds where it applies: disk traffic (optim/nvme.py), the step
+    time and MFU, and the per-rank state each checkpoint holds."""
+    out = {}
     mem_b = pred["mem_bytes"]
     if mem_b.get("disk_optimizer") or mem_b.get("disk_params"):  # optim/nvme.py, per step:
         # the state read and written once, each slice read for every gather
         gathers = 2 * d.micro_batches if cfg.parallel.zero == 3 else 0
-        record["disk_bytes_per_step"] = 2 * mem_b.get("disk_optimizer", 0) + gathers * mem_b.get(
+        out["disk_bytes_per_step"] = 2 * mem_b.get("disk_optimizer", 0) + gathers * mem_b.get(
             "disk_params", 0
         )
     for key in (
@@ -98,12 +112,17 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
         "time",
     ):
         if key in pred:
-            record[key] = pred[key]
+            out[key] = pred[key]
     # PowerSGD's per-rank state in each checkpoint (checkpoint/state.py): its error memory is
     # at most the fp32 size of the gradients this rank reduces, Q and the stream are small
     if cfg.parallel.grad_compression == "powersgd" and d.dp > 1 and cfg.checkpoint.per_rank_state:
         elements = mem_b.get("grads", 0) / BYTES[cfg.precision.reduce]
-        record["checkpoint_per_rank_bytes"] = int(4 * elements)
+        out["checkpoint_per_rank_bytes"] = int(4 * elements)
+    return out
+
+
+def _warnings(cfg: Config, d: Derived, hw: Hardware, record: dict) -> list[str | None]:
+    """The notes explain prints beside the numbers (None: a check that found nothing)."""
     warnings = [
         cpu_precision_warning(cfg.precision.compute, hw),
         alignment_warning(d.spec, cfg.precision.compute, hw, d.tp),
@@ -120,8 +139,7 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
             "Ulysses' all-to-alls exposed: time.cp_exposed_s). Not priced: the cp group's "
             "communicator buffers."
         )
-    if d.ep > 1:  # parallel/expert.py: the experts' share of the model states per rank
-        record["expert_mem_bytes"] = pred.get("expert_mem_bytes", {})
+    if d.ep > 1:
         warnings.append(ep_note(d, record))
     if cfg.parallel.grad_compression != "none" and d.dp * d.cp == 1:
         warnings.append(
@@ -133,9 +151,7 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
             "shardwise: optim.name=paged_adamw8bit pages its state to host memory on a GPU "
             "(CUDA unified memory); on a CPU it has nothing to page to and runs as adamw8bit."
         )
-    if any(warnings):
-        record["warnings"] = [w for w in warnings if w]
-    return record
+    return warnings
 
 
 def parameter_counts(cfg: Config, spec) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardwise.config import Config
+from shardwise.config import Config, ModelConfig
 from shardwise.data.callables import is_import_path
 from shardwise.errors import ConfigError
 from shardwise.models.presets import PRESETS, RESNET_ARCHS, ModelSpec, preset
@@ -34,6 +34,23 @@ def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> Mode
             "--model.name=mymodels.net:build)."
         )
     spec = preset(m.name)
+    overrides = _size_overrides(m, spec)
+    if m.tie_embeddings != "preset":
+        overrides["tie_embeddings"] = m.tie_embeddings == "true"
+    overrides.update(_dropouts(m, spec))
+    if spec.arch.startswith("resnet") and overrides:
+        raise ConfigError(
+            f"model.{next(iter(overrides))} does not apply to model.name='{m.name}'"
+            " (a ResNet). Fix: remove it, or use a transformer model."
+        )
+    _heads_and_vocab(m, spec, overrides)
+    overrides.update(_moe(cfg, spec))
+    spec = dataclasses.replace(spec, **overrides)
+    return _with_checkpoint_sizes(spec, m) if m.init_from else spec
+
+
+def _size_overrides(m: ModelConfig, spec: ModelSpec) -> dict[str, object]:
+    """The preset's sizes that model.* overrides (0: keep the preset's), checked positive."""
     overrides = {
         k: getattr(m, k)
         for k in (
@@ -58,8 +75,12 @@ def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> Mode
         # a wider preset keeps its MLP ratio (a "1.3B" GPT-2 scaled by model.dim alone would
         # keep the small MLP and come out far smaller)
         overrides["ffn_dim"] = spec.ffn_dim * overrides["dim"] // spec.dim
-    if m.tie_embeddings != "preset":
-        overrides["tie_embeddings"] = m.tie_embeddings == "true"
+    return overrides
+
+
+def _dropouts(m: ModelConfig, spec: ModelSpec) -> dict[str, float]:
+    """model.dropout and model.attn_dropout as spec overrides, where they apply."""
+    overrides = {}
     for key in ("dropout", "attn_dropout"):
         value = getattr(m, key)
         if not 0.0 <= value < 1.0:
@@ -75,11 +96,12 @@ def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> Mode
             )
         if value:
             overrides[key] = value
-    if spec.arch.startswith("resnet") and overrides:
-        raise ConfigError(
-            f"model.{next(iter(overrides))} does not apply to model.name='{m.name}'"
-            " (a ResNet). Fix: remove it, or use a transformer model."
-        )
+    return overrides
+
+
+def _heads_and_vocab(m: ModelConfig, spec: ModelSpec, overrides: dict[str, object]) -> None:
+    """Check and complete `overrides` in place: the kv heads a head count keeps, the
+    head width's field name, a vocabulary that holds the byte-level BPE."""
     if "n_heads" in overrides and "n_kv_heads" not in overrides:
         heads, kv = overrides["n_heads"], spec.n_kv_heads
         if heads % kv:
@@ -98,27 +120,29 @@ def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> Mode
             "bytes of the byte-level BPE plus its end-of-text token. Fix: "
             "--model.vocab_size=4096 (or 0 for the preset's)."
         )
-    overrides.update(_moe(cfg, spec))
-    spec = dataclasses.replace(spec, **overrides)
-    if m.init_from:
-        if not spec.is_transformer:
-            what = (
-                "a ResNet"
-                if spec.arch in RESNET_ARCHS
-                else "transformers' class built from a config of its own, with no weights"
-            )
-            raise ConfigError(
-                f"model.init_from loads a checkpoint into one of shardwise's decoders, and "
-                f"model.name='{m.name}' is {what}. Fix: --model.name=tiny (Llama) or gpt2-tiny "
-                "(GPT-2), or --model.name=hf to train transformers' own class of the checkpoint."
-            )
-        from shardwise.models.dcp import check_dcp, is_dcp
-        from shardwise.models.hf.weights import adapt_spec
 
-        if is_dcp(m.init_from):  # no config inside: the shape is the config's
-            check_dcp(spec, m.init_from)
-        else:
-            spec = adapt_spec(spec, m, m.init_from)
+
+def _with_checkpoint_sizes(spec: ModelSpec, m: ModelConfig) -> ModelSpec:
+    """`spec` with the sizes of the checkpoint model.init_from names (a DCP one is checked
+    against the config instead: it holds no config)."""
+    if not spec.is_transformer:
+        what = (
+            "a ResNet"
+            if spec.arch in RESNET_ARCHS
+            else "transformers' class built from a config of its own, with no weights"
+        )
+        raise ConfigError(
+            f"model.init_from loads a checkpoint into one of shardwise's decoders, and "
+            f"model.name='{m.name}' is {what}. Fix: --model.name=tiny (Llama) or gpt2-tiny "
+            "(GPT-2), or --model.name=hf to train transformers' own class of the checkpoint."
+        )
+    from shardwise.models.dcp import check_dcp, is_dcp
+    from shardwise.models.hf.weights import adapt_spec
+
+    if is_dcp(m.init_from):  # no config inside: the shape is the config's
+        check_dcp(spec, m.init_from)
+    else:
+        spec = adapt_spec(spec, m, m.init_from)
     return spec
 
 

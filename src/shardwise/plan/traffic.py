@@ -5,7 +5,7 @@ they take is plan/time.py's."""
 
 from __future__ import annotations
 
-from shardwise.finetune.quant import gather_steps
+from shardwise.finetune.quant_shards import gather_steps
 from shardwise.models.families import family_of
 from shardwise.plan import memory as mem
 from shardwise.plan import peers

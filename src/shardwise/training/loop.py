@@ -18,7 +18,7 @@ from shardwise.distributed.clock import clock
 from shardwise.errors import CheckpointError
 from shardwise.models import build_on_meta
 from shardwise.models.dropout import random_stream, samples
-from shardwise.optim import lr_at
+from shardwise.optim import StepResult, lr_at
 from shardwise.parallel.compile import compile_summary
 from shardwise.parallel.data import sync_buffers
 from shardwise.profile import ledger
@@ -159,10 +159,9 @@ def _steps(run: Run, start: int, loop: _Loop) -> tuple[list[dict], int]:
     """The training steps from `start`; returns their records and the stop signal that ended
     them early (0: none)."""
     cfg, d, model, device = run.cfg, run.derived, run.model, run.info.device
-    ckpt, logger, guard, stop, capture, fetch = (
-        loop.ckpt, loop.logger, loop.guard, loop.stop, loop.capture, loop.fetch,
+    ckpt, logger, guard, capture, fetch = (
+        loop.ckpt, loop.logger, loop.guard, loop.capture, loop.fetch,
     )  # fmt: skip
-    step_flops, peak = loop.step_flops, loop.peak
     clk = clock()
     per_step = cfg.train.global_batch * d.tokens_per_sample  # the loss normaliser, unless
     counted = getattr(run.train_data, "targets_in", None)  # only some tokens are targets
@@ -206,58 +205,21 @@ def _steps(run: Run, start: int, loop: _Loop) -> tuple[list[dict], int]:
             sync_buffers(model, run.comm)
             dev.synchronize(run.info)
         step_time = time.perf_counter() - t0
-        # log: bookkeeping collectives are counted apart from the step's traffic
-        comm = run.comm.take_step()
-        mem = step_memory(model_state_bytes(model, run.reducer, run.optimizer), act_peak)
-        device_peak = dev.peak_memory(run.info)
-        if device_peak is not None:
-            mem["device_peak"] = device_peak
-        mem["stop_signal"] = stop.signum  # a signal on any rank stops all of them here
-        mem = _max_over_ranks(run, mem)
-        signum = mem.pop("stop_signal")
-        tokens_per_s = d.tokens_per_step / step_time
-        record = {
-            "step": step + 1,
-            "loss": result.loss,
-            "grad_norm": result.grad_norm,
-            "lr": lr,
-            "tokens": d.tokens_per_step * (step + 1),
-            "step_time_s": step_time,
-            "tokens_per_s": tokens_per_s,
-            "mfu": step_flops / step_time / (peak * d.world) if peak else None,
-            "mem_bytes": mem,
-            **comm,  # comm_bytes, comm_calls, comm_wait_s
-            "skipped": result.skipped,
-            "loss_scale": scale,
-            "time": time.time(),  # when the step ended (unix s): gaps between steps show
-        }
+        # log: one record, its memory and any stop signal taken over all ranks
+        record, signum = _record(run, loop, step, lr, result, step_time, act_peak, scale)
         record.update(moe)  # moe_load_max_mean, moe_dropped, moe_aux_loss (MoE models)
         if result.skipped:  # which tensors / ranks (the guard pools every rank's view)
             record["nonfinite"] = guard.diagnose(local_loss, result.nonfinite)
         if run.pipeline is not None:
             record["pipeline"] = run.pipeline.report(device)
         if cfg.train.compile != "false" and step == start:  # what compiling did, once
-            record["compile"] = compile_summary()
-            if run.topo.rank == 0:
-                c = record["compile"]
-                print(
-                    f"shardwise: compiled blocks: {c['graphs']} graph(s), "
-                    f"{c['graph_breaks']} graph break(s) {c['break_reasons'] or ''}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            _note_compile(run, record)
         # maybe checkpoint (async: a host snapshot only); always when told to stop. Before
         # evaluating: a failure there must not cost the step's checkpoint
         with clk.phase("checkpoint"):
             last = loop.save_last and step + 1 == cfg.train.steps
             ckpt.maybe_save(step + 1, record, force=bool(signum) or last)
-        eval_every = cfg.train.eval_every
-        if (
-            run.val_data is not None
-            and cfg.train.eval_batches
-            and not signum  # told to stop: saved, and leaving
-            and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == cfg.train.steps)
-        ):
+        if not signum and _eval_due(run, step):  # told to stop: saved, and leaving
             with clk.phase("eval"):
                 record.update(evaluate(run))
         if clk.on:  # from the end of the last step's ledger (its log line) to here
@@ -271,6 +233,72 @@ def _steps(run: Run, start: int, loop: _Loop) -> tuple[list[dict], int]:
             return records, signum
         guard.check(step + 1, record, scale)  # stops after train.max_skipped_steps in a row
     return records, 0
+
+
+def _record(
+    run: Run,
+    loop: _Loop,
+    step: int,
+    lr: float,
+    result: StepResult,
+    step_time: float,
+    act_peak: int,
+    scale: float,
+) -> tuple[dict, int]:
+    """The step's metrics record (memory as the max over ranks) and the stop signal any rank
+    received (0: none)."""
+    d = run.derived
+    # bookkeeping collectives are counted apart from the step's traffic
+    comm = run.comm.take_step()
+    mem = step_memory(model_state_bytes(run.model, run.reducer, run.optimizer), act_peak)
+    device_peak = dev.peak_memory(run.info)
+    if device_peak is not None:
+        mem["device_peak"] = device_peak
+    mem["stop_signal"] = loop.stop.signum  # a signal on any rank stops all of them here
+    mem = _max_over_ranks(run, mem)
+    signum = mem.pop("stop_signal")
+    tokens_per_s = d.tokens_per_step / step_time
+    record = {
+        "step": step + 1,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "lr": lr,
+        "tokens": d.tokens_per_step * (step + 1),
+        "step_time_s": step_time,
+        "tokens_per_s": tokens_per_s,
+        "mfu": loop.step_flops / step_time / (loop.peak * d.world) if loop.peak else None,
+        "mem_bytes": mem,
+        **comm,  # comm_bytes, comm_calls, comm_wait_s
+        "skipped": result.skipped,
+        "loss_scale": scale,
+        "time": time.time(),  # when the step ended (unix s): gaps between steps show
+    }
+    return record, signum
+
+
+def _note_compile(run: Run, record: dict) -> None:
+    """Record what compiling the blocks did (the first step), and say it on rank 0."""
+    record["compile"] = compile_summary()
+    if run.topo.rank == 0:
+        c = record["compile"]
+        print(
+            f"shardwise: compiled blocks: {c['graphs']} graph(s), "
+            f"{c['graph_breaks']} graph break(s) {c['break_reasons'] or ''}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _eval_due(run: Run, step: int) -> bool:
+    """Whether the held-out loss is measured after `step`: every train.eval_every steps and
+    after the last."""
+    cfg = run.cfg
+    eval_every = cfg.train.eval_every
+    return bool(
+        run.val_data is not None
+        and cfg.train.eval_batches
+        and ((eval_every and (step + 1) % eval_every == 0) or step + 1 == cfg.train.steps)
+    )
 
 
 def _max_over_ranks(run: Run, mem: dict[str, int]) -> dict[str, int]:

@@ -24,7 +24,8 @@ from shardwise.distributed.topology import Topology, build_topology
 from shardwise.distributed.watchdog import Watchdog, start_watchdog
 from shardwise.errors import ConfigError
 from shardwise.finetune import build_adapted
-from shardwise.finetune.quant import materialise_quantised, split_dims
+from shardwise.finetune.quant import materialise_quantised
+from shardwise.finetune.quant_shards import split_dims
 from shardwise.models import init_weights, to_empty
 from shardwise.models.hf.auto import weights_for
 from shardwise.models.hf.weights import load_weights
@@ -306,7 +307,7 @@ def _build(
     ep = expert_parallel_of(model, comm)
     if quantised:  # every rank quantises the values an unquantised run would start from
         source = weights_for(spec, cfg.model.init_from, model)
-        # 1/dp each under ZeRO-3, and 1/tp each (dp outer: finetune/quant.split_index)
+        # 1/dp each under ZeRO-3, and 1/tp each (dp outer: finetune/quant_shards.split_index)
         split = split_dims(topo.size("dp"), topo.size("tp"), cfg.parallel.zero)
         materialise_quantised(model, source, cfg.train.seed, info.device, comm, split)
     if isinstance(reducer, ZeroEngine):
