@@ -152,6 +152,7 @@ def test_jsonl_json_and_parquet_with_text_field(tmp_path: Path) -> None:
         f.writelines(json.dumps(r) + "\n" for r in rows[:15])
     (tmp_path / "d" / "b.json").write_text(json.dumps(rows[15:25]))
     pq.write_table(pa.Table.from_pylist(rows[25:]), tmp_path / "d" / "c.parquet")
+    (tmp_path / "d" / "e.jsonl").write_text("")  # empty: no rows, like an empty .txt
     for dataset in (tmp_path / "d", str(tmp_path / "d" / "*.parquet")):
         spec = _spec(tmp_path, dataset, text_field="body", val_fraction=0.1)
         for split in ("train", "val"):
@@ -201,6 +202,10 @@ def test_content_errors(tmp_path: Path) -> None:
     _raises(_spec(tmp_path, tmp_path / "bad.jsonl"), "bad.jsonl' cannot be read as JSON")
     (tmp_path / "bad.parquet").write_bytes(b"garbage, not parquet")
     _raises(_spec(tmp_path, tmp_path / "bad.parquet"), "cannot be read as Parquet")
+    (tmp_path / "blank").mkdir()  # empty records files hold no rows, as empty .txt files
+    (tmp_path / "blank" / "a.jsonl").write_text("")
+    (tmp_path / "blank" / "b.csv").write_text("\n \n")
+    _raises(_spec(tmp_path, tmp_path / "blank"), "holds no text (0 documents or 0 characters)")
     (tmp_path / "nums.jsonl").write_text('{"text": 3}\n')
     _raises(_spec(tmp_path, tmp_path / "nums.jsonl"), "holds a value of type int in row 0")
 

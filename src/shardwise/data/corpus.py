@@ -340,6 +340,8 @@ def iter_column(
     objects at once (a multi-GB JSON lines file is never held whole)."""
     import tempfile
 
+    if _blank(path):  # no rows, as an empty .txt holds no document (datasets cannot parse it)
+        return
     # The arrow copy is only needed while we read it; keep it out of ~/.cache/huggingface.
     with tempfile.TemporaryDirectory(prefix="shardwise-hf-") as tmp:
         column = _arrow_column(path, builder, text_field, key, tmp)
@@ -349,6 +351,12 @@ def iter_column(
             except Exception as exc:  # Arrow keeps bytes that are not UTF-8 until this
                 raise _unreadable(path, builder, exc) from exc
             yield from values
+
+
+def _blank(path: Path) -> bool:
+    """Whether the file holds nothing but white space (read only when it is small)."""
+    size = path.stat().st_size
+    return size == 0 or (size <= 4096 and not path.read_bytes().strip())
 
 
 def _arrow_column(path: Path, builder: str, text_field: str, key: str, tmp: str):
