@@ -93,9 +93,16 @@ def test_block_formula_matches_the_engine_accounting(name, precision, mode):
     assert predicted == _meter_bytes(spec, mode, dtype, b, s)
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2-tiny", "7b", "70b"])
+@pytest.mark.parametrize(
+    "name", ["tiny", "gpt2-tiny", "7b", "70b", "hf-llama-tiny", "hf-gpt2-tiny"]
+)
 @pytest.mark.parametrize("tied", [False, True])
 def test_analytic_units_are_the_engine_units(name, tied):
+    """Unit by unit, each parameter's size in module order; transformers' classes from the
+    hf-* presets too (the embedding, GPT-2's position table, each decoder layer, the final
+    norm and the head apart; Llama's norms after its linears, GPT-2's fused q|k|v)."""
+    if name.startswith("hf-"):
+        pytest.importorskip("transformers")
     spec = preset(name, tie_embeddings=tied)
     with torch.device("meta"):
         real = model_units(build_model(spec) if name not in ("7b", "70b") else _two_blocks(spec))
@@ -105,19 +112,47 @@ def test_analytic_units_are_the_engine_units(name, tied):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_analytic_units_hold_transformers_llama_presets_parameters(tied):
-    """transformers' LlamaForCausalLM from a preset: every parameter's size in module order
-    (gate, up and down projections; both norms after the linears). The engine makes its
-    LlamaModel one ZeRO unit (tests/test_zero.py), so the order is compared across units."""
+def test_transformers_llama_presets_matmul_parameters(tied):
+    """MFU's matmul parameters of transformers' LlamaForCausalLM from a preset: all but the
+    untied embedding table (a tied head counts)."""
     pytest.importorskip("transformers")
     spec = preset("hf-llama-tiny", n_layers=2, tie_embeddings=tied)
     with torch.device("meta"):
         real = model_units(build_model(spec))
-    analytic = [e[:2] for u in units(spec) for _ in range(u.count) for e in u.entries]
-    assert [e[:2] for u in real for e in u.entries] == analytic
-    # MFU's matmul parameters: all but the untied embedding table (a tied head counts)
     lookup = 0 if tied else spec.vocab_size * spec.dim
     assert non_embedding_params(spec) == sum(u.numel for u in real) - lookup
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_checkpoints_units_are_the_planned_ones(tmp_path, kind, tied):
+    """A Llama or GPT-2 checkpoint (model.name=hf: transformers' class) is cut into the units
+    `plan --model DIR/config.json` lists (our decoder's or GPT-2's shapes): embedding (GPT-2:
+    position table), each layer, final norm, head (none when tied), each unit of as many
+    elements, so of the same padded bytes (transformers orders a layer's tensors otherwise
+    and fuses GPT-2's q|k|v, which moves no element between units)."""
+    transformers = pytest.importorskip("transformers")
+    from shardwise.models import ModelSpec
+    from shardwise.plan.shapes import spec_from_hf_config
+
+    shape = dict(vocab_size=96, max_position_embeddings=64, tie_word_embeddings=tied)
+    if kind == "llama":
+        config = transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=88,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **shape,
+        )
+    else:
+        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **shape)
+    config.save_pretrained(tmp_path)  # the config alone: a meta build reads no weights
+    spec = spec_from_hf_config(str(tmp_path / "config.json"))
+    with torch.device("meta"):
+        real = model_units(build_model(ModelSpec("hf", source=str(tmp_path))))
+    assert [u.numel for u in real] == [u.numel for u in units(spec) for _ in range(u.count)]
+    assert len(real) == 2 + 2 + (not tied) + (kind == "gpt2")
 
 
 def _two(spec):

@@ -3,11 +3,12 @@
 One spawned world per size runs every case."""
 
 import warnings
+from pathlib import Path
 
 import pytest
 
 from shardwise.launchers.harness import run_named, run_named_worlds
-from support.compare import SMALL, VOCAB, case, max_param_diff, max_rel
+from support.compare import SMALL, VOCAB, assert_reproduces, case, max_param_diff, max_rel
 
 pytestmark = pytest.mark.slow
 
@@ -54,10 +55,11 @@ for _z in (0, 2, 3):  # unused parameters with accumulation: compared with DP's 
 for _z in (0, 1, 2, 3):
     WORLD2[f"z{_z}_frozen"] = case(f"--parallel.zero={_z}", *FROZEN)
     WORLD2[f"z{_z}_unused"] = {**case(f"--parallel.zero={_z}", "--train.steps=10"), "hook": UNUSED}
-# transformers' classes built from a preset: their top-level child (LlamaModel, GPT2Model) is
-# one unit and returns a ModelOutput, not a tensor; LoRA splits each unit in two (GPT-2's
-# head is tied, so its backward gathers that unit anyway; Llama's is not). Six steps: a unit
-# not re-gathered after the optimizer step drifts from the second step on.
+# transformers' classes built from a preset: cut where the planner cuts them (embedding,
+# GPT-2's position table, each decoder layer, final norm, head), returning a ModelOutput, not
+# a tensor; LoRA splits each unit in two (GPT-2's head is tied, so its backward gathers the
+# embedding's unit anyway; Llama's is not). Six steps: a unit not re-gathered after the
+# optimizer step drifts from the second step on.
 HF = {
     "hf_llama": ("--model.name=hf-llama-tiny", "--train.steps=6"),
     "hf_gpt2": ("--model.name=hf-gpt2-tiny", "--train.steps=6"),
@@ -72,12 +74,43 @@ for _name, _args in HF.items():
     WORLD1[f"ref_{_name}"] = case(*_args)
     WORLD1[f"z3_{_name}"] = case(*_args, "--parallel.zero=3")
     WORLD2[f"z3_{_name}"] = case(*_args, "--parallel.zero=3")
+for _z in (1, 2):  # the same units are ZeRO-1/2's flat buffers and reduce-scatters
+    WORLD2[f"z{_z}_hf_llama"] = case(*HF["hf_llama"], f"--parallel.zero={_z}")
 WORLD4 = zero_cases("--train.micro_batch=1")
 
 
+def _llama_checkpoint(root: Path) -> list[str]:
+    """A tiny Llama checkpoint (random weights, save_pretrained) as model.name=hf overrides:
+    SMALL without the shape the checkpoint sets, its vocabulary the data's BPE."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(root)
+    small = [o for o in SMALL if not o.startswith(("--model.n_layers", "--model.vocab_size"))]
+    hf = ["--model.name=hf", f"--model.init_from={root}", "--data.tokenizer=bpe"]
+    return [*small, *hf, "--train.steps=6"]
+
+
 @pytest.fixture(scope="module")
-def worlds():
-    return run_named_worlds({1: WORLD1, 2: WORLD2, 4: WORLD4})
+def llama_ckpt(tmp_path_factory) -> list[str]:
+    return _llama_checkpoint(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def worlds(llama_ckpt):
+    one = {**WORLD1, "ref_hf_ckpt": {"overrides": llama_ckpt}}
+    two = {**WORLD2, "z3_hf_ckpt": {"overrides": [*llama_ckpt, "--parallel.zero=3"]}}
+    return run_named_worlds({1: one, 2: two, 4: WORLD4})
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
@@ -107,6 +140,62 @@ def test_zero3_on_a_model_returning_a_model_output(worlds, nproc, name):
     assert max_param_diff(got[0]["params"], ref["params"]) <= 1e-5
     for other in got[1:]:
         assert max_param_diff(other["params"], got[0]["params"]) == 0.0
+
+
+# transformers' Llama and GPT-2 presets and a Llama checkpoint on two ranks
+HF_UNITS = ["z1_hf_llama", "z2_hf_llama", "z3_hf_llama", "z3_hf_gpt2", "z3_hf_ckpt"]
+
+
+def _overrides(name: str, llama_ckpt: list[str]) -> list[str]:
+    """The overrides of two-rank case `name` (the checkpoint's are made by its fixture)."""
+    if name == "z3_hf_ckpt":
+        return [*llama_ckpt, "--parallel.zero=3"]
+    return WORLD2[name]["overrides"]
+
+
+@pytest.mark.parametrize("name", HF_UNITS)
+def test_transformers_models_reproduce_one_process(worlds, name):
+    """Losses, gradient norms and every rank's parameters within 1e-5 of one process's."""
+    ref = worlds[1]["ref_" + name.split("_", 1)[1]][0]
+    assert_reproduces(name, worlds[2][name], ref)
+
+
+@pytest.mark.parametrize("name", HF_UNITS)
+def test_transformers_models_are_cut_into_the_planners_units(worlds, llama_ckpt, name):
+    """The engine's units are the planner's (plan/shapes.units; a checkpoint's from its
+    config.json): the embedding, GPT-2's position table, each layer, the final norm and the
+    head (none when tied) apart, so ZeRO-3 holds at most two of them gathered at a time, and
+    a tied embedding's besides from the head's forward until its gradient is reduced, as for
+    our decoder (it held the embedding, every layer and the norm as one unit)."""
+    from shardwise.config import load_config
+    from shardwise.plan.shapes import spec_from_hf_config, units
+    from shardwise.training.validate import model_spec
+
+    cfg = load_config(None, _overrides(name, llama_ckpt))
+    spec = model_spec(cfg)
+    if cfg.model.init_from:  # priced as `plan --model DIR/config.json` prices it
+        spec = spec_from_hf_config(f"{cfg.model.init_from}/config.json")
+    planned = [u.numel for u in units(spec) for _ in range(u.count)]
+    z = worlds[2][name][0]["zero"]
+    assert z["unit_bytes"] == [4 * -(-n // 2) * 2 for n in planned]  # fp32, padded to dp 2
+    if name.startswith("z3"):
+        tied = z["unit_bytes"][0] if spec.tie_embeddings else 0
+        assert 0 < z["peak_gathered"] <= sum(sorted(z["unit_bytes"])[-2:]) + tied, z
+
+
+@pytest.mark.parametrize("name", HF_UNITS)
+def test_explain_predicts_transformers_models_exactly(worlds, llama_ckpt, name):
+    """explain's model states and buffers (the gathered units and the step's temporary flat
+    buffers) equal the measured bytes."""
+    from shardwise.config import load_config
+    from shardwise.job.explain import explain_record
+    from shardwise.plan.hardware import get_hardware
+
+    cfg = load_config(None, _overrides(name, llama_ckpt))
+    pred = explain_record(cfg, 2, get_hardware("cpu", calibrate=False))["mem_bytes"]
+    got = worlds[2][name][0]["records"][-1]["mem_bytes"]
+    for key in ("params", "grads", "master", "optimizer", "buffers"):
+        assert pred[key] == got[key], (key, pred, got)
 
 
 def test_zero3_hooks_raise_no_torch_warning():

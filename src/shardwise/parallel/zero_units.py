@@ -39,12 +39,13 @@ def _top_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _block_roots(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
-    """A transformers model (model.name=hf): a root at each instance of its repeated block
-    class (`_no_split_modules`, e.g. BertLayer) wherever it sits, and at every other maximal
-    subtree owning parameters (embeddings, final norm, pooler, head)."""
+    """A transformers model (model.name=hf, the hf-* presets: the family's `zero_units`): a
+    root at each instance of its repeated block class (`_no_split_modules`, e.g.
+    LlamaDecoderLayer, BertLayer) wherever it sits, and at every other maximal subtree owning
+    parameters (embeddings, final norm, pooler, head)."""
     spec = find_spec(model)
     blocks = set(getattr(model, "_no_split_modules", None) or ())
-    if spec is None or not family_of(spec).from_checkpoint or not blocks:
+    if spec is None or family_of(spec).zero_units != "blocks" or not blocks:
         return None
 
     def holds_block(module: nn.Module) -> bool:

@@ -48,7 +48,7 @@ def split_trainable(us: list[Unit]) -> list[Unit]:
     return out
 
 
-def _linear(fan_in: int, fan_out: int, bias: bool, name: str = "") -> list[Entry]:
+def _linear(fan_in: int, fan_out: int, bias: bool, name: str | tuple = "") -> list[Entry]:
     return [(fan_in * fan_out, True, name)] + ([(fan_out, True)] if bias else [])
 
 
@@ -66,12 +66,17 @@ def _kv_width(spec: ModelSpec, tp: int) -> int:
 
 def block_entries(spec: ModelSpec, tp: int = 1) -> list[Entry]:
     """One block's parameters in module order (attn_norm, wq, wk, wv, wo, mlp_norm, w1[, w3],
-    w2; both norms last where the family registers them so). Biases of row-parallel layers
-    (wo, w2) are replicated, column-parallel ones split."""
+    w2; both norms last where the family registers them so; q, k and v one tensor where the
+    family fuses them). Biases of row-parallel layers (wo, w2) are replicated, column-parallel
+    ones split."""
     block = family_of(spec).block
     h, hd, bias = spec.dim, spec.head_dim, block.biases
     q, kv, f = spec.n_heads * hd // tp, _kv_width(spec, tp), spec.ffn_dim // tp
-    attn = _linear(h, q, bias, "wq") + _linear(h, kv, bias, "wk") + _linear(h, kv, bias, "wv")
+    if block.fused_qkv:  # one matrix and one bias; tp splits each third alike. Tagged by its
+        # (out, in) shape, as a real model's entries are (plan/compression.matrix reads it)
+        attn = _linear(h, q + 2 * kv, bias, (q + 2 * kv, h))
+    else:
+        attn = _linear(h, q, bias, "wq") + _linear(h, kv, bias, "wk") + _linear(h, kv, bias, "wv")
     attn += [(q * h, True, "wo")] + ([(h, True)] if bias else [])
     mlp = _linear(h, f, bias, "w1")
     if block.gated_mlp:

@@ -15,8 +15,8 @@ from shardwise.models.presets import ModelSpec
 class BlockShape:
     """How the planner's formulas see one block: the parts in which our decoders differ
     (models/decoder.py). A family whose blocks the formulas do not model keeps all False;
-    transformers' Llama preset is our decoder's block (its units and GEMMs), its
-    activations measured."""
+    transformers' Llama and GPT-2 presets are our decoders' blocks (their units and GEMMs),
+    their activations measured."""
 
     gated_mlp: bool = False  # SwiGLU: gate, up and down projections (Shazeer 2020); else GELU
     rotary: bool = False  # RoPE on q and k (Su et al. 2021)
@@ -27,6 +27,8 @@ class BlockShape:
     # the two norms registered after the linears (transformers' LlamaDecoderLayer), which
     # puts them last in the block's ZeRO unit; ours register each norm before its sub-layer
     norms_last: bool = False
+    # q, k and v as one matrix and one bias (GPT-2's Conv1D `c_attn`): one tensor in the unit
+    fused_qkv: bool = False
 
 
 Recompute = Literal["plans", "checkpoint_blocks", "containers"]
@@ -68,6 +70,13 @@ class Family:
     # its MoE layers take an expert exchange (parallel/expert.py): parallel.ep shards experts
     expert_parallel: bool = False
     recompute: Recompute = "plans"
+    # how ZeRO cuts it into units (parallel/zero_units.py): "children" at the top-level
+    # children and the blocks of a repeated container (our decoders: embed, blocks.N, norm,
+    # head); "blocks" at each instance of transformers' repeated block class
+    # (`_no_split_modules`) and at every other maximal subtree owning parameters (embedding,
+    # each layer, final norm, head: the planner's units, as FSDP2/torchtitan wrap them), so
+    # ZeRO-3 never holds the embedding through the whole forward
+    zero_units: Literal["children", "blocks"] = "children"
     # precision.fp8: whether the nn.Linear of this name converts to FP8 (the blocks'
     # projections; embedding, head, norms and routers keep their dtype); None: FP8 training
     # of this family is not tested, and refused (parallel/fp8.py)

@@ -42,6 +42,7 @@ HF_CAUSAL_LM = Family(
     tensor_parallel="checkpoint",
     pipeline="checkpoint",
     recompute="checkpoint_blocks",
+    zero_units="blocks",  # at its repeated block class (`_no_split_modules`)
     # Llama-style attention: RoPE from position_ids, attention through transformers' registry
     # with the plain 1/sqrt(D) scale (parallel/context_hf.py)
     context_parallel=True,

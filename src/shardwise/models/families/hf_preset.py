@@ -21,8 +21,10 @@ def _export_config(spec: ModelSpec, dtype: str) -> dict:
     return export_config(spec, dtype)
 
 
-# `shardwise export --format hf`: the config it trained with, its dropout (none) included
-_EXPORT = dict(hf_config=_export_config, hf_keeps_dropout=True, compiles=True)
+# `shardwise export --format hf`: the config it trained with, its dropout (none) included;
+# ZeRO units at the embedding, each decoder layer, the final norm and the head, as a
+# checkpoint of the same class is cut (and as the planner lists them)
+_EXPORT = dict(hf_config=_export_config, hf_keeps_dropout=True, compiles=True, zero_units="blocks")
 
 HF_LLAMA = Family(
     name="hf-llama",
@@ -42,5 +44,8 @@ HF_GPT2 = Family(
     archs=("hf-gpt2",),
     build=_build,
     grouped_query=False,
+    # the planner's units and GEMMs: our GPT-2 block (LayerNorm, biases, a position table)
+    # with transformers' fused q|k|v `c_attn` (one tensor in the unit)
+    block=BlockShape(layer_norm=True, biases=True, learned_positions=True, fused_qkv=True),
     **_EXPORT,
 )
