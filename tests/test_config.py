@@ -134,6 +134,7 @@ GOLDEN_KEYS = [
     "profile.steps",
     "profile.warmup",
     "profile.max_events",
+    "profile.host_syncs",
     "run.dir",
     "run.device",
     "run.cpu_affinity",

@@ -12,15 +12,14 @@ from __future__ import annotations
 import collections
 import math
 import tempfile
-import traceback
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.config import load_config
 from shardwise.launchers.harness import run_here
 from shardwise.optim import MixedPrecisionAdamW, Target, squared_norm
+from shardwise.profile.host_syncs import HostSyncs
 from support.compare import case
 
 SHAPES = [(64, 48), (48,), (32, 64), (7,)]
@@ -136,50 +135,13 @@ def test_norm_parts_equal_the_masked_sums_bitwise():
     assert torch.equal(parts, torch.stack([ref[sharded].sum(), ref[~sharded].sum()]))
 
 
-class _Transfers(TorchDispatchMode):
-    """Counts, by call site in shardwise, what brings a tensor's values to the host: a scalar
-    read (`.item()`, `float()`, `bool()` of a tensor), `.tolist()` (patched: it does not
-    dispatch), and a boolean-mask index (its result's size needs a host sync)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sites: collections.Counter[str] = collections.Counter()
-        self._tolist = torch.Tensor.tolist
-
-    def _site(self, kind: str) -> None:
-        frames = [f for f in traceback.extract_stack() if "/shardwise/" in f.filename]
-        if frames:
-            self.sites[f"{kind} {frames[-1].filename.split('/shardwise/')[-1]}"] += 1
-
-    def __enter__(self):
-        original = self._tolist
-
-        def tolist(t):
-            self._site("tolist")
-            return original(t)
-
-        torch.Tensor.tolist = tolist
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self._site("scalar")
-        elif func is torch.ops.aten.index.Tensor and any(
-            i is not None and i.dtype == torch.bool for i in args[1]
-        ):
-            self._site("mask")
-        return func(*args, **(kwargs or {}))
-
-
 def _sites(steps: int) -> collections.Counter[str]:
-    with tempfile.TemporaryDirectory() as run_dir, _Transfers() as seen:
+    """Host syncs by call site (profile/host_syncs.py, the counter `shardwise profile` uses)
+    over a whole run of `steps` steps."""
+    with tempfile.TemporaryDirectory() as run_dir, HostSyncs() as seen:
         result = run_here(case(f"--train.steps={steps}", "--precision.compute=bf16"), run_dir)
     assert "error" not in result
-    return seen.sites
+    return collections.Counter(seen.take())
 
 
 def test_a_training_step_makes_two_host_transfers():
@@ -191,6 +153,6 @@ def test_a_training_step_makes_two_host_transfers():
     short, long = _sites(2), _sites(4)
     per_step = {k: (long[k] - short[k]) / 2 for k in long.keys() | short.keys()}
     per_step = {k: v for k, v in per_step.items() if v}
-    host_side = ("data/sampler.py", "models/dropout.py")
-    device = {k: v for k, v in per_step.items() if not k.endswith(host_side)}
-    assert device == {"tolist optim/__init__.py": 1, "tolist training/loop.py": 1}
+    host_side = ("data/sampler.py:", "models/dropout.py:")
+    device = {k: v for k, v in per_step.items() if not k.startswith(host_side)}
+    assert device == {"optim/__init__.py:step": 1, "training/loop.py:_max_over_ranks": 1}

@@ -482,6 +482,11 @@ class ProfileConfig:
         200_000,
         "Bound on each rank's torch.profiler trace: the longest this many events are kept.",
     )
+    host_syncs: bool = opt(
+        True,
+        "Count the measured steps' host syncs (.item(), .tolist(), boolean masks, copies to "
+        "the host) by call site into summary.json; false: skip the counter's per-op cost.",
+    )
 
 
 @dataclass

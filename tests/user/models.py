@@ -140,3 +140,20 @@ def dataclass_blocks(vocab_size: int) -> nn.Module:
 
 def opaque_blocks(vocab_size: int) -> nn.Module:
     return BoxedLM(vocab_size, _Wrapped)
+
+
+class _Watched(nn.Sequential):
+    """An MLP that reads a statistic of its activations to the host in every forward (as
+    user code that logs from inside the model does): a host sync per forward."""
+
+    peak = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        self.peak = max(self.peak, out.detach().abs().max().item())
+        return out
+
+
+def watched_mlp() -> nn.Module:
+    """`mlp` with a `.item()` in its forward (profile tests: a user's host sync)."""
+    return _Watched(*mlp())

@@ -115,6 +115,7 @@ def summarise(pcfg: Config, world: int) -> dict:
         STATISTIC,
         device_table,
         findings_text,
+        host_syncs_text,
         ledger_table,
         write_report,
     )
@@ -156,6 +157,9 @@ def summarise(pcfg: Config, world: int) -> dict:
     device = device_table(summary)
     if device:
         print(device)
+    syncs = host_syncs_text(summary)
+    if syncs:
+        print(syncs)
     print(findings_text(summary["findings"], top=3))
     print(f"profile: {folder}/summary.json, report.md, timeline.json, trace_rank*.json")
     return summary

@@ -92,6 +92,12 @@ def synchronize(info: DeviceInfo) -> None:
         torch.cuda.synchronize(info.device)
 
 
+def to_host(src: torch.device, dst: torch.device) -> bool:
+    """Whether a copy from `src` to `dst` brings a device's values to the host (the host
+    waits for the device's queue; on CPU the values are on the host already)."""
+    return src.type != "cpu" and dst.type == "cpu"
+
+
 def stall_marker(info: DeviceInfo):
     """A function that records a timing event on the device's stream and returns it (CUDA),
     or None (CPU: host time is the device's). Two such events around a host wait measure how

@@ -6,9 +6,10 @@ the rest of the step unchanged).
 Causes (`cause`, the documented vocabulary): `data_wait`, `exposed_dp_communication`,
 `exposed_tp_communication`, `exposed_pp_communication`, `exposed_cp_communication`,
 `exposed_ep_communication`, `expert_load_imbalance`, `pipeline_bubble`, `straggler`,
-`recompute`, `cpu_contention` (cp, ep and the imbalance: job/remedy_sharded.py). A cause
-under `SHARE` of the step is not reported (`cpu_contention`: under `CONTENTION_SHARE`;
-`expert_load_imbalance`: by its max/mean load, `remedy_sharded.IMBALANCE`).
+`recompute`, `cpu_contention` (cp, ep and the imbalance: job/remedy_sharded.py),
+`host_syncs`. A cause under `SHARE` of the step is not reported (`cpu_contention`: under
+`CONTENTION_SHARE`; `expert_load_imbalance`: by its max/mean load, `remedy_sharded.IMBALANCE`;
+`host_syncs`: by any call site beyond the engine's own, unpriced).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from shardwise.plan import time as tm
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.memory import device_overhead
 from shardwise.plan.search import fits
+from shardwise.profile.host_syncs import ENGINE_SITES, is_package_site
 from shardwise.training.validate import derive
 
 SHARE = 0.05
@@ -88,6 +90,9 @@ def findings(
     imbalance = sharded.load_imbalance(cfg, moe, step) if moe else None
     if imbalance is not None:
         out.append(imbalance)
+    syncs = _host_syncs(ranks, step)
+    if syncs is not None:
+        out.append(syncs)
     if mean["bubble_s"] >= SHARE * step:
         out.append(_bubble(cfg, world, mean, step))
     if mean["recompute_s"] >= SHARE * step:
@@ -266,6 +271,36 @@ def _cpu_contention(cfg: Config, ranks: list[dict], step: float) -> dict | None:
 
 
 _CPU_KEYS = ("wall_s", "process_cpu_s", "thread_cpu_s", "run_wait_s", "cores")
+
+
+def _host_syncs(ranks: list[dict], step: float) -> dict | None:
+    """`host_syncs` when a rank's measured steps read values to the host at call sites
+    beyond the engine's own (profile/host_syncs.py), with the most per step any rank made
+    at each; None where none did. Not priced: the planner's time model has no host syncs."""
+    extra: dict[str, float] = {}
+    for r in ranks:
+        for site, n in r.get("host_syncs", {}).get("unexpected", {}).items():
+            extra[site] = max(extra.get(site, 0.0), n)
+    if not extra:
+        return None
+    sites = dict(sorted(extra.items(), key=lambda kv: (-kv[1], kv[0])))
+    yours = {s: n for s, n in sites.items() if not is_package_site(s)}
+    ours = {s: n for s, n in sites.items() if s not in yours}
+    parts = [f"outside shardwise (your model or loss, or a library they call): {_listed(yours)}"]
+    parts = parts if yours else []
+    parts += [f"in shardwise's own code (no setting removes them): {_listed(ours)}"] if ours else []
+    evidence = (
+        f"{sum(extra.values()):g} host sync(s) per step beyond the engine's "
+        f"{len(ENGINE_SITES)}: " + "; ".join(parts) + ". Each makes the host wait for the "
+        "device's queued work (on an accelerator its launches stop running ahead of the "
+        "kernels): keep such values on the device or read them every few steps. Gain not "
+        "priced: the planner's time model has no host syncs"
+    )
+    return {**_finding("host_syncs", evidence, [], step, step), "sites": sites}
+
+
+def _listed(sites: dict[str, float]) -> str:
+    return ", ".join(f"{s} ({n:g} per step)" for s, n in sites.items())
 
 
 def _calls(cfg: Config, world: int, hw: Hardware) -> int:

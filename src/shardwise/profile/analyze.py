@@ -19,6 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from shardwise.errors import ShardwiseError
+from shardwise.profile import host_syncs
 
 DIMS = ("dp", "tp", "pp")  # the mesh's lines (cp and ep are runs inside a dp line)
 
@@ -127,9 +128,16 @@ def summary_ranks(parts: list[dict]) -> list[dict]:
             ],
             # the traced step from the device's kernels (CUDA; profile/kernels.py)
             **({"device_ledger": p["device_ledger"]} if p.get("device_ledger") else {}),
+            # what brought values to the host, by call site (profile/host_syncs.py)
+            **_host_syncs(p["steps"]),
         }
         for p in parts
     ]
+
+
+def _host_syncs(steps: list[dict]) -> dict:
+    counted = [s["host_syncs"] for s in steps if "host_syncs" in s]
+    return {"host_syncs": host_syncs.summary(counted)} if counted else {}
 
 
 def mean_ledger(ranks: list[dict]) -> dict:

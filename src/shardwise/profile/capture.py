@@ -3,10 +3,11 @@
 The last `profile.steps` steps of the run are measured: each rank keeps its ledger and every
 blocking collective's wait (the straggler analysis matches them across ranks), and the clock's
 intervals (the merged timeline). One more step after them runs under torch.profiler, so the
-measured ledgers carry no profiler overhead. Every rank writes `rank<R>.json` (and
-`trace_rank<R>.json`) into run.dir, then waits for the others at one step boundary, the same
-on every rank: capture cannot make ranks disagree on a collective. A trace that fails to
-write is reported in the rank's file instead; the job goes on.
+measured ledgers carry no profiler overhead. The measured steps also count their host
+syncs by call site (profile/host_syncs.py; `profile.host_syncs`). Every rank writes
+`rank<R>.json` (and `trace_rank<R>.json`) into run.dir, then waits for the others at one step
+boundary, the same on every rank: capture cannot make ranks disagree on a collective. A trace
+that fails to write is reported in the rank's file instead; the job goes on.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from shardwise.distributed import device as dev
 from shardwise.distributed.clock import clock
 from shardwise.profile import cpu
+from shardwise.profile.host_syncs import HostSyncs
 from shardwise.profile.kernels import device_ledger
 
 
@@ -74,6 +76,9 @@ class Capture:
         self.step_range = None  # the traced step as a profiler range (`sw:step`)
         self.device_ledger: dict | None = None  # the traced step from its kernels (CUDA)
         self.cpu_mark: tuple | None = None  # CPU counters at the last step boundary
+        # host syncs by call site, counted in the measured steps (profile.host_syncs)
+        self.syncs = HostSyncs() if cfg.profile.host_syncs else None
+        self.counting = False
 
     def _barrier(self) -> float:
         self.run.comm.all_reduce_world(torch.zeros(1, device=self.run.info.device))
@@ -95,6 +100,9 @@ class Capture:
         clk.events, clk.calls = self.events, []
         clk.mark_stalls(dev.stall_marker(self.run.info))  # CUDA: the device's idle per wait
         self.cpu_mark = cpu.snapshot()
+        if self.syncs is not None:  # counting until the last measured step ends
+            self.syncs.__enter__()
+            self.counting = True
         return True
 
     def step_ends(self, step: int, record: dict) -> None:
@@ -107,6 +115,10 @@ class Capture:
             )
             if mark is not None:  # did the rank get the CPU it was ready to use (cpu.py)
                 self.steps[-1]["cpu"] = cpu.between(mark, self.cpu_mark)
+            if self.counting:  # from the last step's end to this one's, as the ledger
+                self.steps[-1]["host_syncs"] = self.syncs.take()
+                if step + 1 == self.traced:
+                    self._stop_counting()
             if clk.marker is not None:
                 try:  # measuring the device's stalls must not stop the job either
                     self.steps[-1]["device_stall_s"] = clk.take_stalls(dev.stalled_s)
@@ -131,8 +143,14 @@ class Capture:
     def cap(self) -> int:
         return self.run.cfg.profile.max_events
 
+    def _stop_counting(self) -> None:
+        if self.counting:
+            self.counting = False
+            self.syncs.__exit__(None, None, None)
+
     def stop(self):
         """Stop recording (idempotent); returns the stopped profiler, if one ran."""
+        self._stop_counting()
         clk = clock()
         clk.events = clk.calls = None
         clk.annotate(False)

@@ -88,6 +88,29 @@ def device_table(summary: dict) -> str | None:
     return title + "\n" + _table(DEVICE_COLUMNS, rows)
 
 
+def host_syncs_text(summary: dict) -> str | None:
+    """Host syncs per measured step, one line per rank: the engine's own, any others, and the
+    reads of host-side index tensors (mean per step, by call site); None where they were not
+    counted (profile.host_syncs=false)."""
+    rows = [(r["rank"], r["host_syncs"]) for r in summary["ranks"] if r.get("host_syncs")]
+    if not rows:
+        return None
+    out = ["host syncs per measured step (mean, by call site file:function; docs/profile.md)"]
+    for rank, h in rows:
+        by_site, others = h["by_site"], h["unexpected"]
+        engine = {s: n for s, n in by_site.items() if s in h["engine_sites"]}
+        host = {s: n for s, n in by_site.items() if s not in engine and s not in others}
+        groups = [("the engine's", engine), ("others", others), ("host-side index reads", host)]
+        line = "; ".join(f"{name} {sum(d.values()):g} ({_sites(d)})" for name, d in groups if d)
+        n = len(h["per_step"]) or 1
+        out.append(f"rank {rank}: {h['total'] / n:g}: {line}")
+    return "\n".join(out)
+
+
+def _sites(counts: dict[str, float]) -> str:
+    return ", ".join(f"{s} {n:g}" for s, n in counts.items())
+
+
 def _table(columns, rows: list[tuple[int, dict]]) -> str:
     columns = _used(columns, rows)
     head = ["rank", "step", *(name for name, _ in columns)]
@@ -139,6 +162,7 @@ def write_report(folder: Path, summary: dict, problems: list[str]) -> None:
         "![ledger](ledger.png)",
         "",
         *_device_section(summary),
+        *_syncs_section(summary),
         "## Findings",
         "",
         findings_text(summary["findings"]),
@@ -155,6 +179,13 @@ def _device_section(summary: dict) -> list[str]:
     if table is None:
         return []
     return ["## The device's view", "", "```", table, "```", ""]
+
+
+def _syncs_section(summary: dict) -> list[str]:
+    text = host_syncs_text(summary)
+    if text is None:
+        return []
+    return ["## Host syncs", "", "```", text, "```", ""]
 
 
 def _plot_ledger(summary: dict, path: Path) -> None:
