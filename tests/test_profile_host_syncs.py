@@ -86,7 +86,8 @@ def test_the_summary_lists_the_engines_two_syncs_by_call_site(profiled):
     report = (profiled["root"] / "plain" / "report.md").read_text()
     assert "## Host syncs" in report
     assert "the engine's 2 (optim/__init__.py:step 1, training/loop.py:_max_over_ranks 1)" in report
-    assert "rank 1: " in report and "others" not in report
+    section = report.split("## Host syncs", 1)[1].split("\n## ", 1)[0]
+    assert "rank 1: " in section and "others" not in section  # (a straggler finding may say it)
 
 
 def test_a_users_item_in_forward_is_named_in_a_finding(profiled):
@@ -124,13 +125,15 @@ def test_the_finding_tells_user_code_from_shardwises_and_ignores_host_side_reads
 
     plain = {**ENGINE, "data/sampler.py:global_indices": 3, "models/dropout.py:samples": 2}
     assert _host_syncs([rank(plain), rank(plain)], 0.1) is None
-    moe = {**plain, "training/moe.py:after_step": 1}
+    # an MoE model's one read of its statistics is the engine's own: no finding
+    assert _host_syncs([rank({**plain, "training/moe.py:after_step": 1})], 0.1) is None
+    moe = {**plain, "parallel/expert_comm.py:counts": 1}  # (a site of the package's own)
     user = {**plain, "train_mine.py:forward": 2}
     f = _host_syncs([rank(moe), rank(user), rank({**user, "train_mine.py:forward": 3})], 0.1)
-    assert f["sites"] == {"train_mine.py:forward": 3, "training/moe.py:after_step": 1}
+    assert f["sites"] == {"train_mine.py:forward": 3, "parallel/expert_comm.py:counts": 1}
     assert "they call): train_mine.py:forward (3 per step)" in f["evidence"]
     assert (
-        "own code (no setting removes them): training/moe.py:after_step (1 per step)"
+        "own code (no setting removes them): parallel/expert_comm.py:counts (1 per step)"
         in (f["evidence"])
     )
     assert (f["predicted_step_s"], f["predicted_gain"], f["remedy"]) == (0.1, 0, [])

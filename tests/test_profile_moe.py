@@ -148,3 +148,15 @@ def test_exposed_cp_names_the_other_mode_only_where_the_planner_prices_it_lower(
         found = findings(cfg, 2, _mean(1.0, cp=0.2), [], COMM, hw)
         f = next(f for f in found if f["cause"] == "exposed_cp_communication")
         assert f["remedy"] == remedy and f["predicted_step_s"] == pytest.approx(step)
+
+
+@pytest.mark.slow  # (the 2-rank world)
+def test_moe_statistics_are_one_host_read_a_step(profiled):
+    """An MoE model's routing statistics (every layer's loads, drops and balance loss) reach
+    the host in one read a step, counted among the engine's own sites: the per-layer reads
+    they replaced were a host sync each."""
+    for r in profiled["ep"]["ranks"]:
+        syncs = r["host_syncs"]
+        assert syncs["by_site"]["training/moe.py:after_step"] == 1, syncs["by_site"]
+        assert "training/moe.py:after_step" in syncs["engine_sites"]
+        assert "training/moe.py:after_step" not in syncs["unexpected"]

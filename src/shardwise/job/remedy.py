@@ -290,8 +290,8 @@ def _host_syncs(ranks: list[dict], step: float) -> dict | None:
     parts = parts if yours else []
     parts += [f"in shardwise's own code (no setting removes them): {_listed(ours)}"] if ours else []
     evidence = (
-        f"{sum(extra.values()):g} host sync(s) per step beyond the engine's "
-        f"{len(ENGINE_SITES)}: " + "; ".join(parts) + ". Each makes the host wait for the "
+        f"{sum(extra.values()):g} host sync(s) per step beyond the engine's own "
+        f"({', '.join(ENGINE_SITES)}): " + "; ".join(parts) + ". Each makes the host wait for the "
         "device's queued work (on an accelerator its launches stop running ahead of the "
         "kernels): keep such values on the device or read them every few steps. Gain not "
         "priced: the planner's time model has no host syncs"

@@ -43,8 +43,13 @@ _SCALAR = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "_
 _SIZED = ("nonzero", "argwhere", "masked_select", "unique", "unique_consecutive")
 
 # the engine's own syncs per step: the optimizer's one transfer of [norm parts, loss] and the
-# world's max of the step's memory statistics and stop signal (tests/test_optim_step.py)
-ENGINE_SITES = ("optim/__init__.py:step", "training/loop.py:_max_over_ranks")
+# world's max of the step's memory statistics and stop signal (tests/test_optim_step.py); an
+# MoE model adds one read of every layer's routing statistics (training/moe.py)
+ENGINE_SITES = (
+    "optim/__init__.py:step",
+    "training/loop.py:_max_over_ranks",
+    "training/moe.py:after_step",
+)
 # reads of index tensors that live on the host on every device (the sampler's batch, the
 # dropout keys): on CPU the compute device is the host, so they count there; not the engine's
 # device syncs, and never a finding

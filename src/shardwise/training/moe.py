@@ -111,13 +111,12 @@ class ExpertTally:
             for layer, row in zip(self.layers, self.rows, strict=True):
                 step = self.rate * torch.sign(mean[row] - load[row])
                 layer.expert_bias += step.to(layer.expert_bias)
-        out = {
-            "moe_load_max_mean": [round(float(v), 6) for v in load.max(-1).values / mean[:, 0]],
-        }
+        # one read to the host for every layer's statistics (a host sync each, read apart)
+        ratio, n = load.max(-1).values / mean[:, 0], sums.shape[0]
+        values = torch.cat([ratio, dropped, (aux / seqs).mean().reshape(1)]).tolist()
+        out: dict[str, object] = {"moe_load_max_mean": [round(v, 6) for v in values[:n]]}
         if self.balance:
-            out.update(
-                moe_dropped=[int(v) for v in dropped], moe_aux_loss=float((aux / seqs).mean())
-            )
+            out.update(moe_dropped=[int(v) for v in values[n : 2 * n]], moe_aux_loss=values[-1])
         self.sums = torch.zeros_like(sums)
         return out
 
