@@ -25,13 +25,17 @@ the planner calibrates on): copy it there to make the run a calibration row.
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -61,13 +65,37 @@ def shardwise(args: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
-def ours(a: argparse.Namespace, folder: Path) -> tuple[dict, list[dict], str]:
-    """The profile's summary, its metrics records and what it printed."""
-    steps = [f"--steps={a.steps}", f"--profile.warmup={a.warmup}"]
-    proc = shardwise(["profile", *overrides(a, folder), "--nproc=1", *steps])
+def stream(args: list[str], timeout: float | None = None) -> tuple[int, str]:
+    """`shardwise ARGS` with its output passed on line by line as it comes (a GPU machine's
+    caller sees progress, and a timeout keeps what was printed); (exit status, last lines).
+    Past `timeout` seconds the run is killed (exit -9)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-c", CLI, *args]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    timer = threading.Timer(timeout, proc.kill) if timeout else None
+    if timer:
+        timer.start()
+    tail: collections.deque[str] = collections.deque(maxlen=6)
+    for line in proc.stdout:
+        print(f"  {line}", end="", flush=True)
+        tail.append(line.rstrip())
+    rc = proc.wait()
+    if timer:
+        timer.cancel()
+    return rc, " / ".join(tail)
+
+
+def ours(a: argparse.Namespace, folder: Path) -> tuple[dict, list[dict]]:
+    """The profile's summary and its metrics records (what it printed is passed on)."""
+    steps = [f"--steps={a.steps}", f"--profile.warmup={a.warmup}", "--log.every=1"]
+    rc, tail = stream(["profile", *overrides(a, folder), "--nproc=1", *steps])
+    if rc:
+        sys.exit(f"shardwise profile failed ({rc}): {tail}")
     out = folder / "profile"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((out / "summary.json").read_text()), records, proc.stdout
+    return json.loads((out / "summary.json").read_text()), records
 
 
 def predicted(a: argparse.Namespace, folder: Path) -> dict:
@@ -75,8 +103,9 @@ def predicted(a: argparse.Namespace, folder: Path) -> dict:
     return json.loads(proc.stdout)
 
 
-def peer(a: argparse.Namespace, folder: Path, n_steps: int) -> dict:
-    """Plain PyTorch AMP on the same model, data order and AdamW settings."""
+def peer(a: argparse.Namespace, folder: Path, n_steps: int, extra: Sequence[str] = ()) -> dict:
+    """Plain PyTorch AMP on the same model (`extra`: overrides of its shape), data order and
+    AdamW settings."""
     from shardwise.config import load_config
     from shardwise.data import GlobalSampler, load_data, split_for_rank
     from shardwise.distributed import device as dev
@@ -85,7 +114,7 @@ def peer(a: argparse.Namespace, folder: Path, n_steps: int) -> dict:
     from shardwise.training.runtime import data_spec
     from shardwise.training.validate import derive
 
-    cfg = load_config(None, overrides(a, folder))
+    cfg = load_config(None, [*overrides(a, folder), *extra])
     d = derive(cfg, 1)
     info = dev.detect(cfg.run.device)
     data = load_data(data_spec(cfg, d.spec.vocab_size), "train")
@@ -239,7 +268,9 @@ def add_run_args(p: argparse.ArgumentParser, warmup: int) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_run_args(p, warmup=2)
-    p.add_argument("--ledger-rounds", type=int, default=0, help="rounds of the ledger A/B")
+    p.add_argument(
+        "--ledger-rounds", type=int, help="rounds of the ledger A/B (default 0; 2 in smoke)"
+    )
     p.add_argument("--ledger-steps", type=int, default=30, help="steps per ledger run")
     p.add_argument("--ledger-only", action="store_true", help="skip the profile and the peer")
     p.add_argument("--verify", choices=["data_wait", "recompute"], help="inject, then remedy")
@@ -248,9 +279,11 @@ def main() -> int:
     a = p.parse_args()
     if a.smoke:
         a.model, a.seq, a.micro, a.global_batch, a.steps, a.warmup = "tiny", 64, 2, 4, 2, 1
-        a.ledger_rounds, a.ledger_steps = 2, 7
+        a.ledger_steps = 7
+        a.ledger_rounds = 2 if a.ledger_rounds is None else a.ledger_rounds
     elif not torch.cuda.is_available():
         sys.exit("benchmarks/cuda_profile.py needs a CUDA device (or --smoke).")
+    a.ledger_rounds = a.ledger_rounds or 0
     preamble()
     folder = Path(tempfile.mkdtemp(prefix="cuda-profile-"))
     if a.verify:
@@ -263,8 +296,7 @@ def main() -> int:
 
 
 def profile_and_peer(a: argparse.Namespace, folder: Path) -> None:
-    summary, records, printed = ours(a, folder)
-    print(printed)
+    summary, records = ours(a, folder)
     plan = predicted(a, folder / "explain")
     measured = [r for r in records if r["step"] > a.warmup][: a.steps]
     step = statistics.median(r["step_time_s"] for r in measured)

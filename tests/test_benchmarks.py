@@ -39,7 +39,8 @@ HELPERS = {
 # against torch.distributed.pipelining, whose side is the benchmark's own). profile_remedies
 # stays: it is the one run of `--verify-remedy` here. cuda_profile.py measures on a GPU; its
 # CPU smoke (~30 s: a profile, the peer loop, four short trains) drives what
-# tests/test_profile.py tests.
+# tests/test_profile.py tests. cuda_speed.py's smoke runs in tests/test_cuda_run.py, through
+# benchmarks/cuda_run.sh with the GPU machine's missing packages blocked.
 ELSEWHERE = {
     "fault_soak.py", "cpu_malloc.py", "default_job.py", "cuda_profile.py",
     "resnet_dp.py", "ddp_vs_torch.py", "checkpoint_async.py",
@@ -48,6 +49,7 @@ ELSEWHERE = {
     "zero_vs_peers.py", "pipeline_bubble.py", "pp_vs_torch.py",
     "soak_kill_saves.py",  # its smoke run is tests/test_checkpoint_safety.py's soak test
     "compile_speed.py",  # compiles through the harness as tests/test_compile.py does
+    "cuda_speed.py",
 }  # fmt: skip
 # the slowest smoke runs first, dealt alternately to the two runners so both finish together
 SLOW_FIRST = ["profile_remedies.py", "ledger_overhead.py"]

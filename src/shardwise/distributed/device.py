@@ -132,6 +132,13 @@ def peak_memory(info: DeviceInfo) -> int | None:
     return None
 
 
+def release_cached_memory(info: DeviceInfo) -> None:
+    """Hand the allocator's cached blocks back to the device (CUDA; a no-op on CPU): for a
+    process that finished with a model while another process on the same device starts one."""
+    if info.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def set_cpu_threads() -> None:
     """Several CPU ranks on few cores: one intra-op thread each unless the user set one."""
     if "OMP_NUM_THREADS" not in os.environ:

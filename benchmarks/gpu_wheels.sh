@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Download, here, the wheels benchmarks/cuda_run.sh installs on the GPU machine, which has no
+# network: what its Python (3.12, torch 2.11.0+cu130) lacks for the GPU benchmarks. Into .whl/
+# (git-ignored), which then travels with the working tree (the run's carry [".whl"]).
+#
+#   bash benchmarks/gpu_wheels.sh
+#
+# Only torchao: `import shardwise`, the bf16 runs, the peer and the profile need nothing more
+# there (checked by tests/test_cuda_run.py with the missing packages blocked). torchao 0.18.0:
+# the float8 training API parallel/fp8.py calls (Float8LinearConfig.from_recipe_name,
+# convert_to_float8_training, float8_linear.matmul_with_hp_or_float8_args), the version
+# pyproject's fp8 extra pins; from 0.17 torchao needs torch >= 2.11 (its __init__'s
+# min_torch_version gate), so 2.11 is the oldest torch it runs on. Its compiled kernels (mxfp8,
+# cutlass) may not load under CUDA 13 and are not used: float8 training is Python over
+# torch._scaled_mm.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=(torchao==0.18.0)
+MAX_MIB=32  # everything that travels is capped at 64 MiB: leave room for the tree
+mkdir -p .whl
+rm -f .whl/*.whl
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+mib=$(du -sm .whl | cut -f1)
+ls -l .whl
+echo "gpu_wheels: .whl/ holds ${mib} MiB"
+if [ "$mib" -gt "$MAX_MIB" ]; then
+    echo "gpu_wheels: over ${MAX_MIB} MiB: too large to travel with the tree" >&2
+    exit 1
+fi

@@ -1,0 +1,146 @@
+"""The GPU run kit works on the first try: benchmarks/cuda_run.sh, rehearsed on CPU in an
+interpreter that lacks what the GPU machine lacks (tests/support/device_site blocks those
+packages: torchao, datasets, bitsandbytes, ...), leaves every result file in $OUT, the FP8
+rows skipped in one line that says why; cuda_speed.py's budget skips what would not fit."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = ROOT / "tests" / "support" / "device_site"
+FILES = {"env.txt", "cuda_speed.log", "cuda_speed.jsonl", "cuda_speed.md", "cuda_profile.log"}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join([str(SITE), str(ROOT / "src"), str(ROOT / "tests")])
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
+def test_the_device_site_hides_the_missing_packages_and_shardwise_still_imports():
+    """The rehearsal's premise: a blocked package is absent to imports, `find_spec` and its
+    metadata alike, while shardwise's CLI and training modules import without it."""
+    probe = (
+        "import importlib.util as u, importlib.metadata as m\n"
+        "assert u.find_spec('torchao') is None and u.find_spec('datasets') is None\n"
+        "try:\n    m.version('datasets')\nexcept m.PackageNotFoundError:\n    pass\n"
+        "else:\n    raise SystemExit('datasets metadata visible')\n"
+        "try:\n    import bitsandbytes\nexcept ModuleNotFoundError:\n    pass\n"
+        "else:\n    raise SystemExit('bitsandbytes imported')\n"
+        "import shardwise.cli.main, shardwise.training.runtime, shardwise.parallel.fp8 as f\n"
+        "assert not f.torchao_installed()\n"
+        "assert u.find_spec('numpy') is not None\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_cuda_run_smoke_leaves_every_result_in_out_without_torchao(tmp_path):
+    """`bash benchmarks/cuda_run.sh --smoke` as on the GPU machine (its missing packages
+    blocked): exit 0, every file in $OUT (at most 8 come back), the runs in their order, and
+    the FP8 row skipped in one line naming torchao."""
+    out = tmp_path / "out"
+    env = _env(OUT=str(out), PYTHON=sys.executable, CUDA_RUN_SITE=str(tmp_path / "site"))
+    proc = subprocess.run(
+        ["bash", "benchmarks/cuda_run.sh", "--smoke"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    names = {p.name for p in out.iterdir()}
+    assert FILES | {"published.jsonl"} == names and len(names) <= 8
+    env_txt = (out / "env.txt").read_text()
+    assert "torchao missing" in env_txt and "datasets missing" in env_txt
+    rows = [json.loads(line) for line in (out / "cuda_speed.jsonl").read_text().splitlines()]
+    order = [r["run"] for r in rows]
+    assert order[:4] == [
+        "eager",
+        "compiled blocks",
+        "PyTorch AMP (peer)",
+        "planner (explain, eager)",
+    ]
+    assert all(r["status"] == "measured" for r in rows if "FP8" not in r["run"]), rows
+    fp8 = [r for r in rows if "FP8" in r["run"]]
+    assert fp8 and all(r["status"] == "skipped" for r in fp8)
+    assert [r["run"] for r in rows if "Llama-3" in r["run"]] == order[-2:]
+    skipped = [x for x in (out / "cuda_speed.md").read_text().splitlines() if "skipped" in x]
+    assert len(skipped) == 1 and skipped[0].startswith("skipped: ")
+    assert "torchao missing" in skipped[0] and all(r["run"] in skipped[0] for r in fp8)
+    assert "| eager " in (out / "cuda_speed.log").read_text()
+    assert "| PyTorch AMP (peer)" in (out / "cuda_profile.log").read_text()
+    published = (out / "published.jsonl").read_text().splitlines()
+    sources = [json.loads(line)["source"] for line in published]
+    assert any("cuda_speed.py (eager)" in s for s in sources), sources
+    assert any("cuda_profile.py" in s for s in sources), sources
+
+
+def test_cuda_speed_skips_what_does_not_fit_its_budget(tmp_path):
+    """With no time left every run is skipped, each saying its estimate and the budget, and
+    the script still writes its files and exits 0 (a skip is no failure)."""
+    cmd = [sys.executable, "benchmarks/cuda_speed.py", "--smoke", "--budget-s", "0"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=_env(SHARDWISE_BLOCK_MODULES="none"),  # torchao importable: FP8 is planned too
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "cuda_speed.jsonl").read_text().splitlines()]
+    assert len(rows) >= 7 and all(r["status"] == "skipped" for r in rows), rows
+    assert all("left of --budget-s 0" in r["reason"] for r in rows), rows
+    assert "FP8" in rows[4]["run"]
+    skipped = [x for x in (tmp_path / "cuda_speed.md").read_text().splitlines() if "skipped" in x]
+    assert skipped and all("left of --budget-s 0" in x for x in skipped)
+
+
+def test_a_failed_run_is_a_row_and_the_next_run_still_starts(monkeypatch, tmp_path):
+    """On a borrowed GPU one broken run must not cost the rest: a `shardwise train` that exits
+    non-zero, a peer that raises and a planner that exits each become a failed row with its
+    reason, every later run still starts, and the Llama-3 peer is skipped (its own run
+    failed)."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import cuda_speed
+
+    started = []
+
+    def broken_cli(args, timeout):
+        started.append(args[0])
+        return 2, "error: boom"
+
+    def broken_peer(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    def broken_plan(*args, **kwargs):
+        raise SystemExit("shardwise explain failed (1)")
+
+    monkeypatch.setattr(cuda_speed, "stream_cli", broken_cli)
+    monkeypatch.setattr(cuda_speed, "peer", broken_peer)
+    monkeypatch.setattr(cuda_speed, "predicted", broken_plan)
+    monkeypatch.setattr(cuda_speed, "fp8_unavailable", lambda smoke: "")
+    a = argparse.Namespace(
+        model="tiny", seq=64, micro=2, global_batch=4, precision="bf16", steps=2, warmup=1,
+        llama3_layers=1, smoke=True, budget_s=1e6,
+    )  # fmt: skip
+    results = cuda_speed.Results(tmp_path, {False: 0.0, True: 0.0}, [])
+    cuda_speed.run_all(a, tmp_path, results, {False: 1.0, True: 1.0})
+    status = {run.name: r["status"] for run, r in results.rows}
+    assert len(started) == 4  # eager, compiled, FP8, the Llama-3 shape: each one started
+    assert list(status.values()).count("failed") == 6, status
+    assert list(status.values())[-1] == "skipped"
+    md = (tmp_path / "cuda_speed.md").read_text()
+    assert "shardwise train exited 2: error: boom" in md and "CUDA out of memory" in md
+    assert "shardwise explain failed (1)" in md and "has no result to compare" in md
