@@ -5,7 +5,9 @@ vocabulary), global batch 16 x seq 128, fp32, --steps steps in one 4-rank world,
 (dp 4) under ZeRO-0 and ZeRO-3: full fine-tuning next to LoRA rank 8 on the experts (a pair
 per expert, models/expert_lora.py) and the attention's wq, wv. Printed per layout: the params,
 grads and optimizer bytes per rank (max over ranks, metrics.jsonl `mem_bytes`) beside
-explain's prediction, the median steady step of the slowest rank, and the last loss. On a CPU
+explain's prediction (from the real model's units) and the planner's formula's (no model
+built, as `shardwise plan` prices the preset), the median steady step of the slowest rank,
+and the last loss. On a CPU
 machine with fewer cores than ranks the ranks share cores: times compare layouts within this
 run only.
 
@@ -19,9 +21,12 @@ import sys
 
 from common import add_smoke, check, median, preamble, slowest_rank_steps, steady, table
 from shardwise.config import load_config
+from shardwise.job.describe import job_from_config, layout_from_config
 from shardwise.job.explain import explain_record
 from shardwise.launchers.harness import run_world
 from shardwise.plan.hardware import get_hardware
+from shardwise.plan.search import evaluate
+from shardwise.training.validate import derive
 from support.compare import VOCAB
 
 SHAPE = [
@@ -53,6 +58,14 @@ def overrides(ep: int, zero: int, lora: bool, steps: int, batch: int) -> list[st
     ]
 
 
+def formula(cfg, world: int, hw) -> dict:
+    """The planner's formula's `mem_bytes` for `cfg` (the spec's units, no model built)."""
+    d = derive(cfg, world)
+    return evaluate(job_from_config(cfg, hw, world, d.spec), layout_from_config(cfg, d))[
+        "mem_bytes"
+    ]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -73,12 +86,17 @@ def main() -> int:
         last = [r["records"][-1] for r in per_rank]
         cfg = load_config(None, overrides(ep, zero, lora, args.steps, batch))
         pred = explain_record(cfg, args.world, hw)["mem_bytes"]
-        states = [f"{max(x['mem_bytes'][k] for x in last):,} / {pred[k]:,}" for k in KEYS]
+        plan = formula(cfg, args.world, hw)
+        states = [
+            f"{max(x['mem_bytes'][k] for x in last):,} / {pred[k]:,} / {plan[k]:,}" for k in KEYS
+        ]
         warm = min(5, args.steps - 1)
         step = median(steady(slowest_rank_steps(per_rank), warm))
         kind = "LoRA r8 experts,wq,wv" if lora else "full"
         rows.append([ep, zero, kind, *states, f"{step * 1000:.1f}", f"{last[0]['loss']:.5f}"])
-    print(f"\nmodel states per rank (max over ranks) measured / explain, {args.world} ranks")
+    print(
+        f"\nmodel states per rank (max over ranks) measured / explain / formula, {args.world} ranks"
+    )
     header = ["ep", "zero", "tuning", *(f"{k} B" for k in KEYS), "step ms", "last loss"]
     print(table(header, rows))
     return 0

@@ -22,6 +22,7 @@ from shardwise.plan import time as tm
 from shardwise.plan.hardware import CATALOG
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.shapes import units
+from shardwise.plan.states import add_states, model_states
 from shardwise.training.validate import derive
 
 H100 = CATALOG["h100-sxm"]
@@ -136,9 +137,9 @@ def test_ep_shards_the_expert_states_as_the_real_models_units(zero):
     lay = Layout(dp=8, ep=ep, zero=zero, micro_batch=2)
     got = search.evaluate(job, lay)["mem_bytes"]
     dense, experts = expert_units(_meta(SPEC), ep)
-    want = mem.model_states(dense, job, 8, zero, "none")
+    want = model_states(dense, job, 8, zero, "none")
     edp_job, edp = mem.expert_group(job, lay, ep)
-    mem.add_states(want, mem.model_states(experts, edp_job, edp.dp, edp.zero, "none"))
+    add_states(want, model_states(experts, edp_job, edp.dp, edp.zero, "none"))
     for key in ("params", "grads", "master", "optimizer"):
         assert got[key] == round(want[key]), key
     at_one = search.evaluate(job, dataclasses.replace(lay, ep=1))["mem_bytes"]

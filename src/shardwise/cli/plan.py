@@ -25,8 +25,8 @@ from shardwise.models.families import family_of
 from shardwise.plan import moe, report
 from shardwise.plan.hardware import GiB, Hardware, detect_hardware, get_hardware
 from shardwise.plan.layout import Job
-from shardwise.plan.memory import states_only
 from shardwise.plan.search import nothing_fits, search
+from shardwise.plan.states import states_only
 
 DESCRIPTION = (
     "Predict memory by category and step time of every layout of a job on some hardware and "

@@ -49,11 +49,6 @@ from shardwise.finetune.quant_shards import (
     gather_split,
     split_index,
 )
-
-# the planner's byte rules, still importable from here for plan/memory.py
-from shardwise.finetune.quant_shards import layer_bytes as layer_bytes
-from shardwise.finetune.quant_shards import split_dims as split_dims
-from shardwise.finetune.quant_shards import transient_bytes as transient_bytes
 from shardwise.optim import quiet_bitsandbytes
 
 STATE_KEYS = ("weight_q", "absmax", "code", "absmax2", "code2", "offset")

@@ -11,8 +11,7 @@ from shardwise.optim import EIGHT_BIT
 from shardwise.optim.nvme import chunk_elements
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import FineTune, Job, Layout
-from shardwise.plan.moe import adapted_experts
-from shardwise.plan.shapes import linear_shapes
+from shardwise.plan.moe import adapted_experts, lora_shapes
 
 
 def job_from_config(
@@ -49,7 +48,7 @@ def finetune_of(cfg: Config, spec) -> FineTune:
     ft, eight = cfg.finetune, cfg.optim.name in EIGHT_BIT
     if not ft.lora_rank:
         return FineTune(base_quant=ft.base_quant, optim_8bit=eight)
-    tags = tuple(linear_shapes(spec)) if spec.is_transformer else ()
+    tags = tuple(lora_shapes(spec)) if spec.is_transformer or spec.n_experts else ()
     pats = [p.strip() for p in ft.lora_targets.split(",") if p.strip()]
     if pats != ["all-linear"] and tags:
         for pat in pats:

@@ -14,6 +14,7 @@ from shardwise.plan.buffers import zero_transient
 from shardwise.plan.layout import Job, Layout, as_data_parallel
 from shardwise.plan.search import evaluate
 from shardwise.plan.shapes import Unit
+from shardwise.plan.states import add_states, model_states
 
 TIME_KEYS = ("step_time_s", "tokens_per_s", "mfu", "mfu_causal", "hfu", "flop_convention", "time")
 
@@ -88,12 +89,12 @@ def _states(dense, experts, job, layout, asked, module_buffers, quantised) -> tu
     dp x cp replicas `layout` (as_data_parallel) of the `asked` layout."""
     # a quantised base is split over tp (and dp under ZeRO-3) as the engine splits it
     shards = mem.quantised_shards(layout)
-    states = mem.model_states(dense, job, layout.dp, layout.zero, layout.offload, None, shards)
+    states = model_states(dense, job, layout.dp, layout.zero, layout.offload, None, shards)
     edp_job, edp = mem.expert_group(job, layout, asked.ep)  # (ep = 1: no expert units)
     more = {}
     if experts:
-        more = mem.model_states(experts, edp_job, edp.dp, edp.zero, edp.offload, None, shards)
-        mem.add_states(states, more)
+        more = model_states(experts, edp_job, edp.dp, edp.zero, edp.offload, None, shards)
+        add_states(states, more)
     states["buffers"] = zero_buffers(in_forward_order(dense, experts), job, layout, module_buffers)
     states["buffers"] += mem.quantised_transient(job, layout) if quantised else 0
     return states, more

@@ -32,6 +32,7 @@ from shardwise.plan import activations as act
 from shardwise.plan import memory as mem
 from shardwise.plan import traffic
 from shardwise.plan.layout import Job, Layout, as_data_parallel
+from shardwise.plan.states import add_states, model_states
 from shardwise.training.memory import ActivationMeter, tensor_bytes
 
 
@@ -55,11 +56,11 @@ def _stage_states(model, us: list, job: Job, layout: Layout) -> tuple:
     us, experts = expert_units(model, layout.ep) if layout.ep > 1 else (us, [])
     quantised = [m.shape for _, m in quant_layers(model)]
     shards = mem.quantised_shards(layout)
-    states = mem.model_states(us, job, layout.dp, layout.zero, layout.offload, quantised, shards)
+    states = model_states(us, job, layout.dp, layout.zero, layout.offload, quantised, shards)
     if experts:  # this stage's experts, sharded over their own holders (parallel/expert.py)
         edp_job, edp = mem.expert_group(job, layout, layout.ep)
-        more = mem.model_states(experts, edp_job, edp.dp, edp.zero, edp.offload, None, shards)
-        mem.add_states(states, more)
+        more = model_states(experts, edp_job, edp.dp, edp.zero, edp.offload, None, shards)
+        add_states(states, more)
     return states, us, experts, quantised
 
 

@@ -218,7 +218,7 @@ def lora_terms(
         return tuple(out)
     q = spec.n_heads * spec.head_dim
     width = {"wq": spec.dim, "wk": spec.dim, "wv": spec.dim, "wo": q, "w1": spec.dim}
-    width.update(w3=spec.dim, w2=spec.ffn_dim)
+    width.update(w3=spec.dim, w2=spec.ffn_dim, router=spec.dim)  # (an MoE layer's router)
     for x in targets:
         out.append(Term(f"{x} adapter A output", c * s * b * rank, False, False))
         if dropout:  # row-parallel layers (wo, w2) read a tp-split input

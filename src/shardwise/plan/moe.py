@@ -6,9 +6,10 @@ A spec with `n_experts` has every `moe_every`-th block's MLP replaced by a route
 decoder's. What this module adds to the dense formulas:
 
 - Model states: the stacked expert weights [E, d, f] in the MoE blocks' units (exact against
-  the real model's units: tests/test_plan_moe.py); under expert parallelism (`layout.ep`) they
-  leave the dense units for units of their own holding E/ep experts, sharded and reduced over
-  the (dp·cp/ep)·tp ranks that hold the same experts (memory.expert_group), as the engine does.
+  the real model's units: tests/test_plan_moe.py), with LoRA on them their pairs
+  (`adapter_entries`); under expert parallelism (`layout.ep`) both leave the dense units for
+  units of their own holding E/ep experts, sharded and reduced over the (dp·cp/ep)·tp ranks
+  that hold the same experts (memory.expert_group), as the engine does.
 - Compute: the router GEMM [tokens, E] and the routed experts as a grouped GEMM priced as the
   routed rows' GEMMs, one kernel per expert group (each at the GEMM efficiency and the
   roofline of its own m x n x k); the shared experts as one dense SwiGLU; the permutation
@@ -31,6 +32,7 @@ from shardwise.plan.shapes import (  # the MoE blocks' shapes live with the othe
     block_units,
     dense_spec,
     is_moe,
+    linear_shapes,
     moe_block_entries,
     moe_blocks,
     non_embedding_params,
@@ -41,12 +43,15 @@ __all__ = [  # (the first five from shapes: callers ask this module)
     "act_width",
     "active_params",
     "adapted_experts",
+    "adapter_entries",
     "block_units",
     "dense_spec",
     "ep_seconds",
     "inactive_params",
+    "is_expert_entry",
     "is_moe",
     "lora_gemms",
+    "lora_shapes",
     "mlp_gemms",
     "moe_block_entries",
     "moe_blocks",
@@ -76,7 +81,8 @@ def active_params(job) -> int:
     return (job.matmul_params or non_embedding_params(spec)) - inactive_params(spec)
 
 
-def _is_expert(entry: tuple, spec: ModelSpec) -> bool:
+def is_expert_entry(entry: tuple, spec: ModelSpec) -> bool:
+    """Whether a unit entry is a stacked expert tensor (it carries its [E, ...] shape)."""
     shape = entry[2] if len(entry) > 2 else None
     return isinstance(shape, tuple) and len(shape) == 3 and shape[0] == spec.n_experts
 
@@ -89,11 +95,11 @@ def split_units(us: list[Unit], spec: ModelSpec, ep: int) -> tuple[list[Unit], l
         return list(us), []
     dense, experts = [], []
     for u in us:
-        kept = tuple(e for e in u.entries if not _is_expert(e, spec))
+        kept = tuple(e for e in u.entries if not is_expert_entry(e, spec))
         split = tuple(
             (e[0] // ep, e[1], (e[2][0] // ep, *e[2][1:]), *e[3:])
             for e in u.entries
-            if _is_expert(e, spec)
+            if is_expert_entry(e, spec)
         )
         dense += [Unit(u.name, kept, u.count)] if kept else []
         experts += [Unit(f"{u.name}[experts]", split, u.count)] if split else []
@@ -139,6 +145,34 @@ def adapted_experts(names: list[str]) -> tuple[str, ...]:
     return tuple(w for w in EXPERT_WEIGHTS if w in names)
 
 
+def lora_shapes(spec: ModelSpec, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """(fan_in, fan_out) per linear LoRA can target on one tp rank (shapes.linear_shapes): an
+    MoE spec's are its dense decoder's (attention, dense and shared MLPs) and the router
+    [dim -> E], which the MoE layer keeps whole on every tp rank."""
+    out = dict(linear_shapes(dense_spec(spec), tp))
+    if is_moe(spec):
+        out["router"] = (spec.dim, spec.n_experts)
+    return out
+
+
+def _expert_fans(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """(in, out) of each stacked expert weight (models/moe.MoE: w1, w3 [E, dim, ffn], w2
+    [E, ffn, dim])."""
+    h, f = spec.dim, spec.ffn_dim
+    return {"w1": (h, f), "w3": (h, f), "w2": (f, h)}
+
+
+def adapter_entries(spec: ModelSpec, ft) -> list[tuple]:
+    """The unit entries of one MoE block's expert adapters (models/expert_lora.py), in the
+    engine's module order: A [E, r, in] of every adapted weight, then B [E, out, r] of each;
+    trainable, in compute dtype, whole on every tp rank as the experts are, and carrying their
+    3-D shape, so that `split_units` cuts them over ep with the weights they adapt."""
+    leaves = ft.lora_experts if ft.lora and is_moe(spec) else ()
+    e, r, fans = spec.n_experts, ft.lora_rank, _expert_fans(spec)
+    a = [(e * r * fans[w][0], True, (e, r, fans[w][0])) for w in leaves]
+    return a + [(e * fans[w][1] * r, True, (e, fans[w][1], r)) for w in leaves]
+
+
 def lora_gemms(spec: ModelSpec, ft, t: int, tokens: float, ep: int, c: int) -> list[tuple]:
     """(m, n, k) of an MoE block's expert adapters in forward on one rank
     (models/expert_lora.adapter_delta): per local expert and adapted weight [in, out], its rows
@@ -150,8 +184,7 @@ def lora_gemms(spec: ModelSpec, ft, t: int, tokens: float, ep: int, c: int) -> l
         return []
     step = max(1, 16 // c)
     r = -(-ft.lora_rank // step) * step
-    h, f = spec.dim, spec.ffn_dim
-    shapes = {"w1": (h, f), "w3": (h, f), "w2": (f, h)}
+    shapes = _expert_fans(spec)
     local, rows = _routed_rows(spec, t, tokens, ep)
     out = []
     for _ in range(local):

@@ -17,6 +17,7 @@ from shardwise.plan import moe, peers, traffic
 from shardwise.plan import time as tm
 from shardwise.plan.hardware import GiB
 from shardwise.plan.layout import Job, Layout, as_data_parallel
+from shardwise.plan.states import add_states, model_states
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb")
 RECOMPUTE = ("none", "selective", "full")
@@ -177,8 +178,8 @@ def _experts(job: Job, lay: Layout, mb: dict, kinds: dict, calls: dict) -> dict:
     whole = mem.stage_units(job, dataclasses.replace(lay, ep=1), 0)
     experts = moe.split_units(whole, job.spec, lay.ep)[1]
     edp_job, edp = mem.expert_group(job, lay, lay.ep)
-    more = mem.model_states(experts, edp_job, edp.dp, edp.zero, edp.offload, quantised=())
-    mem.add_states(mb, {k: v for k, v in more.items() if k != "activations"})
+    more = model_states(experts, edp_job, edp.dp, edp.zero, edp.offload, quantised=())
+    add_states(mb, {k: v for k, v in more.items() if k != "activations"})
     mb["total"] = sum(
         v for k, v in mb.items() if k != "total" and not k.startswith(("host_", "disk_"))
     )
