@@ -103,6 +103,24 @@ def test_the_planner_predicts_your_modules_memory(runs, name, overrides):
     assert record["comm_calls"]["dp"] == last["comm_calls"]["dp"]
 
 
+def test_a_forward_that_reads_a_value_is_priced_without_activations_and_says_where():
+    """A module whose forward calls `.item()` cannot run on the fake tensors the planner
+    measures activations with: explain (and so every job's pre-launch check) prices its states
+    exactly as for the plain MLP, counts activations as 0, and names the line that read the
+    value, instead of a traceback from inside torch."""
+    hw = get_hardware("cpu", calibrate=False)
+    watched = [f"--model.name={USER}:watched_mlp", *MLP[1:]]
+    record = explain_record(load_config(None, watched), 1, hw)
+    plain = explain_record(load_config(None, MLP), 1, hw)
+    assert f"{USER}:" in record["activations_unmeasured"]
+    assert ".item()" in record["activations_unmeasured"]  # the source line itself
+    assert record["mem_bytes"]["activations"] == 0 < plain["mem_bytes"]["activations"]
+    for key in ("params", "grads", "master", "optimizer"):
+        assert record["mem_bytes"][key] == plain["mem_bytes"][key]
+    assert any("activations are not predicted" in w for w in record["warnings"])
+    assert "activations_unmeasured" not in plain
+
+
 def test_init_is_the_modules_own_reset_under_a_seeded_generator():
     """Same (seed, name) -> same values whatever else is built; torch's own init rule (a
     Linear's kaiming-uniform bound 1/sqrt(fan_in)) is what the values follow."""

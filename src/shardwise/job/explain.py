@@ -85,6 +85,8 @@ def explain_record(cfg: Config, world: int, hardware: Hardware | None = None) ->
     record.update(_predicted_extras(cfg, d, pred))
     if d.ep > 1:  # parallel/expert.py: the experts' share of the model states per rank
         record["expert_mem_bytes"] = pred.get("expert_mem_bytes", {})
+    if "activations_unmeasured" in pred:  # the forward read a value: job/fake.py
+        record["activations_unmeasured"] = pred["activations_unmeasured"]
     warnings = _warnings(cfg, d, hw, record)
     if any(warnings):
         record["warnings"] = [w for w in warnings if w]
@@ -141,6 +143,13 @@ def _warnings(cfg: Config, d: Derived, hw: Hardware, record: dict) -> list[str |
         )
     if d.ep > 1:
         warnings.append(ep_note(d, record))
+    if "activations_unmeasured" in record:
+        warnings.append(
+            "shardwise: activations are not predicted (counted as 0 in the totals and the fit "
+            f"check): the model's forward reads a tensor's values at "
+            f"{record['activations_unmeasured']}, and the planner measures activations on "
+            "fake tensors, which hold none. Keep such values on the device to have them priced."
+        )
     if cfg.parallel.grad_compression != "none" and d.dp * d.cp == 1:
         warnings.append(
             f"shardwise: parallel.grad_compression={cfg.parallel.grad_compression} has no "

@@ -12,11 +12,16 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 
 from shardwise.config import Config
 from shardwise.data.callables import resolve
 from shardwise.distributed import device as dev
+from shardwise.errors import ConfigError
 from shardwise.finetune import build_adapted
 from shardwise.finetune.quant import quant_layers
 from shardwise.parallel.recompute import apply_recompute
@@ -206,14 +211,47 @@ def fake_activations(model, cfg: Config, derived, recompute: str | None = None, 
     as_trained(model, cfg, derived, recompute or cfg.memory.recompute)
     meter = ActivationMeter(model)
     inputs, targets = _batch(cfg, derived)
-    with meter.measure(), as_in_training():
-        logits = model(inputs)
-        if cfg.train.loss != "cross_entropy":  # yours, on whole outputs (as Run.loss_sum)
-            resolve(cfg.train.loss, "train.loss")(logits, targets)
-        else:
-            logits = getattr(logits, "logits", logits)  # a Hugging Face output object
-            loss_sum(tp, logits, targets)
+    try:
+        with meter.measure(), as_in_training():
+            logits = model(inputs)
+            if cfg.train.loss != "cross_entropy":  # yours, on whole outputs (as Run.loss_sum)
+                resolve(cfg.train.loss, "train.loss")(logits, targets)
+            else:
+                logits = getattr(logits, "logits", logits)  # a Hugging Face output object
+                loss_sum(tp, logits, targets)
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        raise UnmeasuredForward(_reader(exc)) from None
     return meter.take_peak()
+
+
+class UnmeasuredForward(ConfigError):
+    """A forward that reads a tensor's values (`.item()`, a boolean mask, `nonzero`, ...):
+    fake tensors hold none, so its activations cannot be measured before launch."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        super().__init__(
+            f"the model's forward reads a tensor's values on the host at {where} (an "
+            "`.item()`, `if tensor:`, a boolean mask or `nonzero`): the planner measures "
+            "activations on fake tensors, which hold no values. Fix: keep the value on the "
+            "device (torch.where, a masked multiply, reading it every few steps outside the "
+            "model); a pipeline of such a model cannot be priced."
+        )
+
+
+def _reader(exc: BaseException) -> str:
+    """The innermost frame of the traceback outside torch: the line that read the value."""
+    import os
+    import traceback
+
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(torch_dir)
+    ]
+    if not frames:
+        return "an unknown line"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} ({f.line})" if f.line else f"{f.filename}:{f.lineno}"
 
 
 def local_config(cfg: Config, cp: int) -> Config:

@@ -18,6 +18,7 @@ from shardwise.finetune.quant import quant_layers
 from shardwise.job.describe import job_from_config, layout_from_config
 from shardwise.job.experts import expert_units
 from shardwise.job.fake import (
+    UnmeasuredForward,
     fake_activations,
     local_config,
     measure_activations,
@@ -62,14 +63,17 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
     if quantised:  # the NF4 base: bitsandbytes' bytes per layer, outside the ZeRO units
         n += sum(a * b for a, b in quantised)
         job = dataclasses.replace(job, quantised_shapes=tuple(quantised))
-    activations = 0
+    activations, unmeasured = 0, None
     with FakeTensorMode():
         to_fake(model)
         module_buffers = tensor_bytes(model.buffers())
         # the whole model's saved bytes (a pipeline measures each stage below), and which
         # quantised linears backward uses
         if (not formula and layout.pp == 1) or quantised:  # (cp > 1: at the local length)
-            activations = fake_activations(model, local_config(cfg, layout.cp), derived, tp=tp)
+            try:
+                activations = fake_activations(model, local_config(cfg, layout.cp), derived, tp=tp)
+            except UnmeasuredForward as exc:  # priced without them, and said (job/explain.py)
+                unmeasured = exc.where
     if quantised:
         backward = tuple(m.input_needs_grad for _, m in quant_layers(model))
         job = dataclasses.replace(job, quantised_backward=backward)
@@ -81,7 +85,8 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
         return n, predict_stages(cfg, derived, job, layout, model)
     if not formula:  # states + the fake forward's bytes (unsharded models only)
         units = (us, dense, experts)
-        return n, predict_measured(job, layout, model, units, activations, module_buffers)
+        pred = predict_measured(job, layout, model, units, activations, module_buffers)
+        return n, pred if unmeasured is None else {**pred, "activations_unmeasured": unmeasured}
     if layout.pp == 1 and layout.tp == 1:  # the real model's units: frozen parameters exact
         job = dataclasses.replace(job, frozen=tuple(us))
     return n, evaluate(job, layout)
