@@ -1,13 +1,17 @@
 """`shardwise export --format hf` of the built-in MoE decoder (models/moe.py) as transformers'
-Qwen2-MoE (models/hf/qwen2_moe.py): moe-tiny at 2 blocks (4 experts, top-2), trained 3 steps.
+Qwen2-MoE (softmax router: models/hf/qwen2_moe.py) and GLM-4-MoE (sigmoid router:
+models/hf/glm4_moe.py): moe-tiny at 2 blocks (4 experts, top-2), trained 3 steps.
 
 Checked: from_pretrained of the export gives our model's logits (one process, all blocks MoE;
 ep 2 on 2 ranks under ZeRO-3 with every 2nd block MoE, so dense blocks and experts gathered from
 their ep slices); a run of the export as transformers' class (`model.name=hf`) continues with
 the losses of our model from the same weights; a LoRA run (pairs on the experts) exports with
-its adapters merged; a capacity run exports the dropless layer, with a note; what Qwen2-MoE
-does not compute (a moved balancing bias, the sigmoid router, shared experts) is refused with
-the setting and the fix, nothing written."""
+its adapters merged; a capacity run exports the dropless layer, with a note; the sigmoid router
+with a shared expert and a moved balancing bias exports as GLM-4-MoE (the bias as its
+`e_score_correction_bias`; without it the logits differ), which shardwise's intake refuses to
+read back; what no class computes (a moved bias with softmax, shared experts with softmax, a
+sigmoid run with dense blocks after MoE ones) is refused with the setting and the fix, nothing
+written."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from shardwise.errors import ShardwiseError  # noqa: E402
 from shardwise.finetune.lora import apply_lora  # noqa: E402
 from shardwise.launchers.harness import run_named, run_named_worlds  # noqa: E402
 from shardwise.models.families import family_of  # noqa: E402
+from shardwise.models.hf import glm4_moe  # noqa: E402
 from shardwise.models.moe import MoEDecoder, moe_layers  # noqa: E402
 from shardwise.models.spec import spec_from_config  # noqa: E402
 from support.compare import SMALL, VOCAB, case, max_rel  # noqa: E402
@@ -35,10 +40,13 @@ IDS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0
 LORA = ["--finetune.lora_rank=4", "--finetune.lora_alpha=8", "--train.lr=1e-2"]
 LORA += ["--finetune.lora_targets=experts,wq,wv"]
 TRAINED: dict[str, torch.Tensor] = {}  # the weights `start_from_trained` gives a run
+# the sigmoid router with a shared expert; the bias moved by 0.01 a step (3 steps)
+GLM = ["--model.router=sigmoid", "--model.n_shared_experts=1", "--train.moe_bias_balance=0.01"]
+BUFFERS = {"hook": "support.hooks:return_buffers"}  # the run's expert_bias values
 
 
-def _case(root, name: str, *extra: str) -> dict:
-    return case(*MOE, f"--run.dir={root / name}", *extra)
+def _case(root, name: str, *extra: str, **more) -> dict:
+    return case(*MOE, f"--run.dir={root / name}", *extra, **more)
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +57,20 @@ def runs(tmp_path_factory):
         "biased": _case(root, "biased", "--train.moe_bias_balance=0.01"),
         "capacity": _case(root, "capacity", "--model.capacity_factor=1.0"),
         "lora": _case(root, "lora", *LORA),
+        "glm": _case(root, "glm", *GLM, **BUFFERS),
     }
     ep = ["--model.moe_every=2", "--parallel.ep=2", "--parallel.zero=3"]
-    world2 = {"ep2": _case(root, "ep2", *ep)}
+    world2 = {
+        "ep2": _case(root, "ep2", *ep),
+        "glm-ep2": _case(root, "glm-ep2", *ep, *GLM, **BUFFERS),
+    }
     out = run_named_worlds({1: world1, 2: world2})
     return {"root": root, **out[1], **out[2]}
 
 
-def _ours(name: str, params: dict, *extra: str) -> MoEDecoder:
-    """Our MoE decoder of case `name`'s shape holding `params`, for evaluation."""
+def _ours(name: str, params: dict, *extra: str, buffers: dict | None = None) -> MoEDecoder:
+    """Our MoE decoder of case `name`'s shape holding `params` (and the balancing biases of
+    `buffers`), for evaluation."""
     cfg = load_config(None, _case_overrides(name, *extra))
     model = MoEDecoder(spec_from_config(cfg))
     if cfg.finetune.lora_rank:
@@ -65,6 +78,9 @@ def _ours(name: str, params: dict, *extra: str) -> MoEDecoder:
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(params[n])
+        for n, b in model.named_buffers():
+            if buffers and n.endswith(".expert_bias"):
+                b.copy_(buffers[n])
     return model.eval()
 
 
@@ -73,17 +89,25 @@ def _case_overrides(name: str, *extra: str) -> list[str]:
         "ep2": ["--model.moe_every=2"],
         "capacity": ["--model.capacity_factor=1.0"],
         "lora": LORA,
+        "glm": GLM,
+        "glm-ep2": ["--model.moe_every=2", *GLM],
     }
     return [*SMALL, *MOE, *shape.get(name, []), *extra]
 
 
-def _export(runs, name: str, capsys) -> tuple[torch.Tensor, str]:
-    """`export --format hf` of run `name`: from_pretrained's logits on IDS, and stderr."""
+def _load(runs, name: str, capsys, arch: str = "Qwen2MoeForCausalLM"):
+    """`export --format hf` of run `name` (as transformers' class `arch`): from_pretrained of it,
+    and stderr."""
     out = runs["root"] / f"{name}-hf"
     assert main(["export", str(runs["root"] / name), "--format", "hf", str(out)]) == 0
     err = capsys.readouterr().err
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2MoeForCausalLM"]
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert json.loads((out / "config.json").read_text())["architectures"] == [arch]
+    return transformers.AutoModelForCausalLM.from_pretrained(out).eval(), err
+
+
+def _export(runs, name: str, capsys) -> tuple[torch.Tensor, str]:
+    """`export --format hf` of run `name`: from_pretrained's logits on IDS, and stderr."""
+    theirs, err = _load(runs, name, capsys)
     with torch.no_grad():
         return theirs(IDS).logits, err
 
@@ -175,10 +199,57 @@ def test_a_capacity_run_exports_the_dropless_layer_with_a_note(runs, capsys):
         assert diff <= 1e-5 and dropped == 0, (factor, diff, dropped)
 
 
-def test_what_qwen2_moe_does_not_compute_is_refused(runs, capsys):
-    """A balancing bias the run moved (it changes which experts are chosen; Qwen2-MoE has no
-    such term), the sigmoid router and shared experts: one line each naming the setting and the
-    fix; nothing written."""
+@pytest.mark.parametrize("name", ["glm", "glm-ep2"])
+def test_the_sigmoid_router_exports_as_glm4_moe_with_its_bias(runs, name, capsys):
+    """The sigmoid router, a shared expert and a balancing bias that 3 steps moved: the export
+    is GLM-4-MoE with each layer's bias as its e_score_correction_bias (fp32, bit for bit), and
+    from_pretrained gives our logits within 1e-5 in fp32 (as the Qwen2-MoE export: the same
+    products in another order, RMSNorm unfused). The bias matters: with transformers' biases
+    zeroed the logits move by more than 1e-4. glm-ep2: 2 ranks, ep 2 under ZeRO-3, block 0
+    dense (first_k_dense_replace=1)."""
+    theirs, _ = _load(runs, name, capsys, "Glm4MoeForCausalLM")
+    params, buffers = runs[name][0]["params"], runs[name][0]["buffers"]
+    ours = _ours(name, params, buffers=buffers)
+    layers = [i for i, block in enumerate(ours.blocks) if hasattr(block.mlp, "expert_bias")]
+    assert layers == ([1] if name == "glm-ep2" else [0, 1])
+    assert theirs.config.first_k_dense_replace == layers[0]
+    for i in layers:
+        bias = buffers[glm4_moe.bias_name(i)]
+        assert bias.abs().max() > 0, i  # moved by train.moe_bias_balance
+        held = theirs.model.layers[i].mlp.gate.e_score_correction_bias
+        assert held.dtype == torch.float32 and torch.equal(held, bias), i
+    with torch.no_grad():
+        want = ours(IDS)
+        diff = (want - theirs(IDS).logits).abs().max().item()
+        for i in layers:
+            theirs.model.layers[i].mlp.gate.e_score_correction_bias.zero_()
+        unbiased = (want - theirs(IDS).logits).abs().max().item()
+    assert diff <= 1e-5, diff
+    assert want.abs().max() > 0.1
+    assert unbiased > 1e-4, unbiased
+
+
+def test_our_intake_refuses_the_glm4_moe_export(runs, capsys):
+    """shardwise's intake of a Hugging Face checkpoint reads parameters only: GLM-4-MoE's routing
+    bias is a persistent buffer, so `model.name=hf` of the export is refused, naming it, rather
+    than trained without it."""
+    out = runs["root"] / "glm-hf"
+    if not out.exists():
+        _load(runs, "glm", capsys, "Glm4MoeForCausalLM")
+    data = [o for o in SMALL if not o.startswith("--model.")]
+    args = ["train", *data, "--model.name=hf", f"--model.init_from={out}", "--train.steps=1"]
+    assert main([*args, f"--run.dir={runs['root'] / 'glm-intake'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: model.init_from='{out}': Glm4MoeForCausalLM keeps state"), err
+    assert "model.layers.0.mlp.gate.e_score_correction_bias and 1 more" in err, err
+    assert "Fix: use this checkpoint in transformers itself" in err and "Traceback" not in err
+
+
+def test_what_no_class_computes_is_refused(runs, capsys):
+    """A balancing bias the run moved with the softmax router (Qwen2-MoE has no such term, and
+    GLM-4-MoE routes by sigmoid), shared experts with softmax, and the sigmoid router with MoE
+    blocks before dense ones: one line each naming the setting and the fix; nothing written.
+    A GLM-4-MoE export without the run's biases is refused too."""
     out = runs["root"] / "biased-hf"
     assert main(["export", str(runs["root"] / "biased"), "--format", "hf", str(out)]) == 2
     err = capsys.readouterr().err
@@ -187,13 +258,22 @@ def test_what_qwen2_moe_does_not_compute_is_refused(runs, capsys):
     assert not out.exists()
     spec = spec_from_config(load_config(None, _case_overrides("plain")))
     check = family_of(spec).hf_check
-    refused = {
-        "router": (dataclasses.replace(spec, router="sigmoid"), "--model.router=softmax"),
-        "n_shared_experts": (
+    sigmoid = dataclasses.replace(spec, router="sigmoid")
+    biases = {glm4_moe.bias_name(i): torch.zeros(spec.n_experts) for i in range(3)}
+    refused = [
+        (
             dataclasses.replace(spec, n_shared_experts=1),
-            "--model.n_shared_experts=0",
+            "^model.n_shared_experts=1: .*Fix: train with --model.n_shared_experts=0, or with "
+            "--model.router=sigmoid",
         ),
-    }
-    for key, (bad, fix) in refused.items():
-        with pytest.raises(ShardwiseError, match=f"^model.{key}.*Fix: train with {fix}"):
-            check(bad, {})
+        (
+            dataclasses.replace(sigmoid, n_layers=3, moe_every=2),
+            r"^model.moe_every=2 with model.n_layers=3 makes blocks \[1\] MoE.*Fix: train with "
+            "--model.moe_every=1",
+        ),
+        (sigmoid, r"^the checkpoint holds no blocks.0.mlp.expert_bias.*Fix: "),
+    ]
+    for bad, pattern in refused:
+        with pytest.raises(ShardwiseError, match=pattern):
+            check(bad, biases if bad.n_layers == 3 else {})
+    assert check(sigmoid, biases) == []  # with its biases, the sigmoid router exports

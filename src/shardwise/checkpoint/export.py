@@ -8,9 +8,10 @@ parameter at a time) and written into a temporary folder that replaces OUT at th
 once, whatever the layout the run was trained in.
 The fp32 master weights are exported when the run kept them apart from the (bf16/fp16)
 parameters, else the parameters. `config.json` describes the Llama or GPT-2 model (the MoE
-decoder as Qwen2-MoE, where it computes the same: models/hf/qwen2_moe.py) so `transformers`'
-`from_pretrained(OUT)` loads it; the tensor layouts are those of shardwise.models.hf.gpt2
-(transposed Conv1D and fused c_attn for GPT-2) and qwen2_moe (stacked experts).
+decoder as Qwen2-MoE or GLM-4-MoE, where one computes the same: models/hf/qwen2_moe.py,
+glm4_moe.py) so `transformers`' `from_pretrained(OUT)` loads it; the tensor layouts are those
+of shardwise.models.hf.gpt2 (transposed Conv1D and fused c_attn for GPT-2) and qwen2_moe
+(stacked experts).
 """
 
 from __future__ import annotations
@@ -176,25 +177,33 @@ def _write(src: Source, out: Path, max_shard_bytes: int) -> None:
     kind = "master" if f"master/{first}" in index["tensors"] else "param"
     dtype = index["tensors"][f"{kind}/{first}"]["dtype"]
     check = family_of(spec).hf_check
+    names = [k for k in index["tensors"] if k.startswith("buffer/")]
+    buffers = {k.removeprefix("buffer/"): src.tensor(k) for k in names}
     if check is not None:  # before any file: a refusal leaves OUT as it was
-        names = [k for k in index["tensors"] if k.startswith("buffer/")]
-        buffers = {k.removeprefix("buffer/"): src.tensor(k) for k in names}
         for note in check(spec, buffers):
             print(f"note: {note}", file=sys.stderr)
-    write_weights(spec, plan, merging(src.read, cfg, spec), dtype, out, max_shard_bytes)
+    read = merging(src.read, cfg, spec)
+    write_weights(spec, plan, read, dtype, out, max_shard_bytes, buffers)
     write_tokenizer(cfg, spec, out)
 
 
 def write_weights(
-    spec: ModelSpec, plan: dict, read, dtype: str, out: Path, max_shard_bytes: int
+    spec: ModelSpec,
+    plan: dict,
+    read,
+    dtype: str,
+    out: Path,
+    max_shard_bytes: int,
+    buffers: dict | None = None,
 ) -> None:
     """Safetensors shards (+ index) and config.json in `out` for the model `spec`, each tensor
-    assembled from our parameters (`plan`: `hf_plan`; `read(name)` gives one at full shape)."""
+    assembled from our parameters (`plan`: `hf_plan`; `read(name)` gives one at full shape;
+    `buffers`: the run's buffers by name, for the class's own tensors)."""
     from safetensors.torch import save_file
 
     shards = _shards(spec, plan, getattr(torch, dtype).itemsize, max_shard_bytes)
     family = family_of(spec)
-    extra = family.hf_extra(spec) if family.hf_extra is not None else {}
+    extra = family.hf_extra(spec, buffers or {}, dtype) if family.hf_extra is not None else {}
     weight_map, total = {}, 0
     for i, keys in enumerate(shards):  # one output file in memory at a time
         fname = (
@@ -202,7 +211,7 @@ def write_weights(
         )
         tensors = {key: _assemble(spec, plan[key], read).to(getattr(torch, dtype)) for key in keys}
         if i == len(shards) - 1:  # the class's own tensors (few and small) in the last file
-            tensors.update({k: v.to(getattr(torch, dtype)) for k, v in extra.items()})
+            tensors.update(extra)  # each in the dtype its class keeps it in
             keys = list(tensors)
         save_file(tensors, out / fname, metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -250,8 +259,8 @@ def export_hf(
     if family.hf_config is not None and not family.hf_keeps_dropout and spec.dropout > 0:
         print(
             f"note: model.dropout={spec.dropout} (embedding and residual dropout) is not in the "
-            "exported config: transformers' Llama and Qwen2-MoE have attention dropout only "
-            f"(attention_dropout={spec.attn_dropout} is)",
+            "exported config: transformers' Llama, Qwen2-MoE and GLM-4-MoE have attention "
+            f"dropout only (attention_dropout={spec.attn_dropout} is)",
             file=sys.stderr,
         )
     return src.path

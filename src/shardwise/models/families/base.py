@@ -92,8 +92,9 @@ class Family:
     # (None: no Hugging Face class holds this family; a checkpoint's class writes its own)
     hf_config: Callable[[ModelSpec, str], dict] | None = None
     hf_keeps_dropout: bool = False  # that config carries model.dropout (residual dropout)
-    # tensors that class holds and no parameter of ours does (Qwen2-MoE's 0-wide shared expert)
-    hf_extra: Callable[[ModelSpec], dict] | None = None
+    # tensors that class holds and no parameter of ours does (a 0-wide shared expert, GLM-4-MoE's
+    # routing biases from the run's buffers by name), each in its dtype (the export's: the str)
+    hf_extra: Callable[[ModelSpec, dict, str], dict] | None = None
     # before writing: refuses what the class would compute differently, given the run's
     # buffers by name (the balancing biases); returns notes on what the export computes
     hf_check: Callable[[ModelSpec, dict], list[str]] | None = None

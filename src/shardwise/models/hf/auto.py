@@ -92,6 +92,7 @@ def build_auto(spec) -> nn.Module:
     config = training_config(spec)
     cls = getattr(tf, TASKS[spec.task])
     model = on_meta(lambda: cls.from_config(config))
+    _refuse_state_buffers(model, spec)
     use_shardwise_experts(model)  # MoE classes: stacked experts through our expert matmul
     if spec.task == "classification":
         _take_packed_inputs(model)
@@ -99,6 +100,27 @@ def build_auto(spec) -> nn.Module:
         take_packed_tokens(model)
     model.shardwise_spec = spec  # (on_meta kept the buffers its constructor computed: RoPE tables)
     return model
+
+
+def _refuse_state_buffers(model: nn.Module, spec) -> None:
+    """A class with persistent buffers (state saved with the weights that is no parameter, such
+    as GLM-4-MoE's and DeepSeek-V3's routing bias `e_score_correction_bias`) is refused: the
+    intake reads parameters only, so their values would be silently lost."""
+    held = [
+        f"{path}.{leaf}" if path else leaf
+        for path, module in model.named_modules()
+        for leaf, buf in module._buffers.items()
+        if buf is not None and leaf not in module._non_persistent_buffers_set
+    ]
+    if held:
+        more = f" and {len(held) - 1} more" if len(held) > 1 else ""
+        raise ConfigError(
+            f"model.init_from='{spec.source}': {type(model).__name__} keeps state that is not a "
+            f"parameter ({held[0]}{more}: persistent buffers), and shardwise's intake of a "
+            "Hugging Face checkpoint reads parameters only, so their values would be lost. "
+            "Fix: use this checkpoint in transformers itself; a shardwise MoE run exported as "
+            "GLM-4-MoE continues from the run's own checkpoint (checkpoint.resume)."
+        )
 
 
 def _take_packed_inputs(model: nn.Module) -> None:

@@ -16,13 +16,14 @@ Why this class (the forwards of transformers 5.24's MoE classes, read side by si
 - shared experts: Qwen2-MoE multiplies its shared expert by sigmoid(g·x), and no weight g makes
   that 1 for every x; ours are not gated. So `n_shared_experts` > 0 is refused; without them the
   class's shared expert is written 0 wide, its output exactly zero.
-- the sigmoid router (DeepSeek-V3's, normalised over the chosen) is refused: Qwen2-MoE routes
-  by softmax. (GLM-4-MoE computes it, with ungated shared experts and the bias as its
-  `e_score_correction_bias`, where its blocks from `first_k_dense_replace` on are our MoE
-  blocks; it is not mapped here, and shardwise's intake of a checkpoint does not read buffers.)
+- the sigmoid router (DeepSeek-V3's, normalised over the chosen) exports as GLM-4-MoE, with
+  ungated shared experts and the bias as its `e_score_correction_bias` (models/hf/glm4_moe.py).
 - the balancing bias (`expert_bias`, DeepSeek-V3 eq. 16) moves which experts are chosen, and
   Qwen2-MoE has no such term: a nonzero bias is refused with the layer named. It stays zero
-  when the run trained with train.moe_bias_balance=0.
+  when the run trained with train.moe_bias_balance=0. No class of transformers 5.24 holds it
+  with our blocks: the classes with a correction bias route by sigmoid (DeepSeek-V3,
+  GLM-4-MoE, ...), renormalise over the chosen (Ernie 4.5's softmax), or route as ours but in
+  other blocks (LongCat-Flash: two MLA attentions, with an RMSNorm on the latent, per layer).
 - capacity: the class is dropless. A run with `capacity_factor` > 0 exports with a note: the
   export equals our layer wherever no expert was over its capacity in a sequence.
 """
@@ -64,8 +65,10 @@ def refusal(spec: ModelSpec) -> str:
     if spec.n_shared_experts:
         return (
             f"model.n_shared_experts={spec.n_shared_experts}: our shared experts are always on, "
-            "and transformers' Qwen2-MoE multiplies its shared expert by a sigmoid gate, which "
-            f"no weight holds at 1. Fix: train with --model.n_shared_experts=0, {keep}."
+            "and transformers' Qwen2-MoE (the softmax router's class) multiplies its shared "
+            "expert by a sigmoid gate, which no weight holds at 1. Fix: train with "
+            "--model.n_shared_experts=0, or with --model.router=sigmoid (exports as GLM-4-MoE, "
+            f"ungated shared experts), {keep}."
         )
     return ""
 
@@ -79,9 +82,10 @@ def check(spec: ModelSpec, buffers: dict[str, torch.Tensor]) -> list[str]:
             why = (
                 f"{name} is not zero (largest {value.abs().max().item():.3g}; train."
                 "moe_bias_balance moved it): it changes which experts ours chooses, and "
-                "transformers' Qwen2-MoE has no such bias, so its top k would differ. Fix: "
-                "train with --train.moe_bias_balance=0, or keep the run in shardwise's own "
-                "format (export --format dcp)."
+                "transformers' Qwen2-MoE (the softmax router's class) has no such bias, so its "
+                "top k would differ. Fix: train with --train.moe_bias_balance=0, or with "
+                "--model.router=sigmoid (exports as GLM-4-MoE, which holds the bias), or keep "
+                "the run in shardwise's own format (export --format dcp)."
             )
     if why:
         raise ShardwiseError(why)
@@ -94,9 +98,10 @@ def check(spec: ModelSpec, buffers: dict[str, torch.Tensor]) -> list[str]:
     return []
 
 
-def extra(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Tensors of the class that no parameter of ours holds: each MoE block's shared expert,
-    0 wide (its output is exactly zero), and the gate of that shared expert."""
+def extra(spec: ModelSpec, buffers: dict, dtype: str) -> dict[str, torch.Tensor]:
+    """Tensors of the class that no parameter of ours holds, in `dtype`: each MoE block's shared
+    expert, 0 wide (its output is exactly zero), and the gate of that shared expert (`buffers`:
+    unused, the biases are zero or refused)."""
     out = {}
     for i in moe_blocks(spec):
         x = _X.format(i)
@@ -104,7 +109,7 @@ def extra(spec: ModelSpec) -> dict[str, torch.Tensor]:
         out[x + "shared_expert.up_proj.weight"] = torch.zeros(0, spec.dim)
         out[x + "shared_expert.down_proj.weight"] = torch.zeros(spec.dim, 0)
         out[x + "shared_expert_gate.weight"] = torch.zeros(1, spec.dim)
-    return out
+    return {k: v.to(getattr(torch, dtype)) for k, v in out.items()}
 
 
 def config(spec: ModelSpec, dtype: str) -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from shardwise.errors import ConfigError
-from shardwise.models.hf import gpt2, llama, qwen2_moe
+from shardwise.models.hf import glm4_moe, gpt2, llama
 from shardwise.models.hf.rule import Rule, hf_shape
 from shardwise.models.presets import HF_ARCHS
 
@@ -22,8 +22,9 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-# (the MoE decoder maps one way: its export as Qwen2-MoE; init_from into it is refused)
-RULES = {"decoder": llama.RULES, "gpt2": gpt2.RULES, "moe": qwen2_moe.RULES}
+# (the MoE decoder maps one way: its export as Qwen2-MoE or GLM-4-MoE, whose names are
+# Qwen2-MoE's plus the shared experts; init_from into it is refused)
+RULES = {"decoder": llama.RULES, "gpt2": gpt2.RULES, "moe": glm4_moe.RULES}
 MODEL_TYPES = {"llama": "decoder", "gpt2": "gpt2"}
 FIELDS = {"llama": llama.fields, "gpt2": gpt2.fields}
 # Parameters a fine-tune adds to the decoder (peft's adapters), never in a base checkpoint.
