@@ -29,6 +29,7 @@ from shardwise.models.dcp import DCPWeights, tensor_sizes  # noqa: E402
 from shardwise.models.hf.weights import HFWeights, load_weights  # noqa: E402
 from shardwise.models.spec import spec_from_config  # noqa: E402
 from support.compare import VOCAB, case  # noqa: E402
+from support.hf_tiny import tiny_llama_config  # noqa: E402
 from test_init_from_dcp import _titan_dcp  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -50,14 +51,8 @@ def _perturb(model: torch.nn.Module) -> None:
 def _save_hf(kind: str, out: Path, **extra) -> Path:
     torch.manual_seed(3)
     if kind == "llama":
-        cfg = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=176,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
+        cfg = tiny_llama_config(
+            VOCAB,
             tie_word_embeddings=False,
             **{"rms_norm_eps": 1e-5, **extra},  # the preset's (a DCP cannot carry another)
         )

@@ -20,6 +20,7 @@ from shardwise.models.hf.weights import HFWeights, load_weights  # noqa: E402
 from shardwise.training.validate import derive, model_spec  # noqa: E402
 from support.compare import VOCAB as SMALL_VOCAB  # noqa: E402
 from support.compare import case, max_param_diff, max_rel  # noqa: E402
+from support.hf_tiny import tiny_llama_config  # noqa: E402
 
 VOCAB = SMALL_VOCAB  # the tokenizer cache the other tests use
 # lr 3e-4 as test_tensor.py's Hugging Face cases: an entry whose gradient is zero up to fp32
@@ -38,17 +39,7 @@ def _perturb(model: torch.nn.Module) -> None:
 
 def _save_llama(out: Path) -> Path:
     torch.manual_seed(1)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    )
+    cfg = tiny_llama_config(VOCAB, rms_norm_eps=1e-5, tie_word_embeddings=False)
     model = transformers.LlamaForCausalLM(cfg)
     _perturb(model)
     model.save_pretrained(out)

@@ -9,6 +9,7 @@ import pytest
 
 from shardwise.launchers.harness import run_named, run_named_worlds
 from support.compare import SMALL, VOCAB, assert_reproduces, case, max_param_diff, max_rel
+from support.hf_tiny import tiny_llama_config
 
 pytestmark = pytest.mark.slow
 
@@ -85,15 +86,7 @@ def _llama_checkpoint(root: Path) -> list[str]:
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
+    config = tiny_llama_config(VOCAB)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(root)
     small = [o for o in SMALL if not o.startswith(("--model.n_layers", "--model.vocab_size"))]
