@@ -238,6 +238,19 @@ def write_tokenizer(cfg, spec, out: Path) -> None:
         _write_tokenizer(cfg, spec, out)
 
 
+def _check_exports(src: Source) -> None:
+    """A family without a transformers class to write (a ResNet, your own module) is refused
+    before OUT is touched, not half-way through naming its tensors."""
+    family = family_of(src.spec)
+    if family.hf_config is None and not family.from_checkpoint:
+        raise ShardwiseError(
+            f"the run in '{src.given}' trained model.name='{src.cfg.model.name}', "
+            f"{family.kind}, and --format hf writes transformers classes only (the Llama-style, "
+            "GPT-2 and MoE decoders and Hugging Face models). Fix: --format dcp (its state "
+            "dict as a PyTorch distributed checkpoint)."
+        )
+
+
 def export_hf(
     run_dir: str | Path,
     out: str | Path,
@@ -251,6 +264,7 @@ def export_hf(
     earlier export there whole (export_dir.py); returns the checkpoint exported."""
     with open_source(run_dir, step) as src:
         check_base(src.index, src.cfg, src.path)  # a quantised base changed since the save
+        _check_exports(src)
         about = {"format": "hf", "checkpoint": str(src.path), "step": src.index["step"]}
         with writing(out, about, src.protected(), overwrite) as tmp:
             _write(src, tmp, max_shard_bytes)

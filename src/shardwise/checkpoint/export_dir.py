@@ -47,17 +47,20 @@ def _sibling(out: Path, what: str) -> Path:
     return out.parent / f".{out.name}.shardwise-export.{what}"
 
 
-def _refuse_overlap(out: Path, protected: dict[str, Path]) -> None:
+def _refuse_overlap(out: Path, protected: dict[str, Path], fmt: str = "export") -> None:
     """OUT may not be, lie inside or hold what the export reads (the run, its checkpoints)."""
     where = out.resolve()
-    for what, path in protected.items():
-        inner = path.resolve()
-        if where == inner or inner in where.parents:
-            own = " (its config.json)" if what == "the run directory" else ""
-            raise ShardwiseError(
-                f"OUT={out} is inside {what} {path}: the export would overwrite or mix with the "
-                f"run's own files{own}. Fix: an OUT outside it, e.g. {inner}-hf."
-            )
+    holders = {w: p.resolve() for w, p in protected.items()}
+    holders = {w: p for w, p in holders.items() if where == p or p in where.parents}
+    if holders:
+        what = next(iter(holders))
+        # the suggestion sits beside the outermost of them: outside every protected folder
+        top = min(holders.values(), key=lambda p: len(p.parts))
+        own = " (its config.json)" if what == "the run directory" else ""
+        raise ShardwiseError(
+            f"OUT={out} is inside {what} {protected[what]}: the export would overwrite or mix "
+            f"with the run's own files{own}. Fix: an OUT outside it, e.g. {top}-{fmt}."
+        )
     for what, path in protected.items():
         if where in path.resolve().parents:
             raise ShardwiseError(
@@ -196,7 +199,7 @@ def writing(out: str | Path, about: dict, protected: dict[str, Path], overwrite:
     """A temporary folder to write an export into; on leaving without error it is marked
     (`about` plus its file names) and replaces OUT, on any failure it is removed."""
     out = Path(os.path.abspath(out))
-    _refuse_overlap(out, protected)
+    _refuse_overlap(out, protected, str(about.get("format") or "export"))
     with _stop_raises(out) as restore:
         made, tmp = [], None
         try:

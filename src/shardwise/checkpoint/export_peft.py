@@ -84,7 +84,8 @@ def export_peft(
         if ft.lora_rank == 0:
             raise ShardwiseError(
                 f"the run in '{run_dir}' trained no LoRA adapter (finetune.lora_rank=0). Fix: "
-                "--format hf exports its whole model."
+                "--format dcp exports its whole model (--format hf too, for a model with a "
+                "transformers class)."
             )
         tensors, paths, heads = _adapter(src)
         about = {"format": "peft", "checkpoint": str(src.path), "step": src.index["step"]}

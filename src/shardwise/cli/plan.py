@@ -185,6 +185,38 @@ def pinned_layout(cfg, overrides: list[str]) -> tuple:
     return tuple(out)
 
 
+_PINNED = "other than the layout keys given"  # plan/search.invalid's reason for a pin
+
+
+def nothing_valid(job: Job, result) -> ConfigError | None:
+    """When no layout was valid at all (none was even priced), why: the layout keys given or
+    the job rule every layout out, which "no layout fits" (memory) would misreport."""
+    if result.candidates or result.unfit:
+        return None
+    keys = {f: k for k, f in PINS.items()}
+    given = ", ".join(f"{keys[f]}={v}" for f, v in job.pinned)
+    why = [f"{r} ({n:,})" for r, n in result.rejected.most_common(3) if r != _PINNED]
+    if why:
+        what = f"the layouts with {given}" if given else "all layouts"
+        reason = f"{what} were refused: {'; '.join(why)}"
+    else:
+        n = job.spec.n_experts
+        experts = f" and of model.n_experts={n}" if n else " (> 1 only with routed experts)"
+        reason = (
+            f"the search builds no layout with {given}: tp and cp are powers of two dividing "
+            "the devices (tp within a node; cp > 1 only with tp = pp = 1, for a model whose "
+            f"attention shardwise splits), pp a divisor, ep a divisor of dp*cp{experts}"
+        )
+    fix = (
+        f"values {job.devices} devices allow, or leave {given} out (plan then searches them)"
+        if given
+        else "a job those reasons allow (global batch, model sizes), or other --devices"
+    )
+    return ConfigError(
+        f"no valid layout on {job.devices} x {job.hardware.name}: {reason}. Fix: {fix}."
+    )
+
+
 def states_records(job: Job) -> list[dict]:
     rows = []
     for zero in range(4):
@@ -318,7 +350,7 @@ def run(argv: list[str], overrides: list[str]) -> int:
     if not result.candidates:
         if args.misses:
             print(report.misses(result.unfit, args.misses, hw.memory, hw.host_memory))
-        raise nothing_fits(job, result)
+        raise nothing_valid(job, result) or nothing_fits(job, result)
     if args.verify:
         from shardwise.cli.verify import verify
 

@@ -21,6 +21,10 @@ def job_from_config(
     from shardwise.training.validate import model_spec
 
     spec = spec or model_spec(cfg)
+    if cfg.train.loss_chunks < 0:  # (derive refuses it for train; the planner prices it here)
+        raise ConfigError(
+            f"train.loss_chunks={cfg.train.loss_chunks} must be >= 0. Fix: e.g. 8, or 0 for off."
+        )
     return Job(
         spec=spec,
         hardware=hardware,
@@ -47,6 +51,9 @@ def finetune_of(cfg: Config, spec) -> FineTune:
     of truth): LoRA's targets as the planner's names of the block linears they match."""
     ft, eight = cfg.finetune, cfg.optim.name in EIGHT_BIT
     if not ft.lora_rank:
+        from shardwise.training.checks import check_no_lora_keys
+
+        check_no_lora_keys(ft)  # (derive's check: plan and explain refuse it too)
         return FineTune(base_quant=ft.base_quant, optim_8bit=eight)
     tags = tuple(lora_shapes(spec)) if spec.is_transformer or spec.n_experts else ()
     pats = [p.strip() for p in ft.lora_targets.split(",") if p.strip()]

@@ -161,10 +161,15 @@ def _check_moe(spec: ModelSpec) -> None:
             f"model.moe_every={spec.moe_every} > model.n_layers={spec.n_layers}: no block would "
             f"be MoE. Fix: moe_every <= {spec.n_layers} (1: every block)."
         )
-    elif spec.n_shared_experts < 0 or spec.capacity_factor < 0:
+    elif spec.n_shared_experts < 0:
         bad = (
-            f"model.n_shared_experts={spec.n_shared_experts}, model.capacity_factor="
-            f"{spec.capacity_factor} must be >= 0. Fix: 0 for none / dropless."
+            f"model.n_shared_experts={spec.n_shared_experts} must be >= 0. Fix: e.g. 1, or 0 "
+            "for none."
+        )
+    elif spec.capacity_factor < 0:
+        bad = (
+            f"model.capacity_factor={spec.capacity_factor} must be >= 0. Fix: e.g. 1.25, or 0 "
+            "for dropless routing."
         )
     elif spec.router not in ("softmax", "sigmoid"):
         bad = f"model.router={spec.router!r} is unknown. Fix: softmax or sigmoid."

@@ -55,6 +55,8 @@ def invalid(job: Job, lay: Layout) -> str | None:
     spec = job.spec
     if any(getattr(lay, k) != v for k, v in job.pinned):
         return "other than the layout keys given"
+    if job.devices % (lay.tp * lay.pp * lay.cp):  # train refuses it: every rank has a place
+        return "tp*pp*cp does not divide the devices"
     fam = family_of(spec)
     if lay.tp > 1 and fam.tensor_parallel == "none":
         return "tp not built for this model family"

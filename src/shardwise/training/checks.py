@@ -8,7 +8,7 @@ from __future__ import annotations
 import fnmatch
 from math import gcd
 
-from shardwise.config import Config
+from shardwise.config import Config, FinetuneConfig
 from shardwise.errors import ConfigError
 from shardwise.models import ModelSpec, build_on_meta
 from shardwise.models.families import Family
@@ -150,6 +150,7 @@ def check_lora(spec: ModelSpec, cfg: Config) -> None:
             "finetune.lora_rank=0 trains none. Fix: --finetune.lora_rank=16 (QLoRA)."
         )
     if cfg.finetune.lora_rank == 0:
+        check_no_lora_keys(cfg.finetune)
         return
     model = build_adapted(spec, cfg.finetune)[0]
     p = cfg.parallel
@@ -160,6 +161,20 @@ def check_lora(spec: ModelSpec, cfg: Config) -> None:
             "yet. Fix: --parallel.tp=1 --parallel.pp=1 (data, ZeRO and expert parallelism "
             "run), or leave the experts out of the targets."
         )
+
+
+def check_no_lora_keys(ft: FinetuneConfig) -> None:
+    """Without adapters (lora_rank=0) LoRA's other keys have nothing to shape: a value the
+    user set there would be ignored, so it is refused instead."""
+    off = FinetuneConfig()
+    for key in ("lora_targets", "lora_alpha", "lora_dropout"):
+        value = getattr(ft, key)
+        if value != getattr(off, key):
+            raise ConfigError(
+                f"finetune.{key}={value!r} shapes LoRA adapters, and finetune.lora_rank=0 adds "
+                f"none, so it would be ignored. Fix: --finetune.lora_rank=16 (LoRA), or leave "
+                f"finetune.{key} at its default ({getattr(off, key)!r})."
+            )
 
 
 def check_pipeline(
@@ -297,9 +312,10 @@ def check_context_parallel(cfg: Config, spec: ModelSpec, family: Family, tp: int
     why = ""
     if not family.context_parallel:
         why = (
-            f"model.name='{cfg.model.name}' is {family.kind}, whose attention is not ours to "
-            "split. Fix: --parallel.cp=1, or a built-in decoder, an hf-llama preset or a "
-            "Llama, Mistral or Qwen2 checkpoint (model.name=hf)."
+            f"model.name='{cfg.model.name}' is {family.kind}, for which context parallelism "
+            "is not built (the dense shardwise decoders and gpt2 presets, the hf-llama presets "
+            "and Llama, Mistral and Qwen2 checkpoints have it). Fix: --parallel.cp=1, or one "
+            "of those models."
         )
     elif layout := _cp_layout_refusal(cfg, spec, family, tp, pp):
         why = layout
