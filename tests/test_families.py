@@ -90,14 +90,21 @@ def test_block_shapes_describe_our_two_decoders() -> None:
     """The planner prices a block from its family's description: the Llama-style decoder is
     gated with RoPE and RMSNorm, GPT-2 has LayerNorm, biases and a position table,
     transformers' Llama preset is our decoder's block with its norms registered last, and its
-    GPT-2 preset is GPT-2's block with q, k and v fused into one tensor (`c_attn`)."""
+    GPT-2 preset is GPT-2's block with q, k and v fused into one tensor (`c_attn`); both are
+    transformers' own blocks (their saved tensors: plan/activations_hf.py), their linears
+    named by their own paths for LoRA's targets."""
     llama, gpt2 = family_of(preset("tiny")).block, family_of(preset("gpt2-tiny")).block
     assert llama.gated_mlp and llama.rotary and llama.rms_norm and not llama.biases
     assert gpt2.layer_norm and gpt2.biases and gpt2.learned_positions and not gpt2.gated_mlp
     theirs = family_of(preset("hf-llama-tiny")).block
-    assert theirs == dataclasses.replace(llama, norms_last=True) and not llama.norms_last
+    hf = dict(transformers=True, linear_paths=theirs.linear_paths)
+    assert theirs == dataclasses.replace(llama, norms_last=True, **hf) and not llama.norms_last
+    assert [tag for _, tag in theirs.linear_paths] == ["wq", "wk", "wv", "wo", "w1", "w3", "w2"]
     other = family_of(ModelSpec("hf-gpt2", n_layers=1, dim=8, n_heads=2, vocab_size=300)).block
-    assert other == dataclasses.replace(gpt2, fused_qkv=True) and not gpt2.fused_qkv
+    hf = dict(transformers=True, linear_paths=other.linear_paths)
+    assert other == dataclasses.replace(gpt2, fused_qkv=True, **hf) and not gpt2.fused_qkv
+    assert [tag for _, tag in other.linear_paths] == ["wqkv", "wo", "w1", "w2"]
+    assert not (llama.transformers or gpt2.transformers or llama.linear_paths)
 
 
 def test_a_family_refuses_tensor_parallelism_in_its_own_words() -> None:

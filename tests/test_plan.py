@@ -111,6 +111,77 @@ def test_analytic_units_are_the_engine_units(name, tied):
     assert [[e[:2] for e in u.entries] for u in real] == [entries for _, entries in flat]
 
 
+LORA = ("--finetune.lora_rank=4",)
+HF_CASES = {  # (ranks, overrides) of the hf-* presets' layouts `plan` searches
+    "dp2": (2, []),
+    "z3_bf16": (2, ["--parallel.zero=3", "--precision.compute=bf16"]),
+    "tp2": (2, ["--parallel.tp=2"]),
+    "tp4": (4, ["--parallel.tp=4"]),  # Llama: 2 k/v heads, so one per rank, replicated
+    "lora": (2, [*LORA, "--parallel.zero=3"]),
+    "lora_tp2_bf16": (2, [*LORA, "--parallel.tp=2", "--precision.compute=bf16"]),
+    "lora_qkv": (2, [*LORA, "QKV"]),
+    # the first block saves nothing before its first adapter (its input has no gradient)
+    "lora_mlp_in": (2, [*LORA, "MLP_IN"]),
+    "lora_out": (2, [*LORA, "OUT", "--parallel.tp=2"]),
+    "packed": (2, ["--data.pack=true", "--data.format=instruction"]),
+    "cp2": (2, ["--parallel.cp=2"]),  # (Llama: k/v repeated to H heads by the cp kernels)
+    "cp2_packed": (2, ["--parallel.cp=2", "--data.pack=true", "--data.format=instruction"]),
+}
+
+
+# (context parallelism is refused for transformers' GPT-2: no cp case of it)
+@pytest.mark.parametrize(
+    ("name", "case"),
+    [
+        (name, case)
+        for case in HF_CASES
+        for name in ("hf-gpt2-tiny", "hf-llama-tiny")
+        if not (name == "hf-gpt2-tiny" and case.startswith("cp"))
+    ],
+)
+def test_transformers_presets_formula_is_the_real_models(name, case):
+    """`plan`'s per-candidate prediction (plan/search.evaluate: transformers' blocks by formula,
+    plan/activations_hf.py) equals `explain`'s of the real model (its units, its module
+    buffers, its saved tensors on a fake forward through the engine's meter) in every
+    category: tp shards, bf16, LoRA (GPT-2's fused c_attn with one adapter pair), packed rows,
+    context parallelism."""
+    pytest.importorskip("transformers")
+    from shardwise.config import load_config
+    from shardwise.job.describe import job_from_config, layout_from_config
+    from shardwise.job.explain import explain_record
+    from shardwise.plan.search import evaluate
+    from shardwise.training.validate import derive
+
+    ranks, over = HF_CASES[case]
+    gpt2 = name == "hf-gpt2-tiny"
+    targets = {  # GPT-2's c_proj: the attention's and the MLP's output projections
+        "QKV": "c_attn" if gpt2 else "q_proj,k_proj,v_proj",
+        "MLP_IN": "c_fc" if gpt2 else "gate_proj",  # (Llama: silu(gate)·up, up frozen)
+        "OUT": "c_proj" if gpt2 else "o_proj,down_proj",
+    }
+    over = [f"--finetune.lora_targets={targets[o]}" if o in targets else o for o in over]
+    shape = ["--model.n_layers=2", "--data.seq_len=32", "--train.global_batch=8"]
+    cfg = load_config(None, [f"--model.name={name}", *shape, "--train.micro_batch=4", *over])
+    hw = get_hardware("cpu", calibrate=False)
+    derived = derive(cfg, ranks)
+    job = job_from_config(cfg, hw, ranks, derived.spec)
+    pred = evaluate(job, layout_from_config(cfg, derived))["mem_bytes"]
+    real = explain_record(cfg, ranks, hw)["mem_bytes"]
+    assert pred == real
+    assert real["activations"] > 0 and real["grads"] > 0
+
+
+def test_transformers_presets_recompute_nothing():
+    """The hf-* presets have no recomputation (parallel/recompute.py refuses selective and
+    full for them): the search does not offer it; our decoders keep both."""
+    from shardwise.plan.search import invalid
+
+    for name, modes in (("hf-gpt2-tiny", ["none"]), ("gpt2-tiny", ["none", "selective", "full"])):
+        job = Job(preset(name), H100, 1, seq_len=32, global_batch=8)
+        ok = [m for m in ("none", "selective", "full") if not invalid(job, Layout(recompute=m))]
+        assert ok == modes, name
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_transformers_llama_presets_matmul_parameters(tied):
     """MFU's matmul parameters of transformers' LlamaForCausalLM from a preset: all but the

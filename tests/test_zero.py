@@ -77,6 +77,8 @@ for _name, _args in HF.items():
     WORLD2[f"z3_{_name}"] = case(*_args, "--parallel.zero=3")
 for _z in (1, 2):  # the same units are ZeRO-1/2's flat buffers and reduce-scatters
     WORLD2[f"z{_z}_hf_llama"] = case(*HF["hf_llama"], f"--parallel.zero={_z}")
+# GPT-2's fused c_attn under LoRA: one adapter pair, A [r, dim] and B [3·dim, r] (peft on Conv1D)
+WORLD2["z3_hf_gpt2_lora"] = case(*HF["hf_gpt2"], "--parallel.zero=3", "--finetune.lora_rank=4")
 WORLD4 = zero_cases("--train.micro_batch=1")
 
 
@@ -188,6 +190,30 @@ def test_explain_predicts_transformers_models_exactly(worlds, llama_ckpt, name):
     pred = explain_record(cfg, 2, get_hardware("cpu", calibrate=False))["mem_bytes"]
     got = worlds[2][name][0]["records"][-1]["mem_bytes"]
     for key in ("params", "grads", "master", "optimizer", "buffers"):
+        assert pred[key] == got[key], (key, pred, got)
+
+
+# the presets `plan` prices by formula, in the two-rank world
+FORMULA = [*HF_UNITS[:4], "z3_hf_llama_lora", "z3_hf_gpt2_lora"]
+
+
+@pytest.mark.parametrize("name", FORMULA)
+def test_plan_formula_predicts_transformers_presets_exactly(worlds, name):
+    """`plan`'s per-candidate prediction (plan/search.evaluate: units, ZeRO buffers and
+    activations by formula, plan/activations_hf.py) of transformers' Llama and GPT-2 presets,
+    LoRA included, equals the measured bytes in every category."""
+    from shardwise.config import load_config
+    from shardwise.job.describe import job_from_config, layout_from_config
+    from shardwise.plan.hardware import get_hardware
+    from shardwise.plan.search import evaluate
+    from shardwise.training.validate import derive
+
+    cfg = load_config(None, WORLD2[name]["overrides"])
+    derived = derive(cfg, 2)
+    job = job_from_config(cfg, get_hardware("cpu", calibrate=False), 2, derived.spec)
+    pred = evaluate(job, layout_from_config(cfg, derived))["mem_bytes"]
+    got = worlds[2][name][0]["records"][-1]["mem_bytes"]
+    for key in ("params", "grads", "master", "optimizer", "buffers", "activations"):
         assert pred[key] == got[key], (key, pred, got)
 
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 from shardwise.config import Config
 from shardwise.errors import ConfigError
 from shardwise.finetune.lora import EXPERTS
+from shardwise.models.families import family_of
 from shardwise.optim import EIGHT_BIT
 from shardwise.optim.nvme import chunk_elements
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import FineTune, Job, Layout
 from shardwise.plan.moe import adapted_experts, lora_shapes
+from shardwise.plan.shapes import linear_names, lora_tags, module_buffer_bytes
 
 
 def job_from_config(
@@ -43,6 +45,7 @@ def job_from_config(
         compressions=tuple(dict.fromkeys(("none", cfg.parallel.grad_compression))),
         nvme_chunk=chunk_elements(cfg.memory.nvme_buffer_mb),
         compiled=cfg.train.compile == "blocks",
+        buffer_bytes=module_buffer_bytes(spec),  # transformers' RoPE inv_freq
     )
 
 
@@ -55,16 +58,26 @@ def finetune_of(cfg: Config, spec) -> FineTune:
 
         check_no_lora_keys(ft)  # (derive's check: plan and explain refuse it too)
         return FineTune(base_quant=ft.base_quant, optim_8bit=eight)
-    tags = tuple(lora_shapes(spec)) if spec.is_transformer or spec.n_experts else ()
+    # our decoders (MoE: the router too) and transformers' presets (the formula's blocks)
+    shaped = spec.is_transformer or spec.n_experts or family_of(spec).block.transformers
+    tags = tuple(lora_shapes(spec)) if shaped else ()
+    by_path = bool(family_of(spec).block.linear_paths)  # transformers' module names
+
+    def matched(pat: str) -> tuple[str, ...]:
+        """The planner's names of the linears `pat` adapts."""
+        leaf = pat.rpartition(".")[2]
+        return lora_tags(spec, pat) if by_path else ((leaf,) if leaf in tags else ())
+
     pats = [p.strip() for p in ft.lora_targets.split(",") if p.strip()]
     if pats != ["all-linear"] and tags:
+        names = linear_names(spec) if by_path else list(tags)
         for pat in pats:
-            if pat.rpartition(".")[2] not in tags and pat != EXPERTS:
+            if not matched(pat) and pat != EXPERTS:
                 raise ConfigError(
                     f"finetune.lora_targets pattern '{pat}' matches no linear layer of the "
-                    f"planned model. Fix: some of {', '.join(tags)}, or all-linear."
+                    f"planned model. Fix: some of {', '.join(names)}, or all-linear."
                 )
-        tags = tuple(t for t in tags if any(p.rpartition(".")[2] == t for p in pats))
+        tags = tuple(t for t in tags if any(t in matched(p) for p in pats))
     # the stacked expert weights `experts` or their names adapt (finetune/lora.expert_targets)
     experts = adapted_experts([p.rpartition(".")[2] for p in pats]) if spec.n_experts else ()
     return FineTune(ft.lora_rank, tags, ft.base_quant, eight, ft.lora_dropout, experts)

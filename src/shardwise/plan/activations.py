@@ -20,30 +20,18 @@ again in backward; our engine keeps them gathered, so those terms are not split 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
 
 from shardwise.models import ModelSpec
 from shardwise.models.families import family_of
-
-When = Literal["always", "not_selective", "selective_only"]
-
-
-@dataclass(frozen=True)
-class Term:
-    name: str
-    nbytes: float  # bytes for the whole (unsplit) micro-batch
-    tp: bool  # split by tensor parallelism (heads / MLP width / vocabulary)
-    sp: bool  # split by sequence parallelism (with tp) when not already split by tp
-    when: When = "always"  # selective recompute drops "not_selective" terms
-
-    def per_rank(self, t: int, sp: bool, selective: bool) -> float:
-        if (selective and self.when == "not_selective") or (
-            not selective and self.when == "selective_only"
-        ):
-            return 0.0
-        return self.nbytes / t if (self.tp or (sp and self.sp)) else self.nbytes
+from shardwise.plan.activations_hf import (
+    hf_block_terms,
+    hf_first_block,
+    hf_lora_edges,
+    hf_norm_terms,
+    hf_position_terms,
+)
+from shardwise.plan.terms import CHUNKED_WEIGHT_GRAD, NORMALISED, WEIGHT_INPUTS, Term
 
 
 def paper_gpt_terms(s: int, b: int, h: int, a: int) -> list[Term]:
@@ -128,7 +116,9 @@ def op_sac_terms(spec: ModelSpec, s: int, b: int, c: int) -> tuple[Term, ...]:
 def norm_terms(spec: ModelSpec, s: int, b: int, c: int, where: str) -> list[Term]:
     """A norm computed in fp32 (models/decoder.py): its fp32 input, statistics, fp32 weight
     copies (16-bit compute only), the normalised value (RMSNorm) and the output in compute
-    dtype (the next matmul's input)."""
+    dtype (the next matmul's input); transformers' own norms: activations_hf.hf_norm_terms."""
+    if family_of(spec).block.transformers:
+        return hf_norm_terms(spec, s, b, c, where)
     sbh, h = s * b * spec.dim, spec.dim
     out = [Term(f"{where} input (fp32)", 4 * sbh, False, True)]
     if family_of(spec).block.layer_norm:
@@ -149,7 +139,10 @@ def norm_terms(spec: ModelSpec, s: int, b: int, c: int, where: str) -> list[Term
 @lru_cache(maxsize=4096)
 def block_terms(spec: ModelSpec, s: int, b: int, c: int, packed: bool = False) -> tuple[Term, ...]:
     """Our block (models/decoder.Block) in compute dtype of `c` bytes; `packed` rows
-    (models/packing.py) rotate each sample by its own positions."""
+    (models/packing.py) rotate each sample by its own positions. transformers' own blocks
+    (the hf-* presets): activations_hf.hf_block_terms."""
+    if family_of(spec).block.transformers:
+        return hf_block_terms(spec, s, b, c, packed)
     sbh, sbf = s * b * spec.dim, s * b * spec.ffn_dim
     sbq = s * b * spec.q_dim  # q, k/v repeated to n_heads, and the output: n_heads · head_dim
     kv = spec.n_kv_heads / spec.n_heads
@@ -189,16 +182,6 @@ def block_terms(spec: ModelSpec, s: int, b: int, c: int, packed: bool = False) -
     return tuple(out)
 
 
-# the saved inputs that only a linear's weight gradient reads, and which linears read them
-CHUNKED_WEIGHT_GRAD = "head weight gradient (chunked loss)"  # none when the head is frozen
-_WEIGHT_INPUTS = {
-    "attn_norm output": ("wq", "wk", "wv"),
-    "mlp_norm output": ("w1", "w3"),
-    "w2 input": ("w2",),
-    "final norm output": ("head",),
-}
-
-
 def lora_terms(
     terms, spec: ModelSpec, s: int, b: int, c: int, targets, rank: int, dropout: bool
 ) -> tuple[Term, ...]:
@@ -208,16 +191,19 @@ def lora_terms(
     its own 1-byte mask and dropped input (A's input) instead of the shared one."""
     out = []
     for term in terms:
-        if term.name.endswith("normalised (fp32)") or term.name == CHUNKED_WEIGHT_GRAD:
+        if term.name.endswith(NORMALISED) or term.name == CHUNKED_WEIGHT_GRAD:
             continue
-        readers = _WEIGHT_INPUTS.get(term.name)
+        readers = WEIGHT_INPUTS.get(term.name)
         if readers is not None and (dropout or not set(readers) & set(targets)):
             continue
         out.append(term)
     if not targets:  # the edges: the head is frozen and has no adapter
+        if family_of(spec).block.transformers:  # the frozen embeddings save no ids
+            return hf_lora_edges(spec, s, b, c, out)
         return tuple(out)
     q = spec.n_heads * spec.head_dim
-    width = {"wq": spec.dim, "wk": spec.dim, "wv": spec.dim, "wo": q, "w1": spec.dim}
+    width = {"wq": spec.dim, "wk": spec.dim, "wv": spec.dim, "wqkv": spec.dim, "wo": q}
+    width.update(w1=spec.dim)
     width.update(w3=spec.dim, w2=spec.ffn_dim, router=spec.dim)  # (an MoE layer's router)
     for x in targets:
         out.append(Term(f"{x} adapter A output", c * s * b * rank, False, False))
@@ -227,10 +213,18 @@ def lora_terms(
     return tuple(out)
 
 
-def lora_first_block(spec: ModelSpec, s: int, b: int, targets, dropout: bool) -> tuple[Term, ...]:
+def lora_first_block(
+    spec: ModelSpec, s: int, b: int, targets, dropout: bool, c: int = 2, packed: bool = False
+) -> tuple[Term, ...]:
     """What the first block does not save in a LoRA run (negative terms): its input comes from
     the frozen embedding and needs no gradient, so its first norm keeps no fp32 input or
-    statistics for one, and its q/k/v adapters' dropout records no mask."""
+    statistics for one, and its q/k/v adapters' dropout records no mask (our RMSNorm decoders;
+    transformers' blocks: activations_hf.hf_first_block)."""
+    block = family_of(spec).block
+    if block.transformers:
+        return hf_first_block(spec, s, b, c, targets, packed)
+    if not block.rms_norm:
+        return ()
     sb = s * b
     out = [Term("first norm input, rstd (no gradient)", -4 * sb * (spec.dim + 1), False, True)]
     if dropout:
@@ -283,7 +277,9 @@ def edge_terms(
             out.append(Term("token ids", ids, False, False))
         else:
             out.append(Term("local token ids and mask", 9 * b * s, False, False))
-        if family_of(spec).block.learned_positions:
+        if family_of(spec).block.transformers:  # made once, not per layer
+            out += hf_position_terms(spec, s, b, c, packed)
+        elif family_of(spec).block.learned_positions:
             out.append(Term("position ids", 8 * s, False, True))
         if spec.dropout:
             out.append(Term("embedding dropout mask", s * b * spec.dim, False, True))

@@ -13,7 +13,6 @@ import math
 from functools import lru_cache
 
 from shardwise.finetune.quant_shards import split_dims, transient_bytes
-from shardwise.models.families import family_of
 from shardwise.plan import activations as act
 from shardwise.plan import compression, moe, peers
 from shardwise.plan.buffers import zero_transient
@@ -175,8 +174,9 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     edges = act.edge_terms(spec, s, b, c, first, last, t, job.packed, fused, job.loss_chunks)
     if ft.lora:  # the frozen head and final norm; the first block's input needs no gradient
         edges = act.lora_terms(edges, spec, s, b, c, (), ft.lora_rank, False)
-        if first and family_of(spec).block.rms_norm and layout.recompute != "full":
-            edges += act.lora_first_block(spec, s, b, ft.lora_targets, bool(ft.lora_dropout))
+        if first and layout.recompute != "full":  # (what it leaves out: per block family)
+            targets, drop = ft.lora_targets, bool(ft.lora_dropout)
+            edges += act.lora_first_block(spec, s, b, targets, drop, c, job.packed)
     edge = act.layer_bytes(edges, t, layout.sp)
     # the loss and logits of the last stage: 1F1B and interleaved run each micro-batch's
     # backward right after its forward there (one held); GPipe runs all m forwards first and

@@ -10,11 +10,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from shardwise.errors import ConfigError
-from shardwise.models.families import family_of
+from shardwise.models.families import Family, family_of
+from shardwise.parallel.recompute import PLANS
 from shardwise.plan import context as cp_time
 from shardwise.plan import memory as mem
 from shardwise.plan import moe, peers, traffic
 from shardwise.plan import time as tm
+from shardwise.plan.activations_hf import cp_repeated_kv_bytes
 from shardwise.plan.hardware import GiB
 from shardwise.plan.layout import Job, Layout, as_data_parallel
 from shardwise.plan.states import add_states, model_states
@@ -50,6 +52,14 @@ def _pow2_upto(n: int) -> list[int]:
     return out
 
 
+def recompute_modes(fam: Family) -> tuple[str, ...]:
+    """The memory.recompute values the engine builds for `fam` (parallel/recompute.py: a
+    family of recomputation plans has those it names; transformers' presets none)."""
+    if fam.recompute != "plans":
+        return RECOMPUTE
+    return ("none", *PLANS.get(fam.name, {}))
+
+
 def invalid(job: Job, lay: Layout) -> str | None:
     """Why `lay` cannot run `job`, or None. The reasons are the rejected table's keys."""
     spec = job.spec
@@ -77,6 +87,8 @@ def invalid(job: Job, lay: Layout) -> str | None:
         return "tp/pp searched for Llama-family and GPT-2 configs only"
     if job.act_lines and lay.recompute not in dict(job.act_lines):
         return f"recompute={lay.recompute} not available for this model"
+    if not job.act_lines and lay.recompute not in recompute_modes(fam):
+        return f"recompute={lay.recompute} not built for this model family"
     if lay.tp > job.hardware.per_node:
         return "tp spans nodes"
     if spec.n_heads % lay.tp or spec.ffn_dim % lay.tp:
@@ -125,6 +137,11 @@ def evaluate(job: Job, lay: Layout) -> dict:
     mb = mem.predict_memory(job, lay)
     if asked.cp > 1:  # what the cp kernels save beyond the equivalent's plain attention
         extra = mem.cp_saved_bytes(whole, asked)
+        if family_of(whole.spec).block.transformers and asked.recompute == "none":
+            kv = cp_repeated_kv_bytes(
+                whole.spec, whole.seq_len, lay.micro_batch, job.bc, asked.cp, lay.tp, job.packed
+            )
+            extra += kv * mem.job_split(whole, asked)[0][0]  # (pp = 1: every layer)
         mb["activations"] += extra
         mb["total"] += extra
     kinds, calls = traffic.traffic_by_kind(job, lay), traffic.collective_calls(job, lay)

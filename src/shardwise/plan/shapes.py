@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from functools import lru_cache
 from pathlib import Path
 
@@ -72,9 +73,8 @@ def block_entries(spec: ModelSpec, tp: int = 1) -> list[Entry]:
     block = family_of(spec).block
     h, hd, bias = spec.dim, spec.head_dim, block.biases
     q, kv, f = spec.n_heads * hd // tp, _kv_width(spec, tp), spec.ffn_dim // tp
-    if block.fused_qkv:  # one matrix and one bias; tp splits each third alike. Tagged by its
-        # (out, in) shape, as a real model's entries are (plan/compression.matrix reads it)
-        attn = _linear(h, q + 2 * kv, bias, (q + 2 * kv, h))
+    if block.fused_qkv:  # one matrix and one bias (GPT-2's c_attn); tp splits each third alike
+        attn = _linear(h, q + 2 * kv, bias, "wqkv")
     else:
         attn = _linear(h, q, bias, "wq") + _linear(h, kv, bias, "wk") + _linear(h, kv, bias, "wv")
     attn += [(q * h, True, "wo")] + ([(h, True)] if bias else [])
@@ -88,13 +88,39 @@ def block_entries(spec: ModelSpec, tp: int = 1) -> list[Entry]:
 
 
 def linear_shapes(spec: ModelSpec, tp: int = 1) -> dict[str, tuple[int, int]]:
-    """(fan_in, fan_out) per block linear on one tp rank: the LoRA targets."""
+    """(fan_in, fan_out) per block linear on one tp rank: the LoRA targets (q, k and v as one
+    `wqkv` where the family fuses them: peft adapts GPT-2's c_attn with one A and one B)."""
     h, hd = spec.dim, spec.head_dim
     q, kv, f = spec.n_heads * hd // tp, _kv_width(spec, tp), spec.ffn_dim // tp
     out = {"wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h), "w1": (h, f), "w2": (f, h)}
+    if family_of(spec).block.fused_qkv:
+        out = {
+            "wqkv": (h, q + 2 * kv),
+            **{k: v for k, v in out.items() if k not in ("wq", "wk", "wv")},
+        }
     if family_of(spec).block.gated_mlp:
         out["w3"] = (h, f)
     return out
+
+
+def lora_tags(spec: ModelSpec, pattern: str) -> tuple[str, ...]:
+    """The block linears (`linear_shapes` names) a finetune.lora_targets pattern adapts, as
+    finetune/lora.py matches it: a plain name the last part of a path, a pattern with '.' or
+    a wildcard the whole path; transformers' blocks by their own paths (BlockShape.linear_paths:
+    GPT-2's `c_proj` is both wo and w2), ours by the planner's names."""
+    paths = family_of(spec).block.linear_paths
+    leaf = pattern.rpartition(".")[2]
+    if not paths:  # ours: by the planner's names (a path pattern by its last part)
+        return (leaf,) if leaf in linear_shapes(spec) else ()
+    wild = "." in pattern or any(c in pattern for c in "*?[")
+    hits = (t for p, t in paths if (fnmatchcase(p, pattern) if wild else p.endswith("." + leaf)))
+    return tuple(dict.fromkeys(hits))
+
+
+def linear_names(spec: ModelSpec) -> list[str]:
+    """The names of a block's linears a finetune.lora_targets pattern can give."""
+    paths = family_of(spec).block.linear_paths
+    return list(dict.fromkeys(p.rpartition(".")[2] for p, _ in paths)) or list(linear_shapes(spec))
 
 
 @lru_cache(maxsize=4096)
@@ -117,6 +143,14 @@ def units(spec: ModelSpec, tp: int = 1, layers: int | None = None, first=True, l
         if not (spec.tie_embeddings and first):
             out.append(Unit("head", ((v * spec.dim, True),)))
     return tuple(out)
+
+
+def module_buffer_bytes(spec: ModelSpec) -> int:
+    """Bytes of the model's own buffers on every rank: transformers' LlamaRotaryEmbedding keeps
+    `inv_freq` and `original_inv_freq` (head_dim / 2 fp32 each, never cast to the compute
+    dtype); our decoders and transformers' GPT-2 hold none."""
+    block = family_of(spec).block
+    return 2 * 4 * (spec.head_dim // 2) if block.transformers and block.rotary else 0
 
 
 def param_count(spec: ModelSpec) -> int:

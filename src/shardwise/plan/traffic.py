@@ -264,7 +264,7 @@ def _skips_first_entry(job: Job) -> bool:
     needs a gradient (the embedding is frozen), so the backward of its tp entry (the input
     gradient's reduction) does not run."""
     ft = job.finetune
-    return ft.lora and any(tag in ft.lora_targets for tag in ("wq", "wk", "wv"))
+    return ft.lora and any(tag in ft.lora_targets for tag in ("wq", "wk", "wv", "wqkv"))
 
 
 # models/tp_plans: the output projections are row-parallel (their input split), the rest column

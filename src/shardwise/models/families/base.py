@@ -16,7 +16,7 @@ class BlockShape:
     """How the planner's formulas see one block: the parts in which our decoders differ
     (models/decoder.py). A family whose blocks the formulas do not model keeps all False;
     transformers' Llama and GPT-2 presets are our decoders' blocks (their units and GEMMs),
-    their activations measured."""
+    their saved tensors transformers' own (`transformers`)."""
 
     gated_mlp: bool = False  # SwiGLU: gate, up and down projections (Shazeer 2020); else GELU
     rotary: bool = False  # RoPE on q and k (Su et al. 2021)
@@ -29,6 +29,13 @@ class BlockShape:
     norms_last: bool = False
     # q, k and v as one matrix and one bias (GPT-2's Conv1D `c_attn`): one tensor in the unit
     fused_qkv: bool = False
+    # transformers' own block (LlamaDecoderLayer, GPT2Block), whose saved tensors differ from
+    # ours: norms in its own dtypes, RoPE tables made once per forward, SDPA on un-repeated
+    # k/v, GPT-2's tanh GELU as its element-wise ops (plan/activations_hf.py)
+    transformers: bool = False
+    # (path of block 0's linear in that class, the planner's name of it): which linears a
+    # finetune.lora_targets pattern adapts (finetune/lora.py matches the real paths)
+    linear_paths: tuple[tuple[str, str], ...] = ()
 
 
 Recompute = Literal["plans", "checkpoint_blocks", "containers"]

@@ -21,6 +21,10 @@ def _export_config(spec: ModelSpec, dtype: str) -> dict:
     return export_config(spec, dtype)
 
 
+def _paths(block: str, *linears: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple((block + path, tag) for path, tag in linears)
+
+
 # `shardwise export --format hf`: the config it trained with, its dropout (none) included;
 # ZeRO units at the embedding, each decoder layer, the final norm and the head, as a
 # checkpoint of the same class is cut (and as the planner lists them)
@@ -35,7 +39,23 @@ HF_LLAMA = Family(
     cp_composes=True,  # cp x tp (tests/test_context_parallel_hf.py)
     fp8_linear=hf_block_linear,  # precision.fp8 (tests/test_fp8_hf.py)
     # gate_proj, up_proj, down_proj with RoPE and RMSNorm, as our decoder (models/hf/build.py)
-    block=BlockShape(gated_mlp=True, rotary=True, rms_norm=True, norms_last=True),
+    block=BlockShape(
+        gated_mlp=True,
+        rotary=True,
+        rms_norm=True,
+        norms_last=True,
+        transformers=True,
+        linear_paths=_paths(
+            "model.layers.0.",
+            ("self_attn.q_proj", "wq"),
+            ("self_attn.k_proj", "wk"),
+            ("self_attn.v_proj", "wv"),
+            ("self_attn.o_proj", "wo"),
+            ("mlp.gate_proj", "w1"),
+            ("mlp.up_proj", "w3"),
+            ("mlp.down_proj", "w2"),
+        ),
+    ),
     **_EXPORT,
 )
 HF_GPT2 = Family(
@@ -46,6 +66,19 @@ HF_GPT2 = Family(
     grouped_query=False,
     # the planner's units and GEMMs: our GPT-2 block (LayerNorm, biases, a position table)
     # with transformers' fused q|k|v `c_attn` (one tensor in the unit)
-    block=BlockShape(layer_norm=True, biases=True, learned_positions=True, fused_qkv=True),
+    block=BlockShape(
+        layer_norm=True,
+        biases=True,
+        learned_positions=True,
+        fused_qkv=True,
+        transformers=True,
+        linear_paths=_paths(
+            "transformer.h.0.",
+            ("attn.c_attn", "wqkv"),
+            ("attn.c_proj", "wo"),
+            ("mlp.c_fc", "w1"),
+            ("mlp.c_proj", "w2"),
+        ),
+    ),
     **_EXPORT,
 )
