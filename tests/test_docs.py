@@ -54,10 +54,11 @@ def _anchor(heading: str) -> str:
 
 
 def test_pages_link_to_existing_files():
-    """Every relative Markdown link of README, docs/ and RESULTS.md names a file that exists,
-    and a `#section` in it names one of that file's headings."""
+    """Every relative Markdown link of README, docs/, RESULTS.md and the dated history pages
+    names a file that exists, and a `#section` in it names one of that file's headings."""
     broken = []
-    for page in [*PAGES, ROOT / "benchmarks" / "RESULTS.md"]:
+    history = sorted((ROOT / "benchmarks" / "history").glob("*.md"))
+    for page in [*PAGES, ROOT / "benchmarks" / "RESULTS.md", *history]:
         for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
             path = (page.parent / target) if target else page
             if "://" in target:
@@ -69,6 +70,92 @@ def test_pages_link_to_existing_files():
                 if anchor not in {_anchor(h) for h in headings}:
                     broken.append(f"{page.name}: {target}#{anchor}")
     assert not broken, broken
+
+
+# A path a page names in backticks (`parallel/zero.py`, `benchmarks/published/`), found from
+# the repository root, the package, src/ or benchmarks/ (pages name it from where it reads
+# best); `folder/module.name` and `shardwise.module.name` name something defined there.
+NAMED_PATH = re.compile(r"`([\w.-]+(?:/[\w.-]+)*(?:\.(?:py|md|toml|sh|jsonl?|txt)|/))`")
+NAMED_ATTR = re.compile(
+    r"`((?:[a-z_]+/)+[a-z_0-9]+)\.(?!(?:py|md|toml|sh|jsonl?|txt)`)([A-Za-z_]\w*)(?:\(\))?`"
+)
+NAMED_DOTTED = re.compile(r"`(shardwise(?:\.\w+)+)")
+SRC = ROOT / "src" / "shardwise"
+
+
+def test_named_files_and_names_exist():
+    """Every file or folder a page names in backticks exists, and every `plan/memory.fn` or
+    `shardwise.module.name` is defined: a moved or renamed module fails here."""
+    keys = set(re.findall(r"^\| `([\w.]+)` \|", reference_markdown(), re.M))
+    missing = []
+    for page in [*PAGES, ROOT / "benchmarks" / "RESULTS.md"]:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            where = f"{page.name}:{number}"
+            for path in NAMED_PATH.findall(line):
+                bases = (ROOT, SRC, ROOT / "src", ROOT / "benchmarks")
+                in_run = path.split("/")[0] in keys  # `run.dir/metrics.jsonl`: a run's file
+                if (
+                    "/" in path.rstrip("/")
+                    and not in_run
+                    and not any((b / path).exists() for b in bases)
+                ):
+                    missing.append(f"{where}: {path}")
+            for module, name in NAMED_ATTR.findall(line):
+                file = SRC / f"{module}.py"
+                file = file if file.exists() else SRC / module / "__init__.py"
+                defined = rf"^\s*(?:async def|def|class)\s+{name}\b|^\s*{name}\s*[:=]"
+                if not file.exists() or not re.search(defined, file.read_text(), re.M):
+                    missing.append(f"{where}: {module}.{name}")
+            missing += [f"{where}: {d}" for d in NAMED_DOTTED.findall(line) if not _defined(d)]
+    assert not missing, missing
+
+
+def test_architecture_map_names_real_modules():
+    """Every `name.py` in architecture.md's map of the code (its first plain code block) is a
+    module of the package (or, with a folder, a file of the repository)."""
+    tree = re.search(
+        r"^```\n(.*?)^```", (ROOT / "docs" / "architecture.md").read_text(), re.M | re.S
+    )
+    modules = {p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")}
+    names = re.findall(r"(?<![\w/.])((?:\w+/)*\w+\.py)\b", tree.group(1))
+    assert len(names) > 50, names  # the map is still found
+    placeholders = {"file.py"}  # `file.py:name`, a user's file
+    stale = [
+        n
+        for n in names
+        if n not in placeholders
+        and n not in modules
+        and not (ROOT / n).exists()
+        and ("/" in n or not any(m.endswith("/" + n) or m == n for m in modules))
+    ]
+    assert not stale, stale
+
+
+def _defined(dotted: str) -> bool:
+    """Whether `shardwise.a.b.name` imports: the longest module prefix, then attributes."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr, None)
+        return obj is not None
+    return False
+
+
+def test_every_config_key_is_explained():
+    """Every config key is shown in a page a user reads (README or docs/ beside config.md's
+    generated table), so a new option comes with its narrative."""
+    pages = [p for p in PAGES if p.name != "config.md"]
+    text = "\n".join(p.read_text() for p in pages)
+    keys = re.findall(r"^\| `([\w.]+)` \|", reference_markdown(), re.M)
+    assert len(keys) > 50, keys  # the table's format still parses
+    unexplained = [k for k in keys if not re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", text)]
+    assert not unexplained, f"keys only in docs/config.md's table: {unexplained}"
 
 
 def shell_commands() -> list[tuple[str, list[str]]]:
