@@ -224,7 +224,9 @@ def test_explain_plain_shows_every_json_value(
 
 def test_help_and_help_config() -> None:
     proc = _run([SHARDWISE, "--help"], timeout=60)
-    assert proc.stdout.startswith("usage: shardwise {train,explain,profile,plan,launch,export}")
+    assert proc.stdout.startswith(
+        "usage: shardwise {train,explain,profile,plan,launch,export,data}"
+    )
     assert "--help-config" in proc.stdout and "--nproc" in proc.stdout
     proc = _run([SHARDWISE, "train", "--help-config"], timeout=60)
     for key in all_keys():

@@ -577,6 +577,17 @@ def test_train_refuses_profile_steps_and_names_the_command(capsys):
     assert "Fix: shardwise profile --steps 3" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("given", ["--train.steps=50", "--profile.steps=3"])
+def test_profile_refuses_the_step_counts_it_sets_itself(capsys, given):
+    """`shardwise profile` sizes its run (warm-up, --steps measured, one traced): a step count
+    given as a key would be overwritten without a word, so it is refused naming --steps."""
+    from shardwise.cli.main import main
+
+    assert main(["profile", given, "--model.name=tiny"]) == 2
+    err = capsys.readouterr().err
+    assert given in err and "Fix: --steps K" in err
+
+
 def test_a_run_on_nvme_is_offered_less_recomputation_when_it_fits():
     """The recompute remedy's memory check counts the run's own disk state as room (it is
     using it), whatever local disk the planner's hardware declares."""

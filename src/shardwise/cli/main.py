@@ -83,8 +83,8 @@ COMMANDS = {
     "explain": "Every derived value of a config and the planner's per-rank prediction of "
     "memory by category and step time.",
 }
-USAGE = """usage: shardwise {train,explain,profile,plan,launch,export} [CONFIG.toml] [--nproc N]
-                 [--section.key=value ...]
+USAGE = """usage: shardwise {train,explain,profile,plan,launch,export,data} [CONFIG.toml]
+                 [--nproc N] [--section.key=value ...]
 
   train     train a model (spawns --nproc local ranks unless under torchrun/srun);
             on several machines: --nnodes N --node-rank R --rdzv HOST:PORT, --nproc per node;
@@ -99,7 +99,8 @@ USAGE = """usage: shardwise {train,explain,profile,plan,launch,export} [CONFIG.t
   plan      predict memory and step time of every layout on some hardware and rank them
             (`shardwise plan -h` for its options)
   launch    write (and submit) a job for a cluster: `shardwise launch {slurm,k8s} --help`
-  export    RUN_DIR --format hf OUT: the newest checkpoint as Hugging Face safetensors
+  export    RUN_DIR --format hf|peft|dcp OUT: the newest checkpoint as Hugging Face
+            safetensors, a peft adapter or a PyTorch distributed checkpoint
   data      prepare INPUT... --out DIR: tokenise a corpus once into memory-mapped shards
             (resumable), to train on with --data.dataset=DIR (`shardwise data prepare -h`)
 

@@ -270,6 +270,19 @@ def _count(flag: str, raw: str, example: int) -> int:
     return value
 
 
+def _refuse_sized(overrides: list[str]) -> None:
+    """--train.steps and --profile.steps given to `profile`: it sizes the run itself
+    (profile.warmup + --steps + one traced step), so either would be ignored."""
+    for o in overrides:
+        key = o.removeprefix("--").split("=", 1)[0]
+        if key in ("train.steps", "profile.steps"):
+            raise ShardwiseError(
+                f"{o} is not used by `shardwise profile`: it runs profile.warmup steps, --steps "
+                "K measured ones and one traced step. Fix: --steps K for the measured steps "
+                "(--profile.warmup=W for the warm-up)."
+            )
+
+
 def profile_main(argv: list[str]) -> int:
     from shardwise.launchers.local import adopt_slurm_env, rank_main, under_external_launcher
 
@@ -281,6 +294,7 @@ def profile_main(argv: list[str]) -> int:
     try:
         if rest:
             raise ShardwiseError(f"unexpected argument(s) {' '.join(rest)}. Fix: see --help.")
+        _refuse_sized(overrides)
         cfg = load_config(args.config, overrides)
         steps = _count("--steps", args.steps, 5)
         folder = Path(cfg.run.dir) / FOLDER
