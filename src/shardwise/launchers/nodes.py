@@ -22,6 +22,8 @@ from shardwise.config import Config
 from shardwise.errors import ConfigError, ShardwiseError
 
 if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
+
     from shardwise.training.validate import Derived
 
 DEFAULT_PORT = 29400  # torchrun's default c10d rendezvous port
@@ -151,11 +153,9 @@ def launch_nodes(
     to this node's ranks."""
     from torch.distributed import DistError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig
 
     from shardwise.distributed import device
     from shardwise.distributed.comm import BIND_ENV
-    from shardwise.launchers import rendezvous
     from shardwise.launchers.local import run_elastic
 
     # With the rendezvous store shared with the ranks (torch's default), a node that joins
@@ -165,7 +165,32 @@ def launch_nodes(
     addr, interface = route_to(nodes.host, nodes.port)
     if interface:
         device.pin_socket_interface(interface)
-    config = LaunchConfig(
+    config = _launch_config(cfg, nodes, addr, max_restarts)
+    os.environ[BIND_ENV] = "1"  # rank 0's store on MASTER_ADDR (this node's address) only
+    try:
+        run_elastic(config, cfg, derived=derived)
+    except ShardwiseError as exc:
+        lost = _lost_node(exc, nodes, addr, max_restarts)
+        if lost is None:
+            raise
+        raise lost from None
+    except (RendezvousError, DistError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ShardwiseError(
+            f"node {nodes.node_rank}: the rendezvous at {nodes.endpoint} failed "
+            f"({type(exc).__name__}: {first}). Fix: start all {nodes.nnodes} nodes with the "
+            f"same --nnodes and --rdzv, node 0 reachable from every node, within "
+            f"parallel.timeout_s={cfg.parallel.timeout_s:g} s of each other."
+        ) from None
+
+
+def _launch_config(cfg: Config, nodes: Nodes, addr: str, max_restarts: int) -> LaunchConfig:
+    """torch elastic's agent configuration for this node, reachable at `addr`."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from shardwise.launchers import rendezvous
+
+    return LaunchConfig(
         min_nodes=nodes.nnodes,
         max_nodes=nodes.nnodes,
         nproc_per_node=nodes.nproc_per_node,
@@ -185,31 +210,25 @@ def launch_nodes(
         max_restarts=max_restarts,
         monitor_interval=0.2,
     )
-    os.environ[BIND_ENV] = "1"  # rank 0's store on MASTER_ADDR (this node's address) only
-    try:
-        run_elastic(config, cfg, derived=derived)
-    except ShardwiseError as exc:
-        # gloo names the remote end of the broken connection ("Read error [ADDR]:PORT:
-        # Connection reset by peer"): that node's ranks are gone.
-        lost = sorted(set(re.findall(r"\[([0-9A-Fa-f.:]+)\]:\d+", str(exc))) - {addr})
-        if not lost:
-            raise
-        hint = (
-            ""
-            if max_restarts
-            else (
-                " Fix: --max-restarts N with --checkpoint.every=M keeps the job waiting for the "
-                "node (or a replacement) and resumes from the newest checkpoint."
-            )
+
+
+def _lost_node(
+    exc: ShardwiseError, nodes: Nodes, addr: str, max_restarts: int
+) -> ShardwiseError | None:
+    """The error naming the nodes a rank lost contact with, when `exc` says so (else None)."""
+    # gloo names the remote end of the broken connection ("Read error [ADDR]:PORT:
+    # Connection reset by peer"): that node's ranks are gone.
+    lost = sorted(set(re.findall(r"\[([0-9A-Fa-f.:]+)\]:\d+", str(exc))) - {addr})
+    if not lost:
+        return None
+    hint = (
+        ""
+        if max_restarts
+        else (
+            " Fix: --max-restarts N with --checkpoint.every=M keeps the job waiting for the "
+            "node (or a replacement) and resumes from the newest checkpoint."
         )
-        raise ShardwiseError(
-            f"node {nodes.node_rank}: lost contact with the node at {', '.join(lost)}: {exc}{hint}"
-        ) from None
-    except (RendezvousError, DistError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ShardwiseError(
-            f"node {nodes.node_rank}: the rendezvous at {nodes.endpoint} failed "
-            f"({type(exc).__name__}: {first}). Fix: start all {nodes.nnodes} nodes with the "
-            f"same --nnodes and --rdzv, node 0 reachable from every node, within "
-            f"parallel.timeout_s={cfg.parallel.timeout_s:g} s of each other."
-        ) from None
+    )
+    return ShardwiseError(
+        f"node {nodes.node_rank}: lost contact with the node at {', '.join(lost)}: {exc}{hint}"
+    )

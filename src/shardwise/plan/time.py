@@ -118,84 +118,117 @@ def _micro_batch_seconds(job: Job, layout: Layout) -> float:
     return flops_mb / hw.flops(job.precision) + passes * (layers + 1) * hw.block_overhead
 
 
-def step_time(
-    job: Job,
-    layout: Layout,
-    mem_bytes: dict[str, float],
-    kinds: dict[str, dict[str, float]] | None = None,
-    calls: dict[str, int] | None = None,
-) -> dict[str, float]:
-    """Seconds per step by part, and `step_s` their sum; `kinds` and `calls` are this layout's
-    `traffic_by_kind` and `collective_calls` where the caller has them already."""
+def _dequant_seconds(job: Job, layout: Layout, slowdown: float) -> float:
+    """Seconds per micro-batch of NF4/int8 -> bf16 dequantisation before every use of a
+    frozen low-bit weight (0 without a quantised base)."""
+    if not job.finetune.quantised:
+        return 0.0
+    hw, t, p = job.hardware, layout.tp, layout.pp
+    uses = 3 if layout.recompute == "full" else 2
+    n = (job.matmul_params or non_embedding_params(job.spec)) / (t * p)
+    stored = mem.QUANT_BYTES[job.finetune.base_quant]
+    return slowdown * uses * n * (stored + job.bc) / (hw.hbm_bw * hw.mem_eff)
+
+
+def _link(job: Job, ranks: int, per_node: int = 1) -> float:
+    """Bandwidth (bytes/s) of a ring over `ranks` ranks, `per_node` of them in each node."""
     hw = job.hardware
-    m, t, p, dp = layout.micro_batches(job), layout.tp, layout.pp, layout.dp
-    slowdown = hw.slowdown(job.devices)
-    t_mb = slowdown * _micro_batch_seconds(job, layout)
-    if job.finetune.quantised:  # NF4/int8 -> bf16 dequantisation before every use of a weight
-        uses = 3 if layout.recompute == "full" else 2
-        n = (job.matmul_params or non_embedding_params(job.spec)) / (t * p)
-        stored = mem.QUANT_BYTES[job.finetune.base_quant]
-        t_mb += slowdown * uses * n * (stored + job.bc) / (hw.hbm_bw * hw.mem_eff)
-    compute = m * t_mb
-    bubble = _bubble_units(layout) * t_mb
-    kinds = traffic_by_kind(job, layout) if kinds is None else kinds
-    calls = collective_calls(job, layout) if calls is None else calls
     intra, inter = hw.intra_bw * hw.comm_eff, hw.inter_bw * hw.comm_eff
+    # a group spanning nodes runs one ring (NCCL channel) per NIC it has there: its
+    # `per_node` ranks in a node each send through their own NIC, so a node's data crosses
+    # per_node links at once (all-gathers, reduce-scatters and all-reduces); at most the
+    # links inside the node (NVLink), which every ring also crosses
+    return intra if ranks <= hw.per_node else min(intra, inter * per_node)
 
-    def link(ranks: int, per_node: int = 1) -> float:
-        # a group spanning nodes runs one ring (NCCL channel) per NIC it has there: its
-        # `per_node` ranks in a node each send through their own NIC, so a node's data crosses
-        # per_node links at once (all-gathers, reduce-scatters and all-reduces); at most the
-        # links inside the node (NVLink), which every ring also crosses
-        return intra if ranks <= hw.per_node else min(intra, inter * per_node)
 
-    def comm_s(dim: str, ranks: int, per_node: int = 1, group: int = 1, rounds: int = 1) -> float:
-        # each call of a `group`-rank ring that spans nodes pays its steps (`rounds` times
-        # group - 1), those between nodes a network hop, the others an NVLink hop
-        bw = link(ranks, per_node)
-        cost = sum(n * hw.collective_cost.get(k, 1.0) for k, n in kinds[dim].items())
-        hops = 0.0
-        if ranks > hw.per_node:
-            between = rounds * (-(-group // per_node) - 1)
-            hops = between * hw.hop_s + (rounds * (group - 1) - between) * hw.nvlink_hop_s
-        return (cost / bw + calls[dim] * (hw.latency + hops)) * slowdown
+def _comm_seconds(
+    job: Job,
+    traffic: tuple[dict[str, dict[str, float]], dict[str, int]],
+    dim: str,
+    ranks: int,
+    per_node: int = 1,
+    group: int = 1,
+    rounds: int = 1,
+) -> float:
+    """Seconds of `dim`'s collectives per step: bytes over the link (weighted by kind) and a
+    latency per call; `traffic` is (`traffic_by_kind`, `collective_calls`)."""
+    hw, (kinds, calls) = job.hardware, traffic
+    # each call of a `group`-rank ring that spans nodes pays its steps (`rounds` times
+    # group - 1), those between nodes a network hop, the others an NVLink hop
+    bw = _link(job, ranks, per_node)
+    cost = sum(n * hw.collective_cost.get(k, 1.0) for k, n in kinds[dim].items())
+    hops = 0.0
+    if ranks > hw.per_node:
+        between = rounds * (-(-group // per_node) - 1)
+        hops = between * hw.hop_s + (rounds * (group - 1) - between) * hw.nvlink_hop_s
+    return (cost / bw + calls[dim] * (hw.latency + hops)) * hw.slowdown(job.devices)
 
-    # tp is innermost in the mesh: a dp group has per_node / tp of its ranks in a node;
-    # pipeline sends go from one rank to one rank, each through its own NIC
-    dp_here = max(1, min(dp, hw.per_node // t))
-    tp_s, pp_s = comm_s("tp", t), comm_s("pp", t * dp * p)
+
+def _tp_seconds(job: Job, layout: Layout, traffic: tuple) -> float:
+    """Seconds of tp communication per step, less what backward's GEMMs hide."""
+    hw, t, m = job.hardware, layout.tp, layout.micro_batches(job)
+    tp_s = _comm_seconds(job, traffic, "tp", t)
     if peers.of(job).tp_overlap_backward and t > 1:  # one call's seconds of each kind
         act = layout.micro_batch * job.seq_len * job.spec.dim * job.bc
-        ring = ring_share(t) * act / link(t)
+        ring = ring_share(t) * act / _link(job, t)
         one = {
-            k: (n * ring * hw.collective_cost.get(k, 1.0) + hw.latency) * slowdown
+            k: (n * ring * hw.collective_cost.get(k, 1.0) + hw.latency) * hw.slowdown(job.devices)
             for k, n in (("all_reduce", 2), ("reduce_scatter", 1), ("all_gather", 1))
         }
         tp_s -= m * tp_hidden_seconds(job, layout, one)
-    dp_s = comm_s("dp", t * dp, dp_here, dp, 2 if layout.zero == 0 else 1)
+    return tp_s
+
+
+def _dp_seconds(job: Job, layout: Layout, traffic: tuple) -> float:
+    """Seconds of dp communication per step (gradient reduction, ZeRO's gathers)."""
+    hw, t, dp = job.hardware, layout.tp, layout.dp
+    # tp is innermost in the mesh: a dp group has per_node / tp of its ranks in a node
+    dp_here = max(1, min(dp, hw.per_node // t))
+    dp_s = _comm_seconds(job, traffic, "dp", t * dp, dp_here, dp, 2 if layout.zero == 0 else 1)
     if layout.zero == 3 and dp > 1 and peers.of(job).list_all_gather:  # dp copies per gather,
         # each launched from the host, and the gathered bytes read and written once more
-        copied = 2 * kinds["dp"].get("all_gather", 0.0) * dp / (dp - 1)
-        dp_s += slowdown * (
+        copied = 2 * traffic[0]["dp"].get("all_gather", 0.0) * dp / (dp - 1)
+        dp_s += hw.slowdown(job.devices) * (
             zero3_gathers(job, layout) * dp * hw.launch_s + copied / (hw.hbm_bw * hw.mem_eff)
         )
+    return dp_s
+
+
+def _dp_hidden(job: Job, layout: Layout, dp_s: float, t_mb: float) -> float:
+    """Seconds of `dp_s` hidden behind backward (and ZeRO-2/3's forward)."""
+    m = layout.micro_batches(job)
     # what can hide: gradient reduction behind backward (2/3 of compute) of the syncing
     # micro-batch (ZeRO-0/1) or of every micro-batch (ZeRO-2/3, which also prefetch gathers
     # behind forward); ZeRO-1/2's all-gather of updated slices runs after the step, exposed
     hideable = {0: 1.0, 1: job.br / (job.br + job.bc), 2: 1.0 - 1.0 / (m * job.br / job.bc + 1)}
-    hide_window = (2 / 3 * t_mb) if layout.zero <= 1 else compute
-    overlap = hw.overlap if peers.of(job).overlap_dp else 0.0
-    hidden = min(dp_s * hideable.get(layout.zero, 1.0), overlap * hide_window)
-    dp_exposed = dp_s - hidden
+    hide_window = (2 / 3 * t_mb) if layout.zero <= 1 else m * t_mb
+    overlap = job.hardware.overlap if peers.of(job).overlap_dp else 0.0
+    return min(dp_s * hideable.get(layout.zero, 1.0), overlap * hide_window)
+
+
+def _optimizer_elements(layout: Layout, mem_bytes: dict[str, float]) -> float:
+    """Elements the optimizer steps on this rank, from its predicted state bytes."""
     local = mem_bytes.get("master", 0) + mem_bytes.get("host_master", 0)
     elems = local / 4 if local else mem_bytes["optimizer"] / 8
     if layout.offload in ("optimizer+nvme", "params+nvme"):  # host_master: only the slots
         elems = mem_bytes["disk_optimizer"] / 12
+    return elems
+
+
+def _optimizer_seconds(job: Job, layout: Layout, elems: float) -> float:
+    """Seconds of the optimizer step over `elems` elements, where the state lives."""
+    hw, slowdown = job.hardware, job.hardware.slowdown(job.devices)
     if hw.measured_kernels:  # the optimizer runs on this CPU: its measured rate
-        optimizer = elems * kernels.optimizer_seconds_per_element() * slowdown
-    else:
-        opt_bw = hw.host_mem_bw if layout.offload != "none" else hw.hbm_bw * hw.mem_eff
-        optimizer = elems * ADAM_BYTES * slowdown / opt_bw
+        return elems * kernels.optimizer_seconds_per_element() * slowdown
+    opt_bw = hw.host_mem_bw if layout.offload != "none" else hw.hbm_bw * hw.mem_eff
+    return elems * ADAM_BYTES * slowdown / opt_bw
+
+
+def _offload_seconds(
+    job: Job, layout: Layout, mem_bytes: dict[str, float], elems: float, optimizer: float
+) -> tuple[float, float]:
+    """(host transfer seconds, disk seconds the optimizer step does not cover) per step."""
+    hw, m = job.hardware, layout.micro_batches(job)
     offload = disk = 0.0
     if layout.offload != "none":  # gradients down, updated parameters up, every step
         offload = elems * (job.br + job.bc) / hw.host_bw
@@ -206,6 +239,34 @@ def step_time(
         disk = max(0.0, 2 * mem_bytes["disk_optimizer"] / hw.disk_bw - optimizer)
         # params+nvme: each slice read for every gather (2 per micro-batch, as host offload)
         disk += 2 * m * mem_bytes.get("disk_params", 0) / hw.disk_bw
+    return offload, disk
+
+
+def step_time(
+    job: Job,
+    layout: Layout,
+    mem_bytes: dict[str, float],
+    kinds: dict[str, dict[str, float]] | None = None,
+    calls: dict[str, int] | None = None,
+) -> dict[str, float]:
+    """Seconds per step by part, and `step_s` their sum; `kinds` and `calls` are this layout's
+    `traffic_by_kind` and `collective_calls` where the caller has them already."""
+    m, t, p, dp = layout.micro_batches(job), layout.tp, layout.pp, layout.dp
+    slowdown = job.hardware.slowdown(job.devices)
+    t_mb = slowdown * _micro_batch_seconds(job, layout)
+    t_mb += _dequant_seconds(job, layout, slowdown)
+    compute = m * t_mb
+    bubble = _bubble_units(layout) * t_mb
+    kinds = traffic_by_kind(job, layout) if kinds is None else kinds
+    calls = collective_calls(job, layout) if calls is None else calls
+    traffic = (kinds, calls)
+    # pipeline sends go from one rank to one rank, each through its own NIC
+    tp_s, pp_s = _tp_seconds(job, layout, traffic), _comm_seconds(job, traffic, "pp", t * dp * p)
+    dp_s = _dp_seconds(job, layout, traffic)
+    dp_exposed = dp_s - _dp_hidden(job, layout, dp_s, t_mb)
+    elems = _optimizer_elements(layout, mem_bytes)
+    optimizer = _optimizer_seconds(job, layout, elems)
+    offload, disk = _offload_seconds(job, layout, mem_bytes, elems, optimizer)
     squeeze = slowdown * compression.seconds(job, layout, mem.stage_units(job, layout, 0))
     parts = {
         "compute_s": compute,

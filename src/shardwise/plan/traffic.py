@@ -33,8 +33,18 @@ def traffic_totals(by_kind: dict[str, dict[str, float]]) -> dict[str, float]:
 def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
     """`traffic` split by collective kind (all_reduce, reduce_scatter, all_gather, send) per
     mesh dimension: the kinds cost differently per byte on some transports (gloo)."""
-    spec, s, b = job.spec, job.seq_len, layout.micro_batch
-    m, dp, t, p, v = layout.micro_batches(job), layout.dp, layout.tp, layout.pp, layout.pp_virtual
+    quantised = _quant_uses(job, layout)  # finetune/quant: a split base gathered per use
+    return {
+        "dp": _dp_kinds(job, layout, quantised["dp"]),
+        "tp": _tp_kinds(job, layout, quantised["tp"]),
+        "pp": {"send": _pp_bytes(job, layout)},
+    }
+
+
+def _dp_kinds(job: Job, layout: Layout, quantised: list[int]) -> dict[str, float]:
+    """Bytes by kind over dp per step: the gradient reduction and ZeRO's gathers (parallel/
+    zero.py), plus the split low-bit base's gathers (`quantised`: bytes per gather)."""
+    spec, m, dp = job.spec, layout.micro_batches(job), layout.dp
     us, align = mem.stage_units(job, layout, 0), align_of(job)
     padded = sum(padded_numel(u, dp, align) * u.count for u in us)
     # frozen units (their own, parallel/zero.py) are neither reduced nor re-published
@@ -54,15 +64,22 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
         # reach them (nothing before them needs a gradient), so no gather for it
         lead = sum(padded_numel(u, dp, align) * u.count for u in _leading_frozen(us))
         dp_kinds["all_gather"] -= ring * lead * bc * m
-    if layout.zero == 3 and spec.tie_embeddings and p == 1:
+    if layout.zero == 3 and spec.tie_embeddings and layout.pp == 1:
         # the tied head is a second root of the embedding's unit: it is gathered again for
         # the head's forward (it was freed after the embedding's), once per micro-batch
         dp_kinds["all_gather"] += ring * -(-us[0].numel // dp) * dp * bc * m
-    quantised = _quant_uses(job, layout)  # finetune/quant: a split base gathered per use
-    if quantised["dp"]:
-        dp_kinds["all_gather"] += ring * m * sum(quantised["dp"])
-    act = b * s * spec.dim * bc
-    layers = -(-spec.n_layers // p)
+    if quantised:
+        dp_kinds["all_gather"] += ring * m * sum(quantised)
+    return dp_kinds
+
+
+def _tp_kinds(job: Job, layout: Layout, quantised: list[int]) -> dict[str, float]:
+    """Bytes by kind over tp per step: the blocks' activations (parallel/tensor.py), the
+    vocabulary-parallel loss, replicated parameters' gradients and the split base's gathers."""
+    spec, s, b = job.spec, job.seq_len, layout.micro_batch
+    m, t = layout.micro_batches(job), layout.tp
+    act = b * s * spec.dim * job.bc
+    layers = -(-spec.n_layers // layout.pp)
     # parallel/tensor.py, per micro-batch: per layer 2 all-reduces forward and 2 backward
     # (sp: all-gather + reduce-scatter pairs, the same bytes); embedding and head: 2 more;
     # the vocabulary-parallel loss all-reduces 3 fp32 values per token. Full recomputation
@@ -77,34 +94,49 @@ def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
         tp_kinds["all_gather"] += ring_share(t) * m * act * regathers(job, layout) * layers
     else:
         tp_kinds["all_reduce"] += blocks
-    moe_layers = _moe_tp_layers(job, layout)
-    if moe_layers:  # an MoE layer is whole on every tp rank, on its own sequence shard
-        # (parallel/expert_comm.SequenceShards): no all-gather/reduce-scatter pair around its
-        # MLP forward or backward; its per-(sequence, expert) counts [b, E] int64 all-gathered
-        tp_kinds["all_gather"] -= ring_share(t) * m * act * 2 * moe_layers
-        tp_kinds["reduce_scatter"] -= ring_share(t) * m * act * 2 * moe_layers
-        forwards = 1 + (layout.recompute == "full")
-        counts = ring_share(t) * m * t * b * spec.n_experts * 8 * moe_layers
-        tp_kinds["all_gather"] += counts * forwards
-        if forwards > 1:  # the recomputed block replays its counts' all-gather, not an MLP
-            # input gather (its 3 calls: the attention's pair and the counts)
-            tp_kinds["all_gather"] -= ring_share(t) * m * act * moe_layers
+    _moe_tp_kinds(job, layout, act, tp_kinds)
     if _skips_first_entry(job):  # its backward: a reduce-scatter (sp) or an all-reduce
         kind = "reduce_scatter" if layout.sp else "all_reduce"
         tp_kinds[kind] -= ring_share(t) * m * act * (1 if layout.sp else 2)
     if t > 1:  # gradients of parameters replicated over tp ranks that each saw part of them,
         # summed in fp32 (the optimizer's master gradients) once per step
         tp_kinds["all_reduce"] += 2 * ring_share(t) * _tp_partial(job, t, layout.sp, layout.ep) * 4
-    if quantised["tp"]:
+    if quantised:
         tp_kinds["all_gather"] = tp_kinds.get("all_gather", 0.0)
-        tp_kinds["all_gather"] += ring_share(t) * m * sum(quantised["tp"])
-    pp_bytes = 0.0
-    if p > 1:  # activations forward and their gradients backward, per micro-batch and chunk:
-        # a rank sends forward from its v chunks (the last chunk's rank one fewer) and backward
-        # likewise (the first chunk's rank one fewer); with p = 2 each rank is one of those
-        split = layout.sp or peers.of(job).pp_scatter_gather
-        pp_bytes = m * act / (t if split else 1) * (2 * v - (1 if p == 2 else 0))
-    return {"dp": dp_kinds, "tp": tp_kinds, "pp": {"send": pp_bytes}}
+        tp_kinds["all_gather"] += ring_share(t) * m * sum(quantised)
+    return tp_kinds
+
+
+def _moe_tp_kinds(job: Job, layout: Layout, act: int, tp_kinds: dict[str, float]) -> None:
+    """Adjust `tp_kinds` for the MoE layers, whole on every tp rank, each on its own sequence
+    shard (parallel/expert_comm.SequenceShards); `act` is one micro-batch's activation bytes."""
+    moe_layers = _moe_tp_layers(job, layout)
+    if not moe_layers:
+        return
+    m, t = layout.micro_batches(job), layout.tp
+    # no all-gather/reduce-scatter pair around its MLP forward or backward; its
+    # per-(sequence, expert) counts [b, E] int64 all-gathered
+    tp_kinds["all_gather"] -= ring_share(t) * m * act * 2 * moe_layers
+    tp_kinds["reduce_scatter"] -= ring_share(t) * m * act * 2 * moe_layers
+    forwards = 1 + (layout.recompute == "full")
+    counts = ring_share(t) * m * t * layout.micro_batch * job.spec.n_experts * 8 * moe_layers
+    tp_kinds["all_gather"] += counts * forwards
+    if forwards > 1:  # the recomputed block replays its counts' all-gather, not an MLP
+        # input gather (its 3 calls: the attention's pair and the counts)
+        tp_kinds["all_gather"] -= ring_share(t) * m * act * moe_layers
+
+
+def _pp_bytes(job: Job, layout: Layout) -> float:
+    """Bytes each rank sends over pp per step: activations forward and their gradients
+    backward, per micro-batch and chunk."""
+    p, v, t = layout.pp, layout.pp_virtual, layout.tp
+    if p == 1:
+        return 0.0
+    # a rank sends forward from its v chunks (the last chunk's rank one fewer) and backward
+    # likewise (the first chunk's rank one fewer); with p = 2 each rank is one of those
+    act = layout.micro_batch * job.seq_len * job.spec.dim * job.bc
+    split = layout.sp or peers.of(job).pp_scatter_gather
+    return layout.micro_batches(job) * act / (t if split else 1) * (2 * v - (1 if p == 2 else 0))
 
 
 def cp_traffic(job: Job, layout: Layout) -> tuple[dict[str, float], int]:

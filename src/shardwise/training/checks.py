@@ -184,17 +184,30 @@ def check_pipeline(
     and a split that covers the model (pipeline_split.plan_chunks)."""
     p = cfg.parallel
     if pp == 1:
-        for key, value, off in (
-            ("parallel.pp_schedule", p.pp_schedule, "1f1b"),
-            ("parallel.pp_virtual", p.pp_virtual, 1),
-            ("parallel.pp_split", p.pp_split, ""),
-        ):
-            if value != off:
-                raise ConfigError(
-                    f"{key}={value!r} has no effect with parallel.pp=1. Fix: --parallel.pp=2 "
-                    f"(or more), or leave {key} at its default."
-                )
+        _check_no_pipeline_options(cfg)
         return
+    _check_pipeline_model(cfg, spec, family, pp)
+    _check_pipeline_schedule(cfg, pp, dp, micro, m)
+    plan_chunks(spec, pp, p.pp_virtual, p.pp_split, cfg.data.seq_len)
+
+
+def _check_no_pipeline_options(cfg: Config) -> None:
+    """At pp = 1 every pipeline option is at its default (else it would be silently ignored)."""
+    p = cfg.parallel
+    for key, value, off in (
+        ("parallel.pp_schedule", p.pp_schedule, "1f1b"),
+        ("parallel.pp_virtual", p.pp_virtual, 1),
+        ("parallel.pp_split", p.pp_split, ""),
+    ):
+        if value != off:
+            raise ConfigError(
+                f"{key}={value!r} has no effect with parallel.pp=1. Fix: --parallel.pp=2 "
+                f"(or more), or leave {key} at its default."
+            )
+
+
+def _check_pipeline_model(cfg: Config, spec: ModelSpec, family: Family, pp: int) -> None:
+    """The model and the data loader can be run by a pipeline schedule of `pp` stages."""
     if cfg.data.prefetch:
         raise ConfigError(
             f"data.prefetch={cfg.data.prefetch} loads micro-batches ahead in the plain loop; "
@@ -211,13 +224,18 @@ def check_pipeline(
             f"parallel.pp={pp}: pipeline parallelism cuts the blocks of shardwise's own "
             f"decoders and model.name='{cfg.model.name}' is {family.kind}. Fix: --parallel.pp=1."
         )
-    if spec.n_experts and p.pp_schedule == "zb":  # its split backward defers weight
-        # gradients the balance loss's backward (models/moe.py) is not routed through
+    if spec.n_experts and cfg.parallel.pp_schedule == "zb":  # its split backward defers
+        # weight gradients the balance loss's backward (models/moe.py) is not routed through
         raise ConfigError(
             f"parallel.pp_schedule='zb' with an MoE decoder (model.n_experts={spec.n_experts}) "
             "is not built: the zero-bubble backward split is not checked with routed experts. "
             "Fix: --parallel.pp_schedule=1f1b (or gpipe, interleaved)."
         )
+
+
+def _check_pipeline_schedule(cfg: Config, pp: int, dp: int, micro: int, m: int) -> None:
+    """The ZeRO stage, the schedule and its virtual chunks fit `m` micro-batches per step."""
+    p = cfg.parallel
     if p.zero >= 2:
         raise ConfigError(
             f"parallel.zero={p.zero} with parallel.pp={pp} is not supported: ZeRO-{p.zero} "
@@ -241,7 +259,6 @@ def check_pipeline(
             f"m = global_batch({g}) / (micro_batch({micro}) * dp({dp})) = {m}{fewer} is not a "
             f"multiple of pp. Fix: {fix}."
         )
-    plan_chunks(spec, pp, p.pp_virtual, p.pp_split, cfg.data.seq_len)
 
 
 def check_tensor_parallel(spec: ModelSpec, family: Family, cfg: Config) -> None:

@@ -30,7 +30,13 @@ from shardwise.models import init_weights, to_empty
 from shardwise.models.hf.auto import weights_for
 from shardwise.models.hf.weights import load_weights
 from shardwise.models.tp_plans import plan_for
-from shardwise.optim import EIGHT_BIT, QUANT_BLOCK, MixedPrecisionAdamW, replicated_targets
+from shardwise.optim import (
+    EIGHT_BIT,
+    QUANT_BLOCK,
+    MixedPrecisionAdamW,
+    Target,
+    replicated_targets,
+)
 from shardwise.parallel.compile import apply_compile
 from shardwise.parallel.compress import WIRE, make_compression
 from shardwise.parallel.context import apply_context_parallel, sequence_part
@@ -293,13 +299,11 @@ def _build(
     comm: Comm,
     watchdog: Watchdog | None,
 ) -> Run:
+    """The run on this rank once its process group, topology and watchdog stand: data, the
+    model built and parallelised, its weights, and the optimizer."""
     spec = derived.spec
-    labelled = derived.family.classifier
-    # what the run reads, in which order, and the loss it is scored with (data/)
-    train_data = load_data(data_spec(cfg, spec.vocab_size, labelled), "train")
-    val_data = load_held_out(cfg, spec.vocab_size, labelled)
-    sampler = GlobalSampler(len(train_data), cfg.train.global_batch, cfg.train.seed)
-    custom_loss = cfg.train.loss != "cross_entropy"
+    train_data, val_data, sampler = _data(cfg, derived)
+    custom_loss = cfg.train.loss != "cross_entropy"  # the loss the run is scored with
     user_loss = resolve(cfg.train.loss, "train.loss") if custom_loss else None
     model, quantised = build_adapted(spec, cfg.finetune)  # LoRA, QLoRA's base (finetune/)
     freeze(model, cfg.train.freeze)
@@ -310,26 +314,7 @@ def _build(
         # 1/dp each under ZeRO-3, and 1/tp each (dp outer: finetune/quant_shards.split_index)
         split = split_dims(topo.size("dp"), topo.size("tp"), cfg.parallel.zero)
         materialise_quantised(model, source, cfg.train.seed, info.device, comm, split)
-    if isinstance(reducer, ZeroEngine):
-        targets, after = reducer.targets(), reducer.after_step
-
-        def sum_over_shards(parts: torch.Tensor) -> None:
-            reducer.sum_over_shards(parts)  # disjoint slices over dp
-            tp.sum_over_shards(parts)
-
-    else:
-        verify_replicas(model, comm)
-        targets, sum_over_shards, after = replicated_targets(model), tp.sum_over_shards, None
-        if ep is not None:  # replicated dense parameters, expert slices that differ over ep
-            targets = ep.mark_norm_targets(targets)  # (tp > 1: each tensor counted once)
-
-            def sum_over_shards(parts: torch.Tensor) -> None:
-                ep.sum_over_shards(parts)
-                tp.sum_over_shards(parts)
-
-    if pipeline is not None:  # the norm sums over stages, a tied weight counted once
-        targets = pipeline.mark_norm_targets(targets)
-        sum_over_shards = pipeline.norm_reducer(sum_over_shards)
+    targets, sum_over_shards, after = _norm_targets(model, comm, reducer, tp, ep, pipeline)
     offload = cfg.memory.offload in ("optimizer", "optimizer+params")
     nvme = None
     if cfg.memory.offload in ("optimizer+nvme", "params+nvme"):
@@ -357,3 +342,45 @@ def _build(
         experts=expert_tally(model, cfg.train, topo.size("pp")),
         expert_parallel=ep,
     )
+
+
+def _data(cfg: Config, derived: Derived) -> tuple[object, object, GlobalSampler]:
+    """What the run reads and in which order (data/): (train data, held-out data, sampler)."""
+    spec, labelled = derived.spec, derived.family.classifier
+    train_data = load_data(data_spec(cfg, spec.vocab_size, labelled), "train")
+    val_data = load_held_out(cfg, spec.vocab_size, labelled)
+    sampler = GlobalSampler(len(train_data), cfg.train.global_batch, cfg.train.seed)
+    return train_data, val_data, sampler
+
+
+def _norm_targets(
+    model: nn.Module,
+    comm: Comm,
+    reducer: GradReducer | ZeroEngine,
+    tp: TensorParallel,
+    ep: ExpertParallel | None,
+    pipeline: Pipeline | None,
+) -> tuple[list[Target], Callable[[torch.Tensor], None], Callable[[], None] | None]:
+    """(tensors the optimizer steps and the gradient norm reads, how the norm's parts are
+    summed over the ranks holding other shards, what runs after each step)."""
+    if isinstance(reducer, ZeroEngine):
+        targets, after = reducer.targets(), reducer.after_step
+
+        def sum_over_shards(parts: torch.Tensor) -> None:
+            reducer.sum_over_shards(parts)  # disjoint slices over dp
+            tp.sum_over_shards(parts)
+
+    else:
+        verify_replicas(model, comm)
+        targets, sum_over_shards, after = replicated_targets(model), tp.sum_over_shards, None
+        if ep is not None:  # replicated dense parameters, expert slices that differ over ep
+            targets = ep.mark_norm_targets(targets)  # (tp > 1: each tensor counted once)
+
+            def sum_over_shards(parts: torch.Tensor) -> None:
+                ep.sum_over_shards(parts)
+                tp.sum_over_shards(parts)
+
+    if pipeline is not None:  # the norm sums over stages, a tied weight counted once
+        targets = pipeline.mark_norm_targets(targets)
+        sum_over_shards = pipeline.norm_reducer(sum_over_shards)
+    return targets, sum_over_shards, after

@@ -180,9 +180,9 @@ def _check_compression(cfg: Config) -> None:
         )
 
 
-def derive(cfg: Config, world: int) -> Derived:
-    """Validate `cfg` for `world` ranks and compute the values every later stage needs."""
-    _positive(cfg)
+def _check_memory(cfg: Config) -> None:
+    """parallel.zero, pp_virtual and memory.offload: each valid, and the offload one that the
+    ZeRO stage and optimizer can hold."""
     p = cfg.parallel
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError(
@@ -214,12 +214,12 @@ def derive(cfg: Config, world: int) -> Derived:
             f"parallel.zero={p.zero}. Fix: --parallel.zero=3, or "
             "--memory.offload=optimizer."
         )
-    if cfg.run.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            "run.device='cuda' but no CUDA device is visible. Fix: --run.device=cpu or auto."
-        )
-    _check_compression(cfg)
-    spec, family = resolve_model(cfg)
+
+
+def _degrees(cfg: Config, world: int, spec: ModelSpec, family: Family) -> tuple[int, int, int, int]:
+    """(pp, dp, cp, tp) of `world` ranks, dp counting the sample streams (world / (tp·pp·cp)),
+    after the checks that need the degrees of the mesh."""
+    p = cfg.parallel
     pp, dp, tp = degrees(world, p.tp, p.pp)
     cp = p.cp
     check_context_parallel(cfg, spec, family, tp, pp)
@@ -231,9 +231,18 @@ def derive(cfg: Config, world: int) -> Derived:
             f"dividing world / (tp * pp) = {dp}, or a world size that is a multiple of "
             f"{pp * cp * tp}."
         )
-    dp //= cp  # the sample streams: the global batch is split over them
-    is_image = family.data == "images"
-    user_data = ":" in cfg.data.dataset  # your dataset (data/user.py): one sample per item
+    return pp, dp // cp, cp, tp  # dp: the sample streams the global batch is split over
+
+
+def _user_data(cfg: Config) -> bool:
+    """Whether data.dataset is your own (data/user.py: module:fn, one sample per item)."""
+    return ":" in cfg.data.dataset
+
+
+def _check_model_and_data(cfg: Config, spec: ModelSpec, family: Family, tp: int, pp: int) -> None:
+    """What the model family, its loss and options accept at this tp and pp, and whether
+    data.dataset and data.format are that model's kind of data."""
+    is_image, user_data = family.data == "images", _user_data(cfg)
     check_loss(cfg, tp, pp)
     check_loss_chunks(cfg, family, tp, pp)
     check_compile(cfg, family)
@@ -260,6 +269,10 @@ def derive(cfg: Config, world: int) -> Derived:
             f"model.name='{cfg.model.name}' is {kind} but data.dataset="
             f"'{cfg.data.dataset}' is not its kind of data. Fix: {fix}."
         )
+
+
+def _batches(cfg: Config, dp: int) -> tuple[int, int]:
+    """(micro-batch size, micro-batches per step) splitting train.global_batch over `dp`."""
     t = cfg.train
     if t.global_batch < dp:
         raise ConfigError(
@@ -274,12 +287,28 @@ def derive(cfg: Config, world: int) -> Derived:
             f"train.micro_batch({micro}) * dp({dp}) = {micro * dp}. Fix: make "
             "global_batch a multiple of micro_batch * dp (dp = world / (tp * pp * cp))."
         )
+    return micro, t.global_batch // (micro * dp)
+
+
+def derive(cfg: Config, world: int) -> Derived:
+    """Validate `cfg` for `world` ranks and compute the values every later stage needs."""
+    _positive(cfg)
+    _check_memory(cfg)
+    if cfg.run.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "run.device='cuda' but no CUDA device is visible. Fix: --run.device=cpu or auto."
+        )
+    _check_compression(cfg)
+    spec, family = resolve_model(cfg)
+    pp, dp, cp, tp = _degrees(cfg, world, spec, family)
+    _check_model_and_data(cfg, spec, family, tp, pp)
+    micro, m = _batches(cfg, dp)
     _checkpoint(cfg)
-    m = t.global_batch // (micro * dp)
     check_pipeline(cfg, spec, family, pp, dp, micro, m)
-    per_row = cfg.data.dataset == "digits" or user_data or family.classifier
+    # a sample is one row (an image, a labelled text, your item) or seq_len tokens
+    per_row = cfg.data.dataset == "digits" or _user_data(cfg) or family.classifier
     tokens = 1 if per_row else cfg.data.seq_len
-    return Derived(world, pp, dp, tp, micro, m, tokens, spec, family, cp, p.ep)
+    return Derived(world, pp, dp, tp, micro, m, tokens, spec, family, cp, cfg.parallel.ep)
 
 
 def check_held_out(cfg: Config, derived: Derived, held_out) -> None:
