@@ -171,6 +171,34 @@ def test_transformers_presets_formula_is_the_real_models(name, case):
     assert real["activations"] > 0 and real["grads"] > 0
 
 
+def test_lora_dropout_on_a_transformers_preset_is_measured_as_it_trains(tmp_path):
+    """explain's fake forward of a transformers model with LoRA dropout draws the layout-free
+    masks as the first training step does (before, the masks' missing step and sample indices
+    failed every such job before launch); its prediction equals a one-process run's."""
+    pytest.importorskip("transformers")
+    from shardwise.config import load_config
+    from shardwise.job.explain import explain_record
+    from shardwise.launchers.harness import run_here
+
+    over = [
+        "--model.name=hf-llama-tiny",
+        "--model.n_layers=2",
+        "--data.seq_len=32",
+        "--train.global_batch=4",
+        "--finetune.lora_rank=4",
+        "--finetune.lora_dropout=0.1",
+        "--train.steps=1",
+        "--train.eval_batches=0",
+        "--log.tensorboard=false",
+    ]
+    hw = get_hardware("cpu", calibrate=False)
+    pred = explain_record(load_config(None, over), 1, hw)["mem_bytes"]
+    measured = run_here({"overrides": over}, str(tmp_path))["records"][-1]["mem_bytes"]
+    for key in ("params", "grads", "optimizer", "buffers", "activations"):
+        assert pred[key] == measured[key], (key, pred, measured)
+    assert measured["activations"] > 0
+
+
 def test_transformers_presets_recompute_nothing():
     """The hf-* presets have no recomputation (parallel/recompute.py refuses selective and
     full for them): the search does not offer it; our decoders keep both."""

@@ -24,6 +24,7 @@ from shardwise.distributed import device as dev
 from shardwise.errors import ConfigError
 from shardwise.finetune import build_adapted
 from shardwise.finetune.quant import quant_layers
+from shardwise.models.dropout import random_stream, samples
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.sync_batchnorm import apply_sync_batchnorm
 from shardwise.parallel.zero_units import unit_roots
@@ -212,7 +213,10 @@ def fake_activations(model, cfg: Config, derived, recompute: str | None = None, 
     meter = ActivationMeter(model)
     inputs, targets = _batch(cfg, derived)
     try:
-        with meter.measure(), as_in_training():
+        # layout-free dropout (LoRA's on transformers' models) draws its masks by (seed,
+        # step, sample) as the training loop sets them: the first step's first samples
+        stream = random_stream(cfg.train.seed, 0)
+        with meter.measure(), as_in_training(), stream, samples(range(inputs.shape[0])):
             logits = model(inputs)
             if cfg.train.loss != "cross_entropy":  # yours, on whole outputs (as Run.loss_sum)
                 resolve(cfg.train.loss, "train.loss")(logits, targets)
