@@ -150,3 +150,35 @@ def _prepare_to(corpus: Path, out: Path) -> dict:
     return prepare(
         Options((str(corpus),), str(out), vocab_size=VOCAB, shard_mb=SMALL_SHARDS, workers=1)
     )
+
+
+@pytest.mark.parametrize("forget", [True, False])
+def test_a_forked_worker_holds_no_lock_once_its_parent_lets_go(tmp_path, forget):
+    """A forked encoding worker inherits the prepare's --out lock descriptor, and a flock lasts
+    while any copy is open: a worker outliving a SIGKILLed prepare would refuse every rerun.
+    The pool's initializer closes the copies (forget_inherited), so the lock ends with its
+    taker; without that call the child's copy keeps it (the control case)."""
+    taken = lock_dir(tmp_path, "d", "prepare", "clash", "--out", DataError)
+    go, ready = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker: drop the copies (or not), say so, wait to be told to end
+        try:
+            if forget:
+                dirlock.forget_inherited()
+            os.write(ready[1], b"r")
+            os.read(go[0], 1)
+        finally:
+            os._exit(0)
+    try:
+        os.read(ready[0], 1)
+        taken.close()  # the parent lets go (as its death would) while the worker still runs
+        if forget:
+            lock_dir(tmp_path, "d", "prepare", "clash", "--out", DataError).close()
+        else:
+            with pytest.raises(DataError, match="is in use by another shardwise prepare"):
+                lock_dir(tmp_path, "d", "prepare", "clash", "--out", DataError)
+    finally:
+        os.write(go[1], b"g")
+        os.waitpid(pid, 0)
+        for fd in (*go, *ready):
+            os.close(fd)

@@ -577,15 +577,19 @@ def test_train_refuses_profile_steps_and_names_the_command(capsys):
     assert "Fix: shardwise profile --steps 3" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("given", ["--train.steps=50", "--profile.steps=3"])
-def test_profile_refuses_the_step_counts_it_sets_itself(capsys, given):
-    """`shardwise profile` sizes its run (warm-up, --steps measured, one traced): a step count
-    given as a key would be overwritten without a word, so it is refused naming --steps."""
+def test_profile_refuses_the_step_count_it_sets_and_says_it_replaces_train_steps(capsys):
+    """`shardwise profile` sizes its run (warm-up, --steps measured, one traced): a
+    --profile.steps would be overwritten without a word, so it is refused naming --steps; a
+    train command's --train.steps is replaced, and a note says so (here before the unknown
+    model name stops the run)."""
     from shardwise.cli.main import main
 
-    assert main(["profile", given, "--model.name=tiny"]) == 2
+    assert main(["profile", "--profile.steps=3", "--model.name=tiny"]) == 2
     err = capsys.readouterr().err
-    assert given in err and "Fix: --steps K" in err
+    assert "--profile.steps=3" in err and "Fix: --steps K" in err
+    assert main(["profile", "--train.steps=50", "--model.name=no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "note: --train.steps=50 is replaced" in err and "no-such-model" in err
 
 
 def test_a_run_on_nvme_is_offered_less_recomputation_when_it_fits():

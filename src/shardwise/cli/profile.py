@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 
 from shardwise.config import Config, load_config, split_overrides, with_overrides
@@ -271,15 +272,22 @@ def _count(flag: str, raw: str, example: int) -> int:
 
 
 def _refuse_sized(overrides: list[str]) -> None:
-    """--train.steps and --profile.steps given to `profile`: it sizes the run itself
-    (profile.warmup + --steps + one traced step), so either would be ignored."""
+    """`profile` sizes its run itself (profile.warmup + --steps + one traced step): a
+    --profile.steps would be overwritten, so it is refused; a --train.steps (a train command
+    profiled as it is) is replaced, and said so."""
     for o in overrides:
         key = o.removeprefix("--").split("=", 1)[0]
-        if key in ("train.steps", "profile.steps"):
+        if key == "profile.steps":
             raise ShardwiseError(
-                f"{o} is not used by `shardwise profile`: it runs profile.warmup steps, --steps "
-                "K measured ones and one traced step. Fix: --steps K for the measured steps "
-                "(--profile.warmup=W for the warm-up)."
+                f"{o} is set by `shardwise profile` itself: it runs profile.warmup steps, "
+                "--steps K measured ones and one traced step. Fix: --steps K for the measured "
+                "steps (--profile.warmup=W for the warm-up)."
+            )
+        if key == "train.steps":
+            print(
+                f"note: {o} is replaced: a profile runs profile.warmup steps, --steps K "
+                "measured ones and one traced step (--steps K sets the measured ones)",
+                file=sys.stderr,
             )
 
 

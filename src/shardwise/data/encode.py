@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardwise.data.dirlock import forget_inherited
 from shardwise.data.pretrained import encode_documents
 from shardwise.errors import DataError
 
@@ -198,6 +199,8 @@ def _fork_pool(workers: int):
 
 
 def _quiet() -> None:
+    # the parent's --out lock ends with the parent, never held on by a worker (dirlock.py)
+    forget_inherited()
     # one encoding thread per worker process: the processes are the parallelism
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # the parent's stop handlers are not the worker's: it ends when the pool ends it
