@@ -197,18 +197,15 @@ def test_cp_composes_with_tp_and_pp(worlds, name):
 def test_the_plan_is_exact_under_tp(worlds, made, name):
     """comm_bytes and comm_calls over cp (each rank's n_heads / tp heads through the kernels),
     tp and dp (the gradient reduction over the dp x cp ranks) as explain predicts them, and
-    the model states (tp rank 0's shard over dp x cp), on every rank and step. Peak
-    activations are not compared: hf-llama-tiny's predicted 4,478,656 bytes, measured
-    4,347,648 (3.0 % high; docs/parallelism.md)."""
+    every memory category (tp rank 0's shard over dp x cp; the kernels repeat each rank's own
+    k/v heads to its own query heads), on every rank and step."""
     pred = _explain(_composed_case(made, name)["overrides"])
     for rank in worlds[4][name]:
         for rec in rank["records"]:
             for dim in ("cp", "tp", "dp"):
                 assert rec["comm_bytes"][dim] == pred["comm_bytes"][dim] > 0, (dim, rec, pred)
                 assert rec["comm_calls"][dim] == pred["comm_calls"][dim], (dim, rec, pred)
-            for key in ("params", "grads", "master", "optimizer", "buffers"):
-                got = rec["mem_bytes"][key]
-                assert pred["mem_bytes"][key] == got, (key, rec["mem_bytes"], pred["mem_bytes"])
+            assert rec["mem_bytes"] == pred["mem_bytes"], (rec["mem_bytes"], pred["mem_bytes"])
 
 
 @pytest.mark.slow

@@ -123,9 +123,15 @@ HF_CASES = {  # (ranks, overrides) of the hf-* presets' layouts `plan` searches
     # the first block saves nothing before its first adapter (its input has no gradient)
     "lora_mlp_in": (2, [*LORA, "MLP_IN"]),
     "lora_out": (2, [*LORA, "OUT", "--parallel.tp=2"]),
+    # the first block's first adapters save their dropped input but no mask (no gradient)
+    "lora_dropout": (2, [*LORA, "--finetune.lora_dropout=0.1"]),
+    "lora_out_dropout": (2, [*LORA, "OUT", "--parallel.tp=2", "--finetune.lora_dropout=0.1"]),
+    "lora_mlp_in_dropout": (2, [*LORA, "MLP_IN", "--finetune.lora_dropout=0.1"]),
     "packed": (2, ["--data.pack=true", "--data.format=instruction"]),
     "cp2": (2, ["--parallel.cp=2"]),  # (Llama: k/v repeated to H heads by the cp kernels)
     "cp2_packed": (2, ["--parallel.cp=2", "--data.pack=true", "--data.format=instruction"]),
+    # each tp rank repeats its own k/v heads to its own query heads (4 ranks: dp 1)
+    "cp2_tp2": (4, ["--parallel.cp=2", "--parallel.tp=2"]),
 }
 
 
@@ -143,8 +149,9 @@ def test_transformers_presets_formula_is_the_real_models(name, case):
     """`plan`'s per-candidate prediction (plan/search.evaluate: transformers' blocks by formula,
     plan/activations_hf.py) equals `explain`'s of the real model (its units, its module
     buffers, its saved tensors on a fake forward through the engine's meter) in every
-    category: tp shards, bf16, LoRA (GPT-2's fused c_attn with one adapter pair), packed rows,
-    context parallelism."""
+    category: tp shards, bf16, LoRA (GPT-2's fused c_attn with one adapter pair) with and
+    without dropout, packed rows, context parallelism alone and with tp (explain there equals
+    a 4-rank run: tests/test_context_parallel_hf.py)."""
     pytest.importorskip("transformers")
     from shardwise.config import load_config
     from shardwise.job.describe import job_from_config, layout_from_config

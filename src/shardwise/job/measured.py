@@ -10,6 +10,7 @@ import dataclasses
 from shardwise.job.experts import in_forward_order, routed_spec
 from shardwise.plan import compression, moe, traffic
 from shardwise.plan import memory as mem
+from shardwise.plan.activations_hf import repeated_heads
 from shardwise.plan.buffers import zero_transient
 from shardwise.plan.layout import Job, Layout, as_data_parallel
 from shardwise.plan.search import evaluate
@@ -48,9 +49,10 @@ def expert_traffic(comm: dict, calls: dict, job: Job, layout: Layout, experts: l
 def repeated_kv_bytes(job: Job, layout: Layout, layers: int | None = None) -> float:
     """What transformers' attention through the cp kernels saves beyond its own SDPA: SDPA
     attends to k/v at their KV heads (`enable_gqa` for head dims up to 256, transformers'
-    sdpa_attention `use_gqa_in_sdpa`), the kernels keep them repeated to H heads
-    (context_hf.py): 2·(H − KV)·b·(s/cp)·head_dim more elements a layer, in the compute
-    dtype, in `layers` of them (default: all). A recomputed block keeps only its input. 0 at
+    sdpa_attention `use_gqa_in_sdpa`), the kernels keep them repeated to the rank's query
+    heads (context_hf.py): 2·(H/tp − KV/tp)·b·(s/cp)·head_dim more elements a layer
+    (activations_hf.repeated_heads), in the compute dtype, in `layers` of them (default:
+    all). A recomputed block keeps only its input. 0 at
     cp = 1, and for packed rows: their explicit mask turns SDPA's GQA off (`use_gqa_in_sdpa`),
     so the fake forward keeps the repeated k/v already."""
     spec = job.spec
@@ -58,7 +60,7 @@ def repeated_kv_bytes(job: Job, layout: Layout, layers: int | None = None) -> fl
     if layout.cp == 1 or layout.recompute != "none" or not gqa_sdpa:
         return 0.0
     local = job.seq_len // layout.cp
-    extra = 2 * (spec.n_heads - spec.n_kv_heads) * layout.micro_batch * local * spec.head_dim
+    extra = 2 * repeated_heads(spec, layout.tp) * layout.micro_batch * local * spec.head_dim
     return extra * job.bc * (spec.n_layers if layers is None else layers)
 
 

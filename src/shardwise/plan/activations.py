@@ -222,7 +222,7 @@ def lora_first_block(
     transformers' blocks: activations_hf.hf_first_block)."""
     block = family_of(spec).block
     if block.transformers:
-        return hf_first_block(spec, s, b, c, targets, packed)
+        return hf_first_block(spec, s, b, c, targets, packed, dropout)
     if not block.rms_norm:
         return ()
     sb = s * b

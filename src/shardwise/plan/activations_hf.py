@@ -125,17 +125,23 @@ _ATTENTION_INPUTS = ("attn_norm output", "attention output (wo input)")
 
 
 def hf_first_block(
-    spec: ModelSpec, s: int, b: int, c: int, targets, packed: bool
+    spec: ModelSpec, s: int, b: int, c: int, targets, packed: bool, dropout: bool = False
 ) -> tuple[Term, ...]:
     """What the first block saves in `lora_terms`' count but not in a LoRA run, as negative
     terms: its input comes from the frozen embedding, so nothing before its first adapted
     linear needs a gradient, and those ops save nothing (the first norm's input and
-    statistics; without a q/k/v adapter the attention too, and so on)."""
+    statistics; without a q/k/v adapter the attention too, and so on). With dropout, the
+    adapters reading that first input keep their dropped input (A's weight gradient reads
+    it) but no mask: models/dropout._ApplyMask saves it only for an input with a gradient;
+    and SDPA, without a gradient, keeps no output for wo's adapter to share."""
     inputs = {_ADAPTER_INPUT[x] for x in targets if x in _ADAPTER_INPUT}
     terms = {term.name: term for term in hf_block_terms(spec, s, b, c, packed)}
     out = []
     for name, term in terms.items():
         if name in inputs:
+            if dropout:
+                out += _unmasked_adapters(spec, s, b, name, targets)
+                out += [term] if name == "attention output (wo input)" else []
             break
         if not (name.endswith("normalised") or name in WEIGHT_INPUTS):  # (not counted)
             out.append(term)
@@ -147,15 +153,34 @@ def hf_first_block(
     return tuple(replace(x, name=f"first block {x.name}", nbytes=-x.nbytes) for x in out)
 
 
+def _unmasked_adapters(spec: ModelSpec, s: int, b: int, first: str, targets) -> list[Term]:
+    """The 1-byte masks of the adapters whose input is `first` (lora_terms' "adapter input,
+    mask" share), split as lora_terms splits them: the row-parallel layers' input by tp."""
+    width = {"wo": spec.n_heads * spec.head_dim, "w2": spec.ffn_dim}
+    return [
+        Term(f"{x} adapter mask", s * b * width.get(x, spec.dim), x in ("wo", "w2"), False)
+        for x in targets
+        if _ADAPTER_INPUT.get(x) == first
+    ]
+
+
+def repeated_heads(spec: ModelSpec, tp: int) -> float:
+    """k/v heads the cp kernels add on one tp rank by repeating its KV heads to its query
+    heads (parallel/context_hf.py repeats by the rank's own H/tp over its KV heads): H/tp
+    query heads over KV/tp KV heads, or over the one KV head a rank keeps when tp exceeds
+    them (parallel/tensor.py replicates the k/v projections)."""
+    return spec.n_heads / tp - spec.n_kv_heads / min(tp, spec.n_kv_heads)
+
+
 def cp_repeated_kv_bytes(
     spec: ModelSpec, s: int, b: int, c: int, cp: int, tp: int, packed: bool
 ) -> float:
     """What LlamaDecoderLayer's attention through the cp kernels (parallel/context_hf.py) saves
     beyond its own SDPA, per layer: SDPA keeps k and v at their KV heads (`enable_gqa`), the
-    kernels keep them repeated to the rank's H / tp heads, 2·(H − KV)/tp·b·(s/cp)·head_dim more
-    elements in the compute dtype (as job/measured.repeated_kv_bytes adds to a fake forward).
-    0 at cp = 1, for packed rows (`hf_block_terms` has them repeated already) and for heads
-    wider than 256 (no `enable_gqa`)."""
+    kernels keep them repeated to the rank's query heads, 2·`repeated_heads`·b·(s/cp)·head_dim
+    more elements in the compute dtype (as job/measured.repeated_kv_bytes adds to a fake
+    forward). 0 at cp = 1, for packed rows (`hf_block_terms` has them repeated already) and
+    for heads wider than 256 (no `enable_gqa`)."""
     if cp == 1 or packed or spec.n_kv_heads == spec.n_heads or spec.head_dim > 256:
         return 0.0
-    return 2 * (spec.n_heads - spec.n_kv_heads) / tp * b * (s // cp) * spec.head_dim * c
+    return 2 * repeated_heads(spec, tp) * b * (s // cp) * spec.head_dim * c

@@ -241,6 +241,8 @@ def cp_saved_bytes(job: Job, layout: Layout) -> float:
     spec, b, local, _ = _cp_shape(job, layout)
     if job.packed:
         edge = -job.bc * b * local * local
+    elif layout.tp > 1:  # vocab-parallel: the saved ids and targets are the rank's own copies
+        edge = 0
     else:  # the formula's ids are the (b, s+1) window, its flattened targets a copy of it for
         # b > 1 and the window itself for one sample
         edge = -8 * b + (8 * local if b == 1 and job.loss_chunks <= 1 else 0)
