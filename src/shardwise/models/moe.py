@@ -301,19 +301,20 @@ class MoEDecoder(Decoder):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__(dataclasses.replace(spec, arch="decoder"))
         self.spec = spec
-        moe = [b for i, b in enumerate(self.blocks) if _is_moe(i, spec)]
+        moe = [self.blocks[i] for i in moe_blocks(spec)]
         for j, block in enumerate(moe):
             block.mlp = MoE(spec)
             block.mlp.index, block.mlp.n_moe_layers = j, len(moe)
 
 
-def _is_moe(block: int, spec: ModelSpec) -> bool:
-    return (block + 1) % spec.moe_every == 0
+def moe_blocks(spec: ModelSpec) -> list[int]:
+    """The blocks of `MoEDecoder(spec)` whose MLP is an `MoE`: (i + 1) % moe_every == 0."""
+    return [i for i in range(spec.n_layers) if (i + 1) % spec.moe_every == 0]
 
 
 def moe_layer_count(spec: ModelSpec) -> int:
     """MoE layers of the whole `MoEDecoder` of `spec` (a pipeline stage holds some)."""
-    return sum(_is_moe(i, spec) for i in range(spec.n_layers))
+    return len(moe_blocks(spec))
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

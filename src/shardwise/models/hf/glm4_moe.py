@@ -34,6 +34,7 @@ import torch
 from shardwise.errors import ShardwiseError
 from shardwise.models.hf import llama, qwen2_moe
 from shardwise.models.hf.rule import Rule
+from shardwise.models.moe import moe_blocks
 from shardwise.models.presets import ModelSpec
 
 _L = r"blocks\.(\d+)\.mlp\.shared\."
@@ -50,7 +51,7 @@ _KEEP = "or keep the run in shardwise's own format (export --format dcp)"
 def first_dense(spec: ModelSpec) -> int | None:
     """GLM-4-MoE's `first_k_dense_replace` for our layout, None when no k gives it (our MoE
     blocks are not the last ones)."""
-    moe = qwen2_moe.moe_blocks(spec)
+    moe = moe_blocks(spec)
     k = spec.n_layers - len(moe)
     return k if moe == list(range(k, spec.n_layers)) else None
 
@@ -65,7 +66,7 @@ def refusal(spec: ModelSpec) -> str:
             f"--model.router=sigmoid or --model.n_shared_experts=0, {_KEEP}."
         )
     if first_dense(spec) is None:
-        moe = qwen2_moe.moe_blocks(spec)
+        moe = moe_blocks(spec)
         return (
             f"model.moe_every={spec.moe_every} with model.n_layers={spec.n_layers} makes blocks "
             f"{moe} MoE; transformers' GLM-4-MoE (the sigmoid router's class) has its dense "
@@ -84,7 +85,7 @@ def check(spec: ModelSpec, buffers: dict[str, torch.Tensor]) -> list[str]:
     """Refuse what the export would compute differently, and a checkpoint without the biases
     (`buffers`: the run's buffers by name); the notes to print about what it computes."""
     why = refusal(spec)
-    missing = [bias_name(i) for i in qwen2_moe.moe_blocks(spec) if bias_name(i) not in buffers]
+    missing = [bias_name(i) for i in moe_blocks(spec) if bias_name(i) not in buffers]
     if not why and missing:
         why = (
             f"the checkpoint holds no {missing[0]}: GLM-4-MoE's e_score_correction_bias would "
@@ -109,7 +110,7 @@ def extra(spec: ModelSpec, buffers: dict[str, torch.Tensor], dtype: str) -> dict
     shared experts the class's one, 0 wide."""
     check(spec, buffers)
     out = {}
-    for i in qwen2_moe.moe_blocks(spec):
+    for i in moe_blocks(spec):
         x = _X.format(i)
         out[x + "gate.e_score_correction_bias"] = buffers[bias_name(i)].float()
         if not spec.n_shared_experts:

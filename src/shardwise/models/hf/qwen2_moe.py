@@ -35,6 +35,7 @@ import torch
 from shardwise.errors import ShardwiseError
 from shardwise.models.hf import llama
 from shardwise.models.hf.rule import Rule
+from shardwise.models.moe import moe_blocks  # (i + 1) % moe_every: decoder_sparse_step
 from shardwise.models.presets import ModelSpec
 
 _L = r"blocks\.(\d+)\."
@@ -46,11 +47,6 @@ RULES = (
     Rule(_L + r"mlp\.w3", _X + "experts.gate_up_proj", part=1, parts=2, stacked=True),
     Rule(_L + r"mlp\.w2", _X + "experts.down_proj", stacked=True),
 )
-
-
-def moe_blocks(spec: ModelSpec) -> list[int]:
-    """The MoE blocks: (i + 1) % moe_every == 0, which is Qwen2-MoE's decoder_sparse_step."""
-    return [i for i in range(spec.n_layers) if (i + 1) % spec.moe_every == 0]
 
 
 def refusal(spec: ModelSpec) -> str:
