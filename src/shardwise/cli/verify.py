@@ -9,7 +9,7 @@ import time
 
 from shardwise.config import load_config
 from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.job.prepare import check_data, job_here, validate
+from shardwise.job.prepare import check_data, run_job_here, validate
 from shardwise.plan.layout import Job
 from shardwise.training.metrics import human_bytes
 from shardwise.training.validate import Derived
@@ -44,17 +44,7 @@ def timed_run(cfg, derived: Derived | None = None) -> dict:
     time, from `zero_grad` (the step's start) to the end of the optimizer step: on a shared
     machine wall-clock time inflates with the other jobs, CPU time much less. `derived`: the
     run description `verify` validated (None: this rank validates, `job_here`)."""
-    from shardwise.training.runtime import build_run
-
-    with job_here(cfg, derived) as described:
-        run = build_run(cfg, described)
-        try:
-            out = timed_fit(run)
-        except BaseException as exc:
-            run.close(exc)
-            raise
-        run.close()
-    return out
+    return run_job_here(cfg, derived, timed_fit)
 
 
 def timed_fit(run) -> dict:

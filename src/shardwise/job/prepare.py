@@ -18,11 +18,11 @@ locks where no launcher holds them: global rank 0, before it joins the process g
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 from shardwise.config import Config
 from shardwise.errors import ConfigError
@@ -103,6 +103,25 @@ def job_here(cfg: Config, derived: Derived | None = None) -> Iterator[Derived]:
         yield derived
     finally:
         release(locks)
+
+
+T = TypeVar("T")
+
+
+def run_job_here(cfg: Config, derived: Derived | None, body: Callable[..., T]) -> T:
+    """This rank's part of the job: inside `job_here`, the run built from its description,
+    `body(run)`, and the run closed, with the error that ended it if one did."""
+    from shardwise.training.runtime import build_run
+
+    with job_here(cfg, derived) as described:
+        run = build_run(cfg, described)
+        try:
+            out = body(run)
+        except BaseException as exc:
+            run.close(exc)
+            raise
+        run.close()
+    return out
 
 
 def prepare(

@@ -31,24 +31,17 @@ def _resolve(path: str):
 
 def _run_case(case: dict, run_dir: str) -> dict:
     from shardwise.config import load_config
-    from shardwise.job.prepare import job_here
+    from shardwise.job.prepare import run_job_here
     from shardwise.training.loop import fit
-    from shardwise.training.runtime import build_run
 
     cfg = load_config(None, [*BASE, f"--run.dir={run_dir}", *case.get("overrides", [])])
     derived = case.get("derived")  # the caller's job layer validated it for this world
     if case.get("peer"):
         peer = _resolve(case["peer"])
         return peer(cfg) if derived is None else peer(cfg, derived=derived)
-    with job_here(cfg, derived) as described:  # no launcher prepared this world's job
-        run = build_run(cfg, described)
-        try:
-            result = _train_case(case, run, fit)
-        except BaseException as exc:
-            run.close(exc)
-            raise
-        run.close()
-    return result
+    # no launcher prepared this world's job: this rank's part of it validates (or takes the
+    # caller's description) and locks here
+    return run_job_here(cfg, derived, lambda run: _train_case(case, run, fit))
 
 
 def _or_error(run, case: dict, run_dir: str) -> dict:

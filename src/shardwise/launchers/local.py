@@ -111,22 +111,17 @@ def train_here(cfg: Config, hook: str | None = None, derived: Derived | None = N
     here, also before joining (`job.prepare.job_here`)."""
     import torch.distributed as dist
 
-    from shardwise.job.prepare import job_here
+    from shardwise.job.prepare import run_job_here
     from shardwise.training.loop import fit
-    from shardwise.training.runtime import build_run
+
+    def body(run) -> None:
+        if hook:
+            module, _, name = hook.partition(":")
+            getattr(importlib.import_module(module), name)(run)
+        fit(run)
 
     try:
-        with job_here(cfg, derived) as described:
-            run = build_run(cfg, described)
-            try:
-                if hook:
-                    module, _, name = hook.partition(":")
-                    getattr(importlib.import_module(module), name)(run)
-                fit(run)
-            except BaseException as exc:
-                run.close(exc)
-                raise
-            run.close()
+        run_job_here(cfg, derived, body)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
