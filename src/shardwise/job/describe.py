@@ -20,13 +20,11 @@ def job_from_config(
     cfg: Config, hardware: Hardware, devices: int, spec=None, finetune: FineTune | None = None
 ) -> Job:
     """The planner's job of `cfg` on `devices` of `hardware` (its model spec unless given)."""
+    from shardwise.training.checks import check_loss_chunk_count
     from shardwise.training.validate import model_spec
 
     spec = spec or model_spec(cfg)
-    if cfg.train.loss_chunks < 0:  # (derive refuses it for train; the planner prices it here)
-        raise ConfigError(
-            f"train.loss_chunks={cfg.train.loss_chunks} must be >= 0. Fix: e.g. 8, or 0 for off."
-        )
+    check_loss_chunk_count(cfg.train.loss_chunks)  # (derive's check: plan prices it here)
     return Job(
         spec=spec,
         hardware=hardware,

@@ -82,11 +82,17 @@ def check_compile(cfg: Config, family: Family) -> None:
         raise ConfigError(f"train.compile={cfg.train.compile}: {why}.{fix}")
 
 
+def check_loss_chunk_count(n: int) -> None:
+    """train.loss_chunks is a count: 0 (or 1) off, more the chunks (plan and explain check it
+    too, before any layout)."""
+    if n < 0:
+        raise ConfigError(f"train.loss_chunks={n} must be >= 0. Fix: e.g. 8, or 0 for off.")
+
+
 def check_loss_chunks(cfg: Config, family: Family, tp: int, pp: int) -> None:
     """train.loss_chunks > 1: the built-in decoders' head computes the loss in chunks."""
     n = cfg.train.loss_chunks
-    if n < 0:
-        raise ConfigError(f"train.loss_chunks={n} must be >= 0. Fix: e.g. 8, or 0 for off.")
+    check_loss_chunk_count(n)
     if n <= 1:
         return
     why = ""
