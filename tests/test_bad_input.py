@@ -562,7 +562,7 @@ def test_a_disk_that_fills_later_stops_with_one_message_and_keeps_the_last_check
 def test_a_stale_launcher_environment_is_named_within_seconds(tmp_path: Path) -> None:
     """RANK/WORLD_SIZE left in the shell, no torchrun: one line within the join bound
     (min(60 s, parallel.timeout_s)), not a wait of parallel.timeout_s per collective."""
-    from shardwise.distributed.comm import free_port
+    from shardwise.distributed.store import free_port
 
     base = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "SLURM"))}
     stale = {**base, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}

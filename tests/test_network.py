@@ -71,7 +71,7 @@ def test_a_store_port_held_for_a_moment_is_tried_again():
     import socket
     import threading
 
-    from shardwise.distributed.comm import _bound
+    from shardwise.distributed.store import _bound
 
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))

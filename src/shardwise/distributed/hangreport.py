@@ -28,12 +28,14 @@ import unicodedata
 from dataclasses import dataclass
 
 DIMS = ("pp", "dp", "tp")
-# What a disagreement at a call site usually means (file of the site -> hint).
-HINTS = {
-    "zero.py": "ZeRO-3 gathers every unit collectively, so the forward must call the same "
+_ZERO3 = (
+    "ZeRO-3 gathers every unit collectively, so the forward must call the same "
     "modules on every rank. Fix: make the control flow independent of the rank's data, or "
-    "use --parallel.zero=2.",
-}
+    "use --parallel.zero=2."
+)
+# What a disagreement at a call site usually means (file of the site -> hint); the ZeRO
+# engine's gathers sit in zero_gather.py, its reduce-scatters in zero.py.
+HINTS = {"zero.py": _ZERO3, "zero_gather.py": _ZERO3}
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,8 @@ def compose(
         lines.append("first disagreement: " + _explain(found[0], infos) + ".")
         lines += [f"also: {_explain(d, infos)}." for d in found[1:]]
         sites = {e[5].split(":")[0] for e in found[0].present.values()}
-        lines += [f"hint: {HINTS[f]}" for f in sorted(sites) if f in HINTS]
+        hints = dict.fromkeys(HINTS[f] for f in sorted(sites) if f in HINTS)  # each once
+        lines += [f"hint: {h}" for h in hints]
     else:
         lines.append(
             "no disagreement in the collective sequences: every rank issued the same "

@@ -10,7 +10,7 @@ import os
 import torch.distributed as dist
 
 from shardwise.distributed import device as dev
-from shardwise.distributed.comm import BIND_ENV, rank_store
+from shardwise.distributed.store import BIND_ENV, rank_store
 from shardwise.errors import ConfigError
 
 JOIN_S = 60.0  # how long ranks started by hand wait for each other

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from shardwise.distributed.comm import free_port
+from shardwise.distributed.store import free_port
 
 BASE = ["--log.tensorboard=false", "--log.progress=off", "--log.every=1000000"]
 

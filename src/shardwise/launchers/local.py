@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from shardwise.checkpoint.manager import SIGNAL_GRACE_S
 from shardwise.config import Config, config_from_dict
-from shardwise.distributed.comm import BIND_ENV, free_port
+from shardwise.distributed.store import BIND_ENV, free_port
 from shardwise.distributed.watchdog import EXIT_HANG, LOCAL_LAUNCH_ENV, REPORT
 from shardwise.errors import ReportedError, ShardwiseError
 from shardwise.launchers import rendezvous

@@ -155,7 +155,7 @@ def launch_nodes(
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     from shardwise.distributed import device
-    from shardwise.distributed.comm import BIND_ENV
+    from shardwise.distributed.store import BIND_ENV
     from shardwise.launchers.local import run_elastic
 
     # With the rendezvous store shared with the ranks (torch's default), a node that joins

@@ -19,7 +19,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from shardwise.distributed.comm import listening_store
+from shardwise.distributed.store import listening_store
 
 NAME = "shardwise-c10d"
 # the handlers `_create` made in this process and still alive (`stop_heartbeats`)

@@ -114,6 +114,8 @@ class Sharding:
 
 
 class Unit:
+    """Some parameters as one flat, padded buffer split evenly over `n` ranks."""
+
     def __init__(
         self,
         name: str,
@@ -123,12 +125,29 @@ class Unit:
         rank: int,
         how: Sharding,
     ) -> None:
-        stage, compute, reduce, device = how.stage, how.compute, how.reduce, how.device
-        host_shard, align = how.offload_params, how.align
-        self.name, self.stage = name, stage
-        self.on_disk = not isinstance(host_shard, bool)
-        self.host_shard = bool(host_shard) and not self.on_disk
+        self.name, self.stage = name, how.stage
+        self.on_disk = not isinstance(how.offload_params, bool)
+        self.host_shard = bool(how.offload_params) and not self.on_disk
         self.modules = modules  # root modules whose forward/backward need this unit
+        self._lay_out(entries, n, rank, how.align)
+        self.full = torch.zeros(self.padded, dtype=how.compute, device=how.device)
+        self.full_bytes = self.full.numel() * self.full.element_size()
+        self.shard = self._make_shard(how)
+        self._alias_parameters(entries, how)
+        self.n_trainable = sum(p.requires_grad for p in self.params)
+        self.reported: set[int] = set()
+        self.done = False
+        self.forward_calls = 0  # forward gathers this micro-batch (ZeRO-3 consistency check)
+        self.gathered = True
+        self.handle = None
+        self.root = 0  # the root's place in forward order (set by the engine)
+        self.aligned = how.align > 1
+        self._make_grad_buffers(how.reduce, how.device)
+        self.reduce_dtype = how.reduce
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _lay_out(self, entries: list[Entry], n: int, rank: int, align: int) -> None:
+        """Each parameter's offset in the flat buffer, the padded size and this rank's slice."""
         self.offsets, numel = [], 0
         for *_, p in entries:
             self.offsets.append(numel)
@@ -136,24 +155,29 @@ class Unit:
         self.shard_size = _round_up(-(-numel // n), align)
         self.padded = self.shard_size * n
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
-        self.full = torch.zeros(self.padded, dtype=compute, device=device)
-        self.full_bytes = self.full.numel() * self.full.element_size()
+
+    def _make_shard(self, how: Sharding) -> torch.Tensor:
+        """The rank's persistent slice: a view of the full buffer (ZeRO-1/2), or its own."""
+        stage, compute, device, host_shard = how.stage, how.compute, how.device, how.offload_params
         if stage == 3 and self.on_disk:  # params+nvme: a file of its own, mapped
-            self.shard = host_shard.empty(self.shard_size, compute)
-            self.shard.zero_()
-        elif stage == 3:  # the persistent slice; in host memory with optimizer+params offload
+            shard = host_shard.empty(self.shard_size, compute)
+            shard.zero_()
+            return shard
+        if stage == 3:  # the persistent slice; in host memory with optimizer+params offload
             where = torch.device("cpu") if host_shard else device
-            self.shard = torch.zeros(
+            return torch.zeros(
                 self.shard_size,
                 dtype=compute,
                 device=where,
                 pin_memory=host_shard and device.type == "cuda",
             )
-        else:
-            self.shard = self.full[self.lo : self.hi]
+        return self.full[self.lo : self.hi]
+
+    def _alias_parameters(self, entries: list[Entry], how: Sharding) -> None:
+        """New parameters aliasing the buffer; `replaced` maps old ids so the engine can re-point
+        every use in the model (tied uses included)."""
         storage = self.full.untyped_storage()
-        # New parameters aliasing the buffer; `replaced` maps old ids so the engine can re-point
-        # every use in the model (tied uses included).
+        compute, device = how.compute, how.device
         self.replaced: dict[int, nn.Parameter] = {
             id(p): keep_tp_marks(
                 p,
@@ -165,18 +189,13 @@ class Unit:
         }
         self.entries = [(n_, m, leaf, self.replaced[id(p)]) for n_, m, leaf, p in entries]
         self.params = [e[3] for e in self.entries]
-        self.n_trainable = sum(p.requires_grad for p in self.params)
-        self.reported: set[int] = set()
-        self.done = False
-        self.forward_calls = 0  # forward gathers this micro-batch (ZeRO-3 consistency check)
-        self.gathered = True
-        self.handle = None
-        self.root = 0  # the root's place in forward order (set by the engine)
-        self.aligned = align > 1
+
+    def _make_grad_buffers(self, reduce: torch.dtype, device: torch.device) -> None:
+        """The gradient buffers the stage keeps (`main_grad` views into them for ZeRO-1)."""
         if self.n_trainable == 0:  # frozen: no gradient buffers at all
             self.grad_full = None
             self.grad_shard = torch.zeros(0, dtype=reduce, device=device)
-        elif stage == 1:  # full gradients, reduce-scattered in place once per step
+        elif self.stage == 1:  # full gradients, reduce-scattered in place once per step
             self.grad_full = torch.zeros(self.padded, dtype=reduce, device=device)
             for p, off in zip(self.params, self.offsets, strict=True):
                 p.main_grad = self.grad_full[off : off + p.numel()].view_as(p)
@@ -184,7 +203,6 @@ class Unit:
         else:
             self.grad_full = None
             self.grad_shard = torch.zeros(self.shard_size, dtype=reduce, device=device)
-        self.reduce_dtype = reduce
 
     # -- values ---------------------------------------------------------------------------------
     def kept(self, offset: int, numel: int) -> tuple[int, int]:

@@ -150,7 +150,7 @@ def _gloo_timings(nbytes: int, reps: int, calls: int) -> dict[str, float]:
 
     import torch.distributed as dist
 
-    from shardwise.distributed.comm import free_port
+    from shardwise.distributed.store import free_port
 
     port = free_port()
     peer = multiprocessing.get_context("spawn").Process(
