@@ -8,10 +8,10 @@ their ep slices); a run of the export as transformers' class (`model.name=hf`) c
 the losses of our model from the same weights; a LoRA run (pairs on the experts) exports with
 its adapters merged; a capacity run exports the dropless layer, with a note; the sigmoid router
 with a shared expert and a moved balancing bias exports as GLM-4-MoE (the bias as its
-`e_score_correction_bias`; without it the logits differ), which shardwise's intake refuses to
-read back; what no class computes (a moved bias with softmax, shared experts with softmax, a
-sigmoid run with dense blocks after MoE ones) is refused with the setting and the fix, nothing
-written."""
+`e_score_correction_bias`; without it the logits differ), which shardwise's intake reads back
+with its bias (tests/test_hf_buffers.py); what no class computes (a moved bias with softmax,
+shared experts with softmax, a sigmoid run with dense blocks after MoE ones) is refused with the
+setting and the fix, nothing written."""
 
 from __future__ import annotations
 
@@ -227,22 +227,6 @@ def test_the_sigmoid_router_exports_as_glm4_moe_with_its_bias(runs, name, capsys
     assert diff <= 1e-5, diff
     assert want.abs().max() > 0.1
     assert unbiased > 1e-4, unbiased
-
-
-def test_our_intake_refuses_the_glm4_moe_export(runs, capsys):
-    """shardwise's intake of a Hugging Face checkpoint reads parameters only: GLM-4-MoE's routing
-    bias is a persistent buffer, so `model.name=hf` of the export is refused, naming it, rather
-    than trained without it."""
-    out = runs["root"] / "glm-hf"
-    if not out.exists():
-        _load(runs, "glm", capsys, "Glm4MoeForCausalLM")
-    data = [o for o in SMALL if not o.startswith("--model.")]
-    args = ["train", *data, "--model.name=hf", f"--model.init_from={out}", "--train.steps=1"]
-    assert main([*args, f"--run.dir={runs['root'] / 'glm-intake'}"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: model.init_from='{out}': Glm4MoeForCausalLM keeps state"), err
-    assert "model.layers.0.mlp.gate.e_score_correction_bias and 1 more" in err, err
-    assert "Fix: use this checkpoint in transformers itself" in err and "Traceback" not in err
 
 
 def test_what_no_class_computes_is_refused(runs, capsys):

@@ -228,6 +228,15 @@ def restore_buffers(model: nn.Module) -> None:
         module._buffers[leaf] = value.to(device).clone()
 
 
+def take_buffers(model: nn.Module, source) -> None:
+    """Persistent buffers a weight `source` holds (a transformers class's routing biases,
+    models/hf/buffers.py) replace the constructor's values in ``model.shardwise_buffers``, so
+    `restore_buffers` puts the checkpoint's back on every rank, in any layout."""
+    values = source.buffers(model) if source is not None else {}
+    if values:
+        model.shardwise_buffers = {**getattr(model, "shardwise_buffers", {}), **values}
+
+
 def find_spec(model: nn.Module) -> ModelSpec | None:
     """The `ModelSpec` of the (possibly wrapped) model, or None for a foreign module."""
     for module in model.modules():

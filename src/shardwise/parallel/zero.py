@@ -28,7 +28,13 @@ from torch import nn
 
 from shardwise.distributed.comm import Comm
 from shardwise.errors import ShardwiseError
-from shardwise.models.init import canonical_name, find_spec, initial_local, restore_buffers
+from shardwise.models.init import (
+    canonical_name,
+    find_spec,
+    initial_local,
+    restore_buffers,
+    take_buffers,
+)
 from shardwise.optim import Target
 from shardwise.parallel.zero_gather import ZeroGather
 from shardwise.parallel.zero_units import Sharding, Unit, unit_roots
@@ -98,6 +104,7 @@ class ZeroEngine(ZeroGather):
                 start, stop = unit.kept(off, p.numel())
                 if start < stop:
                     unit.load(off, source.span_of(cname, p, start, stop), start)
+        take_buffers(model, source)  # persistent ones a checkpoint holds: whole on every rank
         if source is not None:
             source.close()
         for module in model.modules():  # buffers (BatchNorm statistics) are replicated

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
 
 from shardwise.models.families.base import Family
@@ -15,6 +16,22 @@ def build_checkpoint_model(spec: ModelSpec) -> nn.Module:
     from shardwise.models.hf.auto import build_auto  # imports transformers on first use
 
     return build_auto(spec)
+
+
+def _export_buffers(spec: ModelSpec, buffers: dict, dtype: str) -> dict:
+    """The class's persistent buffers (a routing bias) from the run's, for the export, each in
+    the dtype the run kept it in (`dtype`, the weights', does not apply to them)."""
+    from shardwise.models.hf.buffers import export_buffers
+
+    with torch.device("meta"):
+        model = build_checkpoint_model(spec)
+    return export_buffers(spec, model, buffers)
+
+
+def _check_buffers(spec: ModelSpec, buffers: dict) -> list[str]:
+    """Before the export writes: the run's checkpoint holds every persistent buffer."""
+    _export_buffers(spec, buffers, "float32")
+    return []
 
 
 # transformers' Llama, Mistral and Qwen2 decoder layers: attention's q/k/v/o and the MLP's
@@ -57,4 +74,8 @@ HF_CAUSAL_LM = Family(
     # and one process (tests/test_fp8_hf.py); tp's per-slice scales are not checked here
     fp8_linear=hf_block_linear,
     fp8_model_types=("llama", "mistral", "qwen2"),
+    # `export --format hf` writes its persistent buffers (GLM-4-MoE's routing biases) back
+    # from the run's checkpoint, as the intake read them (models/hf/buffers.py)
+    hf_extra=_export_buffers,
+    hf_check=_check_buffers,
 )

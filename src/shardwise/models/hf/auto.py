@@ -5,9 +5,10 @@
 `AutoModelForSequenceClassification` with one output per label of the data (its new head
 starts from (train.seed, name) like every parameter the checkpoint lacks). The model is built on
 meta (models/custom.py `on_meta`), then each rank reads from the safetensors only the slices it
-keeps; ZeRO cuts it into units at its repeated block class (`_no_split_modules`). Dropout is
-switched off: transformers draws its masks from torch's global generator, so they would
-depend on the layout.
+keeps, and its persistent buffers (a routing bias) whole (models/hf/buffers.py); ZeRO cuts it
+into units at its repeated block class (`_no_split_modules`). Dropout is switched off:
+transformers draws its masks from torch's global generator, so they would depend on the
+layout.
 """
 
 from __future__ import annotations
@@ -92,7 +93,6 @@ def build_auto(spec) -> nn.Module:
     config = training_config(spec)
     cls = getattr(tf, TASKS[spec.task])
     model = on_meta(lambda: cls.from_config(config))
-    _refuse_state_buffers(model, spec)
     use_shardwise_experts(model)  # MoE classes: stacked experts through our expert matmul
     if spec.task == "classification":
         _take_packed_inputs(model)
@@ -100,27 +100,6 @@ def build_auto(spec) -> nn.Module:
         take_packed_tokens(model)
     model.shardwise_spec = spec  # (on_meta kept the buffers its constructor computed: RoPE tables)
     return model
-
-
-def _refuse_state_buffers(model: nn.Module, spec) -> None:
-    """A class with persistent buffers (state saved with the weights that is no parameter, such
-    as GLM-4-MoE's and DeepSeek-V3's routing bias `e_score_correction_bias`) is refused: the
-    intake reads parameters only, so their values would be silently lost."""
-    held = [
-        f"{path}.{leaf}" if path else leaf
-        for path, module in model.named_modules()
-        for leaf, buf in module._buffers.items()
-        if buf is not None and leaf not in module._non_persistent_buffers_set
-    ]
-    if held:
-        more = f" and {len(held) - 1} more" if len(held) > 1 else ""
-        raise ConfigError(
-            f"model.init_from='{spec.source}': {type(model).__name__} keeps state that is not a "
-            f"parameter ({held[0]}{more}: persistent buffers), and shardwise's intake of a "
-            "Hugging Face checkpoint reads parameters only, so their values would be lost. "
-            "Fix: use this checkpoint in transformers itself; a shardwise MoE run exported as "
-            "GLM-4-MoE continues from the run's own checkpoint (checkpoint.resume)."
-        )
 
 
 def _take_packed_inputs(model: nn.Module) -> None:
@@ -183,6 +162,16 @@ class AutoWeights(HFWeights):
         if any(s != shapes[0] for s in shapes) or any(len(set(s)) > 1 for s in shapes):
             return (-1,)  # experts of unequal shapes or counts: no stacked parameter fits
         return (len(parts[0]), *one)
+
+    def whole(self, name: str) -> torch.Tensor:
+        """The checkpoint's tensor `name` whole, in its stored dtype (a persistent buffer)."""
+        return self._slice(self.names[self._name(name)])[:]
+
+    def buffers(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The persistent buffers `model` holds (GLM-4-MoE's routing biases), read whole."""
+        from shardwise.models.hf.buffers import read_buffers
+
+        return read_buffers(model, self)
 
     def rows(self, name: str, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:
         found = self._name(name)
@@ -284,7 +273,10 @@ def weights_for(spec, init_from: str, model: nn.Module) -> HFWeights | None:
 
 def check_checkpoint(spec) -> list[str]:
     """Before launch: the parameters the checkpoint does not hold (they start from (seed,
-    name)); refused when it holds none of them or a tensor of the wrong shape."""
+    name)); refused when it holds none of them, a tensor of the wrong shape, or misses a
+    persistent buffer (models/hf/buffers.py)."""
+    from shardwise.models.hf.buffers import check_buffers
+
     with torch.device("meta"):
         model = build_auto(spec)
     source = weight_source(spec, model)
@@ -300,13 +292,14 @@ def check_checkpoint(spec) -> list[str]:
                 f"model.init_from='{spec.source}': '{key}' has shape {list(shape)} but the "
                 f"model's '{name}' is {list(p.shape)}. Fix: the checkpoint of this config."
             )
-    source.close()
     total = sum(1 for _ in model.parameters())
     if len(missing) == total:
         raise ConfigError(
             f"model.init_from='{spec.source}': none of the model's {total} parameters is in "
             "its safetensors (names do not match). Fix: the checkpoint saved with this config."
         )
+    check_buffers(spec, model, source)  # (after: a checkpoint of another model is named so)
+    source.close()
     return missing
 
 

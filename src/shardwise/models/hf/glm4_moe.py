@@ -23,8 +23,8 @@ Why this class (transformers 5.24's glm4_moe, read against ours):
   pairing (`rotate_half`) as ours; its rotary covers `partial_rotary_factor` of each head
   (its default 0.5), written 1.0: all of it, as ours.
 - the class is dropless: a run with `capacity_factor` > 0 exports with a note, as Qwen2-MoE.
-shardwise's intake (`model.name=hf`) does not read this class back: its correction bias is a
-persistent buffer, and the intake reads parameters only (models/hf/auto.py refuses it).
+shardwise's intake (`model.name=hf`) reads the export back as this class, its correction bias
+(a persistent buffer) from the safetensors too (models/hf/buffers.py).
 """
 
 from __future__ import annotations

@@ -219,6 +219,11 @@ class HFWeights:
         parameters added to it (LoRA adapters) are not: they start from (seed, name)."""
         return not _ADDED.search(name)
 
+    def buffers(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Persistent buffer values the checkpoint gives `model` by name: none for our decoders
+        (their buffers are computed; a GPT-2 checkpoint's causal mask is not read)."""
+        return {}
+
     def close(self) -> None:
         self._open.clear()
 
@@ -331,7 +336,13 @@ def check_weights(spec, path: str | Path) -> None:
 def load_weights(model: torch.nn.Module, source: HFWeights, seed: int = 0) -> None:
     """Copy every parameter of a materialised model (whole, or tensor-parallel shards) from
     `source`."""
-    from shardwise.models.init import canonical_name, find_spec, initial_local, restore_buffers
+    from shardwise.models.init import (
+        canonical_name,
+        find_spec,
+        initial_local,
+        restore_buffers,
+        take_buffers,
+    )
 
     spec = find_spec(model)
     modules = dict(model.named_modules())
@@ -342,5 +353,6 @@ def load_weights(model: torch.nn.Module, source: HFWeights, seed: int = 0) -> No
         else:  # not in the checkpoint (a new head): from (seed, name), as without one
             owner, _, leaf = name.rpartition(".")
             p.copy_(initial_local(modules[owner], leaf, cname, p, seed, spec))
+    take_buffers(model, source)  # persistent ones the checkpoint holds (a routing bias)
     source.close()
     restore_buffers(model)  # computed buffers (position ids, RoPE tables) lost on meta
