@@ -101,40 +101,43 @@ def profile(
 def summarise(pcfg: Config, world: int) -> dict:
     """Every rank's capture in `pcfg.run.dir` into summary.json, timeline.json, the report
     and the findings; prints the ledger table and the top findings."""
+    from shardwise.profile.analyze import load_parts
+    from shardwise.profile.report import write_report
+
+    folder = Path(pcfg.run.dir)
+    parts, problems = load_parts(folder, world)
+    summary = _summary(pcfg, world, parts, problems)
+    (folder / "timeline.json").write_text(json.dumps(summary["timeline"]))
+    write_report(folder, summary, problems)
+    del summary["timeline"]
+    (folder / "summary.json").write_text(json.dumps(summary, indent=1))
+    _print_summary(folder, summary)
+    return summary
+
+
+def _summary(pcfg: Config, world: int, parts: list[dict], problems: list[str]) -> dict:
+    """The profile's summary from every rank's capture, with the merged timeline under
+    `timeline` (written to its own file, not to summary.json)."""
     from shardwise.job.remedy import findings
     from shardwise.plan.hardware import detect_hardware
     from shardwise.profile.analyze import (
         device_view,
-        load_parts,
         mean_ledger,
         split_stragglers,
         summary_ranks,
         timeline,
     )
-    from shardwise.profile.ledger import DIMS
-    from shardwise.profile.report import (
-        STATISTIC,
-        device_table,
-        findings_text,
-        host_syncs_text,
-        ledger_table,
-        write_report,
-    )
+    from shardwise.profile.report import STATISTIC
 
     folder = Path(pcfg.run.dir)
-    parts, problems = load_parts(folder, world)
     split_stragglers(parts)
     ranks = summary_ranks(parts)
-    steps = [s for p in parts for s in p["steps"]]
-    comm = {  # (metrics carry cp and ep only where their degree is > 1)
-        key: {d: sum(s[key].get(d, 0) for s in steps) / len(steps) for d in DIMS}
-        for key in ("comm_calls", "comm_bytes")
-    }
+    comm = _mean_comm(parts)
     trace = timeline(parts)
     priced = device_view(mean_ledger(ranks), ranks)
     measured = {s["step"] for s in parts[0]["steps"]}
     moe = _moe(folder / "metrics.jsonl", measured)
-    summary = {
+    return {
         "world": world,
         "warmup": pcfg.profile.warmup,
         "measured_steps": pcfg.profile.steps,
@@ -150,10 +153,24 @@ def summarise(pcfg: Config, world: int) -> dict:
         "problems": problems,
         "timeline": trace,
     }
-    (folder / "timeline.json").write_text(json.dumps(trace))
-    write_report(folder, summary, problems)
-    del summary["timeline"]
-    (folder / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+def _mean_comm(parts: list[dict]) -> dict[str, dict[str, float]]:
+    """`comm_calls` and `comm_bytes` per mesh dimension, the mean over every rank's steps."""
+    from shardwise.profile.ledger import DIMS
+
+    steps = [s for p in parts for s in p["steps"]]
+    return {  # (metrics carry cp and ep only where their degree is > 1)
+        key: {d: sum(s[key].get(d, 0) for s in steps) / len(steps) for d in DIMS}
+        for key in ("comm_calls", "comm_bytes")
+    }
+
+
+def _print_summary(folder: Path, summary: dict) -> None:
+    """The ledger table, the device's and the host syncs' where there are any, the top
+    three findings and where the files are."""
+    from shardwise.profile.report import device_table, findings_text, host_syncs_text, ledger_table
+
     print(ledger_table(summary))
     device = device_table(summary)
     if device:
@@ -163,7 +180,6 @@ def summarise(pcfg: Config, world: int) -> dict:
         print(syncs)
     print(findings_text(summary["findings"], top=3))
     print(f"profile: {folder}/summary.json, report.md, timeline.json, trace_rank*.json")
-    return summary
 
 
 def _mfu(metrics: Path, steps: set[int]) -> float | None:

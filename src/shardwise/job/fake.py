@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import (
 from shardwise.config import Config
 from shardwise.data.callables import resolve
 from shardwise.distributed import device as dev
+from shardwise.distributed.frames import in_torch
 from shardwise.errors import ConfigError
 from shardwise.finetune import build_adapted
 from shardwise.finetune.quant import quant_layers
@@ -245,13 +246,9 @@ class UnmeasuredForward(ConfigError):
 
 def _reader(exc: BaseException) -> str:
     """The innermost frame of the traceback outside torch: the line that read the value."""
-    import os
     import traceback
 
-    torch_dir = os.path.dirname(torch.__file__) + os.sep
-    frames = [
-        f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(torch_dir)
-    ]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not in_torch(f.filename)]
     if not frames:
         return "an unknown line"
     f = frames[-1]

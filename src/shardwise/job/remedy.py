@@ -52,41 +52,12 @@ def findings(
     per-rank ledgers, the mean measured `comm_calls`/`comm_bytes` per step and, for an MoE
     model, the measured steps' mean expert statistics (`load_max_mean`, `dropped` per layer)."""
     step = mean["step_s"]
-    out = []
     late = _straggler(ranks, step)
-    if late is not None:
-        out.append(late)
     busy = _cpu_contention(cfg, ranks, step)
-    if busy is not None:
-        out.append(busy)
+    out = [f for f in (late, busy) if f is not None]
     if mean["data_s"] >= SHARE * step:
         out.append(_data_wait(cfg, mean, step))
-    # with no straggler, ranks waiting for each other by turns at the data-parallel
-    # collectives is their cost too (jitter at every synchronisation point)
-    dp_wait = mean["comm_exposed_s"]["dp"]
-    if late is None:
-        dp_wait += mean.get("straggler_by_dim", {}).get("dp", 0.0)
-    if dp_wait >= SHARE * step:
-        out.append(_exposed_dp(cfg, world, dp_wait, comm, hw, step))
-    for dim in ("tp", "pp"):
-        if mean["comm_exposed_s"][dim] >= SHARE * step:
-            exposed = mean["comm_exposed_s"][dim]
-            out.append(
-                _finding(
-                    f"exposed_{dim}_communication",
-                    f"ranks wait {_pct(exposed, step)} for {dim} collectives; "
-                    f"{dim} traffic {comm['comm_bytes'][dim] / 1e6:.1f} MB in "
-                    f"{comm['comm_calls'][dim]:.0f} calls per step",
-                    [],
-                    step,
-                    step,
-                )
-            )
-    exposed = mean["comm_exposed_s"]
-    if exposed.get("ep", 0.0) >= SHARE * step:
-        out.append(sharded.exposed_ep(cfg, world, exposed["ep"], comm, hw, step))
-    if exposed.get("cp", 0.0) >= SHARE * step:
-        out.append(sharded.exposed_cp(cfg, world, exposed["cp"], comm, hw, step))
+    out += _exposed_communication(cfg, world, mean, comm, hw, step, straggler=late is not None)
     imbalance = sharded.load_imbalance(cfg, moe, step) if moe else None
     if imbalance is not None:
         out.append(imbalance)
@@ -108,6 +79,43 @@ def findings(
 
 # waits on other ranks or their transport threads, which CPU contention lengthens
 _WAITS = {"straggler", *(f"exposed_{d}_communication" for d in ("dp", "tp", "pp", "cp", "ep"))}
+
+
+def _exposed_communication(
+    cfg: Config, world: int, mean: dict, comm: dict, hw: Hardware, step: float, straggler: bool
+) -> list[dict]:
+    """One finding per mesh dimension (dp, tp, pp, ep, cp in that order) whose collectives
+    the ranks wait for >= SHARE of the step."""
+    exposed = mean["comm_exposed_s"]
+    out = []
+    # with no straggler, ranks waiting for each other by turns at the data-parallel
+    # collectives is their cost too (jitter at every synchronisation point)
+    dp_wait = exposed["dp"]
+    if not straggler:
+        dp_wait += mean.get("straggler_by_dim", {}).get("dp", 0.0)
+    if dp_wait >= SHARE * step:
+        out.append(_exposed_dp(cfg, world, dp_wait, comm, hw, step))
+    for dim in ("tp", "pp"):
+        if exposed[dim] >= SHARE * step:
+            out.append(_exposed_unremedied(dim, exposed[dim], comm, step))
+    if exposed.get("ep", 0.0) >= SHARE * step:
+        out.append(sharded.exposed_ep(cfg, world, exposed["ep"], comm, hw, step))
+    if exposed.get("cp", 0.0) >= SHARE * step:
+        out.append(sharded.exposed_cp(cfg, world, exposed["cp"], comm, hw, step))
+    return out
+
+
+def _exposed_unremedied(dim: str, exposed: float, comm: dict, step: float) -> dict:
+    """A tp or pp collective wait, with its traffic as evidence and no config remedy."""
+    return _finding(
+        f"exposed_{dim}_communication",
+        f"ranks wait {_pct(exposed, step)} for {dim} collectives; "
+        f"{dim} traffic {comm['comm_bytes'][dim] / 1e6:.1f} MB in "
+        f"{comm['comm_calls'][dim]:.0f} calls per step",
+        [],
+        step,
+        step,
+    )
 
 
 def _data_wait(cfg: Config, mean: dict, step: float) -> dict:

@@ -239,7 +239,24 @@ def _auto(cfg: Config, recorded: tuple[str, ...] | None = None) -> ModelSpec:
     data's."""
     from shardwise.models.hf.auto import check_checkpoint, read_hf_config
 
-    m = cfg.model
+    _refuse_shape_keys(cfg.model)
+    _refuse_moe_keys(cfg)
+    config = read_hf_config(cfg.model.init_from)
+    text = getattr(config, "text_config", None) or config
+    labels = _hf_labels(cfg, text, recorded)
+    limit = getattr(text, "max_position_embeddings", None)
+    if limit and cfg.data.seq_len > limit:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} exceeds the checkpoint's max_position_embeddings="
+            f"{limit}. Fix: --data.seq_len={limit} or less."
+        )
+    spec = _hf_spec(cfg, config, text, labels, limit)
+    check_checkpoint(spec)
+    return spec
+
+
+def _refuse_shape_keys(m: ModelConfig) -> None:
+    """Refuse model.* shape and dropout keys with model.name=hf: the checkpoint sets them."""
     shaped = ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size")
     shaped += ("max_seq_len",)
     given = [k for k in shaped if getattr(m, k)]
@@ -249,6 +266,11 @@ def _auto(cfg: Config, recorded: tuple[str, ...] | None = None) -> ModelSpec:
             f"model.{key} does not apply to model.name=hf: the checkpoint's config.json sets "
             "the shape (and dropout is off: its masks would depend on the layout). Fix: remove it."
         )
+
+
+def _refuse_moe_keys(cfg: Config) -> None:
+    """Refuse the MoE keys of shardwise's own decoder with model.name=hf."""
+    m = cfg.model
     moe = [f"model.{k}" for k, off in _MOE_OFF.items() if getattr(m, k) != off]
     moe += [f"train.{k}" for k in ("moe_aux_loss", "moe_bias_balance") if getattr(cfg.train, k)]
     if moe:
@@ -259,28 +281,31 @@ def _auto(cfg: Config, recorded: tuple[str, ...] | None = None) -> ModelSpec:
             "two means over the whole batch, so it would change with the micro-batch split). "
             "Fix: remove it (docs/moe.md, Hugging Face MoE checkpoints)."
         )
-    config = read_hf_config(m.init_from)
-    text = getattr(config, "text_config", None) or config
-    labels: tuple[str, ...] = ()
-    if m.task == "classification" and recorded:  # the names a run recorded (export)
-        labels = tuple(recorded)
-    elif m.task == "classification":
-        from shardwise.data import data_spec
-        from shardwise.data.classify import label_names
 
-        labels = label_names(data_spec(cfg, int(getattr(text, "vocab_size", 0) or 0), True))
-        if len(labels) < 2:
-            raise ConfigError(
-                f"data.label_field='{cfg.data.label_field}' has {len(labels)} distinct label(s) "
-                f"in the training rows of '{cfg.data.dataset}'. Fix: data with 2 or more labels."
-            )
-    limit = getattr(text, "max_position_embeddings", None)
-    if limit and cfg.data.seq_len > limit:
+
+def _hf_labels(cfg: Config, text, recorded: tuple[str, ...] | None) -> tuple[str, ...]:
+    """A classifier's label names: those a run recorded (export), else the data's (2 or
+    more); none for a causal LM."""
+    if cfg.model.task != "classification":
+        return ()
+    if recorded:  # the names a run recorded (export)
+        return tuple(recorded)
+    from shardwise.data import data_spec
+    from shardwise.data.classify import label_names
+
+    labels = label_names(data_spec(cfg, int(getattr(text, "vocab_size", 0) or 0), True))
+    if len(labels) < 2:
         raise ConfigError(
-            f"data.seq_len={cfg.data.seq_len} exceeds the checkpoint's max_position_embeddings="
-            f"{limit}. Fix: --data.seq_len={limit} or less."
+            f"data.label_field='{cfg.data.label_field}' has {len(labels)} distinct label(s) "
+            f"in the training rows of '{cfg.data.dataset}'. Fix: data with 2 or more labels."
         )
-    spec = ModelSpec(
+    return labels
+
+
+def _hf_spec(cfg: Config, config, text, labels: tuple[str, ...], limit: int | None) -> ModelSpec:
+    """The spec of a checkpoint's config.json (`text`: its language model's part)."""
+    m = cfg.model
+    return ModelSpec(
         "hf",
         n_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
         dim=int(getattr(text, "hidden_size", 0) or 0),
@@ -297,8 +322,6 @@ def _auto(cfg: Config, recorded: tuple[str, ...] | None = None) -> ModelSpec:
         task=m.task,
         labels=labels,
     )
-    check_checkpoint(spec)
-    return spec
 
 
 def _hf_head_dim(text) -> int:

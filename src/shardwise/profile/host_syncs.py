@@ -37,6 +37,7 @@ import threading
 import torch
 
 from shardwise.distributed import device as dev
+from shardwise.distributed.frames import in_torch
 
 _T = torch.Tensor
 _SCALAR = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__complex__")
@@ -55,7 +56,6 @@ ENGINE_SITES = (
 # device syncs, and never a finding
 HOST_SIDE = ("data/sampler.py:", "models/dropout.py:")
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _THIS = __file__
 
@@ -165,7 +165,7 @@ class HostSyncs:
 def _site(code) -> str | None:
     """`file:function` of a frame's code; None inside torch or this module (look further out)."""
     path = code.co_filename
-    if path.startswith(_TORCH_DIR) or path == _THIS:
+    if in_torch(path) or path == _THIS:
         return None
     if path.startswith(_PACKAGE_DIR):
         path = path[len(_PACKAGE_DIR) :]
