@@ -86,18 +86,20 @@ def available_engines() -> list[tuple[str, int, str]]:
 
 
 def ours_timed(cfg) -> dict:
-    """Our engine as the harness runs it (`build_run`, `fit`, gather), also taking each
-    step's process CPU time, from `zero_grad` (the step's start) to the end of the optimizer
-    step: with other jobs on the machine, wall-clock inflates more than CPU time does."""
+    """Our engine as the harness runs it (`run_job_here`: `build_run`, `fit`, gather), also
+    taking each step's process CPU time, from `zero_grad` (the step's start) to the end of the
+    optimizer step: with other jobs on the machine, wall-clock inflates more than CPU time
+    does."""
     from shardwise.cli.verify import timed_fit
-    from shardwise.job.prepare import validate_here
-    from shardwise.training.runtime import build_run
+    from shardwise.job.prepare import run_job_here
 
-    run = build_run(cfg, validate_here(cfg))
-    out = timed_fit(run)
-    out["losses"] = [r["loss"] for r in out["records"]]
-    out["params"] = run.reducer.full_parameters()
-    return out
+    def body(run) -> dict:
+        out = timed_fit(run)
+        out["losses"] = [r["loss"] for r in out["records"]]
+        out["params"] = run.reducer.full_parameters()
+        return out
+
+    return run_job_here(cfg, None, body)
 
 
 def step_times(per_rank: list[dict], cpu: bool = False) -> list[float]:

@@ -40,7 +40,11 @@ ONE_HELD_OUT = [  # your model, loss and dataset (tests/user/models.py)
     "--log.tensorboard=false",
 ]
 # where the config's checks live; a Derived's own properties (tokens_per_step) are no check
-VALIDATION = ("shardwise/training/validate.py", "shardwise/training/checks.py")
+VALIDATION = (
+    "shardwise/training/validate.py",
+    "shardwise/training/checks.py",
+    "shardwise/training/checks_layout.py",
+)
 NOT_CHECKS = {"tokens_per_step"}
 
 

@@ -18,12 +18,17 @@ def dcp_peer(cfg: Config, rounds: int = 3) -> dict:
     of the model and optimizer state; returns the seconds per save, sync and async stall."""
     from dataclasses import replace
 
-    from shardwise.job.prepare import validate_here
-    from shardwise.training.loop import fit
-    from shardwise.training.runtime import build_run
+    from shardwise.job.prepare import run_job_here
 
     cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, every=0, resume="none"))
-    run = build_run(cfg, validate_here(cfg))
+    return run_job_here(cfg, None, lambda run: _time_dcp_saves(run, rounds))
+
+
+def _time_dcp_saves(run, rounds: int) -> dict:
+    """`dcp_peer`'s body: train, then time `rounds` sync and async DCP saves of the state."""
+    from shardwise.training.loop import fit
+
+    cfg = run.cfg
     fit(run)
     state = {"model": run.model.state_dict(), "optim": run.optimizer.inner.state_dict()}
     group = dist.new_group(backend="gloo")  # async saves coordinate off the training groups

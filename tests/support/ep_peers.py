@@ -8,10 +8,9 @@ import torch
 import torch.distributed as dist
 
 from shardwise.config import Config
-from shardwise.job.prepare import validate_here
+from shardwise.job.prepare import run_job_here
 from shardwise.models.moe import moe_layers
 from shardwise.training.loop import fit
-from shardwise.training.runtime import build_run
 
 
 def routed_rows(cfg: Config) -> dict:
@@ -20,19 +19,18 @@ def routed_rows(cfg: Config) -> dict:
     micro-batches), computed from every rank's per-expert loads. Dropless; a forward that
     recomputation replays inside backward is not counted again (the planner's formula
     prices the replay from the forward's rows)."""
-    run = build_run(cfg, validate_here(cfg))
     loads: list[torch.Tensor] = []
 
     def tally(m, args, out) -> None:
         if torch._C._current_graph_task_id() == -1:  # not a replay inside backward
             loads.append(m.last[: m.n_experts].clone())
 
-    for layer in moe_layers(run.model):
-        layer.register_forward_hook(tally)
-    try:
-        records = fit(run)
-    finally:
-        run.close()
+    def tallied_fit(run) -> list[dict]:
+        for layer in moe_layers(run.model):
+            layer.register_forward_hook(tally)
+        return fit(run)
+
+    records = run_job_here(cfg, None, tallied_fit)
     mine = torch.stack(loads).cpu()  # [forwards, E]: this rank's chosen counts per expert
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
@@ -55,7 +53,11 @@ def first_grads(cfg: Config) -> dict:
     """One optimizer step; return every parameter's reduced gradient of that step at full
     shape (ZeRO-0: each rank holds them whole; expert slices gathered over ep), taken just
     before the optimizer uses it, and the step's loss."""
-    run = build_run(cfg, validate_here(cfg))
+    return run_job_here(cfg, None, _first_grads)
+
+
+def _first_grads(run) -> dict:
+    """`first_grads`'s body on the built run."""
     grads: dict[str, torch.Tensor] = {}
     step = run.optimizer.step
 
@@ -66,10 +68,7 @@ def first_grads(cfg: Config) -> dict:
         return step(*args, **kwargs)
 
     run.optimizer.step = capture
-    try:
-        records = fit(run)
-        if run.expert_parallel is not None:
-            grads = run.expert_parallel.full_parameters(grads, run.info.device)
-    finally:
-        run.close()
+    records = fit(run)
+    if run.expert_parallel is not None:
+        grads = run.expert_parallel.full_parameters(grads, run.info.device)
     return {"losses": [r["loss"] for r in records], "grads": {k: v.cpu() for k, v in grads.items()}}

@@ -155,16 +155,14 @@ def thread_affinities(cfg) -> dict:
     nothing: the distinct core sets of this rank's threads, gloo's included."""
     import os
 
-    from shardwise.job.prepare import validate_here
-    from shardwise.training.runtime import build_run
+    from shardwise.job.prepare import run_job_here
 
-    run = build_run(cfg, validate_here(cfg))
-    try:
+    def affinities(run) -> dict:
         tids = os.listdir("/proc/self/task")
         sets = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in tids}
         return {"affinities": [list(cores) for cores in sorted(sets)]}
-    finally:
-        run.close()
+
+    return run_job_here(cfg, None, affinities)
 
 
 def slow_data(run) -> None:

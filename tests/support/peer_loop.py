@@ -46,7 +46,7 @@ def setup(cfg: Config) -> Setup:
     bad = {k: v for k, (v, plain) in unsupported.items() if v != plain}
     if bad:
         raise ValueError(f"these peers run plain data parallelism; unsupported: {bad}")
-    info = init_distributed(cfg)
+    info = init_distributed(cfg)  # a torch peer: writes nothing in run.dir, so no job_here lock
     d = derive(cfg, dist.get_world_size())
     data = load_data(data_spec(cfg, d.spec.vocab_size), "train")
     with torch.device(info.device):

@@ -45,7 +45,7 @@ def _compress_like(ddp: DistributedDataParallel, cfg: Config) -> None:
 def ddp_peer(cfg: Config) -> dict:
     """Train `cfg` (data parallel, fp32) with torch's DistributedDataParallel (and its
     compression hook for `parallel.grad_compression`)."""
-    info = init_distributed(cfg)
+    info = init_distributed(cfg)  # a torch peer: writes nothing in run.dir, so no job_here lock
     d = derive(cfg, dist.get_world_size())
     data = load_data(data_spec(cfg, d.spec.vocab_size), "train")
     with torch.device(info.device):

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import torch
@@ -28,11 +29,11 @@ from torch.distributed.tensor.parallel import (
 from shardwise.config import Config
 from shardwise.data import GlobalSampler, load_data, split_for_rank
 from shardwise.distributed import device as dev
-from shardwise.job.prepare import validate_here
+from shardwise.job.prepare import run_job_here
 from shardwise.models import build_model, init_weights
 from shardwise.models.families import DECODER
 from shardwise.optim import adamw, lr_at
-from shardwise.training.runtime import build_run, data_spec, init_distributed
+from shardwise.training.runtime import data_spec, init_distributed
 from shardwise.training.validate import derive
 
 
@@ -76,7 +77,7 @@ def _clip(params: list, max_norm: float, mesh) -> None:
 
 def dtensor_peer(cfg: Config) -> dict:
     """Train `cfg` (tp = world size, fp32) with DTensor tensor parallelism."""
-    info = init_distributed(cfg)
+    info = init_distributed(cfg)  # a torch peer: writes nothing in run.dir, so no job_here lock
     d = derive(cfg, dist.get_world_size())
     if d.dp != 1 or d.family is not DECODER:  # the plan below is our Llama block's
         raise ValueError("the DTensor peer runs the reference decoder with tp only")
@@ -124,28 +125,31 @@ def layer_probe(cfg: Config) -> dict:
     out = {}
     for sp in (False, True):
         c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sp=sp))
-        run = build_run(c, validate_here(c))
-        b, s, h = run.derived.micro_batch, cfg.data.seq_len, run.derived.spec.dim
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(b, s, h, generator=gen).to(run.info.device)
-        t, r = run.topo.tp, run.topo.coord("tp")
-        if sp and t > 1:
-            x = x.chunk(t, dim=1)[r].contiguous()  # the sequence-sharded residual stream
-        x.requires_grad_(True)
-        block = run.model.blocks[0]
-        run.comm.take_step_bytes()
-        with run.meter.measure():
-            y = block(x)
-        saved = run.meter.take_peak()
-        run.reducer.sync = False  # gradients stay local: only the block's tp traffic counts
-        y.float().square().sum().backward()
-        out["sp" if sp else "tp"] = {
-            "activations": saved,
-            "tp_bytes": run.comm.take_step_bytes()["tp"],
-            "b": b,
-            "s": s,
-            "h": h,
-            "t": t,
-        }
-        run.close()
+        out["sp" if sp else "tp"] = run_job_here(c, None, functools.partial(_probe_block, sp=sp))
     return out
+
+
+def _probe_block(run, sp: bool) -> dict:
+    """`layer_probe`'s measurement of blocks.0 on the built run (`sp`: sequence parallel)."""
+    b, s, h = run.derived.micro_batch, run.cfg.data.seq_len, run.derived.spec.dim
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(b, s, h, generator=gen).to(run.info.device)
+    t, r = run.topo.tp, run.topo.coord("tp")
+    if sp and t > 1:
+        x = x.chunk(t, dim=1)[r].contiguous()  # the sequence-sharded residual stream
+    x.requires_grad_(True)
+    block = run.model.blocks[0]
+    run.comm.take_step_bytes()
+    with run.meter.measure():
+        y = block(x)
+    saved = run.meter.take_peak()
+    run.reducer.sync = False  # gradients stay local: only the block's tp traffic counts
+    y.float().square().sum().backward()
+    return {
+        "activations": saved,
+        "tp_bytes": run.comm.take_step_bytes()["tp"],
+        "b": b,
+        "s": s,
+        "h": h,
+        "t": t,
+    }

@@ -1,6 +1,6 @@
 """Which layouts can run a job: the rules the engine enforces (training/checks.py,
-training/validate.py) and the families' seams, as one reason per rejected layout (the keys of
-`plan`'s rejected table)."""
+checks_layout.py, validate.py) and the families' seams, as one reason per rejected layout (the
+keys of `plan`'s rejected table)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def invalid(job: Job, lay: Layout) -> str | None:
     ours = peers.of(job) is peers.NONE
     if ours and lay.tp > 1 and job.fp8 != "none" and not fam.fp8_tensor_parallel:
         return "FP8 with tp on this model family (per-slice scales unchecked)"
-    if lay.tp > 1 and spec.n_experts and not lay.sp:  # (training/checks.py refuses it too)
+    if lay.tp > 1 and spec.n_experts and not lay.sp:  # (training/checks_layout.py refuses it too)
         return "MoE tp without sp (every tp rank would run every token's experts)"
     if lay.ep > 1 and not (fam.expert_parallel and spec.n_experts):
         return "ep without routed experts"

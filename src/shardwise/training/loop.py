@@ -158,17 +158,11 @@ class _Loop:
 def _steps(run: Run, start: int, loop: _Loop) -> tuple[list[dict], int]:
     """The training steps from `start`; returns their records and the stop signal that ended
     them early (0: none)."""
-    cfg, d, model, device = run.cfg, run.derived, run.model, run.info.device
-    ckpt, logger, guard, capture, fetch = (
-        loop.ckpt, loop.logger, loop.guard, loop.capture, loop.fetch,
-    )  # fmt: skip
-    clk = clock()
-    per_step = cfg.train.global_batch * d.tokens_per_sample  # the loss normaliser, unless
-    counted = getattr(run.train_data, "targets_in", None)  # only some tokens are targets
+    cfg, clk = run.cfg, clock()
     records = []
     t_start = clk.start()  # each step's ledger runs to the next one's: the log line included
     for step in range(start, cfg.train.steps):
-        if capture.step_begins(step):  # waited for the other ranks: the step starts now
+        if loop.capture.step_begins(step):  # waited for the other ranks: the step starts now
             t_start = clk.start()
         lr = lr_at(step, cfg)
         run.optimizer.set_lr(lr)
@@ -176,63 +170,112 @@ def _steps(run: Run, start: int, loop: _Loop) -> tuple[list[dict], int]:
         run.comm.start_step()
         t0 = time.perf_counter()
         # fetch: this rank's slice of the step's global batch, cut into micro-batches
-        with clk.phase("data"):
-            batch = run.sampler.global_indices(step)
-            micro = _micro(run, step, batch)
-            # the global count of target tokens (prompts masked: every rank counts the whole
-            # batch, so the normaliser is the same in every layout without a collective)
-            global_count = counted(batch) if counted else per_step
+        micro, global_count = _fetch(run, step)
         run.reducer.zero_grad()
         scale = run.optimizer.scaler.scale
-        # micro-steps: gradient sync only while the last micro-batch runs backward; dropout
-        # masks are keyed by (seed, step, global sample), never by the layout
-        with random_stream(cfg.train.seed, step):
-            if run.pipeline is not None:  # pp > 1: the schedule runs them through the stages
-                loss_sum, act_peak = run.pipeline.train_step(run, micro, global_count, scale)
-            else:
-                ahead = _micro(run, step + 1) if fetch.depth else []  # the next step's too
-                loss_sum, act_peak = _micro_steps(run, micro, ahead, global_count, scale, fetch)
+        # micro-steps: gradient sync only while the last micro-batch runs backward
+        loss_sum, act_peak = _forward_backward(run, loop, step, micro, global_count, scale)
         # clip + step, skipped on every rank alike when the loss (reduced first, so every rank
         # decides on the same number) or the reduced gradient norm is not finite
         local_loss = loss_sum.clone()
-        with clk.phase("optimizer"):
-            # every tp rank holds the whole loss of its dp replica: sum over dp only
-            run.comm.all_reduce(loss_sum, "dp", control=True)
-            # the loss comes to the host with the gradient norm, in one transfer
-            result = run.optimizer.step(loss_sum)
-            # MoE: loads summed over the global batch move every rank's bias alike
-            moe = run.experts.after_step(run.comm, result.skipped) if run.experts else {}
-            sync_buffers(model, run.comm)
-            dev.synchronize(run.info)
+        result, moe = _optimizer_step(run, loss_sum)
         step_time = time.perf_counter() - t0
         # log: one record, its memory and any stop signal taken over all ranks
         record, signum = _record(run, loop, step, lr, result, step_time, act_peak, scale)
         record.update(moe)  # moe_load_max_mean, moe_dropped, moe_aux_loss (MoE models)
-        if result.skipped:  # which tensors / ranks (the guard pools every rank's view)
-            record["nonfinite"] = guard.diagnose(local_loss, result.nonfinite)
-        if run.pipeline is not None:
-            record["pipeline"] = run.pipeline.report(device)
-        if cfg.train.compile != "false" and step == start:  # what compiling did, once
-            _note_compile(run, record)
-        # maybe checkpoint (async: a host snapshot only); always when told to stop. Before
-        # evaluating: a failure there must not cost the step's checkpoint
-        with clk.phase("checkpoint"):
-            last = loop.save_last and step + 1 == cfg.train.steps
-            ckpt.maybe_save(step + 1, record, force=bool(signum) or last)
-        if not signum and _eval_due(run, step):  # told to stop: saved, and leaving
-            with clk.phase("eval"):
-                record.update(evaluate(run))
+        _add_step_notes(run, loop, record, result, local_loss, step == start)
+        # maybe checkpoint (async: a host snapshot only); always when told to stop
+        _checkpoint_and_eval(run, loop, step, record, signum)
         if clk.on:  # from the end of the last step's ledger (its log line) to here
-            t_end, totals, overlapped = clk.take()
-            record["ledger"] = ledger.build(t_end - t_start, totals, overlapped)
-            t_start = t_end
-        capture.step_ends(step, record)
-        logger.log(record)
+            t_start = _add_ledger(record, t_start)
+        loop.capture.step_ends(step, record)
+        loop.logger.log(record)
         records.append(record)
         if signum:
             return records, signum
-        guard.check(step + 1, record, scale)  # stops after train.max_skipped_steps in a row
+        loop.guard.check(step + 1, record, scale)  # stops after train.max_skipped_steps in a row
     return records, 0
+
+
+def _fetch(run: Run, step: int) -> tuple[list[torch.Tensor], int]:
+    """This rank's micro-batches of `step` and the global count of target tokens the loss is
+    divided by."""
+    with clock().phase("data"):
+        batch = run.sampler.global_indices(step)
+        micro = _micro(run, step, batch)
+        # the global count of target tokens (prompts masked: every rank counts the whole
+        # batch, so the normaliser is the same in every layout without a collective)
+        counted = getattr(run.train_data, "targets_in", None)  # only some tokens are targets
+        per_step = run.cfg.train.global_batch * run.derived.tokens_per_sample
+        global_count = counted(batch) if counted else per_step
+    return micro, global_count
+
+
+def _forward_backward(
+    run: Run, loop: _Loop, step: int, micro: list[torch.Tensor], global_count: int, scale: float
+) -> tuple[torch.Tensor, int]:
+    """Forward and backward of the step's micro-batches, through the pipeline schedule when
+    pp > 1; (summed loss, peak activation bytes)."""
+    # dropout masks are keyed by (seed, step, global sample), never by the layout
+    with random_stream(run.cfg.train.seed, step):
+        if run.pipeline is not None:  # pp > 1: the schedule runs them through the stages
+            return run.pipeline.train_step(run, micro, global_count, scale)
+        fetch = loop.fetch
+        ahead = _micro(run, step + 1) if fetch.depth else []  # the next step's too
+        return _micro_steps(run, micro, ahead, global_count, scale, fetch)
+
+
+def _optimizer_step(run: Run, loss_sum: torch.Tensor) -> tuple[StepResult, dict]:
+    """Clip and step on the loss summed over dp; (the step's result, MoE's load metrics)."""
+    with clock().phase("optimizer"):
+        # every tp rank holds the whole loss of its dp replica: sum over dp only
+        run.comm.all_reduce(loss_sum, "dp", control=True)
+        # the loss comes to the host with the gradient norm, in one transfer
+        result = run.optimizer.step(loss_sum)
+        # MoE: loads summed over the global batch move every rank's bias alike
+        moe = run.experts.after_step(run.comm, result.skipped) if run.experts else {}
+        sync_buffers(run.model, run.comm)
+        dev.synchronize(run.info)
+    return result, moe
+
+
+def _add_step_notes(
+    run: Run,
+    loop: _Loop,
+    record: dict,
+    result: StepResult,
+    local_loss: torch.Tensor,
+    first: bool,
+) -> None:
+    """What the record says beside the metrics: a skipped step's non-finite tensors, the
+    pipeline's report, and (the `first` step) what compiling did."""
+    if result.skipped:  # which tensors / ranks (the guard pools every rank's view)
+        record["nonfinite"] = loop.guard.diagnose(local_loss, result.nonfinite)
+    if run.pipeline is not None:
+        record["pipeline"] = run.pipeline.report(run.info.device)
+    if run.cfg.train.compile != "false" and first:  # what compiling did, once
+        _note_compile(run, record)
+
+
+def _checkpoint_and_eval(run: Run, loop: _Loop, step: int, record: dict, signum: int) -> None:
+    """Save the step when due (or told to stop, or the last step of a resumed run), then
+    measure the held-out loss when due and not stopping."""
+    clk, cfg = clock(), run.cfg
+    # before evaluating: a failure there must not cost the step's checkpoint
+    with clk.phase("checkpoint"):
+        last = loop.save_last and step + 1 == cfg.train.steps
+        loop.ckpt.maybe_save(step + 1, record, force=bool(signum) or last)
+    if not signum and _eval_due(run, step):  # told to stop: saved, and leaving
+        with clk.phase("eval"):
+            record.update(evaluate(run))
+
+
+def _add_ledger(record: dict, t_start: float) -> float:
+    """The step's ledger (where its time went since `t_start`) into `record`; returns where
+    the next step's ledger starts."""
+    t_end, totals, overlapped = clock().take()
+    record["ledger"] = ledger.build(t_end - t_start, totals, overlapped)
+    return t_end
 
 
 def _record(

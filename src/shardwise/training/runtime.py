@@ -27,9 +27,9 @@ from shardwise.finetune import build_adapted
 from shardwise.finetune.quant import materialise_quantised
 from shardwise.finetune.quant_shards import split_dims
 from shardwise.models import init_weights, to_empty
-from shardwise.models.hf.auto import weights_for
+from shardwise.models.hf.auto import HFWeights, weights_for
 from shardwise.models.hf.weights import load_weights
-from shardwise.models.tp_plans import plan_for
+from shardwise.models.tp_plans import TPPlan, plan_for
 from shardwise.optim import (
     EIGHT_BIT,
     QUANT_BLOCK,
@@ -145,25 +145,16 @@ def parallelize(
     model: nn.Module, run_cfg: Config, derived: Derived, comm: Comm, info: dev.DeviceInfo
 ) -> tuple[nn.Module, GradReducer | ZeroEngine, TensorParallel, Pipeline | None]:
     """Apply the parallel transformations in the one order that works (docs/design.md)."""
-    compute = dev.dtype_of(run_cfg.precision.compute)
-    reduce = dev.dtype_of(run_cfg.precision.reduce)
     # 1. Pipeline split: the meta model is cut to this rank's chunks (names unchanged), so no
     #    rank ever materialises another stage's layers (pp = 1: the whole model).
     pipeline = apply_pipeline(model, run_cfg, derived, comm) if derived.pp > 1 else None
     # 1b. FP8 swaps the (stage's) block linears for torchao's Float8Linear, same parameters and
     #    names, before tp splits them: tp's sharded forwards then multiply through its casts.
-    fp8 = apply_fp8(model, derived.family, run_cfg.precision.fp8, info)
-    if fp8 and comm.topo.rank == 0:
-        print(fp8_summary(run_cfg.precision.fp8, fp8, fp8_emulated(info, "")), file=sys.stderr)
+    _apply_fp8(model, run_cfg, derived, comm, info)
     # 2. Tensor parallelism splits the planned layers of the (stage's) meta model in place:
     #    names stay, parameters become local slices that remember where they come from, so
     #    init, ZeRO and checkpoints below see ordinary (smaller) tensors (tp = 1: unchanged).
-    tp = apply_tensor_parallel(
-        model,
-        comm,
-        plan_for(model, derived.spec.arch) if derived.tp > 1 else None,
-        run_cfg.parallel.sp,
-    )
+    tp = apply_tensor_parallel(model, comm, _tp_plan(model, derived), run_cfg.parallel.sp)
     # 3. Context parallelism hands the attention cores this rank's positions of each sequence
     #    and the cp attention kernels; no parameter changes, so recomputation, ZeRO and init
     #    below see the same model, and gradients are summed over dp, which holds the cp ranks.
@@ -183,43 +174,75 @@ def parallelize(
     apply_recompute(model, derived.family, run_cfg.memory.recompute)
     if run_cfg.model.sync_batchnorm:
         apply_sync_batchnorm(model, comm)
-    stage = run_cfg.parallel.zero
     source = weights_for(derived.spec, run_cfg.model.init_from, model)
-    if stage:
+    if run_cfg.parallel.zero:
         # 6. ZeRO flattens the still-meta parameters into units and materialises only what
         #    this rank keeps (its slices under ZeRO-3), straight from the (seed, name) init.
-        offload_params = run_cfg.memory.offload == "optimizer+params"
-        if run_cfg.memory.offload == "params+nvme":  # the slices in files under nvme_dir
-            from shardwise.optim.nvme import DiskTensors
-
-            where = run_cfg.memory.nvme_dir or run_cfg.run.dir
-            offload_params = DiskTensors(where, comm.topo.rank)
-        how = Sharding(
-            stage,
-            compute,
-            reduce,
-            info.device,
-            offload_params,
-            QUANT_BLOCK if run_cfg.optim.name in EIGHT_BIT else 1,
-            WIRE.get(run_cfg.parallel.grad_compression),
-        )
-        engine = apply_zero(model, comm, how, run_cfg.train.seed, source)
+        sharding = _sharding(run_cfg, comm, info)
+        engine = apply_zero(model, comm, sharding, run_cfg.train.seed, source)
         return model, engine, tp, pipeline
     # 6. Materialise: without ZeRO the local shard is the whole model. Values depend only on
     #    (seed, parameter name), so every rank builds identical weights without a broadcast.
+    _materialise(model, run_cfg, info, source)
+    # 7. Data parallelism attaches gradient buckets to the materialised parameters.
+    return model, _apply_data_parallel(model, run_cfg, comm), tp, pipeline
+
+
+def _apply_fp8(
+    model: nn.Module, run_cfg: Config, derived: Derived, comm: Comm, info: dev.DeviceInfo
+) -> None:
+    """precision.fp8: swap the family's block linears (parallel/fp8.py); rank 0 says which."""
+    fp8 = apply_fp8(model, derived.family, run_cfg.precision.fp8, info)
+    if fp8 and comm.topo.rank == 0:
+        print(fp8_summary(run_cfg.precision.fp8, fp8, fp8_emulated(info, "")), file=sys.stderr)
+
+
+def _tp_plan(model: nn.Module, derived: Derived) -> TPPlan | None:
+    """The tensor-parallel plan of the model's architecture (None at tp = 1: unchanged)."""
+    return plan_for(model, derived.spec.arch) if derived.tp > 1 else None
+
+
+def _sharding(run_cfg: Config, comm: Comm, info: dev.DeviceInfo) -> Sharding:
+    """How ZeRO shards the units: stage, dtypes, device, parameter offload (host memory, or
+    files under memory.nvme_dir), the 8-bit optimizers' block and the gradients' wire."""
+    offload_params = run_cfg.memory.offload == "optimizer+params"
+    if run_cfg.memory.offload == "params+nvme":  # the slices in files under nvme_dir
+        from shardwise.optim.nvme import DiskTensors
+
+        where = run_cfg.memory.nvme_dir or run_cfg.run.dir
+        offload_params = DiskTensors(where, comm.topo.rank)
+    return Sharding(
+        run_cfg.parallel.zero,
+        dev.dtype_of(run_cfg.precision.compute),
+        dev.dtype_of(run_cfg.precision.reduce),
+        info.device,
+        offload_params,
+        QUANT_BLOCK if run_cfg.optim.name in EIGHT_BIT else 1,
+        WIRE.get(run_cfg.parallel.grad_compression),
+    )
+
+
+def _materialise(
+    model: nn.Module, run_cfg: Config, info: dev.DeviceInfo, source: HFWeights | None
+) -> None:
+    """The whole model on this rank's device: the checkpoint's values (`source`) or the
+    (seed, name) init, then the compute dtype's copies."""
     to_empty(model, info.device)
     if source is not None:
         load_weights(model, source, run_cfg.train.seed)
     else:
         init_weights(model, run_cfg.train.seed)
-    cast_for_compute(model, compute)
-    # 7. Data parallelism attaches gradient buckets to the materialised parameters.
+    cast_for_compute(model, dev.dtype_of(run_cfg.precision.compute))
+
+
+def _apply_data_parallel(model: nn.Module, run_cfg: Config, comm: Comm) -> GradReducer:
+    """Gradient buckets on the materialised parameters, with parallel.grad_compression's wire."""
     par = run_cfg.parallel
     compression = make_compression(
         par.grad_compression, par.powersgd_rank, par.powersgd_warm_start, run_cfg.train.seed
     )
-    reducer = apply_data_parallel(model, comm, reduce, par.bucket_mb, compression)
-    return model, reducer, tp, pipeline
+    reduce = dev.dtype_of(run_cfg.precision.reduce)
+    return apply_data_parallel(model, comm, reduce, par.bucket_mb, compression)
 
 
 def cast_for_compute(model: nn.Module, dtype: torch.dtype) -> None:

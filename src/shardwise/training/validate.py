@@ -19,13 +19,15 @@ from shardwise.models.spec import spec_from_config
 from shardwise.parallel.expert import check_expert_parallel
 from shardwise.parallel.fp8 import check_fp8
 from shardwise.training.checks import (
-    check_checkpoint_tp,
     check_compile,
-    check_context_parallel,
     check_lora,
     check_loss,
     check_loss_chunks,
     check_packing,
+)
+from shardwise.training.checks_layout import (
+    check_checkpoint_tp,
+    check_context_parallel,
     check_pipeline,
     check_tensor_parallel,
 )

@@ -46,7 +46,7 @@ MOE = Family(
     # states counted from the real one's units (exact)
     formula=False,
     # attention and dense MLPs split as the decoder's; the MoE layers stay whole and, with
-    # parallel.sp (required: training/checks.py), route each tp rank's sequence shard
+    # parallel.sp (required: training/checks_layout.py), route each tp rank's sequence shard
     tensor_parallel="plan",
     sequence_parallel=True,
     pipeline="blocks",  # cut as the decoder's; each stage tallies its own MoE layers
