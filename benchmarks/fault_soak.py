@@ -33,6 +33,7 @@ import torch
 
 from common import add_smoke, command_line, load
 from shardwise.checkpoint import io as io
+from shardwise.checkpoint import slices
 from support.chaos import run_and_kill
 
 STEPS, EVERY = 12, 2
@@ -66,7 +67,7 @@ def _env() -> dict[str, str]:
 def _final(run_dir: Path) -> dict[str, torch.Tensor]:
     path = run_dir / "checkpoints" / f"step-{STEPS:08d}"
     index = io.read_index(path)
-    return {k: io.read_tensor(path, k, index) for k in index["tensors"]}
+    return {k: slices.read_tensor(path, k, index) for k in index["tensors"]}
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float]]:

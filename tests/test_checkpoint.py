@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from shardwise.checkpoint import io as io
+from shardwise.checkpoint import slices
 from shardwise.launchers.harness import run_here, run_world
 from support.compare import case, max_param_diff, max_rel
 
@@ -108,7 +109,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def _all_tensors(path: Path) -> dict[str, torch.Tensor]:
     index = io.read_index(path)
-    return {key: io.read_tensor(path, key, index) for key in index["tensors"]}
+    return {key: slices.read_tensor(path, key, index) for key in index["tensors"]}
 
 
 # -- exact resume -----------------------------------------------------------------------------
@@ -174,7 +175,7 @@ def test_every_rank_writes_only_its_own_share(runs: dict, name: str) -> None:
     sizes = [index["files"][io.shard_name(r)]["bytes"] for r in range(2)]
     assert max(sizes) / min(sizes) < 1.2, sizes
     for key, value in runs[name]["params"].items():
-        assert torch.equal(io.read_tensor(path, f"param/{key}", index), value), key
+        assert torch.equal(slices.read_tensor(path, f"param/{key}", index), value), key
     assert io.latest(runs["root"] / name) == path
 
 
@@ -278,15 +279,17 @@ def test_slices_reassemble_across_tensor_parallel_and_zero_cuts(tmp_path: Path) 
                 writer += 1
     index = {"tensors": tensors, "files": files}
     assert io.check_files(path, files) == []
-    reader = io.ShardReader(path)
+    reader = slices.ShardReader(path)
     for name, g in full.items():
-        assert torch.equal(io.read_tensor(path, f"param/{name}", index), g), name
+        assert torch.equal(slices.read_tensor(path, f"param/{name}", index), g), name
         flat = torch.zeros(g.numel())
         n = g.numel()
         for span in ((0, n // 3), (n // 3, 2 * n // 3), (2 * n // 3, n)):  # tp1, ZeRO over 3
             (local,) = slices_of(f"param/{name}", g, span, flat[span[0] : span[1]])
             local.load(
-                lambda dst, lo=local: io.load_piece(dst, lo.piece, tensors[lo.piece.key], reader)
+                lambda dst, lo=local: slices.load_piece(
+                    dst, lo.piece, tensors[lo.piece.key], reader
+                )
             )
         assert torch.equal(flat.view_as(g), g), name
     reader.close()

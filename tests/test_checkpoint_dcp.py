@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardwise.checkpoint import dcp_format
+from shardwise.checkpoint import dcp_format, slices
 from shardwise.checkpoint import io as io
 from shardwise.cli.main import main
 from shardwise.errors import CheckpointError, ConfigError
@@ -84,9 +84,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
     index = io.read_index(path)
-    if index.get("storage") == "dcp":  # one dcp.load for all (io.read_tensor: one each)
+    if index.get("storage") == "dcp":  # one dcp.load for all (slices.read_tensor: one each)
         return dcp_format.read_all(path, index["tensors"])
-    return {key: io.read_tensor(path, key, index) for key in index["tensors"]}
+    return {key: slices.read_tensor(path, key, index) for key in index["tensors"]}
 
 
 def _resumed_like(got: dict, ref: dict) -> None:

@@ -257,14 +257,12 @@ def test_the_room_check_counts_every_checkpoint_alive_at_once(tmp_path):
 
 def test_a_full_disk_is_reported_once_naming_the_dir(tmp_path):
     """Every rank failing the same way makes one clause, not one per rank."""
-    from shardwise.checkpoint.manager import Checkpointer
+    from shardwise.checkpoint.saving import raise_failed
 
-    ckpt = Checkpointer.__new__(Checkpointer)
-    ckpt.root = tmp_path
     tmp = io.step_dir(tmp_path, 4).with_suffix(".tmp")
     report = f"writing {tmp}: No space left on device"
     with pytest.raises(CheckpointError) as info:
-        ckpt._raise_failed(4, [report, report])
+        raise_failed(tmp_path, 4, [report, report])
     msg = str(info.value)
     assert msg.count("No space left on device") == 1 and msg.count("Fix:") == 1, msg
     assert "ranks 0, 1" in msg and str(tmp_path) in msg, msg

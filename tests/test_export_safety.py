@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardwise.checkpoint import io as cio
+from shardwise.checkpoint import slices
 from shardwise.cli.main import main
 from shardwise.launchers.harness import run_here
 from support.compare import case
@@ -59,7 +60,7 @@ def _saved_embedding(ckpt: Path) -> torch.Tensor:
     key = (
         "master/embed.weight" if "master/embed.weight" in index["tensors"] else "param/embed.weight"
     )
-    return cio.read_tensor(ckpt, key, index)
+    return slices.read_tensor(ckpt, key, index)
 
 
 def _files(folder: Path) -> dict[str, bytes]:

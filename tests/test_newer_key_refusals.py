@@ -196,16 +196,54 @@ def _source(tmp_path, *overrides: str):
     return SimpleNamespace(cfg=cfg, spec=spec_from_config(cfg), given=tmp_path / "run")
 
 
-def test_hf_export_of_a_family_without_a_transformers_class_is_refused(tmp_path):
-    """A ResNet run: one message naming the family and --format dcp, not a KeyError."""
-    from shardwise.checkpoint.export import _check_exports
+def test_hf_export_of_a_family_without_a_transformers_class_is_refused(tmp_path, monkeypatch):
+    """A ResNet run: one message naming the family and --format dcp, not a KeyError, and
+    OUT is never created."""
+    import contextlib
+
+    from shardwise.checkpoint import export
+    from shardwise.checkpoint.export import check_hf_class
 
     src = _source(tmp_path, "--model.name=resnet18", "--data.dataset=digits")
+    src.index, src.path = {}, tmp_path / "run" / "checkpoints" / "step-00000001"
+    monkeypatch.setattr(export, "open_source", lambda *a: contextlib.nullcontext(src))
     with pytest.raises(ShardwiseError) as err:
-        _check_exports(src)
+        export.export_hf(tmp_path / "run", tmp_path / "out")
     assert "model.name='resnet18', a ResNet" in str(err.value), err.value
     assert "Fix: --format dcp" in str(err.value), err.value
-    _check_exports(_source(tmp_path, "--model.name=tiny"))  # a decoder exports
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no OUT, lock or temporary
+    check_hf_class(_source(tmp_path, "--model.name=tiny").spec, "unused")  # a decoder exports
+
+
+def test_hf_export_of_a_model_dcp_of_such_a_family_is_refused_before_out(
+    tmp_path, monkeypatch, capsys
+):
+    """A model DCP given a ResNet's shape: the config refuses it (model.init_from takes our
+    decoders only); should a shape of such a family reach the export, its own check refuses it
+    with the run's wording, before the tensors are named and before OUT exists."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from shardwise.checkpoint import export_model as em
+    from shardwise.cli.main import main
+    from shardwise.models.spec import spec_from_config
+
+    source, out = tmp_path / "dcp", tmp_path / "out"
+    with warnings.catch_warnings():  # torch warns that it assumes one process: it is one
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"embed.weight": torch.zeros(4, 2)}, checkpoint_id=source, no_dist=True)
+    given = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["export", str(source), "--format", "hf", str(out), "--model.name=resnet18"]) == 2
+    assert "model.name='resnet18' is a ResNet" in capsys.readouterr().err
+    resnet = spec_from_config(load_config(None, ["--model.name=resnet18"]))
+    monkeypatch.setattr(em, "dcp_spec", lambda path, overrides: resnet)
+    with pytest.raises(ShardwiseError) as err:  # (before: a KeyError naming the tensors)
+        em.export_model_dcp(source, out, ["--model.name=resnet18"])
+    assert f"'{source}' read as resnet18 is a ResNet, and --format hf" in str(err.value)
+    assert "Fix: --model.name of a Llama-style or GPT-2 decoder" in str(err.value), err.value
+    assert sorted(p.name for p in tmp_path.iterdir()) == given  # no OUT, lock or temporary
 
 
 def test_peft_export_of_a_run_without_adapters_points_to_whole_model_formats(tmp_path, monkeypatch):

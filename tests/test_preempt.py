@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from shardwise.checkpoint import io as cio
+from shardwise.checkpoint import slices
 from support.compare import SMALL
 
 pytestmark = pytest.mark.slow
@@ -53,7 +54,7 @@ def _steps_logged(run_dir: Path) -> int:
 def _final_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
     ckpt = run_dir / "checkpoints" / f"step-{STEPS:08d}"
     index = cio.read_index(ckpt)
-    return {k: cio.read_tensor(ckpt, k, index) for k in index["tensors"]}
+    return {k: slices.read_tensor(ckpt, k, index) for k in index["tensors"]}
 
 
 def _interrupt(run_dir: Path, nproc: int, sig: int, extra=()) -> tuple[int, float, str]:

@@ -36,16 +36,31 @@ from shardwise.models.hf.weights import INDEX, SINGLE, rule_for
 from shardwise.models.init import canonical_name
 from shardwise.models.presets import ModelSpec
 
+# what `check_hf_class`'s callers with a run or checkpoint suggest instead
+TO_DCP = "--format dcp (its state dict as a PyTorch distributed checkpoint)"
+
+
+def check_hf_class(spec: ModelSpec, given: str, fix: str = TO_DCP) -> None:
+    """Refuse a family without a transformers class to write (a ResNet, your own module):
+    callers check before OUT is touched; `given` names the source as the user gave it."""
+    family = family_of(spec)
+    if family.hf_config is None and not family.from_checkpoint:
+        raise ShardwiseError(
+            f"{given} {family.kind}, and --format hf writes transformers classes only (the "
+            f"Llama-style, GPT-2 and MoE decoders and Hugging Face models). Fix: {fix}."
+        )
+
 
 def hf_config(spec: ModelSpec, dtype: str) -> dict:
     """config.json for transformers, with the model's dropout rates (models/hf/llama.py,
-    gpt2.py)."""
-    write = family_of(spec).hf_config
-    if write is None:
-        raise ShardwiseError(
-            f"only Llama-style, GPT-2 and MoE decoders export to Hugging Face, not {spec.arch}"
-        )
-    return write(spec, dtype)
+    gpt2.py); a checkpoint's own class keeps its config, labels and tokenizer."""
+    check_hf_class(spec, f"the model '{spec.arch}' is")
+    family = family_of(spec)
+    if family.from_checkpoint:
+        from shardwise.models.hf.auto import export_config
+
+        return export_config(spec, dtype)
+    return family.hf_config(spec, dtype)
 
 
 def hf_plan(spec: ModelSpec, finetune=None) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
@@ -220,12 +235,7 @@ def write_weights(
     if len(shards) > 1:
         index_out = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX).write_text(json.dumps(index_out, indent=2))
-    if family.from_checkpoint:  # transformers' class: its config, labels, tokenizer
-        from shardwise.models.hf.auto import export_config
-
-        (out / "config.json").write_text(json.dumps(export_config(spec, dtype), indent=2))
-    else:
-        (out / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2))
 
 
 def write_tokenizer(cfg, spec, out: Path) -> None:
@@ -236,19 +246,6 @@ def write_tokenizer(cfg, spec, out: Path) -> None:
         copy_tokenizer(Path(spec.source), out)
     else:
         _write_tokenizer(cfg, spec, out)
-
-
-def _check_exports(src: Source) -> None:
-    """A family without a transformers class to write (a ResNet, your own module) is refused
-    before OUT is touched, not half-way through naming its tensors."""
-    family = family_of(src.spec)
-    if family.hf_config is None and not family.from_checkpoint:
-        raise ShardwiseError(
-            f"the run in '{src.given}' trained model.name='{src.cfg.model.name}', "
-            f"{family.kind}, and --format hf writes transformers classes only (the Llama-style, "
-            "GPT-2 and MoE decoders and Hugging Face models). Fix: --format dcp (its state "
-            "dict as a PyTorch distributed checkpoint)."
-        )
 
 
 def export_hf(
@@ -264,7 +261,10 @@ def export_hf(
     earlier export there whole (export_dir.py); returns the checkpoint exported."""
     with open_source(run_dir, step) as src:
         check_base(src.index, src.cfg, src.path)  # a quantised base changed since the save
-        _check_exports(src)
+        # before OUT is touched, not half-way through naming its tensors
+        check_hf_class(
+            src.spec, f"the run in '{src.given}' trained model.name='{src.cfg.model.name}',"
+        )
         about = {"format": "hf", "checkpoint": str(src.path), "step": src.index["step"]}
         with writing(out, about, src.protected(), overwrite) as tmp:
             _write(src, tmp, max_shard_bytes)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint import io as cio
-from shardwise.checkpoint.export import copy_tokenizer, hf_plan, write_weights
+from shardwise.checkpoint.export import check_hf_class, copy_tokenizer, hf_plan, write_weights
 from shardwise.checkpoint.export_dir import writing
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.models import build_on_meta
@@ -38,6 +38,11 @@ from shardwise.models.init import canonical_name
 from shardwise.models.presets import PRESETS, ModelSpec, preset_of_arch
 
 SHAPE = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
+# a model DCP that no transformers class holds: nothing to convert it to
+DCP_FIX = (
+    "--model.name of a Llama-style or GPT-2 decoder (tiny, gpt2-tiny) if it holds one, or use "
+    "the DCP as it is (dcp.load and model.init_from read it)"
+)
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
@@ -200,6 +205,8 @@ def export_model_dcp(
     shape `overrides` give; returns that spec."""
     path = Path(path)
     spec = dcp_spec(path, overrides)
+    # before OUT is touched (and before its tensors are named by a class it has not)
+    check_hf_class(spec, f"'{path}' read as {spec.arch} is", DCP_FIX)
     reader = DCPWeights(path, spec)
     plan = hf_plan(spec)
     shapes = {name: shape for parts in plan.values() for name, shape in parts}

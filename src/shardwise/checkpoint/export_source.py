@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from shardwise.checkpoint import io as cio
+from shardwise.checkpoint import slices
 from shardwise.config import Config, config_from_dict
 from shardwise.errors import CheckpointError, ShardwiseError
 from shardwise.models.init import canonical_name
@@ -245,7 +246,7 @@ class Source:
     files: _Pinned = field(repr=False)
 
     def tensor(self, key: str) -> torch.Tensor:
-        """One stored tensor at its full global shape (`checkpoint_io.read_tensor`, from the
+        """One stored tensor at its full global shape (`slices.read_tensor`, from the
         files held open)."""
         entry = self.index["tensors"][key]
         if self.index.get("storage") == "dcp":  # checkpoint.format=dcp (files checked above)
@@ -255,7 +256,7 @@ class Source:
         shape = tuple(entry["shape"])
         out = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
         need = cio.Piece(key, shape, entry["dtype"], cio.full_box(shape), (0, out.numel()))
-        cio.load_piece(out.view(-1), need, entry, self.files)
+        slices.load_piece(out.view(-1), need, entry, self.files)
         return out
 
     def read(self, name: str) -> torch.Tensor:

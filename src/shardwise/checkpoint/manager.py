@@ -3,13 +3,14 @@
 Data order and initialisation depend only on the seed and the global sample index
 (docs/design.md), and the index stores the step, the loss scaler and AdamW's step count, so a
 resumed run continues as if it had never stopped — bitwise in the same layout. A save is
-synchronous, or (`checkpoint.async`) a host snapshot written by a background thread.
+synchronous, or (`checkpoint.async`) a host snapshot written by a background thread. The steps
+of a save on disk (write, commit, prune, one message for any rank's failure) are
+checkpoint/saving.py's.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from shardwise.checkpoint import dcp_format, lineage, titan
 from shardwise.checkpoint import io as io
 from shardwise.checkpoint.refusals import every_rank, order_refusal
+from shardwise.checkpoint.saving import attempt, commit, prune, raise_failed, warn, write_files
 from shardwise.checkpoint.state import (
     Local,
     adam_step,
@@ -38,21 +40,6 @@ from shardwise.errors import CheckpointError
 # tells the job, which warns when a save takes more than half of it.
 SIGNAL_GRACE_S = 120
 GRACE_ENV = "SHARDWISE_SIGNAL_GRACE_S"
-
-
-def _warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-def _attempt(action, doing: str):
-    """`action()`'s result, or what every rank is told of its failure: an OSError's reason
-    (`doing` names the path), or a refusal's whole message."""
-    try:
-        return action()
-    except CheckpointError as exc:
-        return ("refused", str(exc))
-    except OSError as exc:
-        return f"{doing}: {exc.strerror or exc}"
 
 
 def _restart() -> str:
@@ -135,10 +122,10 @@ class Checkpointer:
         if self.rank == 0:  # leftovers of a killed save (or deletion) are never loaded
             ours, kept = io.list_unfinished(self.root)
             for left in ours:
-                _warn(f"removing {left}: an unfinished save of this run (its shards only)")
+                warn(f"removing {left}: an unfinished save of this run (its shards only)")
                 io.remove(left)
             for left in kept:
-                _warn(
+                warn(
                     f"keeping {left}: it looks like an unfinished checkpoint but holds files a "
                     "save does not write, or lost its index.json; it is not loaded and not "
                     "deleted (remove it yourself if it is not needed)"
@@ -153,7 +140,7 @@ class Checkpointer:
                 return entry.path
             bad.append(f"\n  {entry.path.name}: " + "; ".join(problems))
             if self.rank == 0:
-                _warn(f"skipping checkpoint {entry.path}: " + "; ".join(problems))
+                warn(f"skipping checkpoint {entry.path}: " + "; ".join(problems))
         if bad:  # starting over would silently throw the run's progress away (gathered: alike)
             others = ", ".join(e.path.name for e in off)
             raise every_rank(
@@ -171,7 +158,7 @@ class Checkpointer:
     def _say_off_line(self, off: list[lineage.Entry], used: Path) -> None:
         if off and self.rank == 0:
             names = ", ".join(sorted(e.path.name for e in off))
-            _warn(
+            warn(
                 f"not resuming {names} in {self.root}: off the "
                 f"line of {used.name}, the newest save (a later point of a run that was resumed "
                 "from an earlier step, or another run's); they are kept, never pruned. Name one "
@@ -263,7 +250,7 @@ class Checkpointer:
         record["checkpoint_stall_s"] = time.perf_counter() - t0
         grace = float(os.environ.get(GRACE_ENV, "0") or 0)
         if grace and record["checkpoint_stall_s"] > grace / 2 and self.rank == 0:
-            _warn(
+            warn(
                 f"saving step {step} took {record['checkpoint_stall_s']:.0f} s, more than half "
                 f"the {grace:.0f} s the scheduler allows between its stop signal and the kill: "
                 "a preempted job may lose that save. Fix: --checkpoint.async=true, a faster "
@@ -313,109 +300,32 @@ class Checkpointer:
         buf.copy_(src, non_blocking=True)
         return buf
 
-    def _write_files(self, tmp: Path, tensors: dict[io.Piece, torch.Tensor]) -> dict[str, dict]:
-        """Write this rank's slices into `tmp`; returns its files' sizes and SHA-256."""
-        if self.cfg.format == "dcp":  # collective: every rank takes part, owner or not
-            world = self.run.topo.world
-            return dcp_format.write(tmp, tensors, self.rank, self.channel.group, world)
-        if not tensors:
-            return {}
-        name, flat = io.shard_name(self.rank), {io.file_key(p): t for p, t in tensors.items()}
-        return {name: io.write_shard(tmp / name, flat)}
-
     def _write(self, step: int, tensors: dict[io.Piece, torch.Tensor], index: dict | None) -> None:
+        """Write this rank's slices, then (rank 0) commit and prune; every rank stops alike on
+        any rank's failure (checkpoint/saving.py holds the steps)."""
         tmp = io.step_dir(self.root, step).with_suffix(".tmp")
         made = None
         if self.rank == 0:  # one fresh directory, made by one rank: never a planted link
-            made = _attempt(lambda: lineage.make_tmp(self.root, step), f"creating {tmp}")
-        self._raise_failed(step, self.channel.all_gather(made))
+            made = attempt(lambda: lineage.make_tmp(self.root, step), f"creating {tmp}")
+        raise_failed(self.root, step, self.channel.all_gather(made))
         # a full or failing disk on any rank: every rank stops with one message
-        info = _attempt(lambda: self._write_files(tmp, tensors), f"writing {tmp}")
+        world, fmt = self.run.topo.world, self.cfg.format
+        info = attempt(
+            lambda: write_files(tmp, tensors, self.rank, self.channel, world, fmt),
+            f"writing {tmp}",
+        )
         infos = self.channel.all_gather(info)
-        self._raise_failed(step, infos)
+        raise_failed(self.root, step, infos)
         failed = None
         if index is not None:
             index["files"] = {name: i for files in infos for name, i in files.items()}
-            failed = _attempt(lambda: self._commit(tmp, step, index), f"committing {tmp}")
+            failed = attempt(
+                lambda: commit(self.root, tmp, step, index, self._good), f"committing {tmp}"
+            )
         # no rank moves on before the checkpoint is in place
-        self._raise_failed(step, self.channel.all_gather(failed))
+        raise_failed(self.root, step, self.channel.all_gather(failed))
         if index is not None:
-            self._prune(step)
-
-    def _commit(self, tmp: Path, step: int, index: dict) -> None:
-        """Rank 0: put the finished save in place. A checkpoint already at its name is another
-        line's or run's: a valid one is never replaced, a damaged one is set aside."""
-        final = io.step_dir(self.root, step)
-        if os.path.lexists(final):
-            problems = self._damage(final)
-            if not problems:
-                raise CheckpointError(
-                    f"{final} already holds a valid checkpoint of another line or run, which "
-                    f"is never overwritten; this save was left in {tmp.name}. Fix: "
-                    "--checkpoint.dir=<another directory> for this run."
-                )
-            aside = lineage.set_aside(final)
-            _warn(f"{final} is damaged ({problems[0]}): moved to {aside.name} to save in its place")
-        io.commit(self.root, tmp, step, index)
-        self._good[final.name] = True  # written and fsynced by this job
-
-    def _damage(self, path: Path) -> list[str]:
-        """Problems of one checkpoint, checked by rank 0 alone (index, files' sizes, SHA-256)."""
-        index, problems = io.check_index(path)
-        return problems or io.check_files(path, index.get("files", {}))
-
-    def _verified(self, entry: lineage.Entry) -> bool:
-        """Counts toward checkpoint.keep: loaded or written by this job, or its index readable
-        and every file it lists there at its size (hashing every kept checkpoint at each save
-        would cost a full read of each)."""
-        if entry.path.name not in self._good:
-            files = (entry.index or {}).get("files", {})
-            self._good[entry.path.name] = bool(files) and all(
-                (entry.path / n).is_file() and (entry.path / n).stat().st_size == f["bytes"]
-                for n, f in files.items()
-            )
-        return self._good[entry.path.name]
-
-    def _prune(self, step: int) -> None:
-        """Rank 0, after a save: delete the checkpoints of this line past checkpoint.keep,
-        only the files their index lists (a failure here only warns: the save is in place)."""
-        try:
-            old = lineage.doomed(self.root, self.history, step, self.cfg.keep, self._verified)
-            for entry in old:
-                foreign = lineage.prune(entry.path, entry.index)
-                if foreign:
-                    _warn(
-                        f"pruned checkpoint {entry.path}: deleted its own files only; the "
-                        f"directory stays with {len(foreign)} other entr"
-                        f"{'y' if len(foreign) == 1 else 'ies'} ({', '.join(foreign[:5])})"
-                    )
-        except OSError as exc:
-            _warn(f"pruning old checkpoints in {self.root} failed ({exc}); they are kept")
-
-    def _raise_failed(self, step: int, reports: list) -> None:
-        """Raise one message for every rank's failures (each rank raises it)."""
-        refusals = [r[1] for r in reports if isinstance(r, tuple) and r[0] == "refused"]
-        if refusals:
-            raise every_rank(CheckpointError(refusals[0]))
-        errors: dict[str, list[int]] = {}
-        for rank, r in enumerate(reports):
-            if isinstance(r, str):
-                errors.setdefault(r, []).append(rank)
-        if not errors:
-            return
-        kept = io.latest(self.root)
-        said = "; ".join(
-            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} {text}"
-            for text, ranks in errors.items()
-        )
-        left = f"the last complete checkpoint, {kept}, is kept" if kept else "no checkpoint yet"
-        raise every_rank(
-            CheckpointError(
-                f"saving step {step} failed ({said}); {left}. Fix: free space in (or repair) "
-                f"{self.root}, or point --checkpoint.dir elsewhere, and run again with "
-                "--checkpoint.resume=auto."
-            )
-        )
+            prune(self.root, self.history, step, self.cfg.keep, self._good)
 
     def _write_guarded(self, *args) -> None:
         try:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint import io as io
+from shardwise.checkpoint import slices
 from shardwise.checkpoint.refusals import (
     every_rank,
     identity_problems,
@@ -322,13 +323,15 @@ def load_state(run, path: Path, index: dict, channel: ControlChannel) -> str | N
     if index.get("storage") == "dcp":  # torch.distributed.checkpoint files (dcp_format.py)
         _load_dcp(run, path, index, locals_, channel)
     else:
-        reader = io.ShardReader(path)
+        reader = slices.ShardReader(path)
         try:
             for local in locals_:
                 src = _source(index, local.piece)
                 need = dataclasses.replace(local.piece, key=src)
                 local.load(
-                    lambda dst, n=need, e=index["tensors"][src]: io.load_piece(dst, n, e, reader)
+                    lambda dst, n=need, e=index["tensors"][src]: slices.load_piece(
+                        dst, n, e, reader
+                    )
                 )
         finally:
             reader.close()
