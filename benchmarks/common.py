@@ -226,18 +226,24 @@ def paired_peer(cfg) -> dict:
     with the order flipped every step: the two see the same load at the same moments, which
     a comparison of whole runs on a busy shared machine cannot promise. The DDP step is the
     body of `support.peers.ddp_peer` (no accumulation; the same fp64-norm clipping).
-    Timing only: both repeat global batch 0 at the learning rate of step 0."""
+    Timing only: both repeat global batch 0 at the learning rate of step 0. Ours runs inside
+    the job layer (`run_job_here`: run dir locked, run closed)."""
+    from shardwise.job.prepare import run_job_here
+
+    steps, cfg.train.steps = cfg.train.steps, 1
+    return run_job_here(cfg, None, lambda run: _paired_steps(run, steps))
+
+
+def _paired_steps(run, steps: int) -> dict[str, list[float]]:
+    """`paired_peer`'s body on our built run: DDP built beside it, then `steps` pairs."""
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
     from shardwise.data import split_for_rank
-    from shardwise.job.prepare import validate_here
     from shardwise.models import build_model, init_weights
     from shardwise.training.loop import fit
-    from shardwise.training.runtime import build_run
 
-    steps, cfg.train.steps = cfg.train.steps, 1
-    run = build_run(cfg, validate_here(cfg))
+    cfg = run.cfg
     d, o = run.derived, cfg.optim
     with torch.device(run.info.device):
         model = build_model(d.spec)

@@ -117,12 +117,17 @@ def formula(schedule: str, m: int, v: int) -> float | None:
 
 
 def traced(cfg) -> dict:
-    """One rank's run (`fit`) that also keeps each step's pass durations, in plan order."""
-    from shardwise.job.prepare import validate_here
-    from shardwise.training.loop import fit
-    from shardwise.training.runtime import build_run
+    """One rank's run (`fit`) that also keeps each step's pass durations, in plan order;
+    inside the job layer (`run_job_here`: run dir locked, run closed)."""
+    from shardwise.job.prepare import run_job_here
 
-    run = build_run(cfg, validate_here(cfg))
+    return run_job_here(cfg, None, _traced_fit)
+
+
+def _traced_fit(run) -> dict:
+    """`traced`'s body on the built run: `fit` with the pipeline's steps timed."""
+    from shardwise.training.loop import fit
+
     pipeline, passes, steal = run.pipeline, [], []
     train_step = pipeline.train_step
 
@@ -134,10 +139,7 @@ def traced(cfg) -> dict:
         return out
 
     pipeline.train_step = step
-    try:
-        return {"records": fit(run), "passes": passes, "steal": steal}
-    finally:
-        run.close()
+    return {"records": fit(run), "passes": passes, "steal": steal}
 
 
 def replayed(per_rank: list[dict], schedule: str, m: int, v: int) -> list[float]:

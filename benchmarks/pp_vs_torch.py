@@ -120,13 +120,18 @@ def _torch_side(run, cfg):
 
 
 def paired(cfg) -> dict:
-    """Alternate one step of ours and one of PyTorch's, order flipped every step."""
-    from shardwise.job.prepare import validate_here
-    from shardwise.training.loop import fit
-    from shardwise.training.runtime import build_run
+    """Alternate one step of ours and one of PyTorch's, order flipped every step; ours runs
+    inside the job layer (`run_job_here`: run dir locked, run closed)."""
+    from shardwise.job.prepare import run_job_here
 
     steps, cfg.train.steps = cfg.train.steps, 1
-    run = build_run(cfg, validate_here(cfg))
+    return run_job_here(cfg, None, lambda run: _paired_steps(run, cfg, steps))
+
+
+def _paired_steps(run, cfg, steps: int) -> dict:
+    """`paired`'s body on our built run: PyTorch's pipeline beside it, then `steps` pairs."""
+    from shardwise.training.loop import fit
+
     theirs = _torch_side(run, cfg)
     times: dict[str, list[float]] = {"ours": [], "torch": []}
     first: dict[str, float] = {}

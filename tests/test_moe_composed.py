@@ -18,11 +18,10 @@ from shardwise.checkpoint.io import read_index
 from shardwise.config import Config, load_config
 from shardwise.errors import ConfigError
 from shardwise.job.explain import explain_record
-from shardwise.job.prepare import validate_here
+from shardwise.job.prepare import run_job_here
 from shardwise.launchers.harness import run_named_worlds
 from shardwise.plan.hardware import get_hardware
 from shardwise.training.loop import fit
-from shardwise.training.runtime import build_run
 from shardwise.training.validate import derive
 from support.compare import assert_reproduces, case, worst_tensor
 
@@ -70,8 +69,13 @@ CPU = get_hardware("cpu", calibrate=False)
 
 def first_grads(cfg: Config) -> dict:
     """One optimizer step; every gradient this rank applies (tp partial sums reduced, tp and
-    ep slices gathered to full shape), as the optimizer hands them to the update."""
-    run = build_run(cfg, validate_here(cfg))
+    ep slices gathered to full shape), as the optimizer hands them to the update; inside the job
+    layer (`run_job_here`: run dir locked, run closed), as training runs."""
+    return run_job_here(cfg, None, _first_grads)
+
+
+def _first_grads(run) -> dict:
+    """`first_grads`'s body on the built run."""
     grads: dict[str, torch.Tensor] = {}
     apply = run.optimizer.update.apply
 
@@ -81,13 +85,10 @@ def first_grads(cfg: Config) -> dict:
         apply(values)
 
     run.optimizer.update.apply = capture
-    try:
-        records = fit(run)
-        grads = run.tp.full_parameters(grads, run.info.device)
-        if run.expert_parallel is not None:
-            grads = run.expert_parallel.full_parameters(grads, run.info.device)
-    finally:
-        run.close()
+    records = fit(run)
+    grads = run.tp.full_parameters(grads, run.info.device)
+    if run.expert_parallel is not None:
+        grads = run.expert_parallel.full_parameters(grads, run.info.device)
     return {"losses": [r["loss"] for r in records], "grads": {k: v.cpu() for k, v in grads.items()}}
 
 

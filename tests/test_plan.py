@@ -24,7 +24,7 @@ from shardwise.plan.memory import NF4_BYTES, predict_memory
 from shardwise.plan.search import search
 from shardwise.plan.shapes import non_embedding_params, units
 from shardwise.training.memory import ActivationMeter
-from shardwise.training.runtime import cast_for_compute
+from shardwise.training.parallelize import cast_for_compute
 
 H100 = get_hardware("h100-sxm")
 

@@ -31,7 +31,8 @@ from shardwise.parallel.sync_batchnorm import apply_sync_batchnorm
 from shardwise.parallel.zero_units import unit_roots
 from shardwise.plan.shapes import Unit, split_trainable
 from shardwise.training.memory import ActivationMeter
-from shardwise.training.runtime import cast_for_compute, freeze
+from shardwise.training.parallelize import cast_for_compute
+from shardwise.training.runtime import freeze
 
 
 def model_units(model: torch.nn.Module) -> list[Unit]:
@@ -167,7 +168,7 @@ def measure_activations(cfg: Config, spec, recompute: str, micro_batch: int) -> 
 
 
 def as_trained(model, cfg: Config, derived, recompute: str) -> None:
-    """The forward transformations training applies to the model (runtime.parallelize, same
+    """The forward transformations training applies to the model (training/parallelize.py, same
     order): recomputation, then BatchNorm over every dp replica whenever
     `model.sync_batchnorm` is on (any world size: at dp = 1 its arithmetic is the same), whose
     fp32 statistics save more for backward than torch's fused BatchNorm; then the compute
