@@ -13,7 +13,7 @@ from shardwise.optim.nvme import chunk_elements
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.layout import FineTune, Job, Layout
 from shardwise.plan.moe import adapted_experts, lora_shapes
-from shardwise.plan.shapes import linear_names, lora_tags, module_buffer_bytes
+from shardwise.plan.shapes import layer_tags, linear_names, lora_tags, module_buffer_bytes
 
 
 def job_from_config(
@@ -62,9 +62,12 @@ def finetune_of(cfg: Config, spec) -> FineTune:
     by_path = bool(family_of(spec).block.linear_paths)  # transformers' module names
 
     def matched(pat: str) -> tuple[str, ...]:
-        """The planner's names of the linears `pat` adapts."""
-        leaf = pat.rpartition(".")[2]
-        return lora_tags(spec, pat) if by_path else ((leaf,) if leaf in tags else ())
+        """The planner's names of the linears `pat` adapts (in some block)."""
+        leaf, path = pat.rpartition(".")[2], "." in pat or any(c in pat for c in "*?[")
+        # (an MoE path may name stacked expert weights, which are not linears: by its leaf)
+        strict = path and not spec.n_experts
+        hits = lora_tags(spec, pat) if by_path else ((leaf,) if leaf in tags and not strict else ())
+        return hits or tuple(dict.fromkeys(t for b in layer_tags(spec, [pat]) for t in b))
 
     pats = [p.strip() for p in ft.lora_targets.split(",") if p.strip()]
     if pats != ["all-linear"] and tags:
@@ -78,7 +81,8 @@ def finetune_of(cfg: Config, spec) -> FineTune:
         tags = tuple(t for t in tags if any(t in matched(p) for p in pats))
     # the stacked expert weights `experts` or their names adapt (finetune/lora.expert_targets)
     experts = adapted_experts([p.rpartition(".")[2] for p in pats]) if spec.n_experts else ()
-    return FineTune(ft.lora_rank, tags, ft.base_quant, eight, ft.lora_dropout, experts)
+    layers = layer_tags(spec, pats) if pats != ["all-linear"] and shaped else ()
+    return FineTune(ft.lora_rank, tags, ft.base_quant, eight, ft.lora_dropout, experts, layers)
 
 
 def layout_from_config(cfg: Config, derived) -> Layout:

@@ -34,6 +34,7 @@ from shardwise.job.stages import predict_stages
 from shardwise.models import count_params
 from shardwise.plan.hardware import Hardware
 from shardwise.plan.search import evaluate
+from shardwise.plan.valid import check_some_blocks
 from shardwise.training.memory import tensor_bytes
 
 # the names other modules import from here: the prediction and the inputs it is made of
@@ -51,6 +52,7 @@ def predict_config(cfg: Config, derived, hardware: Hardware) -> tuple[int, dict]
     """(parameter count, the planner's candidate record for exactly this config)."""
     job = job_from_config(cfg, hardware, derived.world, derived.spec)
     layout = layout_from_config(cfg, derived)
+    check_some_blocks(job, layout, cfg.finetune.lora_targets)
     formula = derived.family.formula  # our blocks: activations by formula
     model = meta_model(cfg, derived.spec)  # as training builds it
     n = count_params(model)

@@ -20,11 +20,13 @@ again in backward; our engine keeps them gathered, so those terms are not split 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 from shardwise.models import ModelSpec
 from shardwise.models.families import family_of
 from shardwise.plan.activations_hf import (
+    first_block_unsaved,
     hf_block_terms,
     hf_first_block,
     hf_lora_edges,
@@ -197,10 +199,9 @@ def lora_terms(
         if readers is not None and (dropout or not set(readers) & set(targets)):
             continue
         out.append(term)
-    if not targets:  # the edges: the head is frozen and has no adapter
-        if family_of(spec).block.transformers:  # the frozen embeddings save no ids
-            return hf_lora_edges(spec, s, b, c, out)
-        return tuple(out)
+    if not targets:  # the edges: the head is frozen and has no adapter, the frozen
+        out = [term for term in out if term.name != "embedding dropout mask"]  # (no gradient)
+        return hf_lora_edges(spec, s, b, c, out)  # embeddings save no ids
     q = spec.n_heads * spec.head_dim
     width = {"wq": spec.dim, "wk": spec.dim, "wv": spec.dim, "wqkv": spec.dim, "wo": q}
     width.update(w1=spec.dim)
@@ -214,25 +215,34 @@ def lora_terms(
 
 
 def lora_first_block(
-    spec: ModelSpec, s: int, b: int, targets, dropout: bool, c: int = 2, packed: bool = False
+    spec: ModelSpec,
+    s: int,
+    b: int,
+    targets,
+    dropout: bool,
+    c: int = 2,
+    packed: bool = False,
+    alone: bool = False,
 ) -> tuple[Term, ...]:
-    """What the first block does not save in a LoRA run (negative terms): its input comes from
-    the frozen embedding and needs no gradient, so its first norm keeps no fp32 input or
-    statistics for one, and its q/k/v adapters' dropout records no mask (our RMSNorm decoders;
-    transformers' blocks: activations_hf.hf_first_block)."""
-    block = family_of(spec).block
-    if block.transformers:
-        return hf_first_block(spec, s, b, c, targets, packed, dropout)
-    if not block.rms_norm:
-        return ()
-    sb = s * b
-    out = [Term("first norm input, rstd (no gradient)", -4 * sb * (spec.dim + 1), False, True)]
-    if dropout:
-        n = len({"wq", "wk", "wv"} & set(targets))
-        out.append(
-            Term("first q/k/v adapter masks (no gradient)", -n * sb * spec.dim, False, False)
-        )
-    return tuple(out)
+    """What the first adapted block does not save in a LoRA run (negative terms): its input
+    has no gradient (the frozen embedding's, or unadapted blocks'), so nothing before its first
+    adapted linear saves anything (activations_hf.first_block_unsaved), and with RoPE only the
+    adapted q or k keeps its rotation's tables. transformers' blocks:
+    activations_hf.hf_first_block (`alone`: no block runs after it)."""
+    if family_of(spec).block.transformers:
+        return hf_first_block(spec, s, b, c, targets, packed, dropout, alone)
+    block = block_terms(spec, s, b, c, packed)
+    out = first_block_unsaved(spec, s, b, block, targets, dropout)
+    if spec.dropout and not {"wq", "wk", "wv", "wo"} & set(targets):  # (the last terms)
+        # the attention branch's residual dropout: its input has no gradient, no mask
+        out += (Term("first block attention dropout mask", -s * b * spec.dim, False, True),)
+    rope = [term for term in block if term.name == "RoPE tables"]
+    before = any(term.name == "first block RoPE tables" for term in out)  # all left out
+    unrotated = 2 - len({"wq", "wk"} & set(targets))  # q's cos/sin and k's
+    if rope and not before and unrotated:  # a rotation without a gradient saves neither
+        cut = -rope[0].nbytes * unrotated // 2
+        out += (replace(rope[0], name="first block RoPE tables", nbytes=cut),)
+    return out
 
 
 def layer_bytes(terms, t: int = 1, sp: bool = False, selective: bool = False) -> float:
@@ -268,29 +278,54 @@ def edge_terms(
     (models/chunked_loss.py, tp = 1) the head keeps the gradients it made in forward instead:
     of its input ([tokens, dim], in place of the norm output) and of its weight ([vocab, dim]);
     no logits, no targets."""
+    out = _input_terms(spec, s, b, c, tp, packed) if first else []
+    if last:
+        out += _output_terms(spec, s, b, c, first, tp, packed, fused_loss, loss_chunks)
+    return tuple(out)
+
+
+def _input_terms(spec: ModelSpec, s: int, b: int, c: int, tp: int, packed: bool) -> list[Term]:
+    """`edge_terms` of the stage with the embedding: ids, packed rows' mask, positions and the
+    embedding's dropout mask."""
     out = []
-    if first:
-        if packed:
-            out.append(Term("attention mask of the packed records", c * b * s * s, False, False))
-        if tp == 1:
-            ids = 16 * b * s if packed else 8 * b * (s + 1)
-            out.append(Term("token ids", ids, False, False))
-        else:
-            out.append(Term("local token ids and mask", 9 * b * s, False, False))
-        if family_of(spec).block.transformers:  # made once, not per layer
-            out += hf_position_terms(spec, s, b, c, packed)
-        elif family_of(spec).block.learned_positions:
-            out.append(Term("position ids", 8 * s, False, True))
-        if spec.dropout:
-            out.append(Term("embedding dropout mask", s * b * spec.dim, False, True))
-    if last and loss_chunks > 1:
+    if packed:
+        out.append(Term("attention mask of the packed records", c * b * s * s, False, False))
+    if tp == 1:
+        ids = 16 * b * s if packed else 8 * b * (s + 1)
+        out.append(Term("token ids", ids, False, False))
+    else:
+        out.append(Term("local token ids and mask", 9 * b * s, False, False))
+    if family_of(spec).block.transformers:  # made once, not per layer
+        out += hf_position_terms(spec, s, b, c, packed)
+    elif family_of(spec).block.learned_positions:
+        out.append(Term("position ids", 8 * s, False, True))
+    if spec.dropout:
+        out.append(Term("embedding dropout mask", s * b * spec.dim, False, True))
+    return out
+
+
+def _output_terms(
+    spec: ModelSpec,
+    s: int,
+    b: int,
+    c: int,
+    first: bool,
+    tp: int,
+    packed: bool,
+    fused_loss: bool,
+    loss_chunks: int,
+) -> list[Term]:
+    """`edge_terms` of the stage with the head: the final norm, the logits' log-softmax (or the
+    chunked loss's gradients), the targets and the loss's weight sum."""
+    out = []
+    if loss_chunks > 1:
         norm = norm_terms(spec, s, b, c, "final norm")
         out += [term for term in norm if term.name != "final norm output"]
         out += [
             Term("head input gradient (chunked loss)", c * s * b * spec.dim, False, False),
             Term(CHUNKED_WEIGHT_GRAD, c * spec.vocab_size * spec.dim, False, False),
         ]
-    elif last:
+    else:
         out += norm_terms(spec, s, b, c, "final norm")
         v = -(-spec.vocab_size // tp) * tp  # padded to a multiple of tp
         if fused_loss:  # flash-attn's cross entropy keeps the 16-bit logits (peers.Deviations)
@@ -309,7 +344,7 @@ def edge_terms(
         else:
             # shifted targets (int64), the ids this rank owns and the kept (not -100) ones (bool)
             out.append(Term("local targets and masks", 10 * s * b, False, False))
-    return tuple(out)
+    return out
 
 
 def in_flight(schedule: str, p: int, m: int, v: int, stage: int = 0) -> float:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from shardwise.models import ModelSpec
 from shardwise.models.families import family_of
-from shardwise.plan.terms import WEIGHT_INPUTS, Term
+from shardwise.plan.terms import NORMALISED, WEIGHT_INPUTS, Term
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,14 @@ _ATTENTION_INPUTS = ("attn_norm output", "attention output (wo input)")
 
 
 def hf_first_block(
-    spec: ModelSpec, s: int, b: int, c: int, targets, packed: bool, dropout: bool = False
+    spec: ModelSpec,
+    s: int,
+    b: int,
+    c: int,
+    targets,
+    packed: bool,
+    dropout: bool = False,
+    alone: bool = False,
 ) -> tuple[Term, ...]:
     """What the first block saves in `lora_terms`' count but not in a LoRA run, as negative
     terms: its input comes from the frozen embedding, so nothing before its first adapted
@@ -134,16 +141,32 @@ def hf_first_block(
     adapters reading that first input keep their dropped input (A's weight gradient reads
     it) but no mask: models/dropout._ApplyMask saves it only for an input with a gradient;
     and SDPA, without a gradient, keeps no output for wo's adapter to share."""
+    out = first_block_unsaved(spec, s, b, hf_block_terms(spec, s, b, c, packed), targets, dropout)
+    if alone and not {"wq", "wk", "wqkv"} & set(targets):  # no later block (`alone`) and no
+        # adapted q or k: no rotation has a gradient, the shared tables are not saved
+        shared = hf_position_terms(spec, s, b, c, packed) if family_of(spec).block.rotary else []
+        out += tuple(replace(x, name=f"first block {x.name}", nbytes=-x.nbytes) for x in shared)
+    return out
+
+
+def first_block_unsaved(
+    spec: ModelSpec, s: int, b: int, block: tuple[Term, ...], targets, dropout: bool
+) -> tuple[Term, ...]:
+    """The terms of the first block (`block`, as `lora_terms` counts them) that a LoRA run does
+    not save, as negative terms: every one before its first adapted linear's input (nothing
+    there needs a gradient), that input's adapter masks with dropout (and SDPA's output when
+    it is wo's input), and one factor of a gated MLP with one of its two linears adapted."""
     inputs = {_ADAPTER_INPUT[x] for x in targets if x in _ADAPTER_INPUT}
-    terms = {term.name: term for term in hf_block_terms(spec, s, b, c, packed)}
+    terms = {term.name: term for term in block}  # (the MLP's, named once)
     out = []
-    for name, term in terms.items():
+    for term in block:  # (a list: our attention's and residual's dropout masks share a name)
+        name = term.name
         if name in inputs:
             if dropout:
                 out += _unmasked_adapters(spec, s, b, name, targets)
                 out += [term] if name == "attention output (wo input)" else []
             break
-        if not (name.endswith("normalised") or name in WEIGHT_INPUTS):  # (not counted)
+        if not (name.endswith(NORMALISED) or name in WEIGHT_INPUTS):  # (not counted)
             out.append(term)
     gate_up = {"w1", "w3"} & set(targets) if family_of(spec).block.gated_mlp else set()
     if len(gate_up) == 1 and inputs.isdisjoint(_ATTENTION_INPUTS):

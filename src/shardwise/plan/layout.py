@@ -26,6 +26,9 @@ class FineTune:
     lora_dropout: float = 0.0  # its masks and dropped inputs are saved for backward
     # the MoE layers' stacked weights with adapters of their own (plan/moe.lora_gemms)
     lora_experts: tuple[str, ...] = ()
+    # targets naming some blocks only (`blocks.1.attn.wq`): each block's adapted linears,
+    # priced at tp = pp = cp = 1 (plan/valid.py); () when every block has `lora_targets`
+    lora_layers: tuple[tuple[str, ...], ...] = ()
 
     @property
     def lora(self) -> bool:

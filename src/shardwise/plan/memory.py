@@ -15,9 +15,10 @@ from functools import lru_cache
 from shardwise.finetune.quant_shards import split_dims, transient_bytes
 from shardwise.plan import activations as act
 from shardwise.plan import compression, moe, peers
+from shardwise.plan.adapters import block_quantised, finetune_units, linear_fans
 from shardwise.plan.buffers import zero_transient
 from shardwise.plan.layout import Job, Layout, as_data_parallel
-from shardwise.plan.shapes import Unit, linear_shapes, split_trainable, units
+from shardwise.plan.shapes import Unit, units
 from shardwise.plan.states import model_states
 
 NF4_BYTES = 0.5 + (8 / 64 + 32 / (64 * 256)) / 8  # 4 bits + double-quantised constants (QLoRA)
@@ -35,14 +36,22 @@ def kept_in(mem_bytes: dict, where: str) -> float:
 def quantised_layers(job: Job, layout: Layout, stage: int = 0) -> list[tuple[int, int]]:
     """(out, in) of the whole quantised frozen linears of pipeline rank `stage`, which
     finetune/quant keeps outside the ZeRO units (split over `quantised_split`): the real
-    model's where the job has them (pp = 1), else the LoRA targets of the stage's blocks."""
+    model's where the job has them (pp = 1), else the LoRA targets of the stage's blocks (an
+    MoE block's: its attention's, its router's and its shared experts', as quantise_base
+    replaces every adapted nn.Linear's base)."""
     if not job.finetune.quantised:
         return []
     if job.quantised_shapes and layout.pp == 1:
         return list(job.quantised_shapes)
     layers = job_split(job, layout)[stage][0]
-    shapes = linear_shapes(job.spec)
-    return [(b, a) for tag, (a, b) in shapes.items() if tag in job.finetune.lora_targets] * layers
+    ft, shapes = job.finetune, moe.lora_shapes(job.spec)
+    if ft.lora_layers:  # targets naming some blocks only (pp = 1): block by block
+        return [x for i, tags in enumerate(ft.lora_layers) for x in block_quantised(job, i, tags)]
+    out = []
+    for u in units(job.spec, 1, layers, first=False, last=False):
+        tags = [(e[0], e[2]) for e in u.entries if len(e) > 2 and e[2] in ft.lora_targets]
+        out += [linear_fans(job.spec, shapes, tag, n)[::-1] for n, tag in tags] * u.count
+    return out
 
 
 def quantised_split(layout: Layout) -> tuple[tuple[str, int], ...]:
@@ -121,35 +130,6 @@ def stage_units(job: Job, layout: Layout, stage: int) -> list[Unit]:
     return moe.split_units(us, job.spec, layout.ep)[0]  # ep > 1: the experts' units apart
 
 
-def finetune_units(us: list[Unit], job: Job, tp: int) -> list[Unit]:
-    """LoRA: every base parameter frozen, rank-r A and B beside each targeted linear (trainable,
-    in compute dtype) and after an MoE block's experts their pairs (`moe.adapter_entries`);
-    QLoRA: the targeted linears' weights leave the units (finetune/quant keeps them beside
-    them, `quantised_layers`)."""
-    ft, out = job.finetune, []
-    shapes = moe.lora_shapes(job.spec, tp)
-    for u in us:
-        entries = []
-        for e in u.entries:
-            tag = e[2] if len(e) > 2 else ""
-            if not (ft.quantised and ft.lora and tag in ft.lora_targets):
-                entries.append((e[0], not ft.lora, tag, job.bc))
-            if ft.lora and tag in ft.lora_targets:
-                fan_in, fan_out = shapes[tag]
-                if fan_in * fan_out != e[0]:  # a shared expert: whole on every tp rank, its
-                    # hidden width ffn_dim·n_shared (moe.moe_block_entries); the dim side stays
-                    wide = e[0] // job.spec.dim
-                    fan_in, fan_out = (wide, fan_out) if tag == "w2" else (fan_in, wide)
-                entries += [
-                    (ft.lora_rank * fan_in, True, "lora_A"),
-                    (fan_out * ft.lora_rank, True, "lora_B"),
-                ]
-        if any(moe.is_expert_entry(e, job.spec) for e in u.entries):
-            entries += moe.adapter_entries(job.spec, ft)
-        out.append(Unit(u.name, tuple(entries), u.count))
-    return split_trainable(out)
-
-
 def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     """Peak bytes saved for backward on one rank of pipeline stage `stage`."""
     spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
@@ -157,17 +137,12 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
         a0, a1 = dict(job.act_lines)[layout.recompute]
         return a0 + a1 * b
     p, ft = layout.pp, job.finetune
-    lora = (ft.lora_targets, ft.lora_rank, bool(ft.lora_dropout))
     layers, first, last = job_split(job, layout)[stage]
-    if layout.recompute == "full":
-        per_layer = act.full_recompute_bytes(spec, s, b, c, t, layout.sp)
-    elif layout.recompute == "selective" and peers.of(job).selective_ops:
-        per_layer = act.layer_bytes(act.op_sac_terms(spec, s, b, c), t, layout.sp)
-    else:
-        terms = _block_terms(job, b)
-        if ft.lora:  # the base frozen, the adapters' own saved tensors
-            terms = act.lora_terms(terms, spec, s, b, c, *lora)
-        per_layer = act.layer_bytes(terms, t, layout.sp, layout.recompute == "selective")
+    blocks, targets = _layer_bytes(job, layout, ft.lora_targets) * layers, ft.lora_targets
+    first_adapted = 0  # the first adapted block
+    if ft.lora_layers:  # targets naming some blocks only (pp = 1: this stage holds all)
+        blocks, first_adapted = _adapted_blocks(job, layout)
+        targets = ft.lora_layers[first_adapted] if first_adapted < len(ft.lora_layers) else ()
     m = layout.micro_batches(job)
     held = act.in_flight(layout.pp_schedule, p, m, layout.pp_virtual, stage)
     fused = peers.of(job).fused_loss
@@ -175,8 +150,8 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     if ft.lora:  # the frozen head and final norm; the first block's input needs no gradient
         edges = act.lora_terms(edges, spec, s, b, c, (), ft.lora_rank, False)
         if first and layout.recompute != "full":  # (what it leaves out: per block family)
-            targets, drop = ft.lora_targets, bool(ft.lora_dropout)
-            edges += act.lora_first_block(spec, s, b, targets, drop, c, job.packed)
+            drop, alone = bool(ft.lora_dropout), last and first_adapted == layers - 1
+            edges += act.lora_first_block(spec, s, b, targets, drop, c, job.packed, alone)
     edge = act.layer_bytes(edges, t, layout.sp)
     # the loss and logits of the last stage: 1F1B and interleaved run each micro-batch's
     # backward right after its forward there (one held); GPipe runs all m forwards first and
@@ -187,7 +162,31 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     if peers.of(job).pp_stage_copies and p > 1:  # received and sent hidden states (peers)
         kept = (0 if first else 1) + (0 if last else 1)
         copies = kept * act.full_recompute_bytes(spec, s, b, c, t, layout.sp) * held
-    return per_layer * layers * held + edge * held_edge + copies
+    return blocks * held + edge * held_edge + copies
+
+
+def _layer_bytes(job: Job, layout: Layout, targets: tuple[str, ...]) -> float:
+    """Bytes one block saves for backward on one rank, with LoRA on `targets`."""
+    spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
+    ft = job.finetune
+    if layout.recompute == "full":
+        return act.full_recompute_bytes(spec, s, b, c, t, layout.sp)
+    if layout.recompute == "selective" and peers.of(job).selective_ops:
+        return act.layer_bytes(act.op_sac_terms(spec, s, b, c), t, layout.sp)
+    terms = _block_terms(job, b)
+    if ft.lora:  # the base frozen, the adapters' own saved tensors
+        terms = act.lora_terms(terms, spec, s, b, c, targets, ft.lora_rank, bool(ft.lora_dropout))
+    return act.layer_bytes(terms, t, layout.sp, layout.recompute == "selective")
+
+
+def _adapted_blocks(job: Job, layout: Layout) -> tuple[float, int]:
+    """(bytes all blocks save, the first adapted block) when LoRA adapts some blocks only:
+    each block by its own targets; without full recomputation the blocks before the first
+    adapted one save nothing (no input, weight or adapter there needs a gradient)."""
+    layers = job.finetune.lora_layers
+    first_adapted = next((i for i, tags in enumerate(layers) if tags), len(layers))
+    first_adapted = 0 if layout.recompute == "full" else first_adapted
+    return sum(_layer_bytes(job, layout, tags) for tags in layers[first_adapted:]), first_adapted
 
 
 def _block_terms(job: Job, b: int) -> tuple:

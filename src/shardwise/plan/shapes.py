@@ -117,6 +117,45 @@ def lora_tags(spec: ModelSpec, pattern: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(hits))
 
 
+def block_linear_paths(spec: ModelSpec, i: int) -> list[tuple[str, str]]:
+    """(path, planner's name) of block `i`'s linears a finetune.lora_targets pattern can name:
+    transformers' by their own paths (BlockShape.linear_paths, block 0's renumbered), ours as
+    models/decoder.py and models/moe.py name them (an MoE block's router and shared experts)."""
+    paths = family_of(spec).block.linear_paths
+    if paths:
+        prefix = paths[0][0].rsplit(".0.", 1)[0]  # "model.layers", "transformer.h"
+        return [(p.replace(f"{prefix}.0.", f"{prefix}.{i}.", 1), t) for p, t in paths]
+    moe = is_moe(spec) and (i + 1) % spec.moe_every == 0  # (models/moe.moe_blocks)
+    mlp = ["router", *(("w1", "w3", "w2") if spec.n_shared_experts else ())] if moe else []
+    out = [(f"blocks.{i}.attn.{t}", t) for t in ("wq", "wk", "wv", "wo")]
+    if moe:
+        return out + [(f"blocks.{i}.mlp.{'' if t == 'router' else 'shared.'}{t}", t) for t in mlp]
+    dense = ("w1", "w3", "w2") if family_of(spec).block.gated_mlp else ("w1", "w2")
+    return out + [(f"blocks.{i}.mlp.{t}", t) for t in dense]
+
+
+def _matches(path: str, pattern: str) -> bool:
+    """finetune/lora.py's rule: a pattern with '.' or a wildcard the whole path, else its
+    last part."""
+    if "." in pattern or any(c in pattern for c in "*?["):
+        return fnmatchcase(path, pattern)
+    return path.rpartition(".")[2] == pattern
+
+
+def layer_tags(spec: ModelSpec, patterns: list[str]) -> tuple[tuple[str, ...], ...]:
+    """The planner's names of the linears `patterns` adapt in each block; () when every block
+    has the same ones (then `FineTune.lora_targets` says which, for all of them)."""
+    out = tuple(
+        tuple(dict.fromkeys(t for p, t in block_linear_paths(spec, i) if _hit(p, patterns)))
+        for i in range(spec.n_layers)
+    )
+    return out if len(set(out)) > 1 else ()
+
+
+def _hit(path: str, patterns: list[str]) -> bool:
+    return any(_matches(path, pattern) for pattern in patterns)
+
+
 def linear_names(spec: ModelSpec) -> list[str]:
     """The names of a block's linears a finetune.lora_targets pattern can give."""
     paths = family_of(spec).block.linear_paths

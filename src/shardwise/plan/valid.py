@@ -4,12 +4,17 @@ keys of `plan`'s rejected table)."""
 
 from __future__ import annotations
 
+from shardwise.errors import ConfigError
 from shardwise.models.families import Family, family_of
 from shardwise.parallel.recompute import PLANS
 from shardwise.plan import peers
 from shardwise.plan.layout import Job, Layout
 
 RECOMPUTE = ("none", "selective", "full")
+# LoRA targets naming some blocks only are priced block by block in one stage, unsplit: the
+# tp traffic of adapters and of the first adapted block's entry, and a stage's blocks, are
+# priced for targets every block has
+SOME_BLOCKS = "tp/pp/cp with LoRA targets naming some blocks only"
 
 
 def recompute_modes(fam: Family) -> tuple[str, ...]:
@@ -43,8 +48,8 @@ def invalid(job: Job, lay: Layout) -> str | None:
         return "ep without routed experts"
     if lay.ep > 1 and ((lay.dp * lay.cp) % lay.ep or spec.n_experts % lay.ep):
         return "ep does not divide dp*cp and n_experts"
-    if job.act_lines and (lay.tp > 1 or lay.pp > 1):  # job/real.py
-        return "tp/pp searched for Llama-family and GPT-2 configs only"
+    if split := _split_refused(job, lay):
+        return split
     if job.act_lines and lay.recompute not in dict(job.act_lines):
         return f"recompute={lay.recompute} not available for this model"
     if not job.act_lines and lay.recompute not in recompute_modes(fam):
@@ -79,3 +84,31 @@ def invalid(job: Job, lay: Layout) -> str | None:
     if lay.cp > 1 and (spec.dropout or spec.attn_dropout or job.packed):
         return "cp with dropout or packed rows"
     return None
+
+
+def check_some_blocks(job: Job, lay: Layout, targets: str) -> None:
+    """Refuse pricing one layout (`explain`) with LoRA targets naming some blocks only under
+    tp, pp or cp (`SOME_BLOCKS`), naming the targets and the fix."""
+    if not _some_blocks_split(job, lay):
+        return
+    raise ConfigError(
+        f"finetune.lora_targets='{targets}' adapts some blocks only, which the planner prices "
+        f"in one unsplit stage, and this layout has tp={lay.tp}, pp={lay.pp}, cp={lay.cp}. "
+        "Fix: --parallel.tp=1 --parallel.pp=1 --parallel.cp=1 to predict it, or targets that "
+        "every block has (a linear's name such as wq, or a path with * for the block number, "
+        "such as blocks.*.attn.wq)."
+    )
+
+
+def _split_refused(job: Job, lay: Layout) -> str | None:
+    """Why a job priced in one unsplit stage cannot be priced in `lay` (tp, pp or cp > 1)."""
+    if _some_blocks_split(job, lay):
+        return SOME_BLOCKS
+    if job.act_lines and (lay.tp > 1 or lay.pp > 1):  # job/real.py
+        return "tp/pp searched for Llama-family and GPT-2 configs only"
+    return None
+
+
+def _some_blocks_split(job: Job, lay: Layout) -> bool:
+    """LoRA targets naming some blocks only (`FineTune.lora_layers`) in a split layout."""
+    return bool(job.finetune.lora_layers) and (lay.tp > 1 or lay.pp > 1 or lay.cp > 1)

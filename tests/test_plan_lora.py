@@ -1,0 +1,196 @@
+"""The planner's LoRA coverage beyond targets every block has: targets naming some blocks only
+(`blocks.1.attn.wq`, transformers' `transformer.h.1.attn.c_attn`), the first adapted block's
+saved tensors when its first adapter is the output projection or the MLP (with and without
+LoRA dropout), and the frozen base of an adapted MoE router under finetune.base_quant.
+
+`plan`'s per-candidate prediction (the formula; an MoE decoder's from its real units and fake
+forwards, as `plan` prices it) against `explain` (the real model's units and, for
+transformers' classes, its fake forward), against the engine's saved-tensor meter on the
+adapted model's fake forward, and against measured one- and two-process runs: byte for byte
+in every category where both sides are exact (an MoE run's activations follow its routing:
+only its model states and buffers are compared there)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+pytest.importorskip("peft")
+
+from shardwise.cli.main import main
+from shardwise.config import load_config
+from shardwise.errors import ConfigError
+from shardwise.job.describe import job_from_config, layout_from_config
+from shardwise.job.explain import explain_record
+from shardwise.job.fake import fake_activations, local_config, meta_model, to_fake
+from shardwise.launchers.harness import run_named_worlds
+from shardwise.plan.hardware import get_hardware
+from shardwise.plan.search import evaluate
+from shardwise.plan.valid import SOME_BLOCKS
+from shardwise.training.validate import derive
+from support.compare import case
+
+CPU = get_hardware("cpu", calibrate=False)
+LORA = ["--finetune.lora_rank=4", "--train.steps=1"]
+DROP = ["--finetune.lora_dropout=0.1"]
+STATES = ("params", "grads", "master", "optimizer", "buffers")
+MOE = ["--model.name=moe-tiny", "--model.n_layers=2", "--finetune.lora_targets=router,wq"]
+GPT2_BLOCK1 = ["--model.name=hf-gpt2-tiny", "--finetune.lora_targets=transformer.h.1.attn.c_attn"]
+
+
+def _formula(cfg, ranks: int) -> dict:
+    """`plan`'s prediction of exactly this config (cli/plan.py: an MoE decoder from its real
+    units and fake forwards at one and two samples, job/real.py)."""
+    d = derive(cfg, ranks)
+    job = job_from_config(cfg, CPU, ranks, d.spec)
+    if d.spec.n_experts:
+        from shardwise.job.real import real_job
+
+        job = real_job(job, cfg)
+    return evaluate(job, layout_from_config(cfg, d))["mem_bytes"]
+
+
+def _metered(cfg) -> int:
+    """The engine's saved-tensor meter on the adapted model's fake forward (one process)."""
+    d = derive(cfg, 1)
+    model = meta_model(cfg, d.spec)
+    with FakeTensorMode():
+        to_fake(model)
+        return fake_activations(model, local_config(cfg, 1), d)
+
+
+@pytest.mark.parametrize("drop", [[], DROP], ids=["", "dropout"])
+@pytest.mark.parametrize(
+    ("name", "targets"),
+    [
+        *(("tiny", t) for t in ("wq", "wv", "wo", "w1", "w3", "w2", "wo,w2")),
+        *(("gpt2-tiny", t) for t in ("wv", "wo", "w1", "w2")),
+        # some blocks only: the blocks before the first adapted one save nothing
+        *(("tiny", t) for t in ("blocks.1.attn.wq", "blocks.0.mlp.w2", "blocks.[12].attn.wo,w1")),
+        ("tiny-bf16", "wo"),
+        ("tiny-bf16", "blocks.2.mlp.w3"),
+        ("tiny-resid", "w1"),  # residual and embedding dropout: no masks without a gradient
+    ],
+)
+def test_our_blocks_formula_is_the_engine_meter(name, targets, drop):
+    """Our decoders' activations by formula equal the meter on the adapted model's fake
+    forward: the first adapted block saves nothing before its first adapter's input (norms,
+    attention, RoPE tables of an unadapted q or k), no mask for that adapter's dropout, no
+    SDPA output when that input is wo's; a gated MLP with one of its two linears adapted keeps
+    one factor; the frozen embedding saves no ids and no dropout mask."""
+    extra = {"tiny-bf16": ["--precision.compute=bf16"], "tiny-resid": ["--model.dropout=0.1"]}
+    model = name.split("-")[0] if name.startswith("tiny") else name
+    over = [f"--model.name={model}", "--model.n_layers=3", f"--finetune.lora_targets={targets}"]
+    cfg = load_config(None, case(*LORA, *over, *extra.get(name, []), *drop)["overrides"])
+    assert _formula(cfg, 1)["activations"] == _metered(cfg)
+
+
+@pytest.mark.parametrize(
+    ("name", "targets", "extra"),
+    [
+        ("hf-gpt2-tiny", "transformer.h.1.attn.c_attn", []),
+        ("hf-gpt2-tiny", "transformer.h.1.attn.c_attn", DROP),
+        ("hf-gpt2-tiny", "transformer.h.0.mlp.c_proj", ["--precision.compute=bf16"]),
+        ("hf-gpt2-tiny", "transformer.h.[12].attn.c_attn,c_fc", ["--parallel.zero=3"]),
+        ("hf-llama-tiny", "model.layers.1.self_attn.q_proj", DROP),
+        # o_proj of the last layer only: no rotation anywhere has a gradient (no RoPE tables)
+        ("hf-llama-tiny", "model.layers.2.self_attn.o_proj", []),
+        ("hf-llama-tiny", "model.layers.0.mlp.down_proj,model.layers.2.mlp.up_proj", []),
+        ("tiny", "blocks.1.attn.wo,blocks.2.mlp.w1", ["--finetune.base_quant=nf4"]),
+        ("tiny", "blocks.0.attn.wq,blocks.2.attn.wv", ["--parallel.zero=3", *DROP]),
+    ],
+)
+def test_some_blocks_formula_is_explain(name, targets, extra):
+    """Targets naming some blocks only, which `plan` refused on transformers' presets and
+    priced on every block of ours: the formula (units block by block, a quantised base only
+    where adapted, each block's saved tensors by its own targets) equals `explain` of the real
+    model in every category, on one process or two (ZeRO-3)."""
+    if name.startswith("hf-"):
+        pytest.importorskip("transformers")
+    ranks = 2 if "--parallel.zero=3" in extra else 1
+    shape = ["--model.n_layers=3", "--data.seq_len=32", "--train.global_batch=8"]
+    over = [f"--model.name={name}", *shape, "--train.micro_batch=4", *LORA, *extra]
+    cfg = load_config(None, [*over, f"--finetune.lora_targets={targets}"])
+    assert _formula(cfg, ranks) == explain_record(cfg, ranks, CPU)["mem_bytes"]
+
+
+def _measured_cases() -> dict[int, dict[str, dict]]:
+    one = {
+        "wo_drop": case(*LORA, *DROP, "--finetune.lora_targets=wo"),
+        "w1_drop": case(*LORA, *DROP, "--finetune.lora_targets=w1"),
+        "w2_drop": case(*LORA, *DROP, "--finetune.lora_targets=w2"),
+        "block1_nf4": case(
+            *LORA, "--finetune.lora_targets=blocks.1.attn.wo", "--finetune.base_quant=nf4"
+        ),
+        "gpt2_block1": case(*LORA, *GPT2_BLOCK1),
+        "moe_nf4": case(*LORA, *MOE, "--finetune.base_quant=nf4"),
+        "moe_int8": case(*LORA, *MOE, "--finetune.base_quant=int8"),
+    }
+    z3 = "--parallel.zero=3"
+    two = {
+        "block1_z3": case(*LORA, *DROP, "--finetune.lora_targets=blocks.1.mlp.w1", z3),
+        "moe_nf4_z3": case(*LORA, *MOE, "--finetune.base_quant=nf4", z3),
+        # tp: each rank's first block saves its share only from wo's dropped input on
+        "tp2_wo_drop": case(*LORA, *DROP, "--finetune.lora_targets=wo", "--parallel.tp=2"),
+    }
+    return {1: one, 2: two}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    pytest.importorskip("transformers")
+    pytest.importorskip("bitsandbytes")
+    cases = _measured_cases()
+    return cases, run_named_worlds(cases)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "name"),
+    [(1, n) for n in _measured_cases()[1]] + [(2, n) for n in _measured_cases()[2]],
+)
+def test_formula_explain_and_a_measured_run_agree(runs, ranks, name):
+    """The formula, `explain` and a measured run (max over ranks) agree byte for byte: the
+    model states and buffers (an adapted MoE router's base quantised as the engine quantises
+    every adapted linear's: outside the ZeRO units, split under ZeRO-3) and, for our decoders
+    and transformers' GPT-2, the activations the engine's saved-tensor hooks counted."""
+    cases, results = runs
+    cfg = load_config(None, cases[ranks][name]["overrides"])
+    formula, told = _formula(cfg, ranks), explain_record(cfg, ranks, CPU)["mem_bytes"]
+    ran = [r["records"][-1]["mem_bytes"] for r in results[ranks][name]]
+    keys = STATES if name.startswith("moe") else (*STATES, "activations")
+    for key in keys:
+        measured = max(r[key] for r in ran)
+        assert formula[key] == told[key] == measured, (key, formula[key], told[key], measured)
+
+
+def test_some_blocks_are_priced_in_one_unsplit_stage():
+    """Targets naming some blocks only are priced at tp = pp = cp = 1: `plan` offers no other
+    layout (counting why), and `explain` of one refuses with the targets and the fix."""
+    over = ["--model.name=tiny", *LORA, "--finetune.lora_targets=blocks.1.attn.wq"]
+    with pytest.raises(ConfigError) as err:
+        explain_record(load_config(None, [*over, "--parallel.tp=2"]), 2, CPU)
+    text = str(err.value)
+    assert "finetune.lora_targets='blocks.1.attn.wq'" in text and "tp=2" in text, text
+    assert "--parallel.tp=1" in text and "blocks.*.attn.wq" in text, text
+
+
+def test_plan_prices_some_blocks_and_refuses_a_pattern_that_matches_none(capsys):
+    """`plan` on transformers' GPT-2 with a one-layer target: candidates at tp = pp = 1 only,
+    the rest rejected for it; a layer the model lacks is refused naming the pattern."""
+    pytest.importorskip("transformers")
+    args = ["plan", "--hardware", "h100", "--devices", "2", "--model", "hf-gpt2-tiny"]
+    lora = ["--finetune.lora_rank=4", "--model.n_layers=2", "--json", "--top", "100"]
+    assert main([*args, *lora, "--finetune.lora_targets=transformer.h.1.attn.c_attn"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["candidates"]
+    assert all(c["tp"] == 1 and c["pp"] == 1 for c in out["candidates"])
+    assert SOME_BLOCKS in out["rejected"], out["rejected"]
+    assert main([*args, *lora, "--finetune.lora_targets=transformer.h.7.attn.c_attn"]) == 2
+    err = capsys.readouterr().err
+    assert "finetune.lora_targets pattern 'transformer.h.7.attn.c_attn'" in err, err
+    ours = ["plan", "--hardware", "h100", "--devices", "2", "--model", "tiny"]
+    assert main([*ours, *lora, "--finetune.lora_targets=blocks.7.attn.wq"]) == 2
+    err = capsys.readouterr().err
+    assert "finetune.lora_targets pattern 'blocks.7.attn.wq'" in err, err
