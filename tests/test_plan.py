@@ -538,3 +538,17 @@ def test_nvme_offload_is_planned_where_a_disk_is_declared_and_priced_by_it(capsy
     result = search(Job(preset("1b"), hw, 1, seq_len=1024, global_batch=8))
     assert not result.candidates
     assert result.rejected["NVMe over budget (--hardware.nvme_bytes)"] > 0
+
+
+def test_the_meter_counts_a_storage_freed_within_the_forward_and_the_next_one_apart():
+    """A branch whose graph the forward drops (a router's top-k values of which only the
+    indices are kept) frees what it saved before the forward ends, and the allocator may give
+    the next storage the same address. Each of 16 such branches saves its own 100 fp32 values
+    (the weight is a parameter, not counted): 16 x 400 bytes, whatever the allocator reuses.
+    Keyed by a bare address, the meter took most of them for one already seen."""
+    weight = torch.nn.Parameter(torch.ones(100))
+    meter = ActivationMeter(torch.nn.ParameterList([weight]))
+    with meter.measure():
+        for i in range(16):
+            (torch.full((100,), float(i)) * weight).sum()  # saves the row; graph dropped
+    assert meter.take_peak() == 16 * 100 * 4
