@@ -8,8 +8,8 @@ straight from those tensors, as transformers' loader merges them. Checked: the l
 `from_pretrained`'s, dp2 ZeRO-0 and ZeRO-3 reproduce one process (losses, parameters and expert
 loads), ZeRO-3 units are the decoder layers with their experts, explain counts them exactly,
 LoRA on the attention projections, the export reloads in transformers with our logits, and
-what is not built (tp, pp, shardwise's balance keys) is refused; LoRA on the experts is
-tests/test_moe_lora.py's."""
+what is not built (tp, the zero-bubble schedule, shardwise's balance keys) is refused; LoRA on
+the experts is tests/test_moe_lora.py's, pipeline stages tests/test_hf_moe_parallel.py's."""
 
 from __future__ import annotations
 
@@ -285,25 +285,46 @@ def test_the_lora_export_merges_into_a_model_transformers_loads(world, runs, tmp
 @pytest.mark.parametrize(
     ("extra", "world_size", "message"),
     [
-        (["--parallel.tp=2"], 2, r"MixtralForCausalLM publishes a plan with entries"),
-        (["--parallel.pp=2", "--train.micro_batch=2"], 2, r"parallel.pp=2: a 'mixtral' model"),
+        (["--parallel.tp=2"], 2, r"parallel.tp=2 with a Hugging Face MoE .*needs parallel.sp=true"),
+        (
+            ["--parallel.tp=2", "--parallel.sp=true", "--parallel.pp=2", "--train.micro_batch=2"],
+            4,
+            r"parallel.sp=true with parallel.pp=2 is not built .*Fix:",
+        ),
+        (
+            ["--parallel.tp=2", "--parallel.sp=true", "--data.pack=true"],
+            2,
+            r"data.pack=true with parallel.sp=true is not built .*Fix: --data.pack=false",
+        ),
+        (
+            ["--parallel.pp=2", "--train.micro_batch=2", "--parallel.pp_schedule=zb"],
+            2,
+            r"pp_schedule='zb' with routed experts \(the checkpoint's num_local_experts=4\)",
+        ),
         (["--train.moe_aux_loss=0.01"], 1, r"train.moe_aux_loss applies to shardwise's own"),
         (["--train.moe_bias_balance=0.001"], 1, r"train.moe_bias_balance applies"),
         (["--model.n_experts=8"], 1, r"model.n_experts applies to shardwise's own MoE"),
     ],
 )
 def test_what_is_not_built_is_refused_with_the_key(world, extra, world_size, message):
-    """Tensor parallelism (the published plan splits experts with `moe_tp_experts` and
-    `packed_colwise`, which the engine does not apply), pipeline stages (the MoE forward is not
-    cut) and shardwise's balance keys (their routers are the checkpoint's) stop before
-    launch. (LoRA on the stacked experts trains: tests/test_moe_lora.py.)"""
+    """Tensor parallelism without sequence parallelism (the experts stay whole, so every tp
+    rank would compute every token's experts), tp + sp over pipeline stages (a stage numbers
+    positions from its own s/tp tokens) or on packed rows (their positions are per record),
+    the zero-bubble pipeline schedule (its
+    split backward is not checked with routed experts; 1F1B, GPipe and interleaved stages run:
+    tests/test_hf_moe_parallel.py) and shardwise's balance keys (their routers are the checkpoint's)
+    stop before launch. (tp + sp and pp run: tests/test_hf_moe_parallel.py; LoRA on the
+    stacked experts trains: tests/test_moe_lora.py.)"""
     with pytest.raises(ConfigError, match=message):
         derive(load_config(None, _lm(world, "mixtral", *extra)), world_size)
 
 
-def test_olmoe_has_no_pipeline_plan_and_is_refused(world):
-    """OLMoE publishes no base_model_pp_plan and a tp plan of gathered outputs: both refused."""
-    with pytest.raises(ConfigError, match=r"parallel.pp=2: a 'olmoe' model"):
-        derive(load_config(None, _lm(world, "olmoe", "--parallel.pp=2")), 2)
+def test_olmoe_and_qwen3_moe_tp_is_refused(world):
+    """OLMoE publishes a tp plan of gathered outputs (its q/k norms span every head), Qwen3-MoE
+    one with `replicated_with_grad_allreduce` norms: both refused with sp too. (OLMoE publishes
+    no base_model_pp_plan either, but its stages are Llama's: pp runs.)"""
+    sp = ["--parallel.tp=2", "--parallel.sp=true"]
     with pytest.raises(ConfigError, match=r"OlmoeForCausalLM publishes a plan with entries"):
-        derive(load_config(None, _lm(world, "olmoe", "--parallel.tp=2")), 2)
+        derive(load_config(None, _lm(world, "olmoe", *sp)), 2)
+    with pytest.raises(ConfigError, match=r"Qwen3MoeForCausalLM publishes a plan with entries"):
+        derive(load_config(None, _lm(world, "qwen3_moe", *sp)), 2)

@@ -310,7 +310,8 @@ class ParallelConfig:
         "the data-parallel line (dividing world / (tp * pp) and model.n_experts), tokens "
         "exchanged by all-to-all; expert gradients reduced over the world / (pp * ep) ranks "
         "holding the same experts (tp ranks included: tp leaves the experts whole). MoE "
-        "decoder (with pp, and tp with sp) and Hugging Face MoE checkpoints (tp = pp = 1).",
+        "decoder (with pp, and tp with sp) and Hugging Face MoE checkpoints (with pp for "
+        "Mixtral, Qwen2-MoE and OLMoE; tp with sp for Mixtral and Qwen2-MoE).",
     )
     bucket_mb: float = opt(
         25.0, "Gradient bucket size in MB for the overlapped all-reduce (25 MB, like PyTorch DDP)."

@@ -12,7 +12,9 @@ from shardwise.models.hf.experts import experts_modules, routers
 from shardwise.models.presets import ModelSpec
 from shardwise.parallel.expert import is_expert_weight
 from shardwise.parallel.zero_units import unit_roots
+from shardwise.plan.layout import Job, Layout
 from shardwise.plan.shapes import Unit, split_trainable
+from shardwise.plan.traffic import ring_share
 
 
 def expert_units(model: torch.nn.Module, ep: int) -> tuple[list[Unit], list[Unit]]:
@@ -56,3 +58,29 @@ def routed_spec(spec: ModelSpec, model: torch.nn.Module) -> ModelSpec:
     every = max(1, spec.n_layers // len(layers))
     k = int(routing[0].top_k)
     return dataclasses.replace(spec, n_experts=int(layers[0].num_experts), top_k=k, moe_every=every)
+
+
+def whole_moe_tp(comm: dict, calls: dict, job: Job, layout: Layout, model: torch.nn.Module) -> None:
+    """tp + sp of a transformers MoE model (`comm`, `calls`: plan/traffic's, which prices its
+    blocks as dense): its MoE MLPs run whole on each rank's sequence shard (parallel/tensor.py
+    drops their plan entries), so no all-gather/reduce-scatter pair around them forward
+    (replayed under full recomputation) or backward, and their parameters' gradients (the
+    router, shared experts and, without ep, the experts) join the partial all-reduce over tp.
+    Ours are priced in plan/traffic.py (its spec has n_experts)."""
+    held = {id(r) for r in routers(model)}
+    blocks = [m for m in model.modules() if any(id(c) in held for c in m.children())]
+    if layout.tp == 1 or not layout.sp or job.spec.n_experts or not blocks:
+        return
+    m, t, n = layout.micro_batches(job), layout.tp, len(blocks)
+    act = layout.micro_batch * job.seq_len * job.spec.dim * job.bc
+    pairs = 2 + (layout.recompute == "full")  # forward, backward, a replayed forward
+    comm["tp"] -= ring_share(t) * m * act * 2 * pairs * n
+    calls["tp"] -= m * 2 * pairs * n
+    whole = [
+        p.numel()
+        for block in blocks
+        for module in block.modules()
+        for leaf, p in module.named_parameters(recurse=False)
+        if layout.ep == 1 or not is_expert_weight(module, leaf)
+    ]
+    comm["tp"] += 2 * ring_share(t) * sum(whole) * 4  # fp32 master gradients, once a step

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardwise.job.experts import in_forward_order, routed_spec
+from shardwise.job.experts import in_forward_order, routed_spec, whole_moe_tp
 from shardwise.plan import compression, moe, traffic
 from shardwise.plan import memory as mem
 from shardwise.plan.activations_hf import repeated_heads
@@ -126,6 +126,7 @@ def predict_measured(
     # data-parallel traffic and calls from the real units (of tp rank 0's shard)
     real = dataclasses.replace(job, frozen=tuple(dense))
     comm, calls = traffic.traffic(real, layout), traffic.collective_calls(real, layout)
+    whole_moe_tp(comm, calls, job, layout, model)  # a transformers class's MoE MLPs under tp
     if experts:  # the expert units' reduction over their holders, counted under dp
         expert_traffic(comm, calls, job, layout, experts)
     if asked.ep > 1:  # the token exchange, at balanced routing (traffic.ep_traffic)

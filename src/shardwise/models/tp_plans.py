@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.models.hf.experts import computes_experts
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -84,10 +85,12 @@ _HF_KINDS = {
 }
 
 
-def hf_plan(model: nn.Module) -> TPPlan:
-    """The plan a Hugging Face model publishes (fully qualified in `model._tp_plan`), with
-    k/v projections marked as such (the published plan splits them like any column)."""
-    published = getattr(model, "_tp_plan", None) or {}
+def hf_plan(model: nn.Module, published: dict[str, str] | None = None) -> TPPlan:
+    """The plan a Hugging Face model publishes (fully qualified in `model._tp_plan`; or the
+    entries `published` of it), with k/v projections marked as such (the published plan splits
+    them like any column)."""
+    if published is None:
+        published = getattr(model, "_tp_plan", None) or {}
     if not published:
         return HF_GPT2
     rules: dict[str, str] = {}
@@ -109,6 +112,9 @@ def checkpoint_plan(model: nn.Module) -> TPPlan:
     model_type = getattr(getattr(model, "config", None), "model_type", "")
     if not published and model_type == "gpt2":
         return HF_GPT2
+    moe = computes_experts(model)
+    if moe:  # the experts stay whole on every tp rank (Megatron-Core's expert tp size 1)
+        published = {p: k for p, k in published.items() if "experts" not in p.split(".")}
     inner = [p for p, kind in published.items() if kind == "colwise_gather_output" and "." in p]
     unknown = sorted({kind for kind in published.values() if kind not in _HF_KINDS})
     why = ""
@@ -123,7 +129,9 @@ def checkpoint_plan(model: nn.Module) -> TPPlan:
     why = why or _foreign_layers(model, published)
     if why:
         raise ConfigError(f"{type(model).__name__} {why}. Fix: --parallel.tp=1 (DP and ZeRO).")
-    return hf_plan(model)
+    plan = hf_plan(model, published)
+    # an MoE class's experts compute each rank's sequence shard (sp: required, checks.py)
+    return TPPlan(plan.rules, sequence_parallel=True) if moe else plan
 
 
 def _foreign_layers(model: nn.Module, published: dict[str, str]) -> str:

@@ -29,7 +29,7 @@ from shardwise.distributed.comm import Comm
 from shardwise.errors import ConfigError
 from shardwise.models.expert_lora import PARTS, ExpertAdapters, expert_adapters
 from shardwise.models.families.base import Family
-from shardwise.models.hf.experts import experts_modules, stacked_weights
+from shardwise.models.hf.experts import experts_modules, routers, stacked_weights
 from shardwise.models.init import LocalSlice, canonical_name
 from shardwise.models.moe import MoE, moe_layers
 from shardwise.models.presets import ModelSpec
@@ -134,6 +134,8 @@ def apply_sequence_shards(model: nn.Module, comm: Comm, sp: bool) -> None:
     shards = SequenceShards(comm)
     for layer in moe_layers(model):
         layer.shards = shards
+    for router in routers(model):  # a transformers class's: its loads are summed over tp
+        router.shards = shards
 
 
 def _expert_layers(model: nn.Module) -> list[tuple[nn.Module, int, tuple[str, ...]]]:
@@ -181,12 +183,6 @@ def check_expert_parallel(cfg: Config, spec: ModelSpec, family: Family, shared: 
     elif shared % ep:
         why = f"it must divide the {shared} ranks sharing the dense parameters (world / (tp * pp))"
         fix = f" Fix: an ep dividing {shared}, or another world size."
-    elif (p.tp > 1 or p.pp > 1) and family.from_checkpoint:
-        why = (
-            f"expert parallelism with parallel.tp={p.tp} and parallel.pp={p.pp} is built for "
-            "the built-in MoE decoder only, not yet for a Hugging Face MoE checkpoint's layers"
-        )
-        fix = " Fix: --parallel.tp=1 --parallel.pp=1, or --parallel.ep=1."
     elif p.grad_compression != "none":
         why = (
             f"parallel.grad_compression={p.grad_compression} is not built for the expert "

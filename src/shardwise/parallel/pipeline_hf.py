@@ -24,11 +24,21 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.models.hf.experts import number_routers
 from shardwise.parallel.context_hf import CONTEXT, CONTEXT_HOLDER
 
 # model_type -> its base forward is exactly its published plan plus rotary positions; each
-# checked against one process (tests/test_hf_models.py)
-PIPELINE_TYPES = ("llama", "mistral", "qwen2", "phi3", "gpt_neox")
+# checked against one process (tests/test_hf_models.py; MoE: tests/test_hf_moe_parallel.py)
+PIPELINE_TYPES = ("llama", "mistral", "qwen2", "phi3", "gpt_neox", "mixtral", "qwen2_moe", "olmoe")
+
+# OLMoE publishes no base_model_pp_plan, yet its base forward is Llama's (embedding, rotary
+# positions, the layers, the final norm): the plan Llama publishes describes it
+_LLAMA_STAGES = {
+    "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+    "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+    "norm": (["hidden_states"], ["hidden_states"]),
+}
+_UNPUBLISHED = {"olmoe": _LLAMA_STAGES}
 
 
 def check_hf_pipeline(model_type: str, tied: bool, pp: int) -> None:
@@ -50,7 +60,7 @@ def check_hf_pipeline(model_type: str, tied: bool, pp: int) -> None:
 
 def _plan(base: nn.Module) -> tuple[list[str], str, list[str]]:
     """(modules before the layers, the layers' name, modules after) of the published plan."""
-    plan = base.config.base_model_pp_plan
+    plan = base.config.base_model_pp_plan or _UNPUBLISHED.get(base.config.model_type)
     names = list(plan)
     layers = next(n for n, (inputs, _) in plan.items() if "attention_mask" in inputs)
     i = names.index(layers)
@@ -128,6 +138,7 @@ def prune_hf(model: nn.Module, spec, keep: set[int], first: bool, last: bool) ->
     the head on the last) of a meta causal LM, in place; layers keep their names."""
     base = model.base_model
     before, layers, after = _plan(base)
+    number_routers(model)  # the MoE rows of the whole model, before the stage drops layers
     blocks = getattr(base, layers)
     setattr(base, layers, nn.ModuleDict({str(i): m for i, m in enumerate(blocks) if i in keep}))
     if not first:

@@ -319,7 +319,25 @@ def apply_tensor_parallel(
             m.shard = (s.r, t)
     s.finish()
     _fix_counts(model, plan, t, modules)
+    if sp:
+        _whole_positions(model)
     return s.state
+
+
+def _whole_positions(model: nn.Module) -> None:
+    """A transformers model numbers its positions (RoPE) from its embedding's output, which
+    sequence parallelism leaves at s/t tokens, while its attention sees all s (gathered): hand
+    its forward the whole sequence's positions. Its causal mask stays SDPA's is_causal (none
+    is built for an unpadded batch), taken over the gathered sequence."""
+    if not hasattr(model, "set_attn_implementation"):  # not a transformers model
+        return
+
+    def hook(_model, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        kwargs["position_ids"] = torch.arange(ids.shape[1], device=ids.device)[None]
+        return args, kwargs
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _fix_counts(model: nn.Module, plan: TPPlan, t: int, modules: dict) -> None:

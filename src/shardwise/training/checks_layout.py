@@ -58,21 +58,26 @@ def _check_pipeline_model(cfg: Config, spec: ModelSpec, family: Family, pp: int)
             f"the pipeline schedule (parallel.pp={pp}) loads its own when a stage needs them. "
             "Fix: --data.prefetch=0 with parallel.pp > 1."
         )
+    experts, key = spec.n_experts, "model.n_experts"
     if family.pipeline == "checkpoint":  # cut as its base_model_pp_plan says
         from shardwise.models.hf.auto import read_hf_config
+        from shardwise.parallel.expert import checkpoint_experts
         from shardwise.parallel.pipeline_hf import check_hf_pipeline
 
         check_hf_pipeline(read_hf_config(spec.source).model_type, spec.tie_embeddings, pp)
+        if family.expert_parallel:  # a transformers MoE class: its config counts the experts
+            experts, key = checkpoint_experts(spec.source)
     elif family.pipeline == "none":
         raise ConfigError(
             f"parallel.pp={pp}: pipeline parallelism cuts the blocks of shardwise's own "
             f"decoders and model.name='{cfg.model.name}' is {family.kind}. Fix: --parallel.pp=1."
         )
-    if spec.n_experts and cfg.parallel.pp_schedule == "zb":  # its split backward defers
-        # weight gradients the balance loss's backward (models/moe.py) is not routed through
+    if experts and cfg.parallel.pp_schedule == "zb":  # its split backward defers weight
+        # gradients; neither the balance loss's backward (models/moe.py) nor the stacked experts
+        # of transformers' classes (not linear layers) are checked through it
         raise ConfigError(
-            f"parallel.pp_schedule='zb' with an MoE decoder (model.n_experts={spec.n_experts}) "
-            "is not built: the zero-bubble backward split is not checked with routed experts. "
+            f"parallel.pp_schedule='zb' with routed experts ({key}={experts}) is not built: "
+            "the zero-bubble backward split is not checked with routed experts. "
             "Fix: --parallel.pp_schedule=1f1b (or gpipe, interleaved)."
         )
 
@@ -138,17 +143,52 @@ def check_tensor_parallel(spec: ModelSpec, family: Family, cfg: Config) -> None:
             f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={tp}: sequence "
             f"parallelism splits the sequence over the tp ranks. Fix: a multiple of {tp}."
         )
-    if spec.n_experts and not sp:  # the experts are whole on every tp rank (parallel/expert.py)
+    experts, what = spec.n_experts, f"an MoE decoder (model.n_experts={spec.n_experts})"
+    if family.from_checkpoint and family.expert_parallel:  # a transformers MoE class
+        from shardwise.parallel.expert import checkpoint_experts
+
+        experts, key = checkpoint_experts(spec.source)
+        what = f"a Hugging Face MoE checkpoint ({key}={experts})"
+    if experts and not sp:  # the experts are whole on every tp rank (parallel/expert.py)
         raise ConfigError(
-            f"parallel.tp={tp} with an MoE decoder (model.n_experts={spec.n_experts}) needs "
+            f"parallel.tp={tp} with {what} needs "
             "parallel.sp=true: tensor parallelism leaves the experts whole, so without sequence "
             "parallelism every tp rank would compute every token's experts. Fix: "
             "--parallel.sp=true, or --parallel.tp=1."
         )
-    if sp and not family.sequence_parallel:
+    if sp and family.sp_model_types and experts:  # its forward takes the whole positions
+        _check_checkpoint_sp(spec, family, cfg)
+    elif sp and not family.sequence_parallel:
         raise ConfigError(
             f"parallel.sp=true is not available for {cfg.model.name}: Hugging Face models build "
             "positions and masks from the local sequence length. Fix: --parallel.sp=false."
+        )
+
+
+def _check_checkpoint_sp(spec: ModelSpec, family: Family, cfg: Config) -> None:
+    """tp + sp of a transformers MoE class: the model types checked against one process, not
+    over pipeline stages (a stage's layers number positions from their own input) nor on
+    packed rows (parallel/tensor.py hands the forward plain positions)."""
+    from shardwise.models.hf.auto import read_hf_config
+
+    model_type, pp = read_hf_config(spec.source).model_type, cfg.parallel.pp
+    if model_type not in family.sp_model_types:
+        raise ConfigError(
+            f"parallel.sp=true is not available for a '{model_type}' checkpoint: sequence "
+            f"parallelism runs transformers' {', '.join(family.sp_model_types)} MoE classes. "
+            "Fix: --parallel.tp=1 (data, ZeRO, expert and pipeline parallelism split it)."
+        )
+    if pp > 1:
+        raise ConfigError(
+            f"parallel.sp=true with parallel.pp={pp} is not built for a Hugging Face MoE "
+            "checkpoint: its stages would number positions from their s/tp tokens. Fix: "
+            "--parallel.pp=1 (tp + sp), or --parallel.tp=1 (pp)."
+        )
+    if cfg.data.pack:  # packed rows carry their positions within records, the hook does not
+        raise ConfigError(
+            "data.pack=true with parallel.sp=true is not built for a Hugging Face MoE "
+            "checkpoint: sequence parallelism hands its forward plain positions 0..s-1, not "
+            "each record's. Fix: --data.pack=false, or --parallel.tp=1."
         )
 
 

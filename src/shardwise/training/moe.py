@@ -50,13 +50,21 @@ class ExpertTally:
         n_rows, width = len(self.layers), self.layers[0].n_experts + 3 if self.layers else 0
         if isinstance(model, MoEDecoder):  # (a pipeline stage's part of one)
             n_rows, width = moe_layer_count(model.spec), model.spec.n_experts + 3
+        elif hasattr(model, "moe_table"):  # a stage of a transformers MoE model (pipeline_hf)
+            n_rows, width = model.moe_table
+            self.balance = False  # its routers' loads only, also on a stage holding none
         self.sums = torch.zeros(n_rows, width, dtype=torch.float64)
 
     def _take(self, scope: list[nn.Module] | None) -> list[torch.Tensor]:
         """Tally the forward of the layers inside the modules `scope` (None: all of them);
         returns their balance terms (the graphs are the caller's now)."""
         inside = None if scope is None else {id(m) for s in scope for m in s.modules()}
-        mine = [i for i, layer in enumerate(self.layers) if inside is None or id(layer) in inside]
+        # a transformers router's statistics are found by the router they read
+        mine = [
+            i
+            for i, layer in enumerate(self.layers)
+            if inside is None or id(getattr(layer, "router", layer)) in inside
+        ]
         if not mine:
             return []
         last = torch.stack([self.layers[i].last for i in mine])

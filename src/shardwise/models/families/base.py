@@ -60,6 +60,10 @@ class Family:
     tensor_parallel: Literal["plan", "checkpoint", "none"] = "plan"
     tp_refusal: str = ""  # why tp > 1 is refused ({name}: model.name, {tp}: the degree)
     sequence_parallel: bool = False
+    # for a checkpoint's class: the config model_types with routed experts whose forward runs
+    # sequence-parallel (each tp rank's experts compute its shard; parallel/tensor.py hands
+    # the forward the whole sequence's positions), each checked against one process
+    sp_model_types: tuple[str, ...] = ()
     grouped_query: bool = True  # k/v heads may be fewer than query heads
     pipeline: Literal["blocks", "checkpoint", "none"] = "none"
     packs_rows: bool = True  # masks attention per record (data.pack)

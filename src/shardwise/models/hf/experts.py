@@ -113,6 +113,19 @@ def routers(model: nn.Module) -> list[nn.Module]:
     return []
 
 
+def number_routers(model: nn.Module) -> None:
+    """Before a pipeline stage prunes the whole model's layers: give each router its row in the
+    whole model's table (`moe_row`, in forward order) and the model the table's shape
+    (`moe_table`: rows, experts + 3), so that every stage, one holding no router too, tallies
+    into rows the stages can sum (training/moe.py)."""
+    found = routers(model)
+    if not found or not all(hasattr(r, "num_experts") and hasattr(r, "top_k") for r in found):
+        return
+    for row, router in enumerate(found):
+        router.moe_row = row
+    model.moe_table = (len(found), int(found[0].num_experts) + 3)
+
+
 class RouterStat:
     """One router's statistics in the shape training/moe.py tallies for shardwise's own MoE
     layers: `last` [E + 3] (per-expert top-k choices of the latest forward, then dropped
@@ -124,6 +137,11 @@ class RouterStat:
 
     def __init__(self, router: nn.Module) -> None:
         self.n_experts, self.top_k = int(router.num_experts), int(router.top_k)
+        self.router = router  # a pipeline chunk tallies the routers inside it (training/moe.py)
+        # under tp + sp (parallel/expert.py): it counts its rank's sequence shard only
+        self.shards = getattr(router, "shards", None)
+        if hasattr(router, "moe_row"):  # a pipeline stage's: its row in the whole model's table
+            self.index = router.moe_row
         self.last = torch.zeros(self.n_experts + 3)
         self.aux = None
         router.register_forward_hook(self._hook)
