@@ -84,7 +84,7 @@ def test_the_packaged_minilm_classifier_needs_no_model_name(tmp_path: Path):
 def test_a_file_without_the_text_column_suggests_instruction_records(tmp_path: Path):
     """Alpaca-style records read as text data: the error named data.text_field only; it now
     also names --data.format=instruction (and chat for records of messages)."""
-    from shardwise.data.corpus import load_column
+    from shardwise.data.columns import load_column
 
     rows = tmp_path / "alpaca.jsonl"
     rows.write_text(json.dumps({"instruction": "Add.", "input": "1+1", "output": "2"}) + "\n")

@@ -19,13 +19,8 @@ import numpy as np
 import torch
 
 from shardwise.data.cache import build_once, read_meta, save_array
-from shardwise.data.corpus import (
-    DataSpec,
-    builder_of,
-    load_column,
-    resolve_source,
-    split_documents,
-)
+from shardwise.data.columns import builder_of, load_column
+from shardwise.data.corpus import DataSpec, resolve_source, split_documents
 from shardwise.data.pretrained import check_vocab, load_tokenizer, tokenized_key
 from shardwise.errors import DataError
 

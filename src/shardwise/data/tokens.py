@@ -15,7 +15,8 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -177,68 +178,31 @@ def _damage(out: Path, meta: dict) -> str | None:
 
 
 def _build(spec: DataSpec, source: Source, out: Path) -> dict:
+    """Read and split the corpus, train or load its tokenizer, encode both splits into
+    `out`, then write meta.json (last: the marker of a complete cache)."""
     start = time.perf_counter()
-    for stale in out.glob("*.tmp*"):  # left by a build that was killed half way
-        stale.unlink(missing_ok=True)
-    skipped: list[str] = []
-    docs = list(read_documents(source, spec.text_field, skipped))
-    check_skipped(len(skipped), skipped[:3], spec.text_field, spec.max_bad_rows, say=True)
-    train, val = split_documents(docs, spec.val_fraction, spec.dataset)
-    del docs
+    train, val, skipped = _read_split(spec, source, out)
     read = time.perf_counter()
     n_chars = sum(map(len, train))
     what = "stdlib sources" if source.is_stdlib else f"{spec.dataset!r}"
     docs = f"{len(train)} train / {len(val)} held-out documents; cached in {out}"
     if spec.tokenizer:
-        tok = load_tokenizer(spec.tokenizer)
-        _say(f"encoding {what} with the tokenizer of {spec.tokenizer} ({len(tok)} tokens; {docs})")
-        tokenizer, vocab, eos_id, bos_id = (
-            tok.backend_tokenizer,
-            len(tok),
-            tok.eos_token_id,
-            tok.bos_token_id,
-        )
-
-        whole = whole_documents(tok)  # once: rebuilding it per chunk re-parses its JSON
-
-        def encode(texts: list[str]) -> list[list[int]]:
-            return encode_documents(whole, eos_id, texts)
+        enc = _pretrained_encoding(spec, what, docs)
     else:
         _say(
             f"training a {spec.vocab_size}-token BPE on {n_chars / 1e6:.1f} M characters of "
             f"{what} ({docs})"
         )
-        tokenizer = _train_bpe(train, spec.vocab_size)
-        vocab, eos_id, bos_id = tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS), None
-
-        def encode(texts: list[str]) -> list[list[int]]:
-            return encode_documents(tokenizer, eos_id, texts, specials=False)
-
+        enc = _bpe_encoding(train, spec.vocab_size)
     trained = time.perf_counter()
-    dtype = np.uint16 if vocab < 2**16 else np.uint32
+    dtype = np.uint16 if enc.vocab < 2**16 else np.uint32
     counts = {}
     for split, texts in (("train", train), ("val", val)):
-        counts[split] = _encode_to_file(encode, texts, dtype, out / f"{split}.bin")
-    _atomic_write(out / "tokenizer.json", tokenizer.to_str().encode("utf-8"))
+        counts[split] = _encode_to_file(enc.encode, texts, dtype, out / f"{split}.bin")
+    _atomic_write(out / "tokenizer.json", enc.tokenizer.to_str().encode("utf-8"))
     end = time.perf_counter()
-    meta = {
-        "format": FORMAT_VERSION,
-        "dataset": spec.dataset,
-        "tokenizer": spec.tokenizer or "bpe",
-        "vocab_size": vocab,
-        "eos_id": eos_id,
-        "bos_id": bos_id,
-        "dtype": np.dtype(dtype).name,
-        "skipped_rows": [len(skipped), skipped[:3]],  # (checked again on every use)
-        "train_docs": len(train),
-        "val_docs": len(val),
-        "train_chars": n_chars,
-        "train_tokens": counts["train"],
-        "val_tokens": counts["val"],
-        "read_s": round(read - start, 2),
-        "bpe_train_s": round(trained - read, 2),
-        "encode_s": round(end - trained, 2),
-    }
+    sizes = {"train_docs": len(train), "val_docs": len(val), "train_chars": n_chars}
+    meta = _meta(spec, enc, dtype, skipped, sizes, counts, (start, read, trained, end))
     _atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode("utf-8"))  # last: marker
     _say(
         f"{counts['train'] / 1e6:.2f} M train / {counts['val'] / 1e6:.2f} M held-out tokens "
@@ -246,6 +210,82 @@ def _build(spec: DataSpec, source: Source, out: Path) -> dict:
         f"encoding {meta['encode_s']:.1f} s)"
     )
     return meta
+
+
+def _read_split(spec: DataSpec, source: Source, out: Path) -> tuple[list, list, list[str]]:
+    """(train texts, held-out texts, ids of rows skipped) of the corpus, after removing the
+    temporary files a killed build left in `out`."""
+    for stale in out.glob("*.tmp*"):  # left by a build that was killed half way
+        stale.unlink(missing_ok=True)
+    skipped: list[str] = []
+    docs = list(read_documents(source, spec.text_field, skipped))
+    check_skipped(len(skipped), skipped[:3], spec.text_field, spec.max_bad_rows, say=True)
+    train, val = split_documents(docs, spec.val_fraction, spec.dataset)
+    return train, val, skipped
+
+
+@dataclass(frozen=True)
+class _Encoding:
+    """The tokenizer a cache is encoded with, its ids' facts and its documents' encoder."""
+
+    tokenizer: object  # tokenizers.Tokenizer: its JSON is the cache's tokenizer.json
+    vocab: int
+    eos_id: int | None
+    bos_id: int | None
+    encode: Callable[[list[str]], list[list[int]]]  # texts -> each one's ids, EOS included
+
+
+def _pretrained_encoding(spec: DataSpec, what: str, docs: str) -> _Encoding:
+    """The encoding of `data.tokenizer`'s tokenizer (documents whole, never truncated)."""
+    tok = load_tokenizer(spec.tokenizer)
+    _say(f"encoding {what} with the tokenizer of {spec.tokenizer} ({len(tok)} tokens; {docs})")
+    eos_id = tok.eos_token_id
+    whole = whole_documents(tok)  # once: rebuilding it per chunk re-parses its JSON
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return encode_documents(whole, eos_id, texts)
+
+    return _Encoding(tok.backend_tokenizer, len(tok), eos_id, tok.bos_token_id, encode)
+
+
+def _bpe_encoding(train: list[str], vocab_size: int) -> _Encoding:
+    """The encoding of a byte-level BPE trained on the training documents."""
+    tokenizer = _train_bpe(train, vocab_size)
+    eos_id = tokenizer.token_to_id(EOS)
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return encode_documents(tokenizer, eos_id, texts, specials=False)
+
+    return _Encoding(tokenizer, tokenizer.get_vocab_size(), eos_id, None, encode)
+
+
+def _meta(
+    spec: DataSpec,
+    enc: _Encoding,
+    dtype: type,
+    skipped: list[str],
+    sizes: dict,
+    counts: dict,
+    times: tuple[float, float, float, float],
+) -> dict:
+    """meta.json of a cache: what it was built from, its sizes and the stages' seconds."""
+    start, read, trained, end = times
+    return {
+        "format": FORMAT_VERSION,
+        "dataset": spec.dataset,
+        "tokenizer": spec.tokenizer or "bpe",
+        "vocab_size": enc.vocab,
+        "eos_id": enc.eos_id,
+        "bos_id": enc.bos_id,
+        "dtype": np.dtype(dtype).name,
+        "skipped_rows": [len(skipped), skipped[:3]],  # (checked again on every use)
+        **sizes,
+        "train_tokens": counts["train"],
+        "val_tokens": counts["val"],
+        "read_s": round(read - start, 2),
+        "bpe_train_s": round(trained - read, 2),
+        "encode_s": round(end - trained, 2),
+    }
 
 
 def _train_bpe(texts: list[str], vocab_size: int):  # -> tokenizers.Tokenizer
