@@ -57,9 +57,9 @@ def _final_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
     return {k: slices.read_tensor(ckpt, k, index) for k in index["tensors"]}
 
 
-def _interrupt(run_dir: Path, nproc: int, sig: int, extra=()) -> tuple[int, float, str]:
-    """Start a run, signal it once it has logged 20 steps; (exit status, seconds to exit,
-    what it printed to stderr)."""
+def _interrupt(run_dir: Path, nproc: int, sig: int, extra=()) -> tuple[int, int, str]:
+    """Start a run, signal it once it has logged 20 steps; (exit status, the steps it had
+    logged when signalled, what it printed to stderr)."""
     # Ctrl-C as from a terminal: a shell's background job inherits SIGINT ignored, and Python
     # then keeps ignoring it (no KeyboardInterrupt), which is not the case under test
     proc = subprocess.Popen(
@@ -68,14 +68,14 @@ def _interrupt(run_dir: Path, nproc: int, sig: int, extra=()) -> tuple[int, floa
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # a hang guard: a busy machine may start slowly
     while _steps_logged(run_dir) < 20:
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
         time.sleep(0.05)
     proc.send_signal(sig)
-    t0 = time.monotonic()
-    _, err = proc.communicate(timeout=120)
-    return proc.returncode, time.monotonic() - t0, err
+    logged = _steps_logged(run_dir)  # read after sending: the stop can only come later
+    _, err = proc.communicate(timeout=300)
+    return proc.returncode, logged, err
 
 
 def _stopped_at(run: Path, err: str, sig: int) -> int:
@@ -92,12 +92,15 @@ def test_sigterm_saves_the_step_and_the_rerun_ends_bitwise_equal(tmp_path):
     straight = subprocess.run(_cmd(tmp_path / "straight", 2, "--parallel.zero=2"), timeout=300)
     assert straight.returncode == 0
     run = tmp_path / "stopped"
-    status, took, err = _interrupt(run, 2, signal.SIGTERM, ["--parallel.zero=2"])
+    status, logged, err = _interrupt(run, 2, signal.SIGTERM, ["--parallel.zero=2"])
     assert status == 143
-    _stopped_at(run, err, signal.SIGTERM)
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    # within one step, one save and 10 s
-    assert took <= max(r["step_time_s"] for r in records) + 10, took
+    last = _stopped_at(run, err, signal.SIGTERM)
+    # at the next step boundary: the ranks take the signal in the step's one reduction
+    # (training/loop._record), so the stop comes with the step in flight when it was sent, or
+    # with the next one when the step in flight had passed its reduction but not yet logged.
+    # Counted in steps, not seconds: a busy machine slows the steps and the exit alike (the
+    # launcher's and ranks' shutdown took 26 s at load 15), not the step the run stops at.
+    assert last <= logged + 2, (logged, last)
     assert subprocess.run(_cmd(run, 2, "--parallel.zero=2"), timeout=300).returncode == 0
     whole, resumed = _final_tensors(tmp_path / "straight"), _final_tensors(run)
     assert whole.keys() == resumed.keys()
