@@ -8,7 +8,8 @@ forwards, as `plan` prices it) against `explain` (the real model's units and, fo
 transformers' classes, its fake forward), against the engine's saved-tensor meter on the
 adapted model's fake forward, and against measured one- and two-process runs: byte for byte
 in every category where both sides are exact (an MoE run's activations follow its routing:
-only its model states and buffers are compared there)."""
+only its model states and buffers are compared there). Under tp, the traffic and collective
+calls too, for any first adapted linear; and the explicit softmax of attention dropout."""
 
 from __future__ import annotations
 
@@ -36,11 +37,18 @@ CPU = get_hardware("cpu", calibrate=False)
 LORA = ["--finetune.lora_rank=4", "--train.steps=1"]
 DROP = ["--finetune.lora_dropout=0.1"]
 STATES = ("params", "grads", "master", "optimizer", "buffers")
+ATTN = ["--model.attn_dropout=0.1"]  # the explicit softmax path (models/decoder._explicit)
+TP, SP = ["--parallel.tp=2"], ["--parallel.tp=2", "--parallel.sp=true"]
 MOE = ["--model.name=moe-tiny", "--model.n_layers=2", "--finetune.lora_targets=router,wq"]
 GPT2_BLOCK1 = ["--model.name=hf-gpt2-tiny", "--finetune.lora_targets=transformer.h.1.attn.c_attn"]
 
 
 def _formula(cfg, ranks: int) -> dict:
+    """The memory of `_planned`."""
+    return _planned(cfg, ranks)["mem_bytes"]
+
+
+def _planned(cfg, ranks: int) -> dict:
     """`plan`'s prediction of exactly this config (cli/plan.py: an MoE decoder from its real
     units and fake forwards at one and two samples, job/real.py)."""
     d = derive(cfg, ranks)
@@ -49,7 +57,13 @@ def _formula(cfg, ranks: int) -> dict:
         from shardwise.job.real import real_job
 
         job = real_job(job, cfg)
-    return evaluate(job, layout_from_config(cfg, d))["mem_bytes"]
+    return evaluate(job, layout_from_config(cfg, d))
+
+
+def _split_moe(cfg) -> bool:
+    """An MoE decoder under tp: `plan` prices its blocks from the real model at tp = pp = 1
+    only (job/real.py, plan/valid.py), so `explain` alone predicts it."""
+    return cfg.parallel.tp > 1 and bool(derive(cfg, cfg.parallel.tp).spec.n_experts)
 
 
 def _metered(cfg) -> int:
@@ -72,6 +86,10 @@ def _metered(cfg) -> int:
         ("tiny-bf16", "wo"),
         ("tiny-bf16", "blocks.2.mlp.w3"),
         ("tiny-resid", "w1"),  # residual and embedding dropout: no masks without a gradient
+        # attention dropout's explicit softmax: in the first block q @ kᵀ, the softmax and
+        # probs @ v save what the adapted ones' gradients read; wo's input only for wo's
+        *(("tiny-attn", t) for t in ("wq", "wk", "wv", "wq,wk", "wk,wv", "wo", "w1", "all-linear")),
+        ("gpt2-tiny-attn", "wv"),
     ],
 )
 def test_our_blocks_formula_is_the_engine_meter(name, targets, drop):
@@ -79,9 +97,11 @@ def test_our_blocks_formula_is_the_engine_meter(name, targets, drop):
     forward: the first adapted block saves nothing before its first adapter's input (norms,
     attention, RoPE tables of an unadapted q or k), no mask for that adapter's dropout, no
     SDPA output when that input is wo's; a gated MLP with one of its two linears adapted keeps
-    one factor; the frozen embedding saves no ids and no dropout mask."""
+    one factor; the frozen embedding saves no ids and no dropout mask. With attention dropout
+    (its explicit softmax, no SDPA output) wo's input is kept for wo's adapter only."""
     extra = {"tiny-bf16": ["--precision.compute=bf16"], "tiny-resid": ["--model.dropout=0.1"]}
-    model = name.split("-")[0] if name.startswith("tiny") else name
+    extra.update({"tiny-attn": ATTN, "gpt2-tiny-attn": ATTN})
+    model = name.split("-")[0] if name.startswith("tiny") else name.removesuffix("-attn")
     over = [f"--model.name={model}", "--model.n_layers=3", f"--finetune.lora_targets={targets}"]
     cfg = load_config(None, case(*LORA, *over, *extra.get(name, []), *drop)["overrides"])
     assert _formula(cfg, 1)["activations"] == _metered(cfg)
@@ -127,6 +147,9 @@ def _measured_cases() -> dict[int, dict[str, dict]]:
         "gpt2_block1": case(*LORA, *GPT2_BLOCK1),
         "moe_nf4": case(*LORA, *MOE, "--finetune.base_quant=nf4"),
         "moe_int8": case(*LORA, *MOE, "--finetune.base_quant=int8"),
+        "attn_drop_all": case(*LORA, *ATTN),
+        "attn_drop_wq": case(*LORA, *ATTN, "--finetune.lora_targets=wq"),
+        "attn_drop_w1_drop": case(*LORA, *ATTN, *DROP, "--finetune.lora_targets=w1"),
     }
     z3 = "--parallel.zero=3"
     two = {
@@ -134,6 +157,19 @@ def _measured_cases() -> dict[int, dict[str, dict]]:
         "moe_nf4_z3": case(*LORA, *MOE, "--finetune.base_quant=nf4", z3),
         # tp: each rank's first block saves its share only from wo's dropped input on
         "tp2_wo_drop": case(*LORA, *DROP, "--finetune.lora_targets=wo", "--parallel.tp=2"),
+        # tp traffic: no backward collective before the first adapted linear (the embedding's
+        # exit, the first block's entries and exits), only the adapters' partial gradients
+        "tp2_w2": case(*LORA, *TP, "--finetune.lora_targets=w2"),
+        "tp2_sp_wq": case(*LORA, *SP, "--finetune.lora_targets=wq"),
+        "tp2_sp_w1": case(*LORA, *SP, "--finetune.lora_targets=w1"),
+        "tp2_sp_full_wo": case(*LORA, *SP, "--finetune.lora_targets=wo", "--memory.recompute=full"),
+        "tp2_sp_gpt2_w2": case(*LORA, *SP, "--model.name=gpt2-tiny", "--finetune.lora_targets=w2"),
+        "tp2_attn_drop_wv": case(*LORA, *TP, *ATTN, "--finetune.lora_targets=wv"),
+        "tp2_llama_up": case(
+            *LORA, *TP, "--model.name=hf-llama-tiny", "--finetune.lora_targets=up_proj"
+        ),
+        "moe_sp": case(*LORA, *MOE, *SP),
+        "moe_sp_router": case(*LORA, *MOE, *SP, "--finetune.lora_targets=router"),
     }
     return {1: one, 2: two}
 
@@ -157,7 +193,8 @@ def test_formula_explain_and_a_measured_run_agree(runs, ranks, name):
     and transformers' GPT-2, the activations the engine's saved-tensor hooks counted."""
     cases, results = runs
     cfg = load_config(None, cases[ranks][name]["overrides"])
-    formula, told = _formula(cfg, ranks), explain_record(cfg, ranks, CPU)["mem_bytes"]
+    told = explain_record(cfg, ranks, CPU)["mem_bytes"]
+    formula = told if _split_moe(cfg) else _formula(cfg, ranks)
     ran = [r["records"][-1]["mem_bytes"] for r in results[ranks][name]]
     keys = STATES if name.startswith("moe") else (*STATES, "activations")
     for key in keys:
@@ -194,3 +231,23 @@ def test_plan_prices_some_blocks_and_refuses_a_pattern_that_matches_none(capsys)
     assert main([*ours, *lora, "--finetune.lora_targets=blocks.7.attn.wq"]) == 2
     err = capsys.readouterr().err
     assert "finetune.lora_targets pattern 'blocks.7.attn.wq'" in err, err
+
+
+@pytest.mark.parametrize(
+    "name", [n for n, c in _measured_cases()[2].items() if TP[0] in c["overrides"]]
+)
+def test_tp_traffic_formula_explain_and_a_measured_run_agree(runs, name):
+    """LoRA under tp (and sp) sends what the formula and `explain` predict, byte for byte and
+    call for call, on every rank, whatever linear is adapted first: a region operator whose
+    input has no gradient runs no backward collective (the frozen embedding's exit, the first
+    block's attention entry and, with no attention adapter, its exit and the MLP's entry), and
+    only the adapters' gradients are summed over tp (A of a column-parallel linear, B of a
+    row-parallel one, both of an MoE router's), not the frozen norms, biases or positions."""
+    cases, results = runs
+    cfg = load_config(None, cases[2][name]["overrides"])
+    told = explain_record(cfg, 2, CPU)
+    formula = told if _split_moe(cfg) else _planned(cfg, 2)
+    for rank in results[2][name]:
+        ran = rank["records"][-1]
+        assert formula["comm_bytes"]["tp"] == told["comm_bytes"]["tp"] == ran["comm_bytes"]["tp"]
+        assert formula["comm_calls"]["tp"] == told["comm_calls"]["tp"] == ran["comm_calls"]["tp"]

@@ -32,8 +32,9 @@ from shardwise.plan.activations_hf import (
     hf_lora_edges,
     hf_norm_terms,
     hf_position_terms,
+    weight_readers,
 )
-from shardwise.plan.terms import CHUNKED_WEIGHT_GRAD, NORMALISED, WEIGHT_INPUTS, Term
+from shardwise.plan.terms import CHUNKED_WEIGHT_GRAD, NORMALISED, Term
 
 
 def paper_gpt_terms(s: int, b: int, h: int, a: int) -> list[Term]:
@@ -195,7 +196,7 @@ def lora_terms(
     for term in terms:
         if term.name.endswith(NORMALISED) or term.name == CHUNKED_WEIGHT_GRAD:
             continue
-        readers = WEIGHT_INPUTS.get(term.name)
+        readers = weight_readers(spec, term.name)
         if readers is not None and (dropout or not set(readers) & set(targets)):
             continue
         out.append(term)
@@ -233,6 +234,7 @@ def lora_first_block(
         return hf_first_block(spec, s, b, c, targets, packed, dropout, alone)
     block = block_terms(spec, s, b, c, packed)
     out = first_block_unsaved(spec, s, b, block, targets, dropout)
+    out += _explicit_attention_unsaved(spec, block, targets)
     if spec.dropout and not {"wq", "wk", "wv", "wo"} & set(targets):  # (the last terms)
         # the attention branch's residual dropout: its input has no gradient, no mask
         out += (Term("first block attention dropout mask", -s * b * spec.dim, False, True),)
@@ -243,6 +245,27 @@ def lora_first_block(
         cut = -rope[0].nbytes * unrotated // 2
         out += (replace(rope[0], name="first block RoPE tables", nbytes=cut),)
     return out
+
+
+def _explicit_attention_unsaved(spec: ModelSpec, block: tuple[Term, ...], targets) -> tuple:
+    """What the explicit softmax (model.attn_dropout: models/decoder.AttentionCore._explicit)
+    of a first block with some of q, k, v adapted does not save, as negative terms: q @ kᵀ
+    keeps q for k's gradient and k for q's, the softmax its output and mask only with either,
+    probs @ v the dropped probabilities for v's gradient and v for theirs. Without a q, k or v
+    adapter that attention saves nothing (`first_block_unsaved`)."""
+    q, k, v = ({x} & set(targets) for x in ("wq", "wk", "wv"))
+    if not spec.attn_dropout or not (q or k or v):
+        return ()
+    named = {}
+    for term in block:  # the first "attention dropout mask" is the softmax's (then residual's)
+        named.setdefault(term.name, term)
+    kept = bool(k) + bool(q) + bool(q or k)  # q, k, v (each a third of the term)
+    out = [replace(named["SDPA q, k, v"], nbytes=named["SDPA q, k, v"].nbytes * (3 - kept) / 3)]
+    if not (q or k):
+        out += [named["softmax output"], named["attention dropout mask"]]
+    if not v:
+        out.append(named["dropped probabilities"])
+    return tuple(replace(x, name=f"first block {x.name}", nbytes=-x.nbytes) for x in out)
 
 
 def layer_bytes(terms, t: int = 1, sp: bool = False, selective: bool = False) -> float:

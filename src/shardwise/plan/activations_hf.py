@@ -124,6 +124,20 @@ _ADAPTER_INPUT = {
 _ATTENTION_INPUTS = ("attn_norm output", "attention output (wo input)")
 
 
+def weight_readers(spec: ModelSpec, name: str) -> tuple[str, ...] | None:
+    """The linears whose weight gradients alone read the saved tensor `name` (terms.WEIGHT_INPUTS),
+    None where something else reads it: SDPA saves its output (wo's input) for its own backward,
+    but our blocks' explicit softmax (model.attn_dropout) saves none, so only wo's weight keeps
+    it there (and nothing in a LoRA run that does not adapt wo)."""
+    if (
+        name == _ADAPTER_INPUT["wo"]
+        and spec.attn_dropout
+        and not family_of(spec).block.transformers
+    ):
+        return ("wo",)
+    return WEIGHT_INPUTS.get(name)
+
+
 def hf_first_block(
     spec: ModelSpec,
     s: int,
@@ -160,13 +174,14 @@ def first_block_unsaved(
     terms = {term.name: term for term in block}  # (the MLP's, named once)
     out = []
     for term in block:  # (a list: our attention's and residual's dropout masks share a name)
-        name = term.name
+        name, read = term.name, weight_readers(spec, term.name) is not None
         if name in inputs:
             if dropout:
                 out += _unmasked_adapters(spec, s, b, name, targets)
-                out += [term] if name == "attention output (wo input)" else []
+                # SDPA's output, counted for wo's adapter to share (`weight_readers`)
+                out += [term] if name == "attention output (wo input)" and not read else []
             break
-        if not (name.endswith(NORMALISED) or name in WEIGHT_INPUTS):  # (not counted)
+        if not (name.endswith(NORMALISED) or read):  # (not counted)
             out.append(term)
     gate_up = {"w1", "w3"} & set(targets) if family_of(spec).block.gated_mlp else set()
     if len(gate_up) == 1 and inputs.isdisjoint(_ATTENTION_INPUTS):

@@ -12,7 +12,7 @@ from shardwise.plan import peers
 from shardwise.plan.buffers import align_of, padded_numel
 from shardwise.plan.compression import bucket_calls, sent_bytes, wire_bytes
 from shardwise.plan.layout import Job, Layout
-from shardwise.plan.shapes import linear_shapes
+from shardwise.plan.lora_traffic import lora_partial, unrun_backward
 
 
 def ring_share(n: int) -> float:
@@ -95,9 +95,8 @@ def _tp_kinds(job: Job, layout: Layout, quantised: list[int]) -> dict[str, float
     else:
         tp_kinds["all_reduce"] += blocks
     _moe_tp_kinds(job, layout, act, tp_kinds)
-    if _skips_first_entry(job):  # its backward: a reduce-scatter (sp) or an all-reduce
-        kind = "reduce_scatter" if layout.sp else "all_reduce"
-        tp_kinds[kind] -= ring_share(t) * m * act * (1 if layout.sp else 2)
+    for kind, n in unrun_backward(job, layout).items():  # LoRA: no gradient before an adapter
+        tp_kinds[kind] -= ring_share(t) * m * act * n * (1 if layout.sp else 2)
     if t > 1:  # gradients of parameters replicated over tp ranks that each saw part of them,
         # summed in fp32 (the optimizer's master gradients) once per step
         tp_kinds["all_reduce"] += 2 * ring_share(t) * _tp_partial(job, t, layout.sp, layout.ep) * 4
@@ -247,7 +246,8 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
         )
         per_layer = (8 if layout.sp else 4) + redo * (layout.recompute == "full")
         per_layer += regathers(job, layout)
-        tp_calls = m * (per_layer * layers + (6 if layout.sp else 4) - _skips_first_entry(job))
+        unrun = sum(unrun_backward(job, layout).values())
+        tp_calls = m * (per_layer * layers + (6 if layout.sp else 4) - unrun)
         tp_calls -= m * 3 * _moe_tp_layers(job, layout)  # its MLP's 4 less, the counts' 1 more
         tp_calls += 1 if _tp_partial(job, t, layout.sp, layout.ep) else 0
         tp_calls += m * len(quantised["tp"])
@@ -291,18 +291,6 @@ def _buckets(units, nbytes: int, cap_mb: float) -> list[list[tuple]]:
     return out
 
 
-def _skips_first_entry(job: Job) -> bool:
-    """LoRA with an adapter on a q/k/v projection: nothing before the first block's attention
-    needs a gradient (the embedding is frozen), so the backward of its tp entry (the input
-    gradient's reduction) does not run."""
-    ft = job.finetune
-    return ft.lora and any(tag in ft.lora_targets for tag in ("wq", "wk", "wv", "wqkv"))
-
-
-# models/tp_plans: the output projections are row-parallel (their input split), the rest column
-_ROW_PARALLEL = ("wo", "w2")
-
-
 def _moe_tp_layers(job: Job, layout: Layout) -> int:
     """MoE layers a tp rank of pipeline stage 0 runs on its sequence shard (tp > 1 with sp;
     models/moe.py: blocks moe_every-1, 2·moe_every-1, ...); 0 otherwise."""
@@ -325,17 +313,14 @@ def _moe_partial(spec, ep: int) -> int:
 def _tp_partial(job: Job, t: int, sp: bool, ep: int = 1) -> int:
     """Elements of replicated parameters whose gradients are all-reduced over tp: with sp the
     norms (and GPT-2's row-layer biases and positions) saw only a sequence chunk; kv heads
-    shared by several ranks' query heads (t > kv) always; LoRA adapters whole on every rank
-    (parallel/tensor_lora: A of a column-parallel target, B of a row-parallel one); with sp
-    an MoE layer's whole parameters (`_moe_partial`)."""
-    spec, ft, out = job.spec, job.finetune, 0
+    shared by several ranks' query heads (t > kv) always; with sp an MoE layer's whole
+    parameters (`_moe_partial`). LoRA: the adapters only, the rest being frozen
+    (lora_traffic.lora_partial)."""
+    spec, out = job.spec, 0
+    if job.finetune.lora:
+        return lora_partial(job)
     if sp and spec.n_experts:
         out += _moe_partial(spec, ep)
-    if ft.lora:
-        shapes = linear_shapes(spec, 1)
-        for tag in ft.lora_targets:
-            fan_in, fan_out = shapes.get(tag, (0, 0))
-            out += spec.n_layers * ft.lora_rank * (fan_out if tag in _ROW_PARALLEL else fan_in)
     if sp:
         norms = (2 * spec.n_layers + 1) * spec.dim
         block = family_of(spec).block
