@@ -297,9 +297,9 @@ CONFIG_CASES = [
             "2",
             "--parallel.tp=2",
             "--parallel.sp=true",
-            "--model.name=hf-llama-tiny",
+            "--model.name=hf-gpt2-tiny",
         ],
-        ["parallel.sp=true", "hf-llama-tiny", "--parallel.sp=false"],
+        ["parallel.sp=true", "hf-gpt2-tiny", "--parallel.sp=false"],
         id="sp-with-hf-model",
     ),
     pytest.param(

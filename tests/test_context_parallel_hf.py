@@ -317,10 +317,10 @@ def test_other_checkpoints_are_refused_by_model_type(tmp_path):
 
 
 def test_what_does_not_compose_is_refused():
-    """Under tp transformers' models build positions from the local length, so sequence
-    parallelism stays refused under cp as without it; Ulysses needs the heads a tp rank holds
-    to divide over cp (hf-llama-tiny: 4 heads / tp 2 = 2 over cp 4). Each stops before launch,
-    naming the value and the fix."""
+    """Sequence parallelism stays refused under cp (cp's and sp's pre-hooks would each hand
+    transformers' forward its positions; without cp it runs: tests/test_hf_sp.py); Ulysses
+    needs the heads a tp rank holds to divide over cp (hf-llama-tiny: 4 heads / tp 2 = 2 over
+    cp 4). Each stops before launch, naming the value and the fix."""
     for extra, world, needles in (
         ([*CP2, *TP2, "--parallel.sp=true"], 4, ["parallel.sp=true", "--parallel.sp=false"]),
         ([*CP4, *TP2, *ULYSSES], 8, ["/ tp(2) = 2 is not divisible by 4", "cp_mode=ring"]),

@@ -101,7 +101,9 @@ def hf_plan(model: nn.Module, published: dict[str, str] | None = None) -> TPPlan
         if ours == "column" and pattern.rsplit(".", 1)[-1] in ("k_proj", "v_proj"):
             ours = "column:kv"
         rules[pattern] = ours
-    return TPPlan(rules, sequence_parallel=False)
+    # sequence parallelism: parallel/tensor.py hands the forward the whole sequence's positions;
+    # the families' sp_model_types name the classes checked (training/checks_layout.py)
+    return TPPlan(rules, sequence_parallel=True)
 
 
 def checkpoint_plan(model: nn.Module) -> TPPlan:
@@ -129,9 +131,7 @@ def checkpoint_plan(model: nn.Module) -> TPPlan:
     why = why or _foreign_layers(model, published)
     if why:
         raise ConfigError(f"{type(model).__name__} {why}. Fix: --parallel.tp=1 (DP and ZeRO).")
-    plan = hf_plan(model, published)
-    # an MoE class's experts compute each rank's sequence shard (sp: required, checks.py)
-    return TPPlan(plan.rules, sequence_parallel=True) if moe else plan
+    return hf_plan(model, published)
 
 
 def _foreign_layers(model: nn.Module, published: dict[str, str]) -> str:

@@ -156,7 +156,7 @@ def check_tensor_parallel(spec: ModelSpec, family: Family, cfg: Config) -> None:
             "parallelism every tp rank would compute every token's experts. Fix: "
             "--parallel.sp=true, or --parallel.tp=1."
         )
-    if sp and family.sp_model_types and experts:  # its forward takes the whole positions
+    if sp and family.sp_model_types:  # transformers' classes: the forward takes whole positions
         _check_checkpoint_sp(spec, family, cfg)
     elif sp and not family.sequence_parallel:
         raise ConfigError(
@@ -166,29 +166,38 @@ def check_tensor_parallel(spec: ModelSpec, family: Family, cfg: Config) -> None:
 
 
 def _check_checkpoint_sp(spec: ModelSpec, family: Family, cfg: Config) -> None:
-    """tp + sp of a transformers MoE class: the model types checked against one process, not
+    """tp + sp of a transformers class: the model types checked against one process, not
     over pipeline stages (a stage's layers number positions from their own input) nor on
     packed rows (parallel/tensor.py hands the forward plain positions)."""
-    from shardwise.models.hf.auto import read_hf_config
+    pp = cfg.parallel.pp
+    if family.from_checkpoint:  # a preset's family builds the one class it names
+        from shardwise.models.hf.auto import read_hf_config
 
-    model_type, pp = read_hf_config(spec.source).model_type, cfg.parallel.pp
-    if model_type not in family.sp_model_types:
+        model_type = read_hf_config(spec.source).model_type
+        if model_type not in family.sp_model_types:
+            raise ConfigError(
+                f"parallel.sp=true is not available for a '{model_type}' checkpoint: sequence "
+                f"parallelism runs transformers' {', '.join(family.sp_model_types)} classes. "
+                "Fix: --parallel.tp=1, or --parallel.sp=false (a dense class's tp alone)."
+            )
+    if cfg.parallel.cp > 1:  # two pre-hooks would each hand the forward its positions
         raise ConfigError(
-            f"parallel.sp=true is not available for a '{model_type}' checkpoint: sequence "
-            f"parallelism runs transformers' {', '.join(family.sp_model_types)} MoE classes. "
-            "Fix: --parallel.tp=1 (data, ZeRO, expert and pipeline parallelism split it)."
+            f"parallel.sp=true with parallel.cp={cfg.parallel.cp} is not built for Hugging Face "
+            "models: context parallelism numbers each rank's zig-zag tokens, sequence "
+            "parallelism the whole sequence. Fix: --parallel.sp=false (cp x tp), or "
+            "--parallel.cp=1."
         )
     if pp > 1:
         raise ConfigError(
-            f"parallel.sp=true with parallel.pp={pp} is not built for a Hugging Face MoE "
-            "checkpoint: its stages would number positions from their s/tp tokens. Fix: "
+            f"parallel.sp=true with parallel.pp={pp} is not built for a Hugging Face "
+            "model: its stages would number positions from their s/tp tokens. Fix: "
             "--parallel.pp=1 (tp + sp), or --parallel.tp=1 (pp)."
         )
     if cfg.data.pack:  # packed rows carry their positions within records, the hook does not
         raise ConfigError(
-            "data.pack=true with parallel.sp=true is not built for a Hugging Face MoE "
-            "checkpoint: sequence parallelism hands its forward plain positions 0..s-1, not "
-            "each record's. Fix: --data.pack=false, or --parallel.tp=1."
+            "data.pack=true with parallel.sp=true is not built for a Hugging Face model: "
+            "sequence parallelism hands its forward plain positions 0..s-1, not each "
+            "record's. Fix: --data.pack=false, or --parallel.tp=1."
         )
 
 

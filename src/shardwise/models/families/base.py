@@ -60,9 +60,10 @@ class Family:
     tensor_parallel: Literal["plan", "checkpoint", "none"] = "plan"
     tp_refusal: str = ""  # why tp > 1 is refused ({name}: model.name, {tp}: the degree)
     sequence_parallel: bool = False
-    # for a checkpoint's class: the config model_types with routed experts whose forward runs
-    # sequence-parallel (each tp rank's experts compute its shard; parallel/tensor.py hands
-    # the forward the whole sequence's positions), each checked against one process
+    # transformers' classes: the config model_types whose forward runs sequence-parallel
+    # (norms and residuals on s/tp tokens; with routed experts each tp rank's experts compute
+    # its shard; parallel/tensor.py hands the forward the whole sequence's positions), each
+    # checked against one process (a preset's family names the one class it builds)
     sp_model_types: tuple[str, ...] = ()
     grouped_query: bool = True  # k/v heads may be fewer than query heads
     pipeline: Literal["blocks", "checkpoint", "none"] = "none"

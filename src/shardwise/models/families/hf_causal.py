@@ -57,9 +57,10 @@ HF_CAUSAL_LM = Family(
     sized=False,
     from_checkpoint=True,
     tensor_parallel="checkpoint",
-    # tp + sp of MoE classes: attention split by the published plan, the router and experts
-    # whole on every tp rank (tests/test_hf_moe_parallel.py)
-    sp_model_types=("mixtral", "qwen2_moe"),
+    # tp + sp: the dense classes split by their published plan (tests/test_hf_sp.py); the MoE
+    # classes' attention by it, the router and experts whole on every tp rank
+    # (tests/test_hf_moe_parallel.py)
+    sp_model_types=("llama", "mistral", "qwen2", "mixtral", "qwen2_moe"),
     pipeline="checkpoint",
     recompute="checkpoint_blocks",
     zero_units="blocks",  # at its repeated block class (`_no_split_modules`)

@@ -15,4 +15,5 @@ HF_CLASSIFIER = dataclasses.replace(
     pipeline="none",
     context_parallel=False,  # one label per row from the last token: a row is not split
     cp_model_types=(),
+    sp_model_types=(),  # its head pools one token of the row, which sp would split over tp
 )

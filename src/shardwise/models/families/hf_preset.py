@@ -37,6 +37,7 @@ HF_LLAMA = Family(
     build=_build,
     context_parallel=True,  # its attention through transformers' registry (context_hf.py)
     cp_composes=True,  # cp x tp (tests/test_context_parallel_hf.py)
+    sp_model_types=("llama",),  # tp + sp (tests/test_hf_sp.py)
     fp8_linear=hf_block_linear,  # precision.fp8 (tests/test_fp8_hf.py)
     # gate_proj, up_proj, down_proj with RoPE and RMSNorm, as our decoder (models/hf/build.py)
     block=BlockShape(

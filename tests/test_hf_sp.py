@@ -1,0 +1,151 @@
+"""Sequence parallelism (Korthikanti et al. 2022) for transformers' dense Llama-style causal
+LMs: norms and residuals on s/tp tokens, an all-gather before the column linears and a
+reduce-scatter after the row linears, the forward handed the whole sequence's positions
+(parallel/tensor.py `_whole_positions`).
+
+fp32, 4 AdamW steps at seq_len 64 of `hf-llama-tiny` (2 layers, 4 query and 2 k/v heads), of
+it with LoRA on the attention projections, of a Qwen2 checkpoint made here (`model.name=hf`,
+q/k/v biases split with their heads; also with full recomputation) and of our own decoder
+with LoRA (the planner prices LoRA under sp for both alike: the backward collectives before
+the first adapted projection do not run, the frozen norms' gradients are not summed): tp 2 +
+sp on 2 ranks must reproduce one process's losses, gradient norms and parameters; explain must
+price the model states, the activations and the tp traffic as measured; and sp must save fewer
+activation bytes per rank than tp 2 alone. One 2-rank world runs every multi-rank case, one
+process the references. Over pipeline stages, on packed rows and with cp the layout stays
+refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from shardwise.config import load_config  # noqa: E402
+from shardwise.errors import ConfigError  # noqa: E402
+from shardwise.job.explain import explain_record  # noqa: E402
+from shardwise.launchers.harness import run_named_worlds  # noqa: E402
+from shardwise.plan.hardware import get_hardware  # noqa: E402
+from shardwise.training.validate import derive  # noqa: E402
+from support.compare import SMALL, VOCAB, assert_reproduces  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SHORT = ["--train.steps=4", "--data.seq_len=64", "--optim.warmup_steps=1"]
+PRESET = ["--model.name=hf-llama-tiny"]
+LORA = [
+    "--finetune.lora_rank=4",
+    "--finetune.lora_alpha=8",
+    "--finetune.lora_targets=q_proj,k_proj,v_proj,o_proj",
+]
+TP2, SP = ["--parallel.tp=2"], ["--parallel.sp=true"]
+CASES = {  # name: (reference, extra overrides of the 2-rank case)
+    "preset_tp2_sp": ("preset", [*TP2, *SP]),
+    "preset_tp2": ("preset", TP2),  # the same layout without sp: its activations
+    # recomputed blocks gather their input again in backward
+    "lora_tp2_sp": ("lora", [*TP2, *SP]),
+    "qwen2_tp2_sp": ("qwen2", [*TP2, *SP]),
+    # recomputed blocks gather their input again in backward (the presets do not recompute)
+    "qwen2_tp2_sp_full": ("qwen2", [*TP2, *SP, "--memory.recompute=full"]),
+    # the planner's LoRA + sp traffic is shared: our decoder with its default targets alike
+    "decoder_lora_tp2_sp": ("decoder_lora", [*TP2, *SP]),
+}
+STATES = ("params", "grads", "master", "optimizer")
+
+
+def _base(ckpt, ref: str) -> list[str]:
+    """The one-process overrides of reference `ref`."""
+    if ref == "qwen2":
+        shaped = ("--model.n_layers", "--model.vocab_size")
+        small = [o for o in SMALL if not o.startswith(shaped)]
+        return [
+            *small,
+            *SHORT,
+            "--model.name=hf",
+            f"--model.init_from={ckpt}",
+            "--data.tokenizer=bpe",
+        ]
+    if ref == "decoder_lora":
+        return [*SMALL, *SHORT, *LORA[:2]]
+    return [*SMALL, *SHORT, *PRESET, *(LORA if ref == "lora" else [])]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny Qwen2 checkpoint of hf-llama-tiny's shape (random weights)."""
+    out = tmp_path_factory.mktemp("hf_sp") / "qwen2"
+    shape = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2)
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        **shape,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(ckpt):
+    worlds: dict[int, dict] = {1: {}, 2: {}}
+    for name, (ref, extra) in CASES.items():
+        worlds[1][ref] = {"overrides": _base(ckpt, ref)}
+        worlds[2][name] = {"overrides": [*_base(ckpt, ref), *extra]}
+    out = run_named_worlds(worlds)
+    for cases in out.values():
+        for name, ranks in cases.items():
+            assert "error" not in ranks[0], (name, ranks[0].get("error"))
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if "_sp" in n])
+def test_tp2_sp_reproduces_one_process(runs, name):
+    """Losses and gradient norms within 1e-5 relative every step, parameters (gathered over tp)
+    within 1e-5 after 4 AdamW steps: only the order of sums differs from one process (the tp
+    shards' partial products, the norms' gradients summed over the sequence shards), in the
+    last bits of fp32 (~1e-7 relative); 1e-5 leaves Adam's per-coordinate division room."""
+    ref, _ = CASES[name]
+    one, ranks = runs[1][ref][0], runs[2][name]
+    assert len(ranks) == 2 and len(set(one["losses"])) == len(one["losses"])  # it trains
+    assert_reproduces(name, ranks, one, sharded=True)
+    assert ranks[0]["records"][-1]["comm_bytes"]["tp"] > 0
+
+
+def test_sp_saves_fewer_activations_than_tp_alone(runs):
+    """The point of sp: each rank saves its s/tp tokens' norm and residual inputs, not all s."""
+    sp = runs[2]["preset_tp2_sp"][0]["records"][-1]["mem_bytes"]["activations"]
+    tp = runs[2]["preset_tp2"][0]["records"][-1]["mem_bytes"]["activations"]
+    print(f"activations per rank: tp2 {tp} B, tp2 + sp {sp} B")
+    assert sp < tp, (sp, tp)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_explain_prices_the_layout(ckpt, runs, name):
+    """explain splits the meta model as training does: rank 0's params, grads, master and
+    optimizer bytes, its activations, and the tp bytes and calls equal the measured ones."""
+    ref, extra = CASES[name]
+    cfg = load_config(None, [*_base(ckpt, ref), *extra])
+    pred = explain_record(cfg, 2, get_hardware("cpu", calibrate=False))
+    got = runs[2][name][0]["records"][-1]
+    for key in (*STATES, "activations"):
+        assert pred["mem_bytes"][key] == got["mem_bytes"][key], (key, pred, got)
+    assert pred["comm_bytes"]["tp"] == got["comm_bytes"]["tp"], (pred, got)
+    assert pred["comm_calls"]["tp"] == got["comm_calls"]["tp"], (pred, got)
+
+
+@pytest.mark.parametrize(
+    ("extra", "world_size", "message"),
+    [
+        (["--parallel.cp=2"], 4, r"parallel.sp=true with parallel.cp=2 is not built .*Fix:"),
+        (["--parallel.pp=2", "--train.micro_batch=2"], 4, r"with parallel.pp=2 is not built"),
+        (["--data.pack=true"], 2, r"data.pack=true with parallel.sp=true is not built .*Fix:"),
+    ],
+)
+def test_what_is_not_built_is_refused(ckpt, extra, world_size, message):
+    """With cp (its pre-hook numbers each rank's zig-zag tokens), over pipeline stages (a stage
+    numbers positions from its own s/tp tokens) and on packed rows (their positions are per
+    record) tp + sp stops before launch, naming the value and the fix."""
+    with pytest.raises(ConfigError, match=message):
+        derive(load_config(None, [*_base(ckpt, "qwen2"), *TP2, *SP, *extra]), world_size)
