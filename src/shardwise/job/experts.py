@@ -63,9 +63,10 @@ def routed_spec(spec: ModelSpec, model: torch.nn.Module) -> ModelSpec:
 def whole_moe_tp(comm: dict, calls: dict, job: Job, layout: Layout, model: torch.nn.Module) -> None:
     """tp + sp of a transformers MoE model (`comm`, `calls`: plan/traffic's, which prices its
     blocks as dense): its MoE MLPs run whole on each rank's sequence shard (parallel/tensor.py
-    drops their plan entries), so no all-gather/reduce-scatter pair around them forward
-    (replayed under full recomputation) or backward, and their parameters' gradients (the
-    router, shared experts and, without ep, the experts) join the partial all-reduce over tp.
+    drops their plan entries), so no all-gather/reduce-scatter pair around them forward or
+    backward (nor the all-gather a full recomputation replays), and their parameters'
+    gradients (the router, shared experts and, without ep, the experts) join the partial
+    all-reduce over tp.
     Ours are priced in plan/traffic.py (its spec has n_experts)."""
     held = {id(r) for r in routers(model)}
     blocks = [m for m in model.modules() if any(id(c) in held for c in m.children())]
@@ -73,9 +74,12 @@ def whole_moe_tp(comm: dict, calls: dict, job: Job, layout: Layout, model: torch
         return
     m, t, n = layout.micro_batches(job), layout.tp, len(blocks)
     act = layout.micro_batch * job.seq_len * job.spec.dim * job.bc
-    pairs = 2 + (layout.recompute == "full")  # forward, backward, a replayed forward
-    comm["tp"] -= ring_share(t) * m * act * 2 * pairs * n
-    calls["tp"] -= m * 2 * pairs * n
+    # forward and backward an all-gather/reduce-scatter pair each; a replayed forward (full
+    # recomputation) only the all-gather: the replay stops at the block's last saved tensor,
+    # so plan/traffic.py's dense replay has no MLP reduce-scatter to take away
+    gone = 4 + (layout.recompute == "full")
+    comm["tp"] -= ring_share(t) * m * act * gone * n
+    calls["tp"] -= m * gone * n
     whole = [
         p.numel()
         for block in blocks

@@ -124,7 +124,10 @@ def _patterns(model: nn.Module, family: Family, mode: str) -> list[str]:
     else:
         patterns = PLANS.get(family.name, {}).get(mode)
     if patterns is None:
-        modes = ", ".join(["none", *PLANS.get(family.name, {})])
+        # a transformers class or a user's module recomputes whole blocks only (`_hf_blocks`,
+        # `_blocks`); the built-in families have the plans they list
+        whole = family.recompute in ("checkpoint_blocks", "containers")
+        modes = ", ".join(["none", *(["full"] if whole else PLANS.get(family.name, {}))])
         raise ConfigError(
             f"memory.recompute='{mode}' is not available for {family.name} models. "
             f"Fix: choose one of {modes}."
