@@ -1,7 +1,8 @@
 """The planner's LoRA coverage beyond targets every block has: targets naming some blocks only
 (`blocks.1.attn.wq`, transformers' `transformer.h.1.attn.c_attn`), the first adapted block's
 saved tensors when its first adapter is the output projection or the MLP (with and without
-LoRA dropout), and the frozen base of an adapted MoE router under finetune.base_quant.
+LoRA dropout, with and without selective recomputation), and the frozen base of an adapted
+MoE router under finetune.base_quant.
 
 `plan`'s per-candidate prediction (the formula; an MoE decoder's from its real units and fake
 forwards, as `plan` prices it) against `explain` (the real model's units and, for
@@ -39,6 +40,7 @@ DROP = ["--finetune.lora_dropout=0.1"]
 STATES = ("params", "grads", "master", "optimizer", "buffers")
 ATTN = ["--model.attn_dropout=0.1"]  # the explicit softmax path (models/decoder._explicit)
 TP, SP = ["--parallel.tp=2"], ["--parallel.tp=2", "--parallel.sp=true"]
+SEL = ["--memory.recompute=selective"]
 MOE = ["--model.name=moe-tiny", "--model.n_layers=2", "--finetune.lora_targets=router,wq"]
 GPT2_BLOCK1 = ["--model.name=hf-gpt2-tiny", "--finetune.lora_targets=transformer.h.1.attn.c_attn"]
 
@@ -90,6 +92,13 @@ def _metered(cfg) -> int:
         # probs @ v save what the adapted ones' gradients read; wo's input only for wo's
         *(("tiny-attn", t) for t in ("wq", "wk", "wv", "wq,wk", "wk,wv", "wo", "w1", "all-linear")),
         ("gpt2-tiny-attn", "wv"),
+        # selective recomputation: the recomputed core saves no output (wo's input only for
+        # wo's adapter) and the regions' inputs are saved with or without a gradient (in the
+        # first adapted block and the unadapted ones before it too)
+        *(("tiny-sel", t) for t in ("wq", "wo", "w1", "w3", "w2", "all-linear")),
+        *(("tiny-sel", t) for t in ("blocks.1.attn.wq", "blocks.[12].attn.wo,w1")),
+        *(("gpt2-tiny-sel", t) for t in ("wv", "w1")),
+        ("tiny-attn-sel", "w1"),
     ],
 )
 def test_our_blocks_formula_is_the_engine_meter(name, targets, drop):
@@ -98,10 +107,13 @@ def test_our_blocks_formula_is_the_engine_meter(name, targets, drop):
     attention, RoPE tables of an unadapted q or k), no mask for that adapter's dropout, no
     SDPA output when that input is wo's; a gated MLP with one of its two linears adapted keeps
     one factor; the frozen embedding saves no ids and no dropout mask. With attention dropout
-    (its explicit softmax, no SDPA output) wo's input is kept for wo's adapter only."""
+    (its explicit softmax, no SDPA output) wo's input is kept for wo's adapter only, and so
+    under selective recomputation, whose checkpointed attention core and MLP activation keep
+    their inputs in every block, adapted or not."""
     extra = {"tiny-bf16": ["--precision.compute=bf16"], "tiny-resid": ["--model.dropout=0.1"]}
-    extra.update({"tiny-attn": ATTN, "gpt2-tiny-attn": ATTN})
-    model = name.split("-")[0] if name.startswith("tiny") else name.removesuffix("-attn")
+    extra.update({"tiny-attn": ATTN, "gpt2-tiny-attn": ATTN, "tiny-attn-sel": [*ATTN, *SEL]})
+    extra.update({"tiny-sel": SEL, "gpt2-tiny-sel": SEL})
+    model = "gpt2-tiny" if name.startswith("gpt2-tiny") else "tiny"
     over = [f"--model.name={model}", "--model.n_layers=3", f"--finetune.lora_targets={targets}"]
     cfg = load_config(None, case(*LORA, *over, *extra.get(name, []), *drop)["overrides"])
     assert _formula(cfg, 1)["activations"] == _metered(cfg)
@@ -150,6 +162,10 @@ def _measured_cases() -> dict[int, dict[str, dict]]:
         "attn_drop_all": case(*LORA, *ATTN),
         "attn_drop_wq": case(*LORA, *ATTN, "--finetune.lora_targets=wq"),
         "attn_drop_w1_drop": case(*LORA, *ATTN, *DROP, "--finetune.lora_targets=w1"),
+        # selective recomputation: the first block's attention core keeps q, k, v though
+        # nothing there has a gradient; wo's input is kept for wo's adapter only
+        "sel_w1": case(*LORA, *SEL, "--finetune.lora_targets=w1"),
+        "sel_wq_drop": case(*LORA, *SEL, *DROP, "--finetune.lora_targets=wq"),
     }
     z3 = "--parallel.zero=3"
     two = {
@@ -163,6 +179,7 @@ def _measured_cases() -> dict[int, dict[str, dict]]:
         "tp2_sp_wq": case(*LORA, *SP, "--finetune.lora_targets=wq"),
         "tp2_sp_w1": case(*LORA, *SP, "--finetune.lora_targets=w1"),
         "tp2_sp_full_wo": case(*LORA, *SP, "--finetune.lora_targets=wo", "--memory.recompute=full"),
+        "tp2_sp_sel_w2_drop": case(*LORA, *SP, *SEL, *DROP, "--finetune.lora_targets=w2"),
         "tp2_sp_gpt2_w2": case(*LORA, *SP, "--model.name=gpt2-tiny", "--finetune.lora_targets=w2"),
         "tp2_attn_drop_wv": case(*LORA, *TP, *ATTN, "--finetune.lora_targets=wv"),
         "tp2_llama_up": case(

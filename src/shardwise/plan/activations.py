@@ -186,17 +186,26 @@ def block_terms(spec: ModelSpec, s: int, b: int, c: int, packed: bool = False) -
 
 
 def lora_terms(
-    terms, spec: ModelSpec, s: int, b: int, c: int, targets, rank: int, dropout: bool
+    terms,
+    spec: ModelSpec,
+    s: int,
+    b: int,
+    c: int,
+    targets,
+    rank: int,
+    dropout: bool,
+    selective: bool = False,
 ) -> tuple[Term, ...]:
     """`terms` of a LoRA run (finetune/lora.py): every base weight frozen, so what only their
     gradients read is not saved (a norm's normalised input; a linear's input unless its
-    adapter reads it); each adapter saves A's output (B's input, rank wide) and, with dropout,
-    its own 1-byte mask and dropped input (A's input) instead of the shared one."""
+    adapter reads it; under `selective` recomputation also the recomputed core's output);
+    each adapter saves A's output (B's input, rank wide) and, with dropout, its own 1-byte
+    mask and dropped input (A's input) instead of the shared one."""
     out = []
     for term in terms:
         if term.name.endswith(NORMALISED) or term.name == CHUNKED_WEIGHT_GRAD:
             continue
-        readers = weight_readers(spec, term.name)
+        readers = weight_readers(spec, term.name, selective)
         if readers is not None and (dropout or not set(readers) & set(targets)):
             continue
         out.append(term)
@@ -224,16 +233,18 @@ def lora_first_block(
     c: int = 2,
     packed: bool = False,
     alone: bool = False,
+    selective: bool = False,
 ) -> tuple[Term, ...]:
     """What the first adapted block does not save in a LoRA run (negative terms): its input
     has no gradient (the frozen embedding's, or unadapted blocks'), so nothing before its first
-    adapted linear saves anything (activations_hf.first_block_unsaved), and with RoPE only the
-    adapted q or k keeps its rotation's tables. transformers' blocks:
-    activations_hf.hf_first_block (`alone`: no block runs after it)."""
+    adapted linear saves anything (activations_hf.first_block_unsaved; under `selective`
+    recomputation but the recomputed regions' inputs), and with RoPE only the adapted q or k
+    keeps its rotation's tables. transformers' blocks: activations_hf.hf_first_block (`alone`:
+    no block runs after it)."""
     if family_of(spec).block.transformers:
         return hf_first_block(spec, s, b, c, targets, packed, dropout, alone)
     block = block_terms(spec, s, b, c, packed)
-    out = first_block_unsaved(spec, s, b, block, targets, dropout)
+    out = first_block_unsaved(spec, s, b, block, targets, dropout, selective)
     out += _explicit_attention_unsaved(spec, block, targets)
     if spec.dropout and not {"wq", "wk", "wv", "wo"} & set(targets):  # (the last terms)
         # the attention branch's residual dropout: its input has no gradient, no mask

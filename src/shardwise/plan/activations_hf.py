@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from shardwise.models import ModelSpec
 from shardwise.models.families import family_of
-from shardwise.plan.terms import NORMALISED, WEIGHT_INPUTS, Term
+from shardwise.plan.terms import NORMALISED, RECOMPUTED_INPUTS, WEIGHT_INPUTS, Term
 
 
 @dataclass(frozen=True)
@@ -124,14 +124,15 @@ _ADAPTER_INPUT = {
 _ATTENTION_INPUTS = ("attn_norm output", "attention output (wo input)")
 
 
-def weight_readers(spec: ModelSpec, name: str) -> tuple[str, ...] | None:
+def weight_readers(spec: ModelSpec, name: str, selective: bool = False) -> tuple[str, ...] | None:
     """The linears whose weight gradients alone read the saved tensor `name` (terms.WEIGHT_INPUTS),
     None where something else reads it: SDPA saves its output (wo's input) for its own backward,
-    but our blocks' explicit softmax (model.attn_dropout) saves none, so only wo's weight keeps
-    it there (and nothing in a LoRA run that does not adapt wo)."""
+    but our blocks' explicit softmax (model.attn_dropout) saves none, nor does a core that
+    `selective` recomputation checkpoints (its output is no saved tensor inside the region), so
+    only wo's weight keeps it there (and nothing in a LoRA run that does not adapt wo)."""
     if (
         name == _ADAPTER_INPUT["wo"]
-        and spec.attn_dropout
+        and (spec.attn_dropout or selective)
         and not family_of(spec).block.transformers
     ):
         return ("wo",)
@@ -164,31 +165,50 @@ def hf_first_block(
 
 
 def first_block_unsaved(
-    spec: ModelSpec, s: int, b: int, block: tuple[Term, ...], targets, dropout: bool
+    spec: ModelSpec,
+    s: int,
+    b: int,
+    block: tuple[Term, ...],
+    targets,
+    dropout: bool,
+    selective: bool = False,
 ) -> tuple[Term, ...]:
     """The terms of the first block (`block`, as `lora_terms` counts them) that a LoRA run does
     not save, as negative terms: every one before its first adapted linear's input (nothing
-    there needs a gradient), that input's adapter masks with dropout (and SDPA's output when
-    it is wo's input), and one factor of a gated MLP with one of its two linears adapted."""
+    there needs a gradient) but, under `selective` recomputation, the recomputed regions'
+    inputs (terms.RECOMPUTED_INPUTS: saved either way), that input's adapter masks with dropout
+    (and SDPA's output when it is wo's input), and one factor of a gated MLP with one of its
+    two linears adapted."""
     inputs = {_ADAPTER_INPUT[x] for x in targets if x in _ADAPTER_INPUT}
     terms = {term.name: term for term in block}  # (the MLP's, named once)
+    kept = RECOMPUTED_INPUTS if selective else ()
     out = []
     for term in block:  # (a list: our attention's and residual's dropout masks share a name)
-        name, read = term.name, weight_readers(spec, term.name) is not None
+        name, read = term.name, weight_readers(spec, term.name, selective) is not None
         if name in inputs:
             if dropout:
                 out += _unmasked_adapters(spec, s, b, name, targets)
                 # SDPA's output, counted for wo's adapter to share (`weight_readers`)
                 out += [term] if name == "attention output (wo input)" and not read else []
             break
-        if not (name.endswith(NORMALISED) or read):  # (not counted)
+        if not (name.endswith(NORMALISED) or read or name in kept):  # (not counted; saved)
             out.append(term)
     gate_up = {"w1", "w3"} & set(targets) if family_of(spec).block.gated_mlp else set()
     if len(gate_up) == 1 and inputs.isdisjoint(_ATTENTION_INPUTS):
         # act(gate) * up in the first block, one factor without a gradient: an adapted gate
         # alone saves its output and up's, not silu's; an adapted up alone saves silu's only
-        out.append(terms["silu(w1 x)" if gate_up == {"w1"} else "w1, w3 outputs"])
+        # (a recomputed activation keeps both outputs, its inputs, and saves no silu)
+        unsaved = "silu(w1 x)" if gate_up == {"w1"} else "w1, w3 outputs"
+        out += [] if unsaved in kept else [terms[unsaved]]
     return tuple(replace(x, name=f"first block {x.name}", nbytes=-x.nbytes) for x in out)
+
+
+def lora_unadapted_terms(terms) -> tuple[Term, ...]:
+    """What a block (`terms`) before a LoRA run's first adapted one saves, where no input,
+    weight or adapter has a gradient: under selective recomputation its recomputed regions'
+    inputs (terms.RECOMPUTED_INPUTS), nothing otherwise."""
+    inputs = [term for term in terms if term.name in RECOMPUTED_INPUTS]
+    return tuple(replace(term, when="selective_only") for term in inputs)
 
 
 def _unmasked_adapters(spec: ModelSpec, s: int, b: int, first: str, targets) -> list[Term]:

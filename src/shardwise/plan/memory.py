@@ -15,6 +15,7 @@ from functools import lru_cache
 from shardwise.finetune.quant_shards import split_dims, transient_bytes
 from shardwise.plan import activations as act
 from shardwise.plan import compression, moe, peers
+from shardwise.plan.activations_hf import lora_unadapted_terms
 from shardwise.plan.adapters import block_quantised, finetune_units, linear_fans
 from shardwise.plan.buffers import zero_transient
 from shardwise.plan.layout import Job, Layout, as_data_parallel
@@ -147,12 +148,15 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     held = act.in_flight(layout.pp_schedule, p, m, layout.pp_virtual, stage)
     fused = peers.of(job).fused_loss
     edges = act.edge_terms(spec, s, b, c, first, last, t, job.packed, fused, job.loss_chunks)
+    selective = layout.recompute == "selective"  # (for the first block's terms among them)
     if ft.lora:  # the frozen head and final norm; the first block's input needs no gradient
         edges = act.lora_terms(edges, spec, s, b, c, (), ft.lora_rank, False)
         if first and layout.recompute != "full":  # (what it leaves out: per block family)
             drop, alone = bool(ft.lora_dropout), last and first_adapted == layers - 1
-            edges += act.lora_first_block(spec, s, b, targets, drop, c, job.packed, alone)
-    edge = act.layer_bytes(edges, t, layout.sp)
+            edges += act.lora_first_block(
+                spec, s, b, targets, drop, c, job.packed, alone, selective
+            )
+    edge = act.layer_bytes(edges, t, layout.sp, selective)
     # the loss and logits of the last stage: 1F1B and interleaved run each micro-batch's
     # backward right after its forward there (one held); GPipe runs all m forwards first and
     # zero bubble keeps them, with the rest of the micro-batch, until its weight pass
@@ -173,20 +177,25 @@ def _layer_bytes(job: Job, layout: Layout, targets: tuple[str, ...]) -> float:
         return act.full_recompute_bytes(spec, s, b, c, t, layout.sp)
     if layout.recompute == "selective" and peers.of(job).selective_ops:
         return act.layer_bytes(act.op_sac_terms(spec, s, b, c), t, layout.sp)
-    terms = _block_terms(job, b)
+    terms, selective = _block_terms(job, b), layout.recompute == "selective"
     if ft.lora:  # the base frozen, the adapters' own saved tensors
-        terms = act.lora_terms(terms, spec, s, b, c, targets, ft.lora_rank, bool(ft.lora_dropout))
-    return act.layer_bytes(terms, t, layout.sp, layout.recompute == "selective")
+        drop = bool(ft.lora_dropout)
+        terms = act.lora_terms(terms, spec, s, b, c, targets, ft.lora_rank, drop, selective)
+    return act.layer_bytes(terms, t, layout.sp, selective)
 
 
 def _adapted_blocks(job: Job, layout: Layout) -> tuple[float, int]:
     """(bytes all blocks save, the first adapted block) when LoRA adapts some blocks only:
     each block by its own targets; without full recomputation the blocks before the first
-    adapted one save nothing (no input, weight or adapter there needs a gradient)."""
+    adapted one save nothing (no input, weight or adapter there needs a gradient) but, under
+    selective recomputation, their recomputed regions' inputs."""
     layers = job.finetune.lora_layers
     first_adapted = next((i for i, tags in enumerate(layers) if tags), len(layers))
     first_adapted = 0 if layout.recompute == "full" else first_adapted
-    return sum(_layer_bytes(job, layout, tags) for tags in layers[first_adapted:]), first_adapted
+    unadapted = lora_unadapted_terms(_block_terms(job, layout.micro_batch))
+    before = act.layer_bytes(unadapted, layout.tp, layout.sp, layout.recompute == "selective")
+    after = sum(_layer_bytes(job, layout, tags) for tags in layers[first_adapted:])
+    return before * first_adapted + after, first_adapted
 
 
 def _block_terms(job: Job, b: int) -> tuple:

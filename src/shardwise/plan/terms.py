@@ -1,6 +1,6 @@
 """One saved tensor of a block as the activation formulas count it (plan/activations.py, and
-transformers' blocks in plan/activations_hf.py), and the names of the saved inputs that only a
-weight's gradient reads."""
+transformers' blocks in plan/activations_hf.py), the names of the saved inputs that only a
+weight's gradient reads, and those of the recomputed regions' inputs."""
 
 from __future__ import annotations
 
@@ -35,3 +35,8 @@ WEIGHT_INPUTS = {
     "w2 input": ("w2",),
     "final norm output": ("head",),
 }
+# the inputs of the regions selective recomputation checkpoints (parallel/recompute.PLANS: the
+# attention core, the MLP's activation): torch.utils.checkpoint saves a region's tensor inputs
+# as saved tensors whether or not they have a gradient, so a LoRA run's blocks before the
+# first adapted linear save them too
+RECOMPUTED_INPUTS = ("core inputs q, k, v", "w1, w3 outputs", "GELU input")
