@@ -73,15 +73,16 @@ def test_ep4_reproduces_one_process(runs, name):
 
 @pytest.mark.parametrize("name", list(EP2))
 def test_explain_prices_the_checkpoint_at_ep(world, runs, name):  # noqa: F811
-    """explain's model states per rank at ep 2 equal the engine's (the experts' rows at 1/ep,
-    ZeRO over dp / ep), and its ep calls per step the measured ones (5 per MoE layer and
+    """explain's model states and buffers per rank at ep 2 equal the engine's (the experts'
+    rows at 1/ep, ZeRO over dp / ep; under ZeRO-3 a root's expert unit freed once its gradients
+    are launched), and its ep calls per step the measured ones (5 per MoE layer and
     micro-batch whatever the routing); its ep bytes are the balanced-routing formula's."""
     ckpt, extra = EP2[name]
     cfg = load_config(None, _lm(world, ckpt, *STEPS, *extra))
     pred = explain_record(cfg, 2, get_hardware("cpu", calibrate=False))
     for rank in runs[2][name]:
         got = rank["records"][-1]
-        for key in ("params", "grads", "master", "optimizer"):
+        for key in ("params", "grads", "master", "optimizer", "buffers"):
             assert pred["mem_bytes"][key] == got["mem_bytes"][key], (key, pred, got)
         assert [r["comm_calls"]["ep"] for r in rank["records"]] == [pred["comm_calls"]["ep"]] * len(
             rank["records"]

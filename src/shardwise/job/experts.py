@@ -88,3 +88,43 @@ def whole_moe_tp(comm: dict, calls: dict, job: Job, layout: Layout, model: torch
         if layout.ep == 1 or not is_expert_weight(module, leaf)
     ]
     comm["tp"] += 2 * ring_share(t) * sum(whole) * 4  # fp32 master gradients, once a step
+
+
+def partial_in_slice(model: torch.nn.Module, layout: Layout, align: int) -> tuple[int, int]:
+    """(elements of trainable tp-`partial` parameters (parallel/tensor.py) in rank 0's ZeRO
+    slices, in all): under ZeRO-1/2/3 the optimizer hands parallel/tensor.py's reduce_partial
+    only the pieces of its own slice of each unit (zero_units.Unit.targets), so a rank sums
+    over tp only those. The units are the engine's (parallel/zero.py): per root, trainable
+    parameters apart from frozen ones and, under ep, the experts apart (tp shards, never
+    partial); each a flat buffer (parameters at multiples of `align`) split evenly over the
+    `layout.dp` ranks of the dp line. Rank 0's slice, as metrics.jsonl's `comm_bytes` are
+    rank 0's own (not reduced over ranks)."""
+    inside = total = 0
+    for _, entries, _ in unit_roots(model):
+        groups: dict[tuple[bool, bool], list[tuple[int, bool]]] = {}
+        for _, module, leaf, p in entries:
+            expert = layout.ep > 1 and is_expert_weight(module, leaf)
+            partial = getattr(p, "tp_kind", "") == "partial"
+            groups.setdefault((p.requires_grad, expert), []).append((p.numel(), partial))
+        for (trainable, expert), members in groups.items():
+            if trainable and not expert:
+                got, whole = _partial_of_unit(members, layout.dp if layout.zero else 1, align)
+                inside, total = inside + got, total + whole
+    return inside, total
+
+
+def _partial_of_unit(members: list[tuple[int, bool]], n: int, align: int) -> tuple[int, int]:
+    """(partial elements in slice 0 of a unit of `members` (numel, partial) over `n` ranks,
+    in all), laid out as zero_units.Unit does."""
+    offsets, end = [], 0
+    for numel, _ in members:
+        offsets.append(end)
+        end = -(-(end + numel) // align) * align
+    share = -(-end // n)
+    hi = -(-share // align) * align  # slice 0 ends at the shard size
+    inside = sum(
+        max(0, min(off + numel, hi) - off)
+        for off, (numel, partial) in zip(offsets, members, strict=True)
+        if partial
+    )
+    return inside, sum(numel for numel, partial in members if partial)

@@ -28,6 +28,7 @@ from shardwise.finetune.quant import quant_layers
 from shardwise.models.dropout import random_stream, samples
 from shardwise.parallel.recompute import apply_recompute
 from shardwise.parallel.sync_batchnorm import apply_sync_batchnorm
+from shardwise.parallel.tensor import keep_tp_marks
 from shardwise.parallel.zero_units import unit_roots
 from shardwise.plan.shapes import Unit, split_trainable
 from shardwise.training.memory import ActivationMeter
@@ -60,8 +61,10 @@ def to_fake(model: torch.nn.Module) -> None:
                     continue
                 if id(t) not in done:
                     new = torch.empty(t.shape, dtype=t.dtype)
-                    if isinstance(t, torch.nn.Parameter):
+                    if isinstance(t, torch.nn.Parameter):  # keep tp's marks: job/experts.py
+                        # reads which gradients are summed over tp (`partial`)
                         new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                        new = keep_tp_marks(t, new)
                     done[id(t)] = new
                 store[key] = done[id(t)]
 

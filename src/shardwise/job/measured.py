@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardwise.job.experts import in_forward_order, routed_spec, whole_moe_tp
+from shardwise.job.experts import in_forward_order, partial_in_slice, routed_spec, whole_moe_tp
 from shardwise.plan import compression, moe, traffic
 from shardwise.plan import memory as mem
 from shardwise.plan.activations_hf import repeated_heads
-from shardwise.plan.buffers import zero_transient
+from shardwise.plan.buffers import align_of, zero_transient
 from shardwise.plan.layout import Job, Layout, as_data_parallel
 from shardwise.plan.search import evaluate
 from shardwise.plan.shapes import Unit
@@ -44,6 +44,18 @@ def expert_traffic(comm: dict, calls: dict, job: Job, layout: Layout, experts: l
     held = dataclasses.replace(edp_job, frozen=tuple(experts))
     comm["dp"] += traffic.traffic(held, edp)["dp"]
     calls["dp"] += traffic.collective_calls(held, edp)["dp"]
+
+
+def sliced_partial_tp(comm: dict, calls: dict, layout: Layout, model, align: int) -> None:
+    """Take out of `comm`/`calls`' tp entries (which price the whole partial all-reduce over
+    tp) the partial gradients outside rank 0's ZeRO slices (`partial_in_slice`): 2·(t−1)/t
+    fp32 bytes an element; no call at all when its slices hold none."""
+    if layout.tp == 1 or layout.zero == 0:
+        return
+    inside, total = partial_in_slice(model, layout, align)
+    comm["tp"] -= 2 * traffic.ring_share(layout.tp) * (total - inside) * 4
+    if total and not inside:  # reduce_partial returns at once on an empty list
+        calls["tp"] -= 1
 
 
 def repeated_kv_bytes(job: Job, layout: Layout, layers: int | None = None) -> float:
@@ -127,6 +139,7 @@ def predict_measured(
     real = dataclasses.replace(job, frozen=tuple(dense))
     comm, calls = traffic.traffic(real, layout), traffic.collective_calls(real, layout)
     whole_moe_tp(comm, calls, job, layout, model)  # a transformers class's MoE MLPs under tp
+    sliced_partial_tp(comm, calls, layout, model, align_of(job))
     if experts:  # the expert units' reduction over their holders, counted under dp
         expert_traffic(comm, calls, job, layout, experts)
     if asked.ep > 1:  # the token exchange, at balanced routing (traffic.ep_traffic)

@@ -98,7 +98,8 @@ def _zero_transient(
     unit); ZeRO-2/3 reduce-scatter each trainable unit's gradients from a fresh flat buffer, at
     most three in flight (two pending, one launching). Backward visits roots in reverse; at root
     k: F_k + F_last(k-1) + G_k + G_k+1 + G_k+2 (a frozen unit has no G; a root of several
-    trainable units, under expert parallelism, holds them as that many of the three G). A
+    trainable units, under expert parallelism, holds them as that many of the three G, and
+    ZeRO-3 frees each of them, its expert unit first, as soon as its G is launched). A
     16-bit wire adds its copy to each G (ZeRO-1: G is only that copy; its flat buffer is
     persistent). A tied head gathers the first root's units again before backward, and they
     stay gathered until their gradients (both uses') are reduced, after the first root's
@@ -113,8 +114,14 @@ def _zero_transient(
     full = [[size(u, bc) if stage == 3 else 0 for u in r] for r in roots]
     per = (br if stage >= 2 else 0) + wire
     # the gradients in flight are counted unit by unit (the engine reduces units, not roots: a
-    # root's expert unit is one of the three); a root without trainable units takes a slot
-    grad = [[size(u, per) for u in r if any(e[1] for e in u.entries)] or [0] for r in roots]
+    # root's expert unit is one of the three); a root without trainable units takes a slot.
+    # Each with its gathered bytes: ZeRO-3 frees a unit once its reduce-scatter is launched,
+    # before the root's next unit (its dense one, after the experts) allocates its buffer
+    grad = [
+        [(size(u, per), f) for u, f in zip(r, fs, strict=True) if any(e[1] for e in u.entries)]
+        or [(0, 0)]
+        for r, fs in zip(roots, full, strict=True)
+    ]
     n, peak = len(roots), 0.0
     for k in range(n):  # forward: the running root + the next root's first unit, prefetched
         peak = max(peak, sum(full[k]) + (full[k + 1][0] if k + 1 < n else 0))
@@ -122,7 +129,8 @@ def _zero_transient(
     for k in range(n - 1, -1, -1):
         gathered = sum(full[k]) + (full[k - 1][-1] if k > 0 else 0)
         gathered += sum(full[0]) if tied and k > 0 else 0
-        for g in reversed(grad[k]):  # the root's units in backward (reverse) order
+        for g, f in reversed(grad[k]):  # the root's units in backward (reverse) order
             flight.append(g)
             peak = max(peak, gathered + sum(flight[-3:]))
+            gathered -= f
     return peak

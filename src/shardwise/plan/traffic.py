@@ -98,7 +98,9 @@ def _tp_kinds(job: Job, layout: Layout, quantised: list[int]) -> dict[str, float
     for kind, n in unrun_backward(job, layout).items():  # LoRA: no gradient before an adapter
         tp_kinds[kind] -= ring_share(t) * m * act * n * (1 if layout.sp else 2)
     if t > 1:  # gradients of parameters replicated over tp ranks that each saw part of them,
-        # summed in fp32 (the optimizer's master gradients) once per step
+        # summed in fp32 (the optimizer's master gradients) once per step. Under ZeRO a rank
+        # sums only those in its slice: without the units' parameters this is an upper bound
+        # (job/measured.sliced_partial_tp prices the slice where the model is built)
         tp_kinds["all_reduce"] += 2 * ring_share(t) * _tp_partial(job, t, layout.sp, layout.ep) * 4
     if quantised:
         tp_kinds["all_gather"] = tp_kinds.get("all_gather", 0.0)
