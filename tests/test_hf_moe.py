@@ -287,11 +287,6 @@ def test_the_lora_export_merges_into_a_model_transformers_loads(world, runs, tmp
     [
         (["--parallel.tp=2"], 2, r"parallel.tp=2 with a Hugging Face MoE .*needs parallel.sp=true"),
         (
-            ["--parallel.tp=2", "--parallel.sp=true", "--parallel.pp=2", "--train.micro_batch=2"],
-            4,
-            r"parallel.sp=true with parallel.pp=2 is not built .*Fix:",
-        ),
-        (
             ["--parallel.tp=2", "--parallel.sp=true", "--data.pack=true"],
             2,
             r"data.pack=true with parallel.sp=true is not built .*Fix: --data.pack=false",
@@ -308,13 +303,12 @@ def test_the_lora_export_merges_into_a_model_transformers_loads(world, runs, tmp
 )
 def test_what_is_not_built_is_refused_with_the_key(world, extra, world_size, message):
     """Tensor parallelism without sequence parallelism (the experts stay whole, so every tp
-    rank would compute every token's experts), tp + sp over pipeline stages (a stage numbers
-    positions from its own s/tp tokens) or on packed rows (their positions are per record),
-    the zero-bubble pipeline schedule (its
+    rank would compute every token's experts), tp + sp on packed rows (their positions are per
+    record), the zero-bubble pipeline schedule (its
     split backward is not checked with routed experts; 1F1B, GPipe and interleaved stages run:
     tests/test_hf_moe_parallel.py) and shardwise's balance keys (their routers are the checkpoint's)
-    stop before launch. (tp + sp and pp run: tests/test_hf_moe_parallel.py; LoRA on the
-    stacked experts trains: tests/test_moe_lora.py.)"""
+    stop before launch. (tp + sp, pp and pp x tp + sp run: tests/test_hf_moe_parallel.py; LoRA
+    on the stacked experts trains: tests/test_moe_lora.py.)"""
     with pytest.raises(ConfigError, match=message):
         derive(load_config(None, _lm(world, "mixtral", *extra)), world_size)
 

@@ -11,8 +11,9 @@ the first adapted projection do not run, the frozen norms' gradients are not sum
 sp on 2 ranks must reproduce one process's losses, gradient norms and parameters; explain must
 price the model states, the activations and the tp traffic as measured; and sp must save fewer
 activation bytes per rank than tp 2 alone. One 2-rank world runs every multi-rank case, one
-process the references. Over pipeline stages, on packed rows and with cp the layout stays
-refused."""
+process the references. On packed rows, with cp, and over pipeline stages for a class not
+checked there (Mistral; Qwen2's and the MoE classes' stages: tests/test_hf_moe_parallel.py) the
+layout stays refused."""
 
 from __future__ import annotations
 
@@ -88,6 +89,23 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """A tiny Mistral checkpoint of the same shape: a class whose stages under tp + sp are not
+    checked against one process."""
+    out = tmp_path_factory.mktemp("hf_sp") / "mistral"
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
 def runs(ckpt):
     worlds: dict[int, dict] = {1: {}, 2: {}}
     for name, (ref, extra) in CASES.items():
@@ -136,16 +154,30 @@ def test_explain_prices_the_layout(ckpt, runs, name):
 
 
 @pytest.mark.parametrize(
-    ("extra", "world_size", "message"),
+    ("source", "extra", "world_size", "message"),
     [
-        (["--parallel.cp=2"], 4, r"parallel.sp=true with parallel.cp=2 is not built .*Fix:"),
-        (["--parallel.pp=2", "--train.micro_batch=2"], 4, r"with parallel.pp=2 is not built"),
-        (["--data.pack=true"], 2, r"data.pack=true with parallel.sp=true is not built .*Fix:"),
+        ("qwen2", ["--parallel.cp=2"], 4, r"sp=true with parallel.cp=2 is not built .*Fix:"),
+        (
+            "mistral",
+            ["--parallel.pp=2", "--train.micro_batch=2"],
+            4,
+            r"parallel.pp=2 is not built for a 'mistral' model: .*Fix: --parallel.pp=1",
+        ),
+        ("qwen2", ["--data.pack=true"], 2, r"data.pack=true with parallel.sp=true is not built"),
     ],
 )
-def test_what_is_not_built_is_refused(ckpt, extra, world_size, message):
-    """With cp (its pre-hook numbers each rank's zig-zag tokens), over pipeline stages (a stage
-    numbers positions from its own s/tp tokens) and on packed rows (their positions are per
-    record) tp + sp stops before launch, naming the value and the fix."""
+def test_what_is_not_built_is_refused(request, source, extra, world_size, message):
+    """With cp (its pre-hook numbers each rank's zig-zag tokens), over pipeline stages of a
+    class not checked there (Mistral) and on packed rows (their positions are per record)
+    tp + sp stops before launch, naming the value and the fix."""
+    path = request.getfixturevalue("ckpt" if source == "qwen2" else source)
     with pytest.raises(ConfigError, match=message):
-        derive(load_config(None, [*_base(ckpt, "qwen2"), *TP2, *SP, *extra]), world_size)
+        derive(load_config(None, [*_base(path, "qwen2"), *TP2, *SP, *extra]), world_size)
+
+
+def test_qwen2_stages_under_sp_pass_the_checks(ckpt):
+    """pp x tp + sp of a Qwen2 checkpoint is no longer refused (run and compared with one
+    process in tests/test_hf_moe_parallel.py)."""
+    pp = ["--parallel.pp=2", "--train.micro_batch=2"]
+    derived = derive(load_config(None, [*_base(ckpt, "qwen2"), *TP2, *SP, *pp]), 4)
+    assert (derived.pp, derived.tp) == (2, 2)

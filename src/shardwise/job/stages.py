@@ -47,6 +47,8 @@ def _stage_model(cfg: Config, derived, layout: Layout, stage: int):
     hf = derived.spec if derived.family.from_checkpoint else None  # cut by its own plan
     mine, view = prune_to_stage(model, chunks, stage, p, hf)
     tp = split_tp(model, cfg, derived)
+    if hf is not None and cfg.parallel.sp:  # as parallel/pipeline.py: layers number all s
+        view.shard_sequence(layout.tp)
     return (model, view, mine, tp), model_units(model)
 
 
@@ -76,8 +78,10 @@ def _stage_forward(cfg: Config, derived, parts: tuple, s: int) -> tuple[int, int
         first, last = any(c.first for c in mine), any(c.last for c in mine)
         if first:
             h = view.embed_tokens(torch.zeros(b, s + 1, dtype=torch.long)[:, :-1])
-        else:  # the received activations: a leaf that needs its gradient
-            h = torch.zeros(b, s, derived.spec.dim, dtype=dev.dtype_of(cfg.precision.compute))
+        else:  # the received activations (sp: the tp rank's s/tp tokens), a leaf that
+            # needs its gradient, as parallel/pipeline.py `_shape` sends them
+            n = s // derived.tp if cfg.parallel.sp else s
+            h = torch.zeros(b, n, derived.spec.dim, dtype=dev.dtype_of(cfg.precision.compute))
             h.requires_grad_(True)
         edge = meter.current
         for c in mine:

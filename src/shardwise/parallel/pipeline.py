@@ -326,4 +326,6 @@ def apply_pipeline(model: nn.Module, cfg: Config, derived, comm: Comm) -> Pipeli
     chunks = plan_chunks(derived.spec, p, v, cfg.parallel.pp_split, cfg.data.seq_len)
     hf = derived.spec if derived.family.from_checkpoint else None  # cut by its own plan
     mine, stages = prune_to_stage(model, chunks, comm.topo.coord("pp"), p, hf)
+    if hf is not None and cfg.parallel.sp:  # a stage's input is s/tp tokens of each sequence
+        stages.shard_sequence(comm.topo.size("tp"))
     return Pipeline(stages, mine, len(chunks), cfg, comm)

@@ -30,6 +30,9 @@ from shardwise.parallel.context_hf import CONTEXT, CONTEXT_HOLDER
 # model_type -> its base forward is exactly its published plan plus rotary positions; each
 # checked against one process (tests/test_hf_models.py; MoE: tests/test_hf_moe_parallel.py)
 PIPELINE_TYPES = ("llama", "mistral", "qwen2", "phi3", "gpt_neox", "mixtral", "qwen2_moe", "olmoe")
+# model_type -> its stages under tp + sp checked against one process (each stage's layers
+# number the whole sequence, `_Layer`): tests/test_hf_moe_parallel.py
+SP_PIPELINE_TYPES = ("qwen2", "mixtral", "qwen2_moe")
 
 # OLMoE publishes no base_model_pp_plan, yet its base forward is Llama's (embedding, rotary
 # positions, the layers, the final norm): the plan Llama publishes describes it
@@ -75,6 +78,8 @@ class _Layer(nn.Module):
         self.layer, self.rotary = layer, rotary
         # the attention module cp hands its context (parallel/context_hf.py), set after pruning
         self.attention = next((m for m in layer.modules() if hasattr(m, CONTEXT_HOLDER)), None)
+        # tp ranks sharing each sequence under sp (HFStages.shard_sequence); 1 otherwise
+        self.sequence_shards = 1
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # under cp a stage holds this rank's zig-zag part of each sequence: RoPE rotates each
@@ -82,8 +87,8 @@ class _Layer(nn.Module):
         context = getattr(self.attention, CONTEXT, None)
         if context is not None:
             positions = context.positions(h.shape[1], h.device)[None]
-        else:
-            positions = torch.arange(h.shape[1], device=h.device)[None]
+        else:  # under sp `h` holds s/tp tokens while the attention gathers all s: number s
+            positions = torch.arange(h.shape[1] * self.sequence_shards, device=h.device)[None]
         cos_sin = self.rotary(h, position_ids=positions)
         out = self.layer(
             h, attention_mask=None, position_ids=positions, position_embeddings=cos_sin
@@ -123,6 +128,13 @@ class HFStages:
         self.blocks = {
             i: _Layer(layer, base.rotary_emb) for i, layer in getattr(base, layers).items()
         }
+
+    def shard_sequence(self, shards: int) -> None:
+        """Under tp + sp each stage receives s/`shards` tokens of every sequence: its layers
+        rotate by the whole sequence's positions, as parallel/tensor.py `_whole_positions`
+        hands the unsplit model's forward."""
+        for block in self.blocks.values():
+            block.sequence_shards = shards
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return _Sequence(self._before)(tokens)

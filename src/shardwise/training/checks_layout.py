@@ -166,11 +166,12 @@ def check_tensor_parallel(spec: ModelSpec, family: Family, cfg: Config) -> None:
 
 
 def _check_checkpoint_sp(spec: ModelSpec, family: Family, cfg: Config) -> None:
-    """tp + sp of a transformers class: the model types checked against one process, not
-    over pipeline stages (a stage's layers number positions from their own input) nor on
-    packed rows (parallel/tensor.py hands the forward plain positions)."""
+    """tp + sp of a transformers class: the model types checked against one process (over
+    pipeline stages those of parallel/pipeline_hf.py's SP_PIPELINE_TYPES), not on packed rows
+    (parallel/tensor.py hands the forward plain positions)."""
     pp = cfg.parallel.pp
-    if family.from_checkpoint:  # a preset's family builds the one class it names
+    model_type = family.sp_model_types[0]  # a preset's family builds the one class it names
+    if family.from_checkpoint:
         from shardwise.models.hf.auto import read_hf_config
 
         model_type = read_hf_config(spec.source).model_type
@@ -188,16 +189,26 @@ def _check_checkpoint_sp(spec: ModelSpec, family: Family, cfg: Config) -> None:
             "--parallel.cp=1."
         )
     if pp > 1:
-        raise ConfigError(
-            f"parallel.sp=true with parallel.pp={pp} is not built for a Hugging Face "
-            "model: its stages would number positions from their s/tp tokens. Fix: "
-            "--parallel.pp=1 (tp + sp), or --parallel.tp=1 (pp)."
-        )
+        _check_pipeline_sp(model_type, pp)
     if cfg.data.pack:  # packed rows carry their positions within records, the hook does not
         raise ConfigError(
             "data.pack=true with parallel.sp=true is not built for a Hugging Face model: "
             "sequence parallelism hands its forward plain positions 0..s-1, not each "
             "record's. Fix: --data.pack=false, or --parallel.tp=1."
+        )
+
+
+def _check_pipeline_sp(model_type: str, pp: int) -> None:
+    """tp + sp over pipeline stages: the model types whose stages were checked against one
+    process (each stage's layers number the whole sequence, parallel/pipeline_hf.py)."""
+    from shardwise.parallel.pipeline_hf import SP_PIPELINE_TYPES
+
+    if model_type not in SP_PIPELINE_TYPES:
+        raise ConfigError(
+            f"parallel.sp=true with parallel.pp={pp} is not built for a '{model_type}' model: "
+            "tp + sp over pipeline stages is checked against one process for transformers' "
+            f"{', '.join(SP_PIPELINE_TYPES)} classes. Fix: --parallel.pp=1 (tp + sp), or "
+            "--parallel.tp=1 (pp)."
         )
 
 
