@@ -29,6 +29,7 @@ from shardwise.launchers.harness import run_named_worlds  # noqa: E402
 from shardwise.plan.hardware import get_hardware  # noqa: E402
 from shardwise.training.validate import derive  # noqa: E402
 from support.compare import SMALL, VOCAB, assert_reproduces  # noqa: E402
+from support.hf_tiny import tiny_llama_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -93,14 +94,7 @@ def mistral(tmp_path_factory):
     """A tiny Mistral checkpoint of the same shape: a class whose stages under tp + sp are not
     checked against one process."""
     out = tmp_path_factory.mktemp("hf_sp") / "mistral"
-    config = transformers.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = tiny_llama_config(VOCAB, transformers.MistralConfig, intermediate_size=128)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
     return out
 
