@@ -64,8 +64,16 @@ def _heads(model: nn.Module, new: set[str]) -> set[str]:
     return heads | {name.rpartition(".")[0] for name in new}
 
 
-def _matches(path: str, pattern: str) -> bool:
-    if "." in pattern or any(c in pattern for c in "*?["):
+def is_path_pattern(pattern: str) -> bool:
+    """Whether a finetune.lora_targets pattern names whole module paths ('.' or a wildcard)
+    rather than the last part of one."""
+    return "." in pattern or any(c in pattern for c in "*?[")
+
+
+def target_matches(path: str, pattern: str) -> bool:
+    """finetune.lora_targets' rule: a path pattern matches the whole path, a plain name its
+    last part."""
+    if is_path_pattern(pattern):
         return fnmatch.fnmatchcase(path, pattern)
     return path.rpartition(".")[2] == pattern
 
@@ -100,7 +108,9 @@ def expert_targets(model: nn.Module, patterns: str) -> list[tuple[str, nn.Module
             leaf
             for leaf in leaves
             if any(
-                p == EXPERTS or _matches(f"{path}.{leaf}", p) or (theirs and _matches(path, p))
+                p == EXPERTS
+                or target_matches(f"{path}.{leaf}", p)
+                or (theirs and target_matches(path, p))
                 for p in pats
                 if p != ALL_LINEAR
             )
@@ -141,7 +151,7 @@ def target_modules(model: nn.Module, patterns: str, new: set[str] = frozenset())
         heads = _heads(model, new)
         return [n for n in linear if n not in heads]
     for pat in pats:
-        if not any(_matches(n, pat) for n in linear) and not expert_targets(model, pat):
+        if not any(target_matches(n, pat) for n in linear) and not expert_targets(model, pat):
             short = ", ".join(dict.fromkeys(n.rpartition(".")[2] for n in linear))
             experts = f", {EXPERTS} (stacked expert weights)" if _experts_of(model) else ""
             raise ConfigError(
@@ -154,7 +164,7 @@ def target_modules(model: nn.Module, patterns: str, new: set[str] = frozenset())
         raise ConfigError(
             "finetune.lora_targets is empty. Fix: e.g. --finetune.lora_targets=all-linear."
         )
-    return [n for n in linear if any(_matches(n, p) for p in pats)]
+    return [n for n in linear if any(target_matches(n, p) for p in pats)]
 
 
 def check(ft: FinetuneConfig) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from shardwise.config import Config
 from shardwise.errors import ConfigError
-from shardwise.finetune.lora import EXPERTS
+from shardwise.finetune.lora import EXPERTS, is_path_pattern
 from shardwise.models.families import family_of
 from shardwise.optim import EIGHT_BIT
 from shardwise.optim.nvme import chunk_elements
@@ -63,7 +63,7 @@ def finetune_of(cfg: Config, spec) -> FineTune:
 
     def matched(pat: str) -> tuple[str, ...]:
         """The planner's names of the linears `pat` adapts (in some block)."""
-        leaf, path = pat.rpartition(".")[2], "." in pat or any(c in pat for c in "*?[")
+        leaf, path = pat.rpartition(".")[2], is_path_pattern(pat)
         # (an MoE path may name stacked expert weights, which are not linears: by its leaf)
         strict = path and not spec.n_experts
         hits = lora_tags(spec, pat) if by_path else ((leaf,) if leaf in tags and not strict else ())

@@ -18,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from shardwise.errors import ConfigError
+from shardwise.finetune.lora import is_path_pattern, target_matches
 from shardwise.models import PRESETS, ModelSpec, preset
 from shardwise.models.families import family_of
 
@@ -112,7 +113,7 @@ def lora_tags(spec: ModelSpec, pattern: str) -> tuple[str, ...]:
     leaf = pattern.rpartition(".")[2]
     if not paths:  # ours: by the planner's names (a path pattern by its last part)
         return (leaf,) if leaf in linear_shapes(spec) else ()
-    wild = "." in pattern or any(c in pattern for c in "*?[")
+    wild = is_path_pattern(pattern)
     hits = (t for p, t in paths if (fnmatchcase(p, pattern) if wild else p.endswith("." + leaf)))
     return tuple(dict.fromkeys(hits))
 
@@ -134,14 +135,6 @@ def block_linear_paths(spec: ModelSpec, i: int) -> list[tuple[str, str]]:
     return out + [(f"blocks.{i}.mlp.{t}", t) for t in dense]
 
 
-def _matches(path: str, pattern: str) -> bool:
-    """finetune/lora.py's rule: a pattern with '.' or a wildcard the whole path, else its
-    last part."""
-    if "." in pattern or any(c in pattern for c in "*?["):
-        return fnmatchcase(path, pattern)
-    return path.rpartition(".")[2] == pattern
-
-
 def layer_tags(spec: ModelSpec, patterns: list[str]) -> tuple[tuple[str, ...], ...]:
     """The planner's names of the linears `patterns` adapt in each block; () when every block
     has the same ones (then `FineTune.lora_targets` says which, for all of them)."""
@@ -153,7 +146,7 @@ def layer_tags(spec: ModelSpec, patterns: list[str]) -> tuple[tuple[str, ...], .
 
 
 def _hit(path: str, patterns: list[str]) -> bool:
-    return any(_matches(path, pattern) for pattern in patterns)
+    return any(target_matches(path, pattern) for pattern in patterns)
 
 
 def linear_names(spec: ModelSpec) -> list[str]:
