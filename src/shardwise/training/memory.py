@@ -23,34 +23,32 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def _held(t: torch.Tensor) -> StorageWeakRef:
-    """A weak reference to `t`'s storage. The meter keys storages by their object's address;
+def _held(storage: torch.UntypedStorage) -> StorageWeakRef:
+    """A weak reference to a tensor's storage. The meter keys storages by their object's address;
     the weak reference keeps that object (not its data) allocated while the meter holds it, so
     a storage freed during a forward cannot pass its address to a later one. Saved tensors are
     freed before the forward ends where a branch's graph is dropped (a router's top-k scores
     of which only the indices are kept): a later storage at the same address would count as
     already seen, and the sum would depend on how the allocator reuses addresses."""
-    return StorageWeakRef(t.untyped_storage())
+    return StorageWeakRef(storage)
 
 
 class ActivationMeter:
     """Counts bytes saved for backward during forward passes run inside `measure()`."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._exclude = {_storage_key(p): _held(p) for p in model.parameters()}
+        held = (p.untyped_storage() for p in model.parameters())
+        self._exclude = {s._cdata: _held(s) for s in held}
         self._seen: dict[int, StorageWeakRef] = {}
         self.current = 0
         self.peak = 0
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
+        storage = t.untyped_storage()  # (once: a call for every tensor saved in a forward)
+        key = storage._cdata
         if key not in self._exclude and key not in self._seen:
-            self._seen[key] = _held(t)
-            self.current += t.untyped_storage().nbytes()
+            self._seen[key] = _held(storage)
+            self.current += storage.nbytes()
             self.peak = max(self.peak, self.current)
         return t
 
