@@ -32,7 +32,7 @@ from shardwise.checkpoint.refusals import (
 )
 from shardwise.distributed.comm import ControlChannel
 from shardwise.errors import CheckpointError
-from shardwise.models.init import canonical_name, find_spec
+from shardwise.models.init import canonical_name, find_spec, persistent_named_buffers
 from shardwise.optim import MixedPrecisionAdamW, lr_at
 from shardwise.parallel.compress import PowerSGD
 from shardwise.parallel.zero import ZeroEngine
@@ -134,11 +134,8 @@ def local_state(run) -> list[Local]:
             out += slices_of(f"{kind}/{key(t.name)}", p, span, _flat(v))
         if opt.quantised(m):  # 8-bit: requantised after the load
             out[-1].after_load = lambda m=m, v=moments: opt.store_moments(m, v)
-    for prefix, module in run.model.named_modules():
-        for leaf, b in module._buffers.items():
-            if b is not None and leaf not in module._non_persistent_buffers_set:
-                name = f"{prefix}.{leaf}" if prefix else leaf
-                out += slices_of(f"buffer/{name}", b, (0, b.numel()), _flat(b))
+    for name, b in persistent_named_buffers(run.model):
+        out += slices_of(f"buffer/{name}", b, (0, b.numel()), _flat(b))
     return out + _per_rank(run)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -226,6 +226,15 @@ def restore_buffers(model: nn.Module) -> None:
         old = module._buffers[leaf]
         device = old.device if old is not None and not old.is_meta else value.device
         module._buffers[leaf] = value.to(device).clone()
+
+
+def persistent_named_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, buffer) of every persistent buffer of `model`: the state saved with the weights
+    that is no parameter (BatchNorm statistics, a routing bias), non-persistent ones left out."""
+    for path, module in model.named_modules():
+        for leaf, buf in module._buffers.items():
+            if buf is not None and leaf not in module._non_persistent_buffers_set:
+                yield (f"{path}.{leaf}" if path else leaf), buf
 
 
 def take_buffers(model: nn.Module, source) -> None:

@@ -16,17 +16,12 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError, ShardwiseError
-from shardwise.models.init import canonical_name
+from shardwise.models.init import canonical_name, persistent_named_buffers
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's persistent buffers by their names in a checkpoint (wrapper segments out)."""
-    out = {}
-    for path, module in model.named_modules():
-        for leaf, buf in module._buffers.items():
-            if buf is not None and leaf not in module._non_persistent_buffers_set:
-                out[canonical_name(f"{path}.{leaf}" if path else leaf)] = buf
-    return out
+    return {canonical_name(name): buf for name, buf in persistent_named_buffers(model)}
 
 
 def missing_message(source: str, cls: str, missing: list[str], where: str, fix: str) -> str:
@@ -66,15 +61,10 @@ def read_buffers(model: nn.Module, source) -> dict[str, torch.Tensor]:
     by the model's own names. Every buffer of the class was checked to be in the checkpoint
     before launch (`check_buffers`); one a shardwise transformation adds keeps its value."""
     out = {}
-    for path, module in model.named_modules():
-        for leaf, buf in module._buffers.items():
-            if buf is None or leaf in module._non_persistent_buffers_set:
-                continue
-            name = f"{path}.{leaf}" if path else leaf
-            if source.key(canonical_name(name)) is None:
-                continue
-            value = source.whole(canonical_name(name))
-            out[name] = value.reshape(buf.shape).to(buf.dtype)
+    for name, buf in persistent_named_buffers(model):
+        held = canonical_name(name)
+        if source.key(held) is not None:
+            out[name] = source.whole(held).reshape(buf.shape).to(buf.dtype)
     return out
 
 
