@@ -168,9 +168,7 @@ def check_expert_parallel(cfg: Config, spec: ModelSpec, family: Family, shared: 
     if ep == 1:
         return
     fix = " Fix: --parallel.ep=1."
-    why, experts, key = "", spec.n_experts, "model.n_experts"
-    if family.expert_parallel and family.from_checkpoint:  # the checkpoint's config says
-        experts, key = checkpoint_experts(spec.source)
+    why, (experts, key) = "", routed_experts(spec, family)
     if not family.expert_parallel or not experts:
         why = (
             f"model.name='{cfg.model.name}' is {family.kind} without routed experts; expert "
@@ -200,6 +198,14 @@ def is_expert_weight(module: nn.Module, leaf: str) -> bool:
     if isinstance(module, MoE):
         return leaf in EXPERT_WEIGHTS
     return module in experts_modules(module) and leaf in stacked_weights(module)
+
+
+def routed_experts(spec, family) -> tuple[int, str]:
+    """How many routed experts a layer of the model has, and the key that says so: the
+    built-in MoE decoder's `model.n_experts`, or a transformers MoE checkpoint's config."""
+    if family.expert_parallel and family.from_checkpoint:  # the checkpoint's config says
+        return checkpoint_experts(spec.source)
+    return spec.n_experts, "model.n_experts"
 
 
 def checkpoint_experts(source: str) -> tuple[int, str]:

@@ -61,12 +61,11 @@ def _check_pipeline_model(cfg: Config, spec: ModelSpec, family: Family, pp: int)
     experts, key = spec.n_experts, "model.n_experts"
     if family.pipeline == "checkpoint":  # cut as its base_model_pp_plan says
         from shardwise.models.hf.auto import read_hf_config
-        from shardwise.parallel.expert import checkpoint_experts
+        from shardwise.parallel.expert import routed_experts
         from shardwise.parallel.pipeline_hf import check_hf_pipeline
 
         check_hf_pipeline(read_hf_config(spec.source).model_type, spec.tie_embeddings, pp)
-        if family.expert_parallel:  # a transformers MoE class: its config counts the experts
-            experts, key = checkpoint_experts(spec.source)
+        experts, key = routed_experts(spec, family)  # (a transformers class: its config counts)
     elif family.pipeline == "none":
         raise ConfigError(
             f"parallel.pp={pp}: pipeline parallelism cuts the blocks of shardwise's own "
@@ -143,11 +142,11 @@ def check_tensor_parallel(spec: ModelSpec, family: Family, cfg: Config) -> None:
             f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={tp}: sequence "
             f"parallelism splits the sequence over the tp ranks. Fix: a multiple of {tp}."
         )
-    experts, what = spec.n_experts, f"an MoE decoder (model.n_experts={spec.n_experts})"
-    if family.from_checkpoint and family.expert_parallel:  # a transformers MoE class
-        from shardwise.parallel.expert import checkpoint_experts
+    from shardwise.parallel.expert import routed_experts
 
-        experts, key = checkpoint_experts(spec.source)
+    experts, key = routed_experts(spec, family)
+    what = f"an MoE decoder ({key}={experts})"
+    if family.from_checkpoint and family.expert_parallel:  # a transformers MoE class
         what = f"a Hugging Face MoE checkpoint ({key}={experts})"
     if experts and not sp:  # the experts are whole on every tp rank (parallel/expert.py)
         raise ConfigError(
