@@ -307,9 +307,15 @@ class MoEDecoder(Decoder):
             block.mlp.index, block.mlp.n_moe_layers = j, len(moe)
 
 
+def is_moe_block(spec: ModelSpec, i: int) -> bool:
+    """Whether block `i` of `spec`'s decoder has an MoE MLP: with routed experts, every
+    moe_every-th block (blocks moe_every-1, 2·moe_every-1, ...)."""
+    return bool(spec.n_experts) and (i + 1) % spec.moe_every == 0
+
+
 def moe_blocks(spec: ModelSpec) -> list[int]:
-    """The blocks of `MoEDecoder(spec)` whose MLP is an `MoE`: (i + 1) % moe_every == 0."""
-    return [i for i in range(spec.n_layers) if (i + 1) % spec.moe_every == 0]
+    """The blocks of `MoEDecoder(spec)` whose MLP is an `MoE` (`is_moe_block`)."""
+    return [i for i in range(spec.n_layers) if is_moe_block(spec, i)]
 
 
 def moe_layer_count(spec: ModelSpec) -> int:

@@ -4,8 +4,11 @@ a rank-r pair beside each adapted linear, and a quantised base kept outside the 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from itertools import groupby
 
+from shardwise.models import ModelSpec
+from shardwise.models.moe import is_moe_block
 from shardwise.plan import moe
 from shardwise.plan.layout import Job
 from shardwise.plan.shapes import (
@@ -21,8 +24,16 @@ def block_quantised(job: Job, i: int, targets: tuple[str, ...]) -> list[tuple[in
     """(out, in) of block `i`'s quantised linears: those LoRA adapts there."""
     spec, shapes = job.spec, moe.lora_shapes(job.spec)
     entries = block_entries(dense_spec(spec))
-    if spec.n_experts and (i + 1) % spec.moe_every == 0:  # (models/moe.moe_blocks)
+    if is_moe_block(spec, i):
         entries = moe_block_entries(spec, 1, entries)
+    return adapted_linears(spec, shapes, entries, targets)
+
+
+def adapted_linears(
+    spec: ModelSpec, shapes: dict, entries: Iterable[tuple], targets: tuple[str, ...]
+) -> list[tuple[int, int]]:
+    """(out, in) of the linears among block `entries` that LoRA on `targets` adapts (`shapes`:
+    moe.lora_shapes; an expert's tag is its shape, never a target)."""
     tags = [(e[0], e[2]) for e in entries if len(e) > 2 and e[2] in targets]
     return [linear_fans(spec, shapes, tag, n)[::-1] for n, tag in tags]
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+from shardwise.models.moe import is_moe_block
 from shardwise.plan import moe
 from shardwise.plan.adapters import linear_fans
 from shardwise.plan.layout import Job, Layout
-from shardwise.plan.shapes import block_entries, dense_spec, is_moe, moe_block_entries
+from shardwise.plan.shapes import block_entries, dense_spec, moe_block_entries, moe_blocks
 
 _ATTENTION = frozenset(("wq", "wk", "wv", "wqkv", "wo"))
 _MLP = frozenset(("w1", "w3", "w2"))
@@ -33,19 +34,10 @@ def unrun_backward(job: Job, layout: Layout) -> Counter[str]:
     out[entry] += 1  # the first block's attention entry
     if layout.sp:
         out["all_gather"] += 1  # the embedding's exit
-    attention, moe_layer = _adapted(job, 0)
-    if not attention:
+    if not set(ft.lora_targets) & _ATTENTION:  # nothing adapted in the attention
         out["all_gather"] += layout.sp  # the attention's exit
-        out[entry] += not moe_layer  # the MLP's entry
+        out[entry] += not is_moe_block(job.spec, 0)  # the MLP's entry
     return +out  # (no zero counts: a kind the layout does not send)
-
-
-def _adapted(job: Job, i: int) -> tuple[bool, bool]:
-    """(attention adapted, MoE layer) of block `i` (models/moe.moe_blocks: an MoE MLP in blocks
-    moe_every-1, 2·moe_every-1, ...)."""
-    spec = job.spec
-    moe_layer = is_moe(spec) and (i + 1) % spec.moe_every == 0
-    return bool(set(job.finetune.lora_targets) & _ATTENTION), moe_layer
 
 
 def lora_partial(job: Job) -> int:
@@ -56,7 +48,7 @@ def lora_partial(job: Job) -> int:
     spec = job.spec
     dense = block_entries(dense_spec(spec))
     attention = [e for e in dense if not _is_mlp(e)]  # (and the norms)
-    moe_layers = sum(_adapted(job, i)[1] for i in range(spec.n_layers))
+    moe_layers = moe_blocks(spec)
     out = (spec.n_layers - moe_layers) * _partial_elements(job, dense, [])
     if moe_layers:  # (shapes.moe_block_entries: the dense block's attention and norms first)
         whole = moe_block_entries(spec, 1, dense)[len(attention) :]

@@ -16,7 +16,7 @@ from shardwise.finetune.quant_shards import split_dims, transient_bytes
 from shardwise.plan import activations as act
 from shardwise.plan import compression, moe, peers
 from shardwise.plan.activations_hf import lora_unadapted_terms
-from shardwise.plan.adapters import block_quantised, finetune_units, linear_fans
+from shardwise.plan.adapters import adapted_linears, block_quantised, finetune_units
 from shardwise.plan.buffers import zero_transient
 from shardwise.plan.layout import Job, Layout, as_data_parallel
 from shardwise.plan.shapes import Unit, units
@@ -50,8 +50,7 @@ def quantised_layers(job: Job, layout: Layout, stage: int = 0) -> list[tuple[int
         return [x for i, tags in enumerate(ft.lora_layers) for x in block_quantised(job, i, tags)]
     out = []
     for u in units(job.spec, 1, layers, first=False, last=False):
-        tags = [(e[0], e[2]) for e in u.entries if len(e) > 2 and e[2] in ft.lora_targets]
-        out += [linear_fans(job.spec, shapes, tag, n)[::-1] for n, tag in tags] * u.count
+        out += adapted_linears(job.spec, shapes, u.entries, ft.lora_targets) * u.count
     return out
 
 
@@ -139,11 +138,12 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
         return a0 + a1 * b
     p, ft = layout.pp, job.finetune
     layers, first, last = job_split(job, layout)[stage]
-    blocks, targets = _layer_bytes(job, layout, ft.lora_targets) * layers, ft.lora_targets
-    first_adapted = 0  # the first adapted block
     if ft.lora_layers:  # targets naming some blocks only (pp = 1: this stage holds all)
         blocks, first_adapted = _adapted_blocks(job, layout)
         targets = ft.lora_layers[first_adapted] if first_adapted < len(ft.lora_layers) else ()
+    else:  # every block alike; the first adapted block is the first
+        blocks, targets = _layer_bytes(job, layout, ft.lora_targets) * layers, ft.lora_targets
+        first_adapted = 0
     m = layout.micro_batches(job)
     held = act.in_flight(layout.pp_schedule, p, m, layout.pp_virtual, stage)
     fused = peers.of(job).fused_loss

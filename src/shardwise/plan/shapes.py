@@ -21,6 +21,7 @@ from shardwise.errors import ConfigError
 from shardwise.finetune.lora import is_path_pattern, target_matches
 from shardwise.models import PRESETS, ModelSpec, preset
 from shardwise.models.families import family_of
+from shardwise.models.moe import is_moe_block
 
 Entry = tuple  # (elements, trainable) or (elements, trainable, bytes per element if not compute)
 
@@ -126,7 +127,7 @@ def block_linear_paths(spec: ModelSpec, i: int) -> list[tuple[str, str]]:
     if paths:
         prefix = paths[0][0].rsplit(".0.", 1)[0]  # "model.layers", "transformer.h"
         return [(p.replace(f"{prefix}.0.", f"{prefix}.{i}.", 1), t) for p, t in paths]
-    moe = is_moe(spec) and (i + 1) % spec.moe_every == 0  # (models/moe.moe_blocks)
+    moe = is_moe_block(spec, i)
     mlp = ["router", *(("w1", "w3", "w2") if spec.n_shared_experts else ())] if moe else []
     out = [(f"blocks.{i}.attn.{t}", t) for t in ("wq", "wk", "wv", "wo")]
     if moe:
