@@ -247,7 +247,29 @@ def test_a_checkpoint_without_the_bias_is_refused(export, tmp_path, capsys):
     assert "Fix: a checkpoint saved with its buffers" in err and "Traceback" not in err
     spec = derive(load_config(None, _hf(out)), 1).spec
     with pytest.raises(ShardwiseError, match=rf"\(model.layers.0.{BIAS} and 1 more.*Fix: export"):
-        family_of(spec).hf_check(spec, {})
+        family_of(spec).hf_extra(spec, {}, "float32")
+
+
+def test_a_tensor_of_another_shape_is_refused(export, tmp_path, capsys):
+    """A checkpoint whose routing bias, or one of whose parameters, is not of the model's shape
+    stops before launch with one message naming the key, both shapes and the fix (one rule for
+    both: models/hf/buffers.check_shape)."""
+    from safetensors.torch import load_file, save_file
+
+    _, out = export
+    tensors = load_file(out / "model.safetensors")
+    param = "model.layers.0.self_attn.q_proj.weight"
+    for key, kind in ((f"model.layers.0.{BIAS}", "buffer "), (param, "")):
+        bad, want = tmp_path / key, tensors[key].shape
+        shutil.copytree(out, bad)
+        longer = torch.cat([tensors[key], tensors[key][:1]])  # one more row
+        save_file({**tensors, key: longer}, bad / "model.safetensors", metadata={"format": "pt"})
+        assert main(["train", *_hf(bad, f"--run.dir={tmp_path / 'run'}")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(
+            f"error: model.init_from='{bad}': '{key}' has shape {list(longer.shape)} but the "
+            f"model's {kind}'{key}' is {list(want)}. Fix: the checkpoint of this config."
+        ), err
 
 
 def test_explain_counts_the_bias_in_buffers(export, runs):

@@ -30,7 +30,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.finetune.lora import ADAPTER, apply_lora, is_adapter_name
 from shardwise.models import build_on_meta
 from shardwise.models.expert_lora import adapted_weights, merged_delta
-from shardwise.models.families import family_of
+from shardwise.models.families import Family, family_of
 from shardwise.models.hf.rule import hf_shape
 from shardwise.models.hf.weights import INDEX, SINGLE, rule_for
 from shardwise.models.init import canonical_name
@@ -40,22 +40,23 @@ from shardwise.models.presets import ModelSpec
 TO_DCP = "--format dcp (its state dict as a PyTorch distributed checkpoint)"
 
 
-def check_hf_class(spec: ModelSpec, given: str, fix: str = TO_DCP) -> None:
+def check_hf_class(spec: ModelSpec, given: str, fix: str = TO_DCP) -> Family:
     """Refuse a family without a transformers class to write (a ResNet, your own module):
-    callers check before OUT is touched; `given` names the source as the user gave it."""
+    callers check before OUT is touched; `given` names the source as the user gave it.
+    Returns the family."""
     family = family_of(spec)
     if family.hf_config is None and not family.from_checkpoint:
         raise ShardwiseError(
             f"{given} {family.kind}, and --format hf writes transformers classes only (the "
             f"Llama-style, GPT-2 and MoE decoders and Hugging Face models). Fix: {fix}."
         )
+    return family
 
 
 def hf_config(spec: ModelSpec, dtype: str) -> dict:
     """config.json for transformers, with the model's dropout rates (models/hf/llama.py,
     gpt2.py); a checkpoint's own class keeps its config, labels and tokenizer."""
-    check_hf_class(spec, f"the model '{spec.arch}' is")
-    family = family_of(spec)
+    family = check_hf_class(spec, f"the model '{spec.arch}' is")
     if family.from_checkpoint:
         from shardwise.models.hf.auto import export_config
 
@@ -197,9 +198,17 @@ def _write(src: Source, out: Path, max_shard_bytes: int) -> None:
     if check is not None:  # before any file: a refusal leaves OUT as it was
         for note in check(spec, buffers):
             print(f"note: {note}", file=sys.stderr)
+    extra = hf_extra(spec, buffers, dtype)  # (before any file too: its refusals as well)
     read = merging(src.read, cfg, spec)
-    write_weights(spec, plan, read, dtype, out, max_shard_bytes, buffers)
+    write_weights(spec, plan, read, dtype, out, max_shard_bytes, extra)
     write_tokenizer(cfg, spec, out)
+
+
+def hf_extra(spec: ModelSpec, buffers: dict, dtype: str) -> dict[str, torch.Tensor]:
+    """The tensors the exported class holds and no parameter of ours does (`Family.hf_extra`),
+    from the run's `buffers` by name; {} for a family without any."""
+    family = family_of(spec)
+    return family.hf_extra(spec, buffers, dtype) if family.hf_extra is not None else {}
 
 
 def write_weights(
@@ -209,16 +218,15 @@ def write_weights(
     dtype: str,
     out: Path,
     max_shard_bytes: int,
-    buffers: dict | None = None,
+    extra: dict | None = None,
 ) -> None:
     """Safetensors shards (+ index) and config.json in `out` for the model `spec`, each tensor
     assembled from our parameters (`plan`: `hf_plan`; `read(name)` gives one at full shape;
-    `buffers`: the run's buffers by name, for the class's own tensors)."""
+    `extra`: the class's own tensors, `hf_extra`'s, made from no buffers when not given)."""
     from safetensors.torch import save_file
 
     shards = _shards(spec, plan, getattr(torch, dtype).itemsize, max_shard_bytes)
-    family = family_of(spec)
-    extra = family.hf_extra(spec, buffers or {}, dtype) if family.hf_extra is not None else {}
+    extra = hf_extra(spec, {}, dtype) if extra is None else extra
     weight_map, total = {}, 0
     for i, keys in enumerate(shards):  # one output file in memory at a time
         fname = (

@@ -105,7 +105,8 @@ class Family:
     hf_config: Callable[[ModelSpec, str], dict] | None = None
     hf_keeps_dropout: bool = False  # that config carries model.dropout (residual dropout)
     # tensors that class holds and no parameter of ours does (a 0-wide shared expert, GLM-4-MoE's
-    # routing biases from the run's buffers by name), each in its dtype (the export's: the str)
+    # routing biases from the run's buffers by name), each in its dtype (the export's: the str);
+    # made once, before the export writes any file, so that its refusals leave OUT as it was
     hf_extra: Callable[[ModelSpec, dict, str], dict] | None = None
     # before writing: refuses what the class would compute differently, given the run's
     # buffers by name (the balancing biases); returns notes on what the export computes

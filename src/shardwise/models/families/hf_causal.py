@@ -28,12 +28,6 @@ def _export_buffers(spec: ModelSpec, buffers: dict, dtype: str) -> dict:
     return export_buffers(spec, model, buffers)
 
 
-def _check_buffers(spec: ModelSpec, buffers: dict) -> list[str]:
-    """Before the export writes: the run's checkpoint holds every persistent buffer."""
-    _export_buffers(spec, buffers, "float32")
-    return []
-
-
 # transformers' Llama, Mistral and Qwen2 decoder layers: attention's q/k/v/o and the MLP's
 # gate/up/down projections (peft's LoRA keeps the frozen one as `.base_layer`); embeddings,
 # lm_head and the norms keep the compute dtype
@@ -79,7 +73,7 @@ HF_CAUSAL_LM = Family(
     fp8_linear=hf_block_linear,
     fp8_model_types=("llama", "mistral", "qwen2"),
     # `export --format hf` writes its persistent buffers (GLM-4-MoE's routing biases) back
-    # from the run's checkpoint, as the intake read them (models/hf/buffers.py)
+    # from the run's checkpoint, as the intake read them (models/hf/buffers.py); one the
+    # checkpoint lacks is refused there, before the export writes any file
     hf_extra=_export_buffers,
-    hf_check=_check_buffers,
 )

@@ -275,23 +275,17 @@ def check_checkpoint(spec) -> list[str]:
     """Before launch: the parameters the checkpoint does not hold (they start from (seed,
     name)); refused when it holds none of them, a tensor of the wrong shape, or misses a
     persistent buffer (models/hf/buffers.py)."""
-    from shardwise.models.hf.buffers import check_buffers
+    from shardwise.models.hf.buffers import check_buffers, check_shape
 
     with torch.device("meta"):
         model = build_auto(spec)
     source = weight_source(spec, model)
     missing = []
     for name, p in model.named_parameters():
-        key = source.key(name)
-        if key is None:
+        if source.key(name) is None:
             missing.append(name)
             continue
-        shape = source.shape(name)
-        if shape != tuple(p.shape):
-            raise ConfigError(
-                f"model.init_from='{spec.source}': '{key}' has shape {list(shape)} but the "
-                f"model's '{name}' is {list(p.shape)}. Fix: the checkpoint of this config."
-            )
+        check_shape(spec, source, name, tuple(p.shape))
     total = sum(1 for _ in model.parameters())
     if len(missing) == total:
         raise ConfigError(

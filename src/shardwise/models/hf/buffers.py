@@ -46,13 +46,18 @@ def check_buffers(spec, model: nn.Module, source) -> None:
         cls = type(model).__name__
         raise ConfigError(missing_message(spec.source, cls, missing, "its safetensors", fix))
     for name, buf in held.items():
-        shape = source.shape(name)
-        if shape != tuple(buf.shape):
-            raise ConfigError(
-                f"model.init_from='{spec.source}': '{source.key(name)}' has shape {list(shape)} "
-                f"but the model's buffer '{name}' is {list(buf.shape)}. Fix: the checkpoint of "
-                "this config."
-            )
+        check_shape(spec, source, name, tuple(buf.shape), "buffer ")
+
+
+def check_shape(spec, source, name: str, shape: tuple[int, ...], kind: str = "") -> None:
+    """Refuse the checkpoint's tensor for the model's `name` unless it has the model's `shape`
+    (`kind`: "buffer " for a persistent buffer, "" for a parameter)."""
+    got = source.shape(name)
+    if got != shape:
+        raise ConfigError(
+            f"model.init_from='{spec.source}': '{source.key(name)}' has shape {list(got)} but "
+            f"the model's {kind}'{name}' is {list(shape)}. Fix: the checkpoint of this config."
+        )
 
 
 def read_buffers(model: nn.Module, source) -> dict[str, torch.Tensor]:

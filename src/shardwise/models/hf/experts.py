@@ -113,13 +113,20 @@ def routers(model: nn.Module) -> list[nn.Module]:
     return []
 
 
+def counted_routers(model: nn.Module) -> list[nn.Module]:
+    """`routers(model)` when every one says its `num_experts` and `top_k` (its loads can be
+    counted); else []."""
+    found = routers(model)
+    return found if all(hasattr(r, "num_experts") and hasattr(r, "top_k") for r in found) else []
+
+
 def number_routers(model: nn.Module) -> None:
     """Before a pipeline stage prunes the whole model's layers: give each router its row in the
     whole model's table (`moe_row`, in forward order) and the model the table's shape
     (`moe_table`: rows, experts + 3), so that every stage, one holding no router too, tallies
     into rows the stages can sum (training/moe.py)."""
-    found = routers(model)
-    if not found or not all(hasattr(r, "num_experts") and hasattr(r, "top_k") for r in found):
+    found = counted_routers(model)
+    if not found:
         return
     for row, router in enumerate(found):
         router.moe_row = row
@@ -138,13 +145,17 @@ class RouterStat:
     def __init__(self, router: nn.Module) -> None:
         self.n_experts, self.top_k = int(router.num_experts), int(router.top_k)
         self.router = router  # a pipeline chunk tallies the routers inside it (training/moe.py)
-        # under tp + sp (parallel/expert.py): it counts its rank's sequence shard only
-        self.shards = getattr(router, "shards", None)
         if hasattr(router, "moe_row"):  # a pipeline stage's: its row in the whole model's table
             self.index = router.moe_row
         self.last = torch.zeros(self.n_experts + 3)
         self.aux = None
         router.register_forward_hook(self._hook)
+
+    @property
+    def shards(self) -> object | None:
+        """The router's `SequenceShards` under tp + sp (parallel/expert.py: it counts its rank's
+        sequence shard only); None otherwise."""
+        return getattr(self.router, "shards", None)
 
     def _hook(self, module: nn.Module, args, out) -> None:
         if not isinstance(out, tuple):
@@ -167,7 +178,4 @@ def _fake(t: torch.Tensor) -> bool:
 def router_stats(model: nn.Module) -> list[RouterStat]:
     """A `RouterStat` on each router of a transformers MoE model ([] for other models, or
     routers without `num_experts` and `top_k`)."""
-    found = routers(model)
-    if not all(hasattr(r, "num_experts") and hasattr(r, "top_k") for r in found):
-        return []
-    return [RouterStat(r) for r in found]
+    return [RouterStat(r) for r in counted_routers(model)]
