@@ -72,13 +72,15 @@ def finetune_of(cfg: Config, spec) -> FineTune:
     pats = [p.strip() for p in ft.lora_targets.split(",") if p.strip()]
     if pats != ["all-linear"] and tags:
         names = linear_names(spec) if by_path else list(tags)
+        hits = {pat: matched(pat) for pat in pats}  # each pattern matched once
         for pat in pats:
-            if not matched(pat) and pat != EXPERTS:
+            if not hits[pat] and pat != EXPERTS:
                 raise ConfigError(
                     f"finetune.lora_targets pattern '{pat}' matches no linear layer of the "
                     f"planned model. Fix: some of {', '.join(names)}, or all-linear."
                 )
-        tags = tuple(t for t in tags if any(t in matched(p) for p in pats))
+        adapted = {t for found in hits.values() for t in found}
+        tags = tuple(t for t in tags if t in adapted)
     # the stacked expert weights `experts` or their names adapt (finetune/lora.expert_targets)
     experts = adapted_experts([p.rpartition(".")[2] for p in pats]) if spec.n_experts else ()
     layers = layer_tags(spec, pats) if pats != ["all-linear"] and shaped else ()
