@@ -195,14 +195,13 @@ def _build(spec: DataSpec, source: Source, out: Path) -> dict:
         )
         enc = _bpe_encoding(train, spec.vocab_size)
     trained = time.perf_counter()
-    dtype = np.uint16 if enc.vocab < 2**16 else np.uint32
     counts = {}
     for split, texts in (("train", train), ("val", val)):
-        counts[split] = _encode_to_file(enc.encode, texts, dtype, out / f"{split}.bin")
+        counts[split] = _encode_to_file(enc.encode, texts, enc.dtype, out / f"{split}.bin")
     _atomic_write(out / "tokenizer.json", enc.tokenizer.to_str().encode("utf-8"))
     end = time.perf_counter()
     sizes = {"train_docs": len(train), "val_docs": len(val), "train_chars": n_chars}
-    meta = _meta(spec, enc, dtype, skipped, sizes, counts, (start, read, trained, end))
+    meta = _meta(spec, enc, _Built(skipped, sizes, counts, (start, read, trained, end)))
     _atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode("utf-8"))  # last: marker
     _say(
         f"{counts['train'] / 1e6:.2f} M train / {counts['val'] / 1e6:.2f} M held-out tokens "
@@ -234,6 +233,21 @@ class _Encoding:
     bos_id: int | None
     encode: Callable[[list[str]], list[list[int]]]  # texts -> each one's ids, EOS included
 
+    @property
+    def dtype(self) -> type:
+        """The cache's id type: the smaller unsigned integer that holds every id."""
+        return np.uint16 if self.vocab < 2**16 else np.uint32
+
+
+@dataclass(frozen=True)
+class _Built:
+    """What building a cache measured, for its meta.json."""
+
+    skipped: list[str]  # ids of the rows skipped
+    sizes: dict[str, int]  # train_docs, val_docs, train_chars
+    counts: dict[str, int]  # tokens per split
+    times: tuple[float, float, float, float]  # perf_counter at start, read, trained, end
+
 
 def _pretrained_encoding(spec: DataSpec, what: str, docs: str) -> _Encoding:
     """The encoding of `data.tokenizer`'s tokenizer (documents whole, never truncated)."""
@@ -259,17 +273,10 @@ def _bpe_encoding(train: list[str], vocab_size: int) -> _Encoding:
     return _Encoding(tokenizer, tokenizer.get_vocab_size(), eos_id, None, encode)
 
 
-def _meta(
-    spec: DataSpec,
-    enc: _Encoding,
-    dtype: type,
-    skipped: list[str],
-    sizes: dict,
-    counts: dict,
-    times: tuple[float, float, float, float],
-) -> dict:
+def _meta(spec: DataSpec, enc: _Encoding, built: _Built) -> dict:
     """meta.json of a cache: what it was built from, its sizes and the stages' seconds."""
-    start, read, trained, end = times
+    start, read, trained, end = built.times
+    skipped, counts = built.skipped, built.counts
     return {
         "format": FORMAT_VERSION,
         "dataset": spec.dataset,
@@ -277,9 +284,9 @@ def _meta(
         "vocab_size": enc.vocab,
         "eos_id": enc.eos_id,
         "bos_id": enc.bos_id,
-        "dtype": np.dtype(dtype).name,
+        "dtype": np.dtype(enc.dtype).name,
         "skipped_rows": [len(skipped), skipped[:3]],  # (checked again on every use)
-        **sizes,
+        **built.sizes,
         "train_tokens": counts["train"],
         "val_tokens": counts["val"],
         "read_s": round(read - start, 2),
