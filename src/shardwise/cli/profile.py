@@ -106,7 +106,7 @@ def summarise(pcfg: Config, world: int) -> dict:
 
     folder = Path(pcfg.run.dir)
     parts, problems = load_parts(folder, world)
-    summary = _summary(pcfg, world, parts, problems)
+    summary = _summary(pcfg, world, folder, parts, problems)
     (folder / "timeline.json").write_text(json.dumps(summary["timeline"]))
     write_report(folder, summary, problems)
     del summary["timeline"]
@@ -115,9 +115,11 @@ def summarise(pcfg: Config, world: int) -> dict:
     return summary
 
 
-def _summary(pcfg: Config, world: int, parts: list[dict], problems: list[str]) -> dict:
-    """The profile's summary from every rank's capture, with the merged timeline under
-    `timeline` (written to its own file, not to summary.json)."""
+def _summary(
+    pcfg: Config, world: int, folder: Path, parts: list[dict], problems: list[str]
+) -> dict:
+    """The profile's summary from every rank's capture (in the run folder `folder`), with the
+    merged timeline under `timeline` (written to its own file, not to summary.json)."""
     from shardwise.job.remedy import findings
     from shardwise.plan.hardware import detect_hardware
     from shardwise.profile.analyze import (
@@ -129,7 +131,6 @@ def _summary(pcfg: Config, world: int, parts: list[dict], problems: list[str]) -
     )
     from shardwise.profile.report import STATISTIC
 
-    folder = Path(pcfg.run.dir)
     split_stragglers(parts)
     ranks = summary_ranks(parts)
     comm = _mean_comm(parts)
