@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +53,8 @@ def fit(run: Run) -> list[dict]:
     fetch = Fetch(run.train_data, cfg.data.prefetch)  # loads ahead in threads when asked
     # a resumed run saves its last step even with checkpoint.every=0: else the next run (and
     # export) would take the older checkpoint it resumed from and train the tail again
-    loop = _Loop(ckpt, logger, guard, stop, capture, fetch, step_flops, peak, start > 0)
+    count = _target_count(run)
+    loop = _Loop(ckpt, logger, guard, stop, capture, fetch, count, step_flops, peak, start > 0)
     try:
         records, signum = _steps(run, start, loop)
         if not signum and records and cfg.checkpoint.on_signal:
@@ -150,6 +152,7 @@ class _Loop:
     stop: StopRequest
     capture: Capture  # or its stand-in that does nothing (profile/capture.capture_for)
     fetch: Fetch
+    count: Callable[[torch.Tensor], int]  # a step's global batch -> its target tokens
     step_flops: float  # the whole model's FLOPs per step (for MFU)
     peak: float | None  # the devices' peak FLOP/s (None: unknown, no MFU)
     save_last: bool  # save the last step whatever checkpoint.every says (a resumed run)
@@ -170,7 +173,7 @@ def _steps(run: Run, start: int, loop: _Loop) -> tuple[list[dict], int]:
         run.comm.start_step()
         t0 = time.perf_counter()
         # fetch: this rank's slice of the step's global batch, cut into micro-batches
-        micro, global_count = _fetch(run, step)
+        micro, global_count = _fetch(run, loop, step)
         run.reducer.zero_grad()
         scale = run.optimizer.scaler.scale
         # micro-steps: gradient sync only while the last micro-batch runs backward
@@ -197,17 +200,22 @@ def _steps(run: Run, start: int, loop: _Loop) -> tuple[list[dict], int]:
     return records, 0
 
 
-def _fetch(run: Run, step: int) -> tuple[list[torch.Tensor], int]:
+def _target_count(run: Run) -> Callable[[torch.Tensor], int]:
+    """The global count of target tokens of a step's global batch, which the loss is divided
+    by (prompts masked: every rank counts the whole batch, so the normaliser is the same in
+    every layout without a collective)."""
+    counted = getattr(run.train_data, "targets_in", None)  # only some tokens are targets
+    per_step = run.cfg.train.global_batch * run.derived.tokens_per_sample
+    return counted if counted else lambda batch: per_step
+
+
+def _fetch(run: Run, loop: _Loop, step: int) -> tuple[list[torch.Tensor], int]:
     """This rank's micro-batches of `step` and the global count of target tokens the loss is
     divided by."""
     with clock().phase("data"):
         batch = run.sampler.global_indices(step)
         micro = _micro(run, step, batch)
-        # the global count of target tokens (prompts masked: every rank counts the whole
-        # batch, so the normaliser is the same in every layout without a collective)
-        counted = getattr(run.train_data, "targets_in", None)  # only some tokens are targets
-        per_step = run.cfg.train.global_batch * run.derived.tokens_per_sample
-        global_count = counted(batch) if counted else per_step
+        global_count = loop.count(batch)
     return micro, global_count
 
 
