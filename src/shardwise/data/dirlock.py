@@ -20,6 +20,7 @@ import os
 import re
 import socket
 import tempfile
+import weakref
 from pathlib import Path
 from typing import IO
 
@@ -28,9 +29,10 @@ from shardwise.errors import ShardwiseError
 LOCK = ".shardwise.lock"  # a name of ours: a user's `.lock` (in $HOME, say) is never touched
 _HOLDER = re.compile(r"^(host .*, pid \d+, since \S+\n)?$")  # what a lock file of ours holds
 _OPEN = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-# (descriptor, device, inode) of each lock this process took: a forked child inherits the
-# descriptors, and a flock lasts while any copy is open (forget_inherited)
-_TAKEN: list[tuple[int, int, int]] = []
+# the handle of each lock this process took: a forked child inherits their descriptors, and a
+# flock lasts while any copy is open (forget_inherited); held weakly, so that a handle dropped
+# without closing still closes (and lets its lock go) when collected
+_TAKEN: weakref.WeakSet[IO[str]] = weakref.WeakSet()
 
 
 def flock_or_holder(fh) -> str | None:
@@ -110,22 +112,17 @@ def lock_dir(
     since = datetime.datetime.now().isoformat(timespec="seconds")
     fh.write(f"host {socket.gethostname()}, pid {os.getpid()}, since {since}\n")
     fh.flush()
-    st = os.fstat(fh.fileno())
-    _TAKEN.append((fh.fileno(), st.st_dev, st.st_ino))
+    _TAKEN.add(fh)
     return fh
 
 
 def forget_inherited() -> None:
     """In a forked child (a worker pool's initializer): close its copies of the parent's lock
     descriptors, so each lock lasts exactly as long as the parent. A worker that outlives a
-    SIGKILLed parent would otherwise hold it and refuse every rerun. Only a descriptor that
-    still refers to the lock file it was taken on is closed (its number may have been reused
-    after the parent let the lock go)."""
-    for fd, dev, ino in _TAKEN:
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) == (dev, ino):
-            os.close(fd)
+    SIGKILLed parent would otherwise hold it and refuse every rerun. Only the descriptor of a
+    handle the parent still held open at the fork is closed (a closed one's number may have
+    been reused since)."""
+    for fh in list(_TAKEN):
+        if not fh.closed:
+            os.close(fh.fileno())
     _TAKEN.clear()
