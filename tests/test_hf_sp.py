@@ -11,9 +11,9 @@ the first adapted projection do not run, the frozen norms' gradients are not sum
 sp on 2 ranks must reproduce one process's losses, gradient norms and parameters; explain must
 price the model states, the activations and the tp traffic as measured; and sp must save fewer
 activation bytes per rank than tp 2 alone. One 2-rank world runs every multi-rank case, one
-process the references. On packed rows, with cp, and over pipeline stages for a class not
-checked there (Mistral; Qwen2's and the MoE classes' stages: tests/test_hf_moe_parallel.py) the
-layout stays refused."""
+process the references. On packed rows and with cp the layout stays refused, and over pipeline
+stages for a class whose stages were not checked under sp (Qwen2's, Llama's, Mistral's and the
+MoE classes' are: tests/test_hf_moe_parallel.py)."""
 
 from __future__ import annotations
 
@@ -91,8 +91,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
-    """A tiny Mistral checkpoint of the same shape: a class whose stages under tp + sp are not
-    checked against one process."""
+    """A tiny Mistral checkpoint of the same shape."""
     out = tmp_path_factory.mktemp("hf_sp") / "mistral"
     config = tiny_llama_config(VOCAB, transformers.MistralConfig, intermediate_size=128)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
@@ -151,27 +150,38 @@ def test_explain_prices_the_layout(ckpt, runs, name):
     ("source", "extra", "world_size", "message"),
     [
         ("qwen2", ["--parallel.cp=2"], 4, r"sp=true with parallel.cp=2 is not built .*Fix:"),
-        (
-            "mistral",
-            ["--parallel.pp=2", "--train.micro_batch=2"],
-            4,
-            r"parallel.pp=2 is not built for a 'mistral' model: .*Fix: --parallel.pp=1",
-        ),
         ("qwen2", ["--data.pack=true"], 2, r"data.pack=true with parallel.sp=true is not built"),
     ],
 )
 def test_what_is_not_built_is_refused(request, source, extra, world_size, message):
-    """With cp (its pre-hook numbers each rank's zig-zag tokens), over pipeline stages of a
-    class not checked there (Mistral) and on packed rows (their positions are per record)
-    tp + sp stops before launch, naming the value and the fix."""
+    """With cp (its pre-hook numbers each rank's zig-zag tokens) and on packed rows (their
+    positions are per record) tp + sp stops before launch, naming the value and the fix."""
     path = request.getfixturevalue("ckpt" if source == "qwen2" else source)
     with pytest.raises(ConfigError, match=message):
         derive(load_config(None, [*_base(path, "qwen2"), *TP2, *SP, *extra]), world_size)
 
 
-def test_qwen2_stages_under_sp_pass_the_checks(ckpt):
-    """pp x tp + sp of a Qwen2 checkpoint is no longer refused (run and compared with one
+PP2 = ["--parallel.pp=2", "--train.micro_batch=2"]
+
+
+@pytest.mark.parametrize("source", ["ckpt", "mistral"])
+def test_checked_stages_under_sp_pass_the_checks(request, source):
+    """pp x tp + sp of Qwen2 and Mistral checkpoints is not refused (run and compared with one
     process in tests/test_hf_moe_parallel.py)."""
-    pp = ["--parallel.pp=2", "--train.micro_batch=2"]
-    derived = derive(load_config(None, [*_base(ckpt, "qwen2"), *TP2, *SP, *pp]), 4)
+    path = request.getfixturevalue(source)
+    derived = derive(load_config(None, [*_base(path, "qwen2"), *TP2, *SP, *PP2]), 4)
     assert (derived.pp, derived.tp) == (2, 2)
+
+
+def test_unchecked_stages_under_sp_are_refused(mistral, monkeypatch):
+    """A class that runs tp + sp but whose stages under sp were not compared with one process
+    (here Mistral, taken off parallel/pipeline_hf.py's list) stops before launch, naming the
+    classes checked and the fix."""
+    import shardwise.parallel.pipeline_hf as pipeline_hf
+
+    monkeypatch.setattr(pipeline_hf, "SP_PIPELINE_TYPES", ("qwen2",))
+    cfg = load_config(None, [*_base(mistral, "qwen2"), *TP2, *SP, *PP2])
+    with pytest.raises(
+        ConfigError, match=r"not built for a 'mistral' model: .*Fix: --parallel.pp=1"
+    ):
+        derive(cfg, 4)

@@ -8,7 +8,9 @@ it runs our decoders: the first chunk applies the modules before, each chunk run
 the last applies the modules after and the head. What the model's own forward computes once
 for all layers, each layer computes here for itself: the rotary position embeddings (from
 `rotary_emb`, a buffer-only module every stage keeps) and the causal mask (none: SDPA's
-is_causal, as the model's forward chooses for an unpadded batch). Pruning keeps the names
+is_causal, as the model's forward chooses for an unpadded batch; a sliding window no longer
+than the sequence, Mistral's or Qwen2's, gets the boolean mask transformers builds for it,
+`_window_mask`). Pruning keeps the names
 (`model.layers.{i}` stays the key of layer i), so (seed, name) init, checkpoint slices and ZeRO
 units are those of the whole model.
 
@@ -20,8 +22,11 @@ before launch by `check_hf_pipeline`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
+from torch._guards import detect_fake_mode
 
 from shardwise.errors import ConfigError
 from shardwise.models.hf.experts import number_routers
@@ -31,8 +36,10 @@ from shardwise.parallel.context_hf import CONTEXT, CONTEXT_HOLDER
 # checked against one process (tests/test_hf_models.py; MoE: tests/test_hf_moe_parallel.py)
 PIPELINE_TYPES = ("llama", "mistral", "qwen2", "phi3", "gpt_neox", "mixtral", "qwen2_moe", "olmoe")
 # model_type -> its stages under tp + sp checked against one process (each stage's layers
-# number the whole sequence, `_Layer`): tests/test_hf_moe_parallel.py
-SP_PIPELINE_TYPES = ("qwen2", "mixtral", "qwen2_moe")
+# number the whole sequence, `_Layer`; Mistral's attend within a sliding window shorter than
+# the sequence): tests/test_hf_moe_parallel.py. Every class the checkpoint family runs under
+# tp + sp; one added there stays refused over stages until it is checked and listed here
+SP_PIPELINE_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
 
 # OLMoE publishes no base_model_pp_plan, yet its base forward is Llama's (embedding, rotary
 # positions, the layers, the final norm): the plan Llama publishes describes it
@@ -73,9 +80,9 @@ def _plan(base: nn.Module) -> tuple[list[str], str, list[str]]:
 class _Layer(nn.Module):
     """One decoder layer as the engine calls a block: hidden states in, hidden states out."""
 
-    def __init__(self, layer: nn.Module, rotary: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, rotary: nn.Module, window: int | None) -> None:
         super().__init__()
-        self.layer, self.rotary = layer, rotary
+        self.layer, self.rotary, self.window = layer, rotary, window
         # the attention module cp hands its context (parallel/context_hf.py), set after pruning
         self.attention = next((m for m in layer.modules() if hasattr(m, CONTEXT_HOLDER)), None)
         # tp ranks sharing each sequence under sp (HFStages.shard_sequence); 1 otherwise
@@ -90,10 +97,40 @@ class _Layer(nn.Module):
         else:  # under sp `h` holds s/tp tokens while the attention gathers all s: number s
             positions = torch.arange(h.shape[1] * self.sequence_shards, device=h.device)[None]
         cos_sin = self.rotary(h, position_ids=positions)
+        mask = None
+        if context is None:  # (under cp the attention masks each block itself)
+            mask = _window_mask(positions.shape[1], self.window, h.device, detect_fake_mode())
         out = self.layer(
-            h, attention_mask=None, position_ids=positions, position_embeddings=cos_sin
+            h, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin
         )
         return out[0] if isinstance(out, tuple) else out
+
+
+def _sliding_window(config, index: int) -> int | None:
+    """The window layer `index` attends within (None: the whole causal past), as the model's
+    forward picks its mask: by `layer_types` where the config lists them (Qwen2's, Qwen2-MoE's
+    `sliding_attention` layers), else the config's `sliding_window` for every layer
+    (Mistral, Mixtral, Phi-3; None or absent elsewhere)."""
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return config.sliding_window if types[index] == "sliding_attention" else None
+    return getattr(config, "sliding_window", None)
+
+
+@functools.lru_cache(maxsize=4)
+def _window_mask(s: int, window: int | None, device: torch.device, fake) -> torch.Tensor | None:
+    """The boolean [1, 1, s, s] mask (True attends) of causal attention within `window`
+    tokens over positions 0..s-1, as transformers' create_sliding_window_causal_mask builds it
+    for SDPA: key k is seen by query q when q - window < k <= q; built, as there, once the
+    sequence (all s tokens the attention gathers under sp) is as long as the window, None
+    (SDPA's is_causal) before. One tensor per shape, shared by every layer and step (as the
+    model's forward builds one for all its layers), not one saved per layer; `fake`: the fake
+    tensor mode it is built under (the planner's fake forward), which keeps its own."""
+    if window is None or s < window:
+        return None
+    q = torch.arange(s, device=device)[:, None]
+    k = torch.arange(s, device=device)[None, :]
+    return ((k <= q) & (k > q - window))[None, None]
 
 
 class _Sequence(nn.Module):
@@ -126,7 +163,8 @@ class HFStages:
         self.norm = _Sequence(self._after) if self._after else None
         self.head = model.get_output_embeddings()
         self.blocks = {
-            i: _Layer(layer, base.rotary_emb) for i, layer in getattr(base, layers).items()
+            i: _Layer(layer, base.rotary_emb, _sliding_window(base.config, int(i)))
+            for i, layer in getattr(base, layers).items()
         }
 
     def shard_sequence(self, shards: int) -> None:
