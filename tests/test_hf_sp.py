@@ -51,13 +51,20 @@ CASES = {  # name: (reference, extra overrides of the 2-rank case)
     "qwen2_tp2_sp_full": ("qwen2", [*TP2, *SP, "--memory.recompute=full"]),
     # the planner's LoRA + sp traffic is shared: our decoder with its default targets alike
     "decoder_lora_tp2_sp": ("decoder_lora", [*TP2, *SP]),
+    # sliding windows of 16 < 64 tokens, which the forward would mask over its s/tp tokens:
+    # Qwen2 with one full and one sliding layer (its mapping of masks), Mistral (one mask)
+    "qwen2_window_tp2_sp": ("qwen2_window", [*TP2, *SP]),
+    "mistral_window_tp2_sp": ("mistral_window", [*TP2, *SP]),
 }
+WINDOWED = ("qwen2_window", "mistral_window")
 STATES = ("params", "grads", "master", "optimizer")
 
 
 def _base(ckpt, ref: str) -> list[str]:
-    """The one-process overrides of reference `ref`."""
-    if ref == "qwen2":
+    """The one-process overrides of reference `ref` (`ckpt`: the checkpoints by name, or the
+    Qwen2 one)."""
+    if ref in ("qwen2", *WINDOWED):
+        ckpt = ckpt[ref] if isinstance(ckpt, dict) else ckpt
         shaped = ("--model.n_layers", "--model.vocab_size")
         small = [o for o in SMALL if not o.startswith(shaped)]
         return [
@@ -90,6 +97,25 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def windowed(tmp_path_factory, ckpt):
+    """The checkpoints by reference name: the Qwen2 one; the same weights with layer 1
+    attending within 16 tokens (`max_window_layers=1`); a Mistral one within 16."""
+    out = tmp_path_factory.mktemp("hf_sp_window")
+    fields = transformers.Qwen2Config.from_pretrained(ckpt).to_dict()
+    fields.pop("layer_types")  # derived again from the window's fields
+    fields.update(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    config = transformers.Qwen2Config(**fields)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    transformers.AutoModelForCausalLM.from_pretrained(ckpt, config=config).save_pretrained(
+        out / "qwen2_window"
+    )
+    mistral = tiny_llama_config(VOCAB, transformers.MistralConfig, sliding_window=16)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(mistral).save_pretrained(out / "mistral_window")
+    return {"qwen2": ckpt, **{name: out / name for name in WINDOWED}}
+
+
+@pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
     """A tiny Mistral checkpoint of the same shape."""
     out = tmp_path_factory.mktemp("hf_sp") / "mistral"
@@ -99,11 +125,11 @@ def mistral(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(ckpt):
+def runs(windowed):
     worlds: dict[int, dict] = {1: {}, 2: {}}
     for name, (ref, extra) in CASES.items():
-        worlds[1][ref] = {"overrides": _base(ckpt, ref)}
-        worlds[2][name] = {"overrides": [*_base(ckpt, ref), *extra]}
+        worlds[1][ref] = {"overrides": _base(windowed, ref)}
+        worlds[2][name] = {"overrides": [*_base(windowed, ref), *extra]}
     out = run_named_worlds(worlds)
     for cases in out.values():
         for name, ranks in cases.items():
@@ -124,6 +150,13 @@ def test_tp2_sp_reproduces_one_process(runs, name):
     assert ranks[0]["records"][-1]["comm_bytes"]["tp"] > 0
 
 
+def test_the_window_is_in_effect(runs):
+    """The Qwen2 checkpoint with layer 1 within 16 of 64 tokens gives other losses in one
+    process than the same weights attending over the whole past: the windowed cases above
+    compare against a run that does use the window."""
+    assert runs[1]["qwen2_window"][0]["losses"] != runs[1]["qwen2"][0]["losses"]
+
+
 def test_sp_saves_fewer_activations_than_tp_alone(runs):
     """The point of sp: each rank saves its s/tp tokens' norm and residual inputs, not all s."""
     sp = runs[2]["preset_tp2_sp"][0]["records"][-1]["mem_bytes"]["activations"]
@@ -133,11 +166,12 @@ def test_sp_saves_fewer_activations_than_tp_alone(runs):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_explain_prices_the_layout(ckpt, runs, name):
+def test_explain_prices_the_layout(windowed, runs, name):
     """explain splits the meta model as training does: rank 0's params, grads, master and
-    optimizer bytes, its activations, and the tp bytes and calls equal the measured ones."""
+    optimizer bytes, its activations (a window's mask included), and the tp bytes and calls
+    equal the measured ones."""
     ref, extra = CASES[name]
-    cfg = load_config(None, [*_base(ckpt, ref), *extra])
+    cfg = load_config(None, [*_base(windowed, ref), *extra])
     pred = explain_record(cfg, 2, get_hardware("cpu", calibrate=False))
     got = runs[2][name][0]["records"][-1]
     for key in (*STATES, "activations"):

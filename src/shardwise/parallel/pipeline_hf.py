@@ -10,7 +10,7 @@ for all layers, each layer computes here for itself: the rotary position embeddi
 `rotary_emb`, a buffer-only module every stage keeps) and the causal mask (none: SDPA's
 is_causal, as the model's forward chooses for an unpadded batch; a sliding window no longer
 than the sequence, Mistral's or Qwen2's, gets the boolean mask transformers builds for it,
-`_window_mask`). Pruning keeps the names
+`models/hf/window.py`). Pruning keeps the names
 (`model.layers.{i}` stays the key of layer i), so (seed, name) init, checkpoint slices and ZeRO
 units are those of the whole model.
 
@@ -22,14 +22,12 @@ before launch by `check_hf_pipeline`.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
-from torch._guards import detect_fake_mode
 
 from shardwise.errors import ConfigError
 from shardwise.models.hf.experts import number_routers
+from shardwise.models.hf.window import sliding_window, window_mask
 from shardwise.parallel.context_hf import CONTEXT, CONTEXT_HOLDER
 
 # model_type -> its base forward is exactly its published plan plus rotary positions; each
@@ -99,38 +97,11 @@ class _Layer(nn.Module):
         cos_sin = self.rotary(h, position_ids=positions)
         mask = None
         if context is None:  # (under cp the attention masks each block itself)
-            mask = _window_mask(positions.shape[1], self.window, h.device, detect_fake_mode())
+            mask = window_mask(positions.shape[1], self.window, h.device)
         out = self.layer(
             h, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin
         )
         return out[0] if isinstance(out, tuple) else out
-
-
-def _sliding_window(config, index: int) -> int | None:
-    """The window layer `index` attends within (None: the whole causal past), as the model's
-    forward picks its mask: by `layer_types` where the config lists them (Qwen2's, Qwen2-MoE's
-    `sliding_attention` layers), else the config's `sliding_window` for every layer
-    (Mistral, Mixtral, Phi-3; None or absent elsewhere)."""
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return config.sliding_window if types[index] == "sliding_attention" else None
-    return getattr(config, "sliding_window", None)
-
-
-@functools.lru_cache(maxsize=4)
-def _window_mask(s: int, window: int | None, device: torch.device, fake) -> torch.Tensor | None:
-    """The boolean [1, 1, s, s] mask (True attends) of causal attention within `window`
-    tokens over positions 0..s-1, as transformers' create_sliding_window_causal_mask builds it
-    for SDPA: key k is seen by query q when q - window < k <= q; built, as there, once the
-    sequence (all s tokens the attention gathers under sp) is as long as the window, None
-    (SDPA's is_causal) before. One tensor per shape, shared by every layer and step (as the
-    model's forward builds one for all its layers), not one saved per layer; `fake`: the fake
-    tensor mode it is built under (the planner's fake forward), which keeps its own."""
-    if window is None or s < window:
-        return None
-    q = torch.arange(s, device=device)[:, None]
-    k = torch.arange(s, device=device)[None, :]
-    return ((k <= q) & (k > q - window))[None, None]
 
 
 class _Sequence(nn.Module):
@@ -163,7 +134,7 @@ class HFStages:
         self.norm = _Sequence(self._after) if self._after else None
         self.head = model.get_output_embeddings()
         self.blocks = {
-            i: _Layer(layer, base.rotary_emb, _sliding_window(base.config, int(i)))
+            i: _Layer(layer, base.rotary_emb, sliding_window(base.config, int(i)))
             for i, layer in getattr(base, layers).items()
         }
 

@@ -328,13 +328,19 @@ def _whole_positions(model: nn.Module) -> None:
     """A transformers model numbers its positions (RoPE) from its embedding's output, which
     sequence parallelism leaves at s/t tokens, while its attention sees all s (gathered): hand
     its forward the whole sequence's positions. Its causal mask stays SDPA's is_causal (none
-    is built for an unpadded batch), taken over the gathered sequence."""
+    is built for an unpadded batch), taken over the gathered sequence; a sliding window
+    shorter than the sequence gets its mask over all s tokens (its forward would build it over
+    s/t, models/hf/window.py)."""
     if not hasattr(model, "set_attn_implementation"):  # not a transformers model
         return
+    from shardwise.models.hf.window import whole_sequence_masks
 
     def hook(_model, args, kwargs):
         ids = args[0] if args else kwargs["input_ids"]
         kwargs["position_ids"] = torch.arange(ids.shape[1], device=ids.device)[None]
+        mask = whole_sequence_masks(model.config, ids.shape[1], ids.device)
+        if mask is not None:
+            kwargs["attention_mask"] = mask
         return args, kwargs
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
