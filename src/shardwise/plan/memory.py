@@ -130,6 +130,15 @@ def stage_units(job: Job, layout: Layout, stage: int) -> list[Unit]:
     return moe.split_units(us, job.spec, layout.ep)[0]  # ep > 1: the experts' units apart
 
 
+def loss_one_at_a_time(layout: Layout, m: int) -> bool:
+    """Does the last pipeline stage hold one micro-batch's logits and loss at a time? 1F1B and
+    interleaved run each micro-batch's backward right after its forward there, but interleaved
+    with m = p micro-batches runs every forward first (no steady state, `act.in_flight`), as
+    GPipe does; zero bubble keeps them, with the rest of the micro-batch, until its weight
+    pass."""
+    return layout.pp_schedule == "1f1b" or (layout.pp_schedule == "interleaved" and m != layout.pp)
+
+
 def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     """Peak bytes saved for backward on one rank of pipeline stage `stage`."""
     spec, s, b, c, t = job.spec, job.seq_len, layout.micro_batch, job.bc, layout.tp
@@ -157,11 +166,7 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
                 spec, s, b, targets, drop, c, job.packed, alone, selective
             )
     edge = act.layer_bytes(edges, t, layout.sp, selective)
-    # the loss and logits of the last stage: 1F1B and interleaved run each micro-batch's
-    # backward right after its forward there (one held); GPipe runs all m forwards first and
-    # zero bubble keeps them, with the rest of the micro-batch, until its weight pass
-    one = layout.pp_schedule in ("1f1b", "interleaved")
-    held_edge = 1.0 if (last and p > 1 and one) else held
+    held_edge = 1.0 if (last and p > 1 and loss_one_at_a_time(layout, m)) else held
     copies = 0.0
     if peers.of(job).pp_stage_copies and p > 1:  # received and sent hidden states (peers)
         kept = (0 if first else 1) + (0 if last else 1)
