@@ -56,6 +56,8 @@ WORLDS = {  # name: (overrides, ranks, the single-process reference)
     "ep2_tp2_sp": (EP_TP, 4, "ref"),
     # ZeRO-1: the expert slices sharded over their edp group, which holds the tp ranks
     "ep2_tp2_sp_z1_capacity": ([*EP_TP, "--parallel.zero=1", *CAPACITY], 4, "ref_capacity"),
+    # each stage's MoE layer whole on every tp rank of it, on its sequence shard
+    "pp2_tp2_sp": ([*PP, *TP], 4, "ref"),
 }
 GRADS = {  # one step's reduced gradients at full shape (ZeRO-0: every rank holds its own)
     "grads_pp2": (PP, 2),
@@ -151,6 +153,7 @@ def _ok(result: dict) -> dict:
         "tp2_sp_capacity",
         "tp2_sp_recompute",
         "pp2",
+        "pp2_tp2_sp",
     ],
 )
 def test_explain_prices_the_composed_moe_layouts(runs, name):
@@ -159,7 +162,8 @@ def test_explain_prices_the_composed_moe_layouts(runs, name):
     (dp / ep)·tp; the total within 5 % (the exchange's saved rows are not priced); rank 0's
     dp, pp and tp bytes and calls exactly (expert gradients reduced over (dp / ep)·tp, under
     dp; MoE layers whole on every tp rank: no MLP exchange, their counts all-gathered, their
-    parameters' partial gradients summed over tp: under ZeRO-1 those inside rank 0's slices)."""
+    parameters' partial gradients summed over tp: under ZeRO-1 those inside rank 0's slices;
+    under pp those of pipeline stage 0, which runs no head, loss or final norm)."""
     extra, ranks, _ = WORLDS[name]
     pred = explain_record(load_config(None, _case(*extra)["overrides"]), ranks, CPU)
     recs = [_ok(r)["records"][-1] for r in runs[name]]

@@ -8,7 +8,10 @@ the 8-rank 3D world."""
 
 import pytest
 
+from shardwise.config import load_config
+from shardwise.job.explain import explain_record
 from shardwise.launchers.harness import run_named, run_named_worlds
+from shardwise.plan.hardware import get_hardware
 from support.compare import VOCAB, case, max_rel
 
 pytestmark = pytest.mark.slow
@@ -61,6 +64,9 @@ TP_SP = ["--parallel.pp=2", "--parallel.tp=2", "--parallel.sp=true", "--train.mi
 WORLD4["pp2_zb_m4_tp2_sp_tied_6steps"] = case(
     "--model.n_layers=4", EVAL, TIED, *TP_SP, *SCHEDULES["zb"], SHORT
 )
+# and without sp: every tp collective an all-reduce, the stages sending whole sequences
+TP_ONLY = [x for x in TP_SP if x != "--parallel.sp=true"]
+WORLD4["pp2_1f1b_m4_tp2_tied_6steps"] = case("--model.n_layers=4", EVAL, TIED, *TP_ONLY, SHORT)
 # evaluations during training (steps 5, 10, 15) send activations too: none of that traffic may
 # count towards the next training step's comm_bytes (test_pp_bytes_are_...)
 WORLD4["pp2_gpipe_m4"] = case(*WORLD4["pp2_gpipe_m4"]["overrides"], "--train.eval_every=5")
@@ -102,7 +108,7 @@ def worlds(tmp_path_factory):
         f"--checkpoint.resume={ckpt}/step-00000010",
     )
     # the 3D world too: the three worlds side by side keep both cores busy
-    world8 = {"3d": case(*CASE_3D["overrides"], *_saves(tmp_path_factory, "3d"))}
+    world8 = {"3d": case(*CASE_3D["overrides"], *_saves(tmp_path_factory, "3d")), **MOE_3D}
     return run_named_worlds({1: world1, 4: world4, 8: world8})
 
 
@@ -306,10 +312,6 @@ def test_explain_prices_every_schedules_activations(worlds, name):
     the first model chunk (which embeds) than of the second (3 of 5 chunks at p 2, 7 of 11 at
     p 4), where the formula spreads the stage's edge terms evenly over the chunks it holds:
     measured 396 and 660 B short of 1.8 and 4.0 MB, so those two within 1e-3 relative."""
-    from shardwise.config import load_config
-    from shardwise.job.explain import explain_record
-    from shardwise.plan.hardware import get_hardware
-
     cfg = load_config(None, WORLD4[name]["overrides"])
     pred = explain_record(cfg, 4, get_hardware("cpu", calibrate=False))["mem_bytes"]
     got = max(r["records"][-1]["mem_bytes"]["activations"] for r in worlds[4][name])
@@ -317,3 +319,44 @@ def test_explain_prices_every_schedules_activations(worlds, name):
         assert 0 <= got - pred["activations"] <= 1e-3 * got, (pred["activations"], got)
     else:
         assert pred["activations"] == got, (pred["activations"], got)
+
+
+# The MoE decoder in 3D (pp 2 × dp 2 × tp 2 + sp, ZeRO-1): its MoE layers' whole parameters
+# make most of the partial gradients summed over tp, and under ZeRO-1 a rank sums only those
+# inside its own slices (rank 0: 123,264 of stage 0's 271,104 elements)
+MOE_3D = {
+    "moe_3d_z1": case(
+        "--model.name=moe-tiny",
+        "--parallel.pp=2",
+        "--parallel.tp=2",
+        "--parallel.sp=true",
+        "--parallel.zero=1",
+        "--train.micro_batch=1",
+        SHORT,
+    )
+}
+# rank 0's traffic as explain prices it: (world size, the case's overrides)
+EXPLAINED = {
+    **{n: (4, WORLD4[n]["overrides"]) for n in ("pp2_1f1b_m4", "pp2_1f1b_m2_z1_tied")},
+    **{n: (4, WORLD4[n]["overrides"]) for n in ("pp4_1f1b_m8", "pp4_interleaved_m8")},
+    **{n: (4, WORLD4[n]["overrides"]) for n in WORLD4 if "_tp2" in n},
+    "3d": (8, CASE_3D["overrides"]),
+    "moe_3d_z1": (8, MOE_3D["moe_3d_z1"]["overrides"]),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPLAINED))
+def test_explain_prices_rank_0s_traffic(worlds, name):
+    """explain's dp, tp and pp bytes and calls are rank 0's measured ones, pipeline stage 0's:
+    its own blocks' tp collectives and the embedding's, none of the head's, the vocabulary-
+    parallel loss's or the final norm's (sp: the norms' partial gradients of its blocks only;
+    the MoE decoder: its MoE layers' MLPs whole, their partial gradients inside rank 0's ZeRO-1
+    slices); one send per micro-batch and chunk but the last chunk's forward and the first
+    chunk's backward (p = 4: forward only; interleaved: 3); the tied gradient's sum over the
+    two ends (ZeRO-1: its slice)."""
+    size, overrides = EXPLAINED[name]
+    pred = explain_record(load_config(None, overrides), size, get_hardware("cpu", calibrate=False))
+    got = worlds[size][name][0]["records"][-1]
+    for dim in ("dp", "tp", "pp"):
+        assert pred["comm_bytes"][dim] == got["comm_bytes"][dim], (dim, pred, got)
+        assert pred["comm_calls"][dim] == got["comm_calls"][dim], (dim, pred, got)

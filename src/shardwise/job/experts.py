@@ -66,11 +66,13 @@ def whole_moe_tp(comm: dict, calls: dict, job: Job, layout: Layout, model: torch
     drops their plan entries), so no all-gather/reduce-scatter pair around them forward or
     backward (nor the all-gather a full recomputation replays), and their parameters'
     gradients (the router, shared experts and, without ep, the experts) join the partial
-    all-reduce over tp.
-    Ours are priced in plan/traffic.py (its spec has n_experts)."""
+    all-reduce over tp. `model`: the rank's meta model (under pp its stage's: only its own MoE
+    layers). Ours are priced in plan/traffic.py (its spec has n_experts)."""
+    if layout.tp == 1 or not layout.sp or job.spec.n_experts:
+        return
     held = {id(r) for r in routers(model)}
     blocks = [m for m in model.modules() if any(id(c) in held for c in m.children())]
-    if layout.tp == 1 or not layout.sp or job.spec.n_experts or not blocks:
+    if not blocks:
         return
     m, t, n = layout.micro_batches(job), layout.tp, len(blocks)
     act = layout.micro_batch * job.seq_len * job.spec.dim * job.bc

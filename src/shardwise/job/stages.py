@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from shardwise.config import Config
 from shardwise.distributed import device as dev
 from shardwise.finetune.quant import quant_layers
-from shardwise.job.experts import expert_units, in_forward_order, routed_spec
+from shardwise.job.experts import expert_units, in_forward_order, routed_spec, whole_moe_tp
 from shardwise.job.fake import (
     as_in_training,
     as_trained,
@@ -26,11 +26,13 @@ from shardwise.job.measured import (
     exchange_saved_bytes,
     expert_traffic,
     repeated_kv_bytes,
+    sliced_partial_tp,
     zero_buffers,
 )
 from shardwise.plan import activations as act
 from shardwise.plan import memory as mem
 from shardwise.plan import traffic
+from shardwise.plan.buffers import align_of
 from shardwise.plan.layout import Job, Layout, as_data_parallel
 from shardwise.plan.states import add_states, model_states
 from shardwise.training.memory import ActivationMeter, tensor_bytes
@@ -108,11 +110,11 @@ def _cp_stage_bytes(whole: Job, asked: Layout, mine: list) -> tuple[float, float
 
 
 def _hf_stage(cfg: Config, derived, whole: Job, asked: Layout, stage: int) -> tuple:
-    """(`mem_bytes`, dense ZeRO units, expert units) of pipeline rank `stage` of a Hugging
-    Face causal LM or our MoE decoder: its units' states (its own layers' experts apart), and
-    one micro-batch's saved bytes from a fake forward of its chunk (embedding, layers, norm +
-    head + loss as it holds them, at the rank's s/cp tokens) times the micro-batches its
-    schedule keeps."""
+    """(`mem_bytes`, dense ZeRO units, expert units, its fake model) of pipeline rank `stage` of
+    a Hugging Face causal LM or our MoE decoder: its units' states (its own layers' experts
+    apart), and one micro-batch's saved bytes from a fake forward of its chunk (embedding,
+    layers, norm + head + loss as it holds them, at the rank's s/cp tokens) times the
+    micro-batches its schedule keeps."""
     job, layout = as_data_parallel(whole, asked)  # cp > 1: dp x cp replicas at s/cp
     (model, view, mine, tp), us = _stage_model(cfg, derived, layout, stage)
     states, us, experts, quantised = _stage_states(model, us, job, layout)
@@ -131,22 +133,27 @@ def _hf_stage(cfg: Config, derived, whole: Job, asked: Layout, stage: int) -> tu
     one = layout.pp_schedule in ("1f1b", "interleaved")  # the last stage's loss: one at a time
     states["activations"] = (edge + blocks) * held + tail * (1.0 if one else held)
     states["total"] = sum(v for k, v in states.items() if not k.startswith(("host_", "disk_")))
-    return states, us, experts
+    return states, us, experts, model
 
 
 def predict_stages(cfg: Config, derived, whole: Job, asked: Layout, model) -> dict:
     """The candidate record of a Hugging Face causal LM or MoE decoder in pipeline stages:
-    every category at its busiest stage, stage 0's traffic (`model`: the whole meta model);
-    under cp, dp x cp replicas at s/cp plus the attention's exchange and kernels."""
+    every category at its busiest stage, stage 0's traffic (rank 0's, as metrics.jsonl's;
+    `model`: the whole meta model); under cp, dp x cp replicas at s/cp plus the attention's
+    exchange and kernels."""
     stages = [_hf_stage(cfg, derived, whole, asked, r) for r in range(asked.pp)]
     keys = list(stages[0][0])
-    states = {k: max(s.get(k, 0) for s, _, _ in stages) for k in keys}
+    states = {k: max(s[0].get(k, 0) for s in stages) for k in keys}
     job, layout = as_data_parallel(whole, asked)
-    real = dataclasses.replace(job, frozen=tuple(stages[0][1]))
-    comm, calls = traffic.traffic(real, layout), traffic.collective_calls(real, layout)
+    _, dense, experts, first = stages[0]
+    real = dataclasses.replace(job, frozen=tuple(dense))
+    # tp and pp: what stage 0 runs (its blocks, the embedding; no head, loss or final norm)
+    comm, calls = traffic.traffic(real, layout, 0), traffic.collective_calls(real, layout, 0)
+    whole_moe_tp(comm, calls, job, layout, first)  # a transformers class's MoE MLPs under tp
+    sliced_partial_tp(comm, calls, layout, first, align_of(job))  # ZeRO: rank 0's slices
     if layout.ep > 1:  # stage 0's experts over their holders; the busiest stage's exchange
-        expert_traffic(comm, calls, job, layout, stages[0][2])
-        moe_layers = max(len(e) for _, _, e in stages)
+        expert_traffic(comm, calls, job, layout, experts)
+        moe_layers = max(len(s[2]) for s in stages)
         routed = dataclasses.replace(whole, spec=routed_spec(whole.spec, model))
         comm["ep"], calls["ep"] = traffic.ep_traffic(routed, asked, layers=moe_layers)
     if asked.cp > 1:  # the attention's exchange, from the sequence split itself

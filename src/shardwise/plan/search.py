@@ -111,10 +111,21 @@ def evaluate(job: Job, lay: Layout) -> dict:
         "mfu_causal": tm.model_flops_per_token(whole, causal=True) * tokens / peak_flops,
         "flop_convention": tm.FLOP_CONVENTION,
         "time": parts,
-        "comm_bytes": traffic.traffic_totals(kinds),
-        "comm_calls": calls,
+        **_rank0_traffic(job, lay, kinds, calls),
         **({"expert_mem_bytes": expert_mem} if expert_mem else {}),
     }
+
+
+def _rank0_traffic(job: Job, lay: Layout, kinds: dict, calls: dict) -> dict:
+    """The record's `comm_bytes` and `comm_calls`: rank 0's, as metrics.jsonl's; `kinds` and
+    `calls` price the step time's busiest pipeline stage, so under pp tp and pp are taken
+    from pipeline stage 0 (traffic.stage_holds)."""
+    comm, calls = traffic.traffic_totals(kinds), dict(calls)
+    if lay.pp > 1:
+        first, n = traffic.stage_traffic(job, lay, 0)
+        comm.update(first)
+        calls.update(n)
+    return {"comm_bytes": comm, "comm_calls": calls}
 
 
 def _experts(job: Job, lay: Layout, mb: dict, kinds: dict, calls: dict) -> dict:

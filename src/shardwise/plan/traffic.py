@@ -5,6 +5,8 @@ they take is plan/time.py's."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from shardwise.finetune.quant_shards import gather_steps
 from shardwise.models.families import family_of
 from shardwise.plan import memory as mem
@@ -13,6 +15,7 @@ from shardwise.plan.buffers import align_of, padded_numel
 from shardwise.plan.compression import bucket_calls, sent_bytes, wire_bytes
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.lora_traffic import lora_partial, unrun_backward
+from shardwise.plan.pp_traffic import pp_bytes, pp_calls
 
 
 def ring_share(n: int) -> float:
@@ -20,9 +23,19 @@ def ring_share(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
-def traffic(job: Job, layout: Layout) -> dict[str, float]:
-    """Ring-equivalent bytes sent per rank per step over dp, tp and pp."""
-    return traffic_totals(traffic_by_kind(job, layout))
+def traffic(job: Job, layout: Layout, stage: int | None = None) -> dict[str, float]:
+    """Ring-equivalent bytes sent per rank per step over dp, tp and pp (`stage`: as
+    `stage_holds`)."""
+    return traffic_totals(traffic_by_kind(job, layout, stage))
+
+
+def stage_holds(job: Job, layout: Layout, stage: int | None = None) -> tuple[int, bool, bool]:
+    """(blocks, the embedding, the head and loss) whose tp and pp traffic a rank sends: those
+    of pipeline rank `stage` (memory.job_split: the engine's cut), or with None those the step
+    time prices (plan/time.py: the busiest stage, ⌈L/p⌉ blocks, with both ends)."""
+    if stage is None or layout.pp == 1:
+        return -(-job.spec.n_layers // layout.pp), True, True
+    return mem.job_split(job, layout)[stage]
 
 
 def traffic_totals(by_kind: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -30,14 +43,17 @@ def traffic_totals(by_kind: dict[str, dict[str, float]]) -> dict[str, float]:
     return {dim: sum(kinds.values()) for dim, kinds in by_kind.items()}
 
 
-def traffic_by_kind(job: Job, layout: Layout) -> dict[str, dict[str, float]]:
+def traffic_by_kind(
+    job: Job, layout: Layout, stage: int | None = None
+) -> dict[str, dict[str, float]]:
     """`traffic` split by collective kind (all_reduce, reduce_scatter, all_gather, send) per
-    mesh dimension: the kinds cost differently per byte on some transports (gloo)."""
+    mesh dimension: the kinds cost differently per byte on some transports (gloo). dp is
+    pipeline stage 0's; tp and pp those of `stage` (`stage_holds`)."""
     quantised = _quant_uses(job, layout)  # finetune/quant: a split base gathered per use
     return {
         "dp": _dp_kinds(job, layout, quantised["dp"]),
-        "tp": _tp_kinds(job, layout, quantised["tp"]),
-        "pp": {"send": _pp_bytes(job, layout)},
+        "tp": _tp_kinds(job, layout, quantised["tp"], stage),
+        "pp": {"send": pp_bytes(job, layout, stage)},
     }
 
 
@@ -73,45 +89,54 @@ def _dp_kinds(job: Job, layout: Layout, quantised: list[int]) -> dict[str, float
     return dp_kinds
 
 
-def _tp_kinds(job: Job, layout: Layout, quantised: list[int]) -> dict[str, float]:
-    """Bytes by kind over tp per step: the blocks' activations (parallel/tensor.py), the
-    vocabulary-parallel loss, replicated parameters' gradients and the split base's gathers."""
+def _tp_kinds(
+    job: Job, layout: Layout, quantised: list[int], stage: int | None = None
+) -> dict[str, float]:
+    """Bytes by kind over tp per step of `stage` (`stage_holds`): the blocks' activations
+    (parallel/tensor.py), the vocabulary-parallel loss, replicated parameters' gradients and
+    the split base's gathers."""
     spec, s, b = job.spec, job.seq_len, layout.micro_batch
     m, t = layout.micro_batches(job), layout.tp
     act = b * s * spec.dim * job.bc
-    layers = -(-spec.n_layers // layout.pp)
+    held = stage_holds(job, layout, stage)
+    layers, first, last = held
     # parallel/tensor.py, per micro-batch: per layer 2 all-reduces forward and 2 backward
-    # (sp: all-gather + reduce-scatter pairs, the same bytes); embedding and head: 2 more;
-    # the vocabulary-parallel loss all-reduces 3 fp32 values per token. Full recomputation
-    # repeats a block's forward up to its last saved tensor: 1 all-reduce (sp: 3 halves); the
-    # whole forward, 2 (sp: 4 halves), where the engine recomputes whole blocks
+    # (sp: all-gather + reduce-scatter pairs, the same bytes); the embedding and the head 1
+    # each, where the stage holds them; the vocabulary-parallel loss (with the head)
+    # all-reduces 3 fp32 values per token. Full recomputation repeats a block's forward up to
+    # its last saved tensor: 1 all-reduce (sp: 3 halves); the whole forward, 2 (sp: 4
+    # halves), where the engine recomputes whole blocks
     redo = 4 if peers.of(job).recompute_whole_block else (3 if layout.sp else 2)
-    per_mb = 2 * (4 * layers + 2) + redo * layers * (layout.recompute == "full")
+    per_mb = 2 * (4 * layers + first + last) + redo * layers * (layout.recompute == "full")
     blocks = ring_share(t) * m * act * per_mb
-    tp_kinds = {"all_reduce": ring_share(t) * m * 4 * 6 * b * s}
+    tp_kinds = {"all_reduce": ring_share(t) * m * 4 * 6 * b * s * last}
     if layout.sp:
         tp_kinds["all_gather"] = tp_kinds["reduce_scatter"] = blocks / 2
         tp_kinds["all_gather"] += ring_share(t) * m * act * regathers(job, layout) * layers
     else:
         tp_kinds["all_reduce"] += blocks
-    _moe_tp_kinds(job, layout, act, tp_kinds)
-    for kind, n in unrun_backward(job, layout).items():  # LoRA: no gradient before an adapter
+    _moe_tp_kinds(job, layout, act, tp_kinds, layers)
+    for kind, n in _unrun(job, layout, first).items():  # LoRA: no gradient before an adapter
         tp_kinds[kind] -= ring_share(t) * m * act * n * (1 if layout.sp else 2)
     if t > 1:  # gradients of parameters replicated over tp ranks that each saw part of them,
         # summed in fp32 (the optimizer's master gradients) once per step. Under ZeRO a rank
         # sums only those in its slice: without the units' parameters this is an upper bound
         # (job/measured.sliced_partial_tp prices the slice where the model is built)
-        tp_kinds["all_reduce"] += 2 * ring_share(t) * _tp_partial(job, t, layout.sp, layout.ep) * 4
+        partial = _tp_partial(job, t, layout.sp, layout.ep, _partial_of(held, stage))
+        tp_kinds["all_reduce"] += 2 * ring_share(t) * partial * 4
     if quantised:
         tp_kinds["all_gather"] = tp_kinds.get("all_gather", 0.0)
         tp_kinds["all_gather"] += ring_share(t) * m * sum(quantised)
     return tp_kinds
 
 
-def _moe_tp_kinds(job: Job, layout: Layout, act: int, tp_kinds: dict[str, float]) -> None:
-    """Adjust `tp_kinds` for the MoE layers, whole on every tp rank, each on its own sequence
-    shard (parallel/expert_comm.SequenceShards); `act` is one micro-batch's activation bytes."""
-    moe_layers = _moe_tp_layers(job, layout)
+def _moe_tp_kinds(
+    job: Job, layout: Layout, act: int, tp_kinds: dict[str, float], layers: int
+) -> None:
+    """Adjust `tp_kinds` for the MoE layers among a stage's `layers` blocks, whole on every tp
+    rank, each on its own sequence shard (parallel/expert_comm.SequenceShards); `act` is one
+    micro-batch's activation bytes."""
+    moe_layers = _moe_tp_layers(job, layout, layers)
     if not moe_layers:
         return
     m, t = layout.micro_batches(job), layout.tp
@@ -125,19 +150,6 @@ def _moe_tp_kinds(job: Job, layout: Layout, act: int, tp_kinds: dict[str, float]
     if forwards > 1:  # the recomputed block replays its counts' all-gather, not an MLP
         # input gather (its 3 calls: the attention's pair and the counts)
         tp_kinds["all_gather"] -= ring_share(t) * m * act * moe_layers
-
-
-def _pp_bytes(job: Job, layout: Layout) -> float:
-    """Bytes each rank sends over pp per step: activations forward and their gradients
-    backward, per micro-batch and chunk."""
-    p, v, t = layout.pp, layout.pp_virtual, layout.tp
-    if p == 1:
-        return 0.0
-    # a rank sends forward from its v chunks (the last chunk's rank one fewer) and backward
-    # likewise (the first chunk's rank one fewer); with p = 2 each rank is one of those
-    act = layout.micro_batch * job.seq_len * job.spec.dim * job.bc
-    split = layout.sp or peers.of(job).pp_scatter_gather
-    return layout.micro_batches(job) * act / (t if split else 1) * (2 * v - (1 if p == 2 else 0))
 
 
 def cp_traffic(job: Job, layout: Layout) -> tuple[dict[str, float], int]:
@@ -214,12 +226,12 @@ def _quant_uses(job: Job, layout: Layout) -> dict[str, list[int]]:
     return out
 
 
-def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
+def collective_calls(job: Job, layout: Layout, stage: int | None = None) -> dict[str, int]:
     """Training collectives per rank per step by mesh dimension, as comm.py counts them (a
     point-to-point send is one call; its receive is the sender's): each pays the link's
-    latency whatever its size. They follow `traffic`'s reasoning call by call."""
-    spec = job.spec
-    m, dp, t, p, v = layout.micro_batches(job), layout.dp, layout.tp, layout.pp, layout.pp_virtual
+    latency whatever its size. They follow `traffic`'s reasoning call by call (`stage`: tp's
+    and pp's of that pipeline rank, `stage_holds`)."""
+    m, dp, t = layout.micro_batches(job), layout.dp, layout.tp
     every = mem.stage_units(job, layout, 0)
     units = [u for u in every if any(e[1] for e in u.entries)]
     n_units = sum(u.count for u in units)
@@ -236,28 +248,42 @@ def collective_calls(job: Job, layout: Layout) -> dict[str, int]:
         }[layout.zero]
         if layout.zero == 3:  # a quantised linear's gathers (`traffic_by_kind`)
             dp_calls += m * len(quantised["dp"])
-    tp_calls = 0
-    if t > 1:  # per layer 2 forward + 2 backward (sp: an all-gather/reduce-scatter pair for
-        # each, 8); embedding, head and vocabulary-parallel loss 4 (sp: 6); full recompute
-        # repeats 1 (sp 3) per layer; the partial gradients' all-reduce once per step
-        layers = -(-spec.n_layers // p)
-        redo = (
-            (4 if layout.sp else 2)
-            if peers.of(job).recompute_whole_block
-            else (3 if layout.sp else 1)
-        )
-        per_layer = (8 if layout.sp else 4) + redo * (layout.recompute == "full")
-        per_layer += regathers(job, layout)
-        unrun = sum(unrun_backward(job, layout).values())
-        tp_calls = m * (per_layer * layers + (6 if layout.sp else 4) - unrun)
-        tp_calls -= m * 3 * _moe_tp_layers(job, layout)  # its MLP's 4 less, the counts' 1 more
-        tp_calls += 1 if _tp_partial(job, t, layout.sp, layout.ep) else 0
-        tp_calls += m * len(quantised["tp"])
-    pp_calls = 0
-    if p > 1:  # one send per micro-batch and chunk boundary (as `traffic`), plus the tied
-        # embedding/head gradient all-reduce between the first and last stage
-        pp_calls = m * (2 * v - (1 if p == 2 else 0)) + (1 if spec.tie_embeddings else 0)
-    return {"dp": dp_calls, "tp": tp_calls, "pp": pp_calls}
+    tp_calls = _tp_calls(job, layout, stage, len(quantised["tp"])) if t > 1 else 0
+    return {"dp": dp_calls, "tp": tp_calls, "pp": pp_calls(job, layout, stage)}
+
+
+def stage_traffic(job: Job, layout: Layout, stage: int) -> tuple[dict[str, float], dict[str, int]]:
+    """(bytes, calls) over tp and pp of pipeline rank `stage`: `traffic`'s and
+    `collective_calls`' entries for those dimensions, without pricing dp again."""
+    quantised = _quant_uses(job, layout)["tp"]
+    comm = {"tp": sum(_tp_kinds(job, layout, quantised, stage).values())}
+    comm["pp"] = pp_bytes(job, layout, stage)
+    tp_calls = _tp_calls(job, layout, stage, len(quantised)) if layout.tp > 1 else 0
+    return comm, {"tp": tp_calls, "pp": pp_calls(job, layout, stage)}
+
+
+def _tp_calls(job: Job, layout: Layout, stage: int | None, quantised: int) -> int:
+    """`collective_calls`' tp entry (tp > 1) of `stage` (`stage_holds`); `quantised`: a split
+    base's gathers over tp per micro-batch."""
+    m, t = layout.micro_batches(job), layout.tp
+    # per layer 2 forward + 2 backward (sp: an all-gather/reduce-scatter pair for each, 8);
+    # the embedding 1 (sp: 2), the head 1 (sp: 2) and the vocabulary-parallel loss 2, where
+    # the stage holds them; full recompute repeats 1 (sp 3) per layer; the partial gradients'
+    # all-reduce once per step
+    held = stage_holds(job, layout, stage)
+    layers, first, last = held
+    redo = (
+        (4 if layout.sp else 2) if peers.of(job).recompute_whole_block else (3 if layout.sp else 1)
+    )
+    per_layer = (8 if layout.sp else 4) + redo * (layout.recompute == "full")
+    per_layer += regathers(job, layout)
+    unrun = sum(_unrun(job, layout, first).values())
+    ends = (2 if layout.sp else 1) * (first + last) + 2 * last
+    tp_calls = m * (per_layer * layers + ends - unrun)
+    # an MoE layer: its MLP's 4 less, the counts' 1 more
+    tp_calls -= m * 3 * _moe_tp_layers(job, layout, layers)
+    tp_calls += 1 if _tp_partial(job, t, layout.sp, layout.ep, _partial_of(held, stage)) else 0
+    return tp_calls + m * quantised
 
 
 def regathers(job: Job, layout: Layout) -> int:
@@ -293,46 +319,63 @@ def _buckets(units, nbytes: int, cap_mb: float) -> list[list[tuple]]:
     return out
 
 
-def _moe_tp_layers(job: Job, layout: Layout) -> int:
-    """MoE layers a tp rank of pipeline stage 0 runs on its sequence shard (tp > 1 with sp;
-    models/moe.py: blocks moe_every-1, 2·moe_every-1, ...); 0 otherwise."""
+def _moe_tp_layers(job: Job, layout: Layout, layers: int) -> int:
+    """MoE layers a tp rank of a pipeline stage holding `layers` blocks runs on its sequence
+    shard (tp > 1 with sp; models/moe.py: blocks moe_every-1, 2·moe_every-1, ...); 0
+    otherwise."""
     spec = job.spec
     if layout.tp == 1 or not layout.sp or spec is None or not spec.n_experts:
         return 0
-    return -(-spec.n_layers // layout.pp) // spec.moe_every
+    return layers // spec.moe_every
 
 
-def _moe_partial(spec, ep: int) -> int:
-    """Elements of an MoE decoder's layers whole on every tp rank, each seeing its sequence
-    shard: the routers, the shared experts and, without ep, the experts (with ep they are
-    reduced over their edp group, which holds the tp ranks, under dp)."""
+def _unrun(job: Job, layout: Layout, first: bool) -> Counter[str]:
+    """`unrun_backward` where a stage holds the embedding; none elsewhere (a later stage's
+    received activations need their gradient)."""
+    return unrun_backward(job, layout) if first else Counter()
+
+
+def _moe_partial(spec, ep: int, layers: int) -> int:
+    """Elements of an MoE decoder's layers among `layers` blocks whole on every tp rank, each
+    seeing its sequence shard: the routers, the shared experts and, without ep, the experts
+    (with ep they are reduced over their edp group, which holds the tp ranks, under dp)."""
     per_layer = spec.n_experts * spec.dim
     per_layer += 3 * spec.dim * spec.ffn_dim * spec.n_shared_experts
     per_layer += 3 * spec.n_experts * spec.dim * spec.ffn_dim if ep == 1 else 0
-    return spec.n_layers // spec.moe_every * per_layer
+    return layers // spec.moe_every * per_layer
 
 
-def _tp_partial(job: Job, t: int, sp: bool, ep: int = 1) -> int:
-    """Elements of replicated parameters whose gradients are all-reduced over tp: with sp the
-    norms (and GPT-2's row-layer biases and positions) saw only a sequence chunk; kv heads
-    shared by several ranks' query heads (t > kv) always; with sp an MoE layer's whole
-    parameters (`_moe_partial`). LoRA: the adapters only, the rest being frozen
-    (lora_traffic.lora_partial)."""
+def _partial_of(held: tuple[int, bool, bool], stage: int | None) -> tuple[int, bool, bool] | None:
+    """What `_tp_partial` counts for `stage`: what it holds; the whole model for the step
+    time's busiest stage (stage None: an upper bound, whichever stage that is)."""
+    return None if stage is None else held
+
+
+def _tp_partial(
+    job: Job, t: int, sp: bool, ep: int = 1, held: tuple[int, bool, bool] | None = None
+) -> int:
+    """Elements of replicated parameters whose gradients are all-reduced over tp, of a stage
+    `held` = (blocks, embedding, head) (default: the whole model): with sp the norms (and
+    GPT-2's row-layer biases and positions) saw only a sequence chunk; kv heads shared by
+    several ranks' query heads (t > kv) always; with sp an MoE layer's whole parameters
+    (`_moe_partial`). LoRA: the adapters only, the rest being frozen
+    (lora_traffic.lora_partial, of the whole model)."""
     spec, out = job.spec, 0
+    layers, first, last = (spec.n_layers, True, True) if held is None else held
     if job.finetune.lora:
         return lora_partial(job)
     if sp and spec.n_experts:
-        out += _moe_partial(spec, ep)
+        out += _moe_partial(spec, ep, layers)
     if sp:
-        norms = (2 * spec.n_layers + 1) * spec.dim
+        norms = (2 * layers + last) * spec.dim  # each block's two, the final one
         block = family_of(spec).block
         out += norms * (2 if block.layer_norm else 1)
         if block.biases:  # the row-parallel linears' replicated biases
-            out += 2 * spec.n_layers * spec.dim
-        if block.learned_positions:
+            out += 2 * layers * spec.dim
+        if block.learned_positions and first:
             out += spec.max_seq_len * spec.dim
     if spec.n_kv_heads % t:
-        out += 2 * spec.n_layers * spec.head_dim * spec.dim
+        out += 2 * layers * spec.head_dim * spec.dim
     return out
 
 
