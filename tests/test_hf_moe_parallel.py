@@ -48,9 +48,8 @@ pytestmark = pytest.mark.slow
 
 PP2 = ["--parallel.pp=2", "--train.micro_batch=2"]  # 1F1B (the default schedule)
 # interleaved 1F1B over 4 layers, one a chunk; micro-batches of 1, so the 4 of each dp rank
-# reach the steady state (with m = pp = 2 every forward runs first, as Megatron-LM's does,
-# and explain counts the last stage's head and loss once: measured 2026-11-29 for the 4-layer
-# Mixtral, explain's activations 1,097,476 B against 1,204,872 B; not compared there)
+# reach the steady state; with m = pp = 2 (micro-batches of 2) every forward runs first, as
+# Megatron-LM's does, and the last stage holds every micro-batch's head and loss
 IL = ["--parallel.pp_schedule=interleaved", "--parallel.pp_virtual=2", "--train.micro_batch=1"]
 TP2 = ["--parallel.tp=2", "--parallel.sp=true"]
 EP2 = ["--parallel.ep=2"]
@@ -76,6 +75,7 @@ CASES = {  # name: (checkpoint, world size, extra overrides)
     "mixtral_pp2_tp2": ("mixtral", 4, [*PP2, *TP2]),
     "qwen2_moe4_ep2_pp2_interleaved": ("qwen2_moe4", 4, [*PP2, *IL, *EP2]),
     "mixtral4_pp2_interleaved": ("mixtral4", 4, [*PP2, *IL]),
+    "mixtral4_pp2_interleaved_m2": ("mixtral4", 4, [*PP2, *IL[:2]]),
 }
 LAYERS = {"qwen2_moe4": 4, "mixtral4": 4}  # the checkpoints of `deep`; the others have 2
 BF16 = ["--precision.compute=bf16"]

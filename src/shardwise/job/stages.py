@@ -130,7 +130,7 @@ def _hf_stage(cfg: Config, derived, whole: Job, asked: Layout, stage: int) -> tu
     blocks, edge = blocks + kernels, edge + ids
     m = layout.micro_batches(job)
     held = act.in_flight(layout.pp_schedule, layout.pp, m, layout.pp_virtual, stage)
-    one = layout.pp_schedule in ("1f1b", "interleaved")  # the last stage's loss: one at a time
+    one = mem.loss_one_at_a_time(layout, m)  # the last stage's loss and logits
     states["activations"] = (edge + blocks) * held + tail * (1.0 if one else held)
     states["total"] = sum(v for k, v in states.items() if not k.startswith(("host_", "disk_")))
     return states, us, experts, model
