@@ -10,6 +10,7 @@ import sys
 
 from shardwise.config import Config, load_config, reference_markdown, split_overrides
 from shardwise.errors import ShardwiseError, print_error
+from shardwise.launchers.process_exit import skip_exit_collection
 from shardwise.training.preempt import Preempted
 
 
@@ -189,6 +190,7 @@ def cmd_explain(cfg: Config, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    skip_exit_collection()  # the process ends with the command: seconds under load otherwise
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "--help-config"):
         if not argv:  # no arguments at all: the default job

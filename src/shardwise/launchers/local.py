@@ -18,6 +18,7 @@ from shardwise.distributed.store import BIND_ENV, free_port
 from shardwise.distributed.watchdog import EXIT_HANG, LOCAL_LAUNCH_ENV, REPORT
 from shardwise.errors import ReportedError, ShardwiseError
 from shardwise.launchers import rendezvous
+from shardwise.launchers.process_exit import skip_exit_collection
 from shardwise.training.lock import HELD_ENV, acquire, release
 from shardwise.training.preempt import Preempted, preempt_code
 
@@ -148,6 +149,15 @@ def rank_main(
         raise SystemExit(2) from None
 
 
+def rank_process_main(
+    cfg_dict: dict, hook: str | None = None, local: bool = False, derived: Derived | None = None
+) -> None:
+    """`rank_main` as the whole of a process torch elastic starts: the process ends with it,
+    without the exit-time garbage collections (launchers/process_exit.py)."""
+    skip_exit_collection()
+    rank_main(cfg_dict, hook, local, derived)
+
+
 class _DropAll(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return False
@@ -242,7 +252,7 @@ def run_elastic(
     local: bool = False,
     derived: Derived | None = None,
 ) -> None:
-    """Run this node's torch elastic agent with `rank_main` as every rank's entry point; a
+    """Run this node's torch elastic agent with `rank_process_main` as every rank's entry; a
     failure becomes one ShardwiseError (the ranks print their own messages). `local`: every
     rank is on this machine, so a hang report in run.dir is printed here, not by a rank.
     `derived`: the job layer's run description, handed to every rank (restarted ones too)."""
@@ -261,7 +271,7 @@ def run_elastic(
     agent.addFilter(note)
     started = time.time()
     try:
-        elastic_launch(config, rank_main)(cfg.to_dict(), hook, local, derived)
+        elastic_launch(config, rank_process_main)(cfg.to_dict(), hook, local, derived)
     except SignalException as exc:  # the agent was signalled; its ranks saved and stopped
         # while the handler is still held here: torch leaves its keep-alive thread running
         rendezvous.stop_heartbeats()
