@@ -8,7 +8,7 @@ it runs our decoders: the first chunk applies the modules before, each chunk run
 the last applies the modules after and the head. What the model's own forward computes once
 for all layers, each layer computes here for itself: the rotary position embeddings (from
 `rotary_emb`, a buffer-only module every stage keeps) and the causal mask (none: SDPA's
-is_causal, as the model's forward chooses for an unpadded batch; a sliding window no longer
+is_causal, as the model's forward chooses for an unpadded batch; a sliding window shorter
 than the sequence, Mistral's or Qwen2's, gets the boolean mask transformers builds for it,
 `models/hf/window.py`). Pruning keeps the names
 (`model.layers.{i}` stays the key of layer i), so (seed, name) init, checkpoint slices and ZeRO

@@ -8,7 +8,7 @@ boolean mask transformers' create_sliding_window_causal_mask builds for SDPA ove
 
 from __future__ import annotations
 
-import functools
+import weakref
 
 import torch
 from torch._guards import detect_fake_mode
@@ -28,22 +28,25 @@ def window_mask(s: int, window: int | None, device: torch.device) -> torch.Tenso
     """The boolean [1, 1, s, s] mask (True attends) of causal attention within `window` tokens
     over positions 0..s-1: key k is seen by query q when q - window < k <= q. None (SDPA's
     is_causal, the same attention) while the sequence is no longer than the window. One tensor
-    per shape, shared by every layer and step, as the model's forward builds one for all its
-    layers (a fake tensor mode, the planner's forward, keeps its own)."""
+    for every layer of a forward, as the model's forward builds one for all its layers: it is
+    kept while something holds it (the layers' saved tensors, until their backward), so no
+    mask outlives the step (a fake tensor mode, the planner's forward, keeps its own)."""
     if window is None or s <= window:
         return None
-    return _mask(s, window, device, detect_fake_mode())
+    key = (s, window, device, detect_fake_mode())
+    mask = _MASKS.get(key)
+    if mask is None:
+        q = torch.arange(s, device=device)[:, None]
+        k = torch.arange(s, device=device)[None, :]
+        mask = _MASKS[key] = ((k <= q) & (k > q - window))[None, None]
+    return mask
 
 
-@functools.lru_cache(maxsize=4)
-def _mask(s: int, window: int, device: torch.device, fake) -> torch.Tensor:
-    """`window_mask`'s tensor, built once per (shape, device, fake mode)."""
-    q = torch.arange(s, device=device)[:, None]
-    k = torch.arange(s, device=device)[None, :]
-    return ((k <= q) & (k > q - window))[None, None]
+# the masks alive, by (s, window, device, fake mode): an entry goes with its last holder
+_MASKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def whole_sequence_masks(config, s: int, device: torch.device):
+def whole_sequence_masks(config, s: int, device: torch.device) -> torch.Tensor | dict | None:
     """The `attention_mask` to hand a transformers model's forward whose layers see all `s`
     tokens while its embedding leaves fewer (sequence parallelism): None where no layer's
     window is shorter than s (its own causal masks are right); Qwen2's mapping of mask kinds
