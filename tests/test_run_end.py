@@ -315,3 +315,17 @@ def test_a_classification_run_counts_rows_not_tokens(tmp_path, capsys):
     step = [line for line in out.splitlines() if line.startswith("step 1/1")]
     assert len(step) == 1 and "rows/s" in step[0] and "tok/s" not in step[0], out
     assert "8 rows/step" in out and "tokens/step" not in out
+
+
+def test_a_run_ending_in_an_error_keeps_its_tensorboard_curve(tmp_path):
+    """A run that ends in an error (its second save hits a full disk) has the TensorBoard events
+    of every step it logged, as metrics.jsonl has them: the loop closes the buffering writer on
+    the error path too, rather than leave it to the process's exit."""
+    run_dir = tmp_path / "run"
+    args = [*SMALL, *QUIET, "--train.steps=3", "--checkpoint.every=1", f"--run.dir={run_dir}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "support.faultjob", "support.hooks:disk_full_at_second_save"]
+    done = subprocess.run([*cmd, "1", *args], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 2 and "No space left on device" in done.stderr, done.stderr
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()]
+    assert logged and _tb_steps(run_dir / "tb") == logged

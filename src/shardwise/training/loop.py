@@ -64,6 +64,9 @@ def fit(run: Run) -> list[dict]:
             if signum:
                 ckpt.maybe_save(records[-1]["step"], records[-1], force=True)
         capture.close()  # every rank writes its part, then waits for the others' files
+    except BaseException:
+        logger.close_after_error()
+        raise
     finally:
         stop.close()
         capture.stop()  # (after an error too, without a collective: nothing can hang here)

@@ -249,6 +249,15 @@ class MetricsLogger:
                 self.tb.add_scalar(f"train/{key}", r[key], r["step"])
         self.tb.add_scalar("memory/total_bytes", r["mem_bytes"]["total"], r["step"])
 
+    def close_after_error(self) -> None:
+        """On an error ending the run: this rank's TensorBoard events written out (its writer
+        buffers them; a process ending without closing it may lose them). The trackers record
+        the failure through their own exit hooks; `close` is not called after this."""
+        if self.enabled and self.tb is not None:
+            with contextlib.suppress(OSError):  # (a full disk: the error ending the run is
+                self.tb.close()  # the one said)
+            self.tb = None
+
     def close(self) -> None:
         if not self.enabled:
             return
