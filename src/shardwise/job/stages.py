@@ -29,11 +29,13 @@ from shardwise.job.measured import (
     sliced_partial_tp,
     zero_buffers,
 )
+from shardwise.parallel.expert import is_expert_weight
 from shardwise.plan import activations as act
 from shardwise.plan import memory as mem
 from shardwise.plan import traffic
 from shardwise.plan.buffers import align_of
 from shardwise.plan.layout import Job, Layout, as_data_parallel
+from shardwise.plan.stage_chunks import interleaved_peak
 from shardwise.plan.states import add_states, model_states
 from shardwise.training.memory import ActivationMeter, tensor_bytes
 
@@ -68,10 +70,10 @@ def _stage_states(model, us: list, job: Job, layout: Layout) -> tuple:
     return states, us, experts, quantised
 
 
-def _stage_forward(cfg: Config, derived, parts: tuple, s: int) -> tuple[int, int, int]:
+def _stage_forward(cfg: Config, derived, parts: tuple, s: int) -> tuple[int, list[int], int]:
     """Saved bytes of one micro-batch through a stage's fake model (`parts`: model, view,
-    chunks, tp) at `s` tokens a sample: (the stage's input, its blocks, what the last stage's
-    norm, head and loss add)."""
+    chunks, tp) at `s` tokens a sample: (the stage's input, its blocks chunk by chunk, what
+    the last stage's norm, head and loss add)."""
     model, view, mine, tp = parts
     b = derived.micro_batch
     as_trained(model, cfg, derived, cfg.memory.recompute)
@@ -85,28 +87,58 @@ def _stage_forward(cfg: Config, derived, parts: tuple, s: int) -> tuple[int, int
             n = s // derived.tp if cfg.parallel.sp else s
             h = torch.zeros(b, n, derived.spec.dim, dtype=dev.dtype_of(cfg.precision.compute))
             h.requires_grad_(True)
-        edge = meter.current
+        edge, blocks = meter.current, []
         for c in mine:
+            before = meter.current
             for i in c.blocks:
                 h = view.blocks[str(i)](h)
-        blocks = meter.current - edge
+            blocks.append(meter.current - before)
         if last:
             logits = view.output(h)
             loss_sum(tp, logits, torch.zeros(b, s, dtype=torch.long))
-        tail = meter.current - edge - blocks
+        tail = meter.current - edge - sum(blocks)
     return edge, blocks, tail
 
 
 def _cp_stage_bytes(whole: Job, asked: Layout, mine: list) -> tuple[float, float]:
-    """(per micro-batch: what the cp kernels save in this stage's blocks beyond the fake
-    forward's attention at s/cp, what its first stage's ids add) under `asked`'s cp."""
+    """(per micro-batch: what the cp kernels save in each of this stage's blocks beyond the
+    fake forward's attention at s/cp, what its first stage's ids add) under `asked`'s cp."""
     if asked.cp == 1:
         return 0.0, 0.0
-    layers = sum(len(c.blocks) for c in mine)
     per_layer = mem.cp_layer_saved_bytes(whole, asked) + repeated_kv_bytes(whole, asked, 1)
     # the rank's ids are a copy taken at its positions, not a view of a (b, s/cp + 1) window
     first = any(c.first for c in mine)
-    return per_layer * layers, -8.0 * asked.micro_batch if first else 0.0
+    return per_layer, -8.0 * asked.micro_batch if first else 0.0
+
+
+def _moe_layers(view, chunk) -> int:
+    """The blocks of `chunk` with routed experts (parallel/expert.is_expert_weight)."""
+    blocks = [view.blocks[str(i)] for i in chunk.blocks]
+    return sum(
+        any(
+            is_expert_weight(m, leaf)
+            for m in b.modules()
+            for leaf, _ in m.named_parameters(recurse=False)
+        )
+        for b in blocks
+    )
+
+
+def _held_bytes(layout: Layout, job: Job, stage: int, edge: float, chunks: list, tail: float):
+    """A stage's peak saved bytes from one micro-batch's: its input `edge`, each chunk's
+    blocks (`chunks`), the last stage's `tail`, times the micro-batches its schedule keeps
+    (interleaved: in the mix of chunks the engine's order holds at its peak)."""
+    p, v, m = layout.pp, layout.pp_virtual, layout.micro_batches(job)
+    if layout.pp_schedule == "interleaved" and p > 1:
+        # the first stage's embedding is its first chunk's (a later stage's received input
+        # saves nothing before its blocks), the last stage's head and loss its last chunk's
+        per_chunk = list(chunks)
+        per_chunk[0] += edge
+        per_chunk[-1] += tail
+        return interleaved_peak(p, m, v, stage, tuple(per_chunk))
+    held = act.in_flight(layout.pp_schedule, p, m, v, stage)
+    one = mem.loss_one_at_a_time(layout, m)  # the last stage's loss and logits
+    return (edge + sum(chunks)) * held + tail * (1.0 if one else held)
 
 
 def _hf_stage(cfg: Config, derived, whole: Job, asked: Layout, stage: int) -> tuple:
@@ -123,15 +155,13 @@ def _hf_stage(cfg: Config, derived, whole: Job, asked: Layout, stage: int) -> tu
         ordered = in_forward_order(us, experts)
         states["buffers"] = zero_buffers(ordered, job, layout, tensor_bytes(model.buffers()))
         states["buffers"] += mem.quantised_transient(job, layout, stage, quantised)
-        edge, blocks, tail = _stage_forward(cfg, derived, (model, view, mine, tp), job.seq_len)
-    top_k = routed_spec(job.spec, model).top_k  # the exchange of this stage's MoE layers
-    blocks += exchange_saved_bytes(job, layout, top_k, len(experts))
-    kernels, ids = _cp_stage_bytes(whole, asked, mine)
-    blocks, edge = blocks + kernels, edge + ids
-    m = layout.micro_batches(job)
-    held = act.in_flight(layout.pp_schedule, layout.pp, m, layout.pp_virtual, stage)
-    one = mem.loss_one_at_a_time(layout, m)  # the last stage's loss and logits
-    states["activations"] = (edge + blocks) * held + tail * (1.0 if one else held)
+        edge, chunks, tail = _stage_forward(cfg, derived, (model, view, mine, tp), job.seq_len)
+    top_k = routed_spec(job.spec, model).top_k  # the exchange of each chunk's MoE layers
+    exchange = exchange_saved_bytes(job, layout, top_k, 1)
+    kernels, ids = _cp_stage_bytes(whole, asked, mine)  # (per layer, the first stage's ids)
+    for k, c in enumerate(mine):
+        chunks[k] += (exchange * _moe_layers(view, c) if exchange else 0) + kernels * len(c.blocks)
+    states["activations"] = _held_bytes(layout, job, stage, edge + ids, chunks, tail)
     states["total"] = sum(v for k, v in states.items() if not k.startswith(("host_", "disk_")))
     return states, us, experts, model
 

@@ -10,7 +10,7 @@ from shardwise.models.moe import is_moe_block
 from shardwise.plan import moe
 from shardwise.plan.adapters import linear_fans
 from shardwise.plan.layout import Job, Layout
-from shardwise.plan.shapes import block_entries, dense_spec, moe_block_entries, moe_blocks
+from shardwise.plan.shapes import block_entries, dense_spec, moe_block_entries
 
 _ATTENTION = frozenset(("wq", "wk", "wv", "wqkv", "wo"))
 _MLP = frozenset(("w1", "w3", "w2"))
@@ -40,16 +40,19 @@ def unrun_backward(job: Job, layout: Layout) -> Counter[str]:
     return +out  # (no zero counts: a kind the layout does not send)
 
 
-def lora_partial(job: Job) -> int:
+def lora_partial(job: Job, blocks: tuple[int, ...] | None = None) -> int:
     """Elements of the adapters whose gradients are summed over tp (parallel/tensor_lora): A of
     a column-parallel target, B of a row-parallel one, both of an MoE layer's router's (whole
     on every tp rank, each seeing its sequence shard under sp, which tp requires with experts;
-    adapters on experts or shared experts refuse tp). The frozen rest has no gradient."""
+    adapters on experts or shared experts refuse tp). The frozen rest has no gradient. Of the
+    blocks with indices `blocks` (a pipeline stage's), all by default."""
     spec = job.spec
     dense = block_entries(dense_spec(spec))
     attention = [e for e in dense if not _is_mlp(e)]  # (and the norms)
-    moe_layers = moe_blocks(spec)
-    out = (spec.n_layers - moe_layers) * _partial_elements(job, dense, [])
+    if blocks is None:
+        blocks = tuple(range(spec.n_layers))
+    moe_layers = sum(is_moe_block(spec, i) for i in blocks)
+    out = (len(blocks) - moe_layers) * _partial_elements(job, dense, [])
     if moe_layers:  # (shapes.moe_block_entries: the dense block's attention and norms first)
         whole = moe_block_entries(spec, 1, dense)[len(attention) :]
         out += moe_layers * _partial_elements(job, attention, whole)

@@ -20,6 +20,7 @@ from shardwise.plan.adapters import adapted_linears, block_quantised, finetune_u
 from shardwise.plan.buffers import zero_transient
 from shardwise.plan.layout import Job, Layout, as_data_parallel
 from shardwise.plan.shapes import Unit, units
+from shardwise.plan.stage_chunks import interleaved_bytes
 from shardwise.plan.states import model_states
 
 NF4_BYTES = 0.5 + (8 / 64 + 32 / (64 * 256)) / 8  # 4 bits + double-quantised constants (QLoRA)
@@ -171,6 +172,8 @@ def activation_bytes(job: Job, layout: Layout, stage: int) -> float:
     if peers.of(job).pp_stage_copies and p > 1:  # received and sent hidden states (peers)
         kept = (0 if first else 1) + (0 if last else 1)
         copies = kept * act.full_recompute_bytes(spec, s, b, c, t, layout.sp) * held
+    if layout.pp_schedule == "interleaved" and p > 1:  # which chunks the peak holds
+        return interleaved_bytes(job, layout, stage, blocks / layers, edge) + copies
     return blocks * held + edge * held_edge + copies
 
 

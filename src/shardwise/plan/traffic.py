@@ -8,14 +8,15 @@ from __future__ import annotations
 from collections import Counter
 
 from shardwise.finetune.quant_shards import gather_steps
-from shardwise.models.families import family_of
 from shardwise.plan import memory as mem
 from shardwise.plan import peers
 from shardwise.plan.buffers import align_of, padded_numel
 from shardwise.plan.compression import bucket_calls, sent_bytes, wire_bytes
 from shardwise.plan.layout import Job, Layout
-from shardwise.plan.lora_traffic import lora_partial, unrun_backward
+from shardwise.plan.lora_traffic import unrun_backward
 from shardwise.plan.pp_traffic import pp_bytes, pp_calls
+from shardwise.plan.stage_chunks import stage_blocks
+from shardwise.plan.tp_partial import moe_tp_layers, partial_of, tp_partial
 
 
 def ring_share(n: int) -> float:
@@ -115,14 +116,15 @@ def _tp_kinds(
         tp_kinds["all_gather"] += ring_share(t) * m * act * regathers(job, layout) * layers
     else:
         tp_kinds["all_reduce"] += blocks
-    _moe_tp_kinds(job, layout, act, tp_kinds, layers)
+    indices = stage_blocks(job, layout, stage)  # of its blocks: which of them are MoE
+    _moe_tp_kinds(job, layout, act, tp_kinds, moe_tp_layers(job, layout, layers, indices))
     for kind, n in _unrun(job, layout, first).items():  # LoRA: no gradient before an adapter
         tp_kinds[kind] -= ring_share(t) * m * act * n * (1 if layout.sp else 2)
     if t > 1:  # gradients of parameters replicated over tp ranks that each saw part of them,
         # summed in fp32 (the optimizer's master gradients) once per step. Under ZeRO a rank
         # sums only those in its slice: without the units' parameters this is an upper bound
         # (job/measured.sliced_partial_tp prices the slice where the model is built)
-        partial = _tp_partial(job, t, layout.sp, layout.ep, _partial_of(held, stage))
+        partial = tp_partial(job, t, layout.sp, layout.ep, partial_of(held, stage), indices)
         tp_kinds["all_reduce"] += 2 * ring_share(t) * partial * 4
     if quantised:
         tp_kinds["all_gather"] = tp_kinds.get("all_gather", 0.0)
@@ -131,12 +133,11 @@ def _tp_kinds(
 
 
 def _moe_tp_kinds(
-    job: Job, layout: Layout, act: int, tp_kinds: dict[str, float], layers: int
+    job: Job, layout: Layout, act: int, tp_kinds: dict[str, float], moe_layers: int
 ) -> None:
-    """Adjust `tp_kinds` for the MoE layers among a stage's `layers` blocks, whole on every tp
-    rank, each on its own sequence shard (parallel/expert_comm.SequenceShards); `act` is one
-    micro-batch's activation bytes."""
-    moe_layers = _moe_tp_layers(job, layout, layers)
+    """Adjust `tp_kinds` for a stage's `moe_layers` MoE layers (tp_partial.moe_tp_layers),
+    whole on every tp rank, each on its own sequence shard (parallel/expert_comm.
+    SequenceShards); `act` is one micro-batch's activation bytes."""
     if not moe_layers:
         return
     m, t = layout.micro_batches(job), layout.tp
@@ -281,8 +282,10 @@ def _tp_calls(job: Job, layout: Layout, stage: int | None, quantised: int) -> in
     ends = (2 if layout.sp else 1) * (first + last) + 2 * last
     tp_calls = m * (per_layer * layers + ends - unrun)
     # an MoE layer: its MLP's 4 less, the counts' 1 more
-    tp_calls -= m * 3 * _moe_tp_layers(job, layout, layers)
-    tp_calls += 1 if _tp_partial(job, t, layout.sp, layout.ep, _partial_of(held, stage)) else 0
+    indices = stage_blocks(job, layout, stage)
+    tp_calls -= m * 3 * moe_tp_layers(job, layout, layers, indices)
+    partial = tp_partial(job, t, layout.sp, layout.ep, partial_of(held, stage), indices)
+    tp_calls += 1 if partial else 0
     return tp_calls + m * quantised
 
 
@@ -319,64 +322,10 @@ def _buckets(units, nbytes: int, cap_mb: float) -> list[list[tuple]]:
     return out
 
 
-def _moe_tp_layers(job: Job, layout: Layout, layers: int) -> int:
-    """MoE layers a tp rank of a pipeline stage holding `layers` blocks runs on its sequence
-    shard (tp > 1 with sp; models/moe.py: blocks moe_every-1, 2·moe_every-1, ...); 0
-    otherwise."""
-    spec = job.spec
-    if layout.tp == 1 or not layout.sp or spec is None or not spec.n_experts:
-        return 0
-    return layers // spec.moe_every
-
-
 def _unrun(job: Job, layout: Layout, first: bool) -> Counter[str]:
     """`unrun_backward` where a stage holds the embedding; none elsewhere (a later stage's
     received activations need their gradient)."""
     return unrun_backward(job, layout) if first else Counter()
-
-
-def _moe_partial(spec, ep: int, layers: int) -> int:
-    """Elements of an MoE decoder's layers among `layers` blocks whole on every tp rank, each
-    seeing its sequence shard: the routers, the shared experts and, without ep, the experts
-    (with ep they are reduced over their edp group, which holds the tp ranks, under dp)."""
-    per_layer = spec.n_experts * spec.dim
-    per_layer += 3 * spec.dim * spec.ffn_dim * spec.n_shared_experts
-    per_layer += 3 * spec.n_experts * spec.dim * spec.ffn_dim if ep == 1 else 0
-    return layers // spec.moe_every * per_layer
-
-
-def _partial_of(held: tuple[int, bool, bool], stage: int | None) -> tuple[int, bool, bool] | None:
-    """What `_tp_partial` counts for `stage`: what it holds; the whole model for the step
-    time's busiest stage (stage None: an upper bound, whichever stage that is)."""
-    return None if stage is None else held
-
-
-def _tp_partial(
-    job: Job, t: int, sp: bool, ep: int = 1, held: tuple[int, bool, bool] | None = None
-) -> int:
-    """Elements of replicated parameters whose gradients are all-reduced over tp, of a stage
-    `held` = (blocks, embedding, head) (default: the whole model): with sp the norms (and
-    GPT-2's row-layer biases and positions) saw only a sequence chunk; kv heads shared by
-    several ranks' query heads (t > kv) always; with sp an MoE layer's whole parameters
-    (`_moe_partial`). LoRA: the adapters only, the rest being frozen
-    (lora_traffic.lora_partial, of the whole model)."""
-    spec, out = job.spec, 0
-    layers, first, last = (spec.n_layers, True, True) if held is None else held
-    if job.finetune.lora:
-        return lora_partial(job)
-    if sp and spec.n_experts:
-        out += _moe_partial(spec, ep, layers)
-    if sp:
-        norms = (2 * layers + last) * spec.dim  # each block's two, the final one
-        block = family_of(spec).block
-        out += norms * (2 if block.layer_norm else 1)
-        if block.biases:  # the row-parallel linears' replicated biases
-            out += 2 * layers * spec.dim
-        if block.learned_positions and first:
-            out += spec.max_seq_len * spec.dim
-    if spec.n_kv_heads % t:
-        out += 2 * layers * spec.head_dim * spec.dim
-    return out
 
 
 def ep_traffic(
