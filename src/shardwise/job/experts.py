@@ -12,6 +12,7 @@ from shardwise.models.hf.experts import experts_modules, routers
 from shardwise.models.presets import ModelSpec
 from shardwise.parallel.expert import is_expert_weight
 from shardwise.parallel.zero_units import unit_roots
+from shardwise.plan.buffers import up
 from shardwise.plan.layout import Job, Layout
 from shardwise.plan.shapes import Unit, split_trainable
 from shardwise.plan.traffic import ring_share
@@ -121,9 +122,8 @@ def _partial_of_unit(members: list[tuple[int, bool]], n: int, align: int) -> tup
     offsets, end = [], 0
     for numel, _ in members:
         offsets.append(end)
-        end = -(-(end + numel) // align) * align
-    share = -(-end // n)
-    hi = -(-share // align) * align  # slice 0 ends at the shard size
+        end = up(end + numel, align)
+    hi = up(-(-end // n), align)  # slice 0 ends at the shard size
     inside = sum(
         max(0, min(off + numel, hi) - off)
         for off, (numel, partial) in zip(offsets, members, strict=True)
