@@ -241,12 +241,13 @@ def collective_calls(job: Job, layout: Layout, stage: int | None = None) -> dict
     quantised = _quant_uses(job, layout)  # a split base's gathers per micro-batch, by dim
     dp_calls = 0
     if dp > 1:  # ZeRO-0: one all-reduce per bucket; ZeRO-1/2/3: per unit, as in `traffic`
-        dp_calls = {
-            0: sum(bucket_calls(job, layout, b) for b in _buckets(units, job.br, job.bucket_mb)),
-            1: 2 * n_units,
-            2: (m + 1) * n_units,
-            3: m * n_units + zero3_gathers(job, layout),
-        }[layout.zero]
+        if layout.zero == 0:  # (the buckets only where asked: they were most of a search)
+            buckets = _buckets(units, job.br, job.bucket_mb)
+            dp_calls = sum(bucket_calls(job, layout, b) for b in buckets)
+        elif layout.zero in (1, 2):
+            dp_calls = (2 if layout.zero == 1 else m + 1) * n_units
+        else:
+            dp_calls = m * n_units + zero3_gathers(job, layout)
         if layout.zero == 3:  # a quantised linear's gathers (`traffic_by_kind`)
             dp_calls += m * len(quantised["dp"])
     tp_calls = _tp_calls(job, layout, stage, len(quantised["tp"])) if t > 1 else 0
