@@ -29,13 +29,13 @@ from shardwise.job.measured import (
     sliced_partial_tp,
     zero_buffers,
 )
-from shardwise.parallel.expert import is_expert_weight
+from shardwise.parallel.expert import holds_routed_experts
 from shardwise.plan import activations as act
 from shardwise.plan import memory as mem
 from shardwise.plan import traffic
 from shardwise.plan.buffers import align_of
 from shardwise.plan.layout import Job, Layout, as_data_parallel
-from shardwise.plan.stage_chunks import interleaved_peak
+from shardwise.plan.stage_chunks import interleaved_held
 from shardwise.plan.states import add_states, model_states
 from shardwise.training.memory import ActivationMeter, tensor_bytes
 
@@ -112,16 +112,8 @@ def _cp_stage_bytes(whole: Job, asked: Layout, mine: list) -> tuple[float, float
 
 
 def _moe_layers(view, chunk) -> int:
-    """The blocks of `chunk` with routed experts (parallel/expert.is_expert_weight)."""
-    blocks = [view.blocks[str(i)] for i in chunk.blocks]
-    return sum(
-        any(
-            is_expert_weight(m, leaf)
-            for m in b.modules()
-            for leaf, _ in m.named_parameters(recurse=False)
-        )
-        for b in blocks
-    )
+    """The blocks of `chunk` with routed experts."""
+    return sum(holds_routed_experts(view.blocks[str(i)]) for i in chunk.blocks)
 
 
 def _held_bytes(layout: Layout, job: Job, stage: int, edge: float, chunks: list, tail: float):
@@ -130,12 +122,7 @@ def _held_bytes(layout: Layout, job: Job, stage: int, edge: float, chunks: list,
     (interleaved: in the mix of chunks the engine's order holds at its peak)."""
     p, v, m = layout.pp, layout.pp_virtual, layout.micro_batches(job)
     if layout.pp_schedule == "interleaved" and p > 1:
-        # the first stage's embedding is its first chunk's (a later stage's received input
-        # saves nothing before its blocks), the last stage's head and loss its last chunk's
-        per_chunk = list(chunks)
-        per_chunk[0] += edge
-        per_chunk[-1] += tail
-        return interleaved_peak(p, m, v, stage, tuple(per_chunk))
+        return interleaved_held(p, m, v, stage, chunks, edge, tail)
     held = act.in_flight(layout.pp_schedule, p, m, v, stage)
     one = mem.loss_one_at_a_time(layout, m)  # the last stage's loss and logits
     return (edge + sum(chunks)) * held + tail * (1.0 if one else held)

@@ -200,6 +200,15 @@ def is_expert_weight(module: nn.Module, leaf: str) -> bool:
     return module in experts_modules(module) and leaf in stacked_weights(module)
 
 
+def holds_routed_experts(module: nn.Module) -> bool:
+    """Whether any weight under `module` is a routed expert weight (`is_expert_weight`)."""
+    return any(
+        is_expert_weight(m, leaf)
+        for m in module.modules()
+        for leaf, _ in m.named_parameters(recurse=False)
+    )
+
+
 def routed_experts(spec, family) -> tuple[int, str]:
     """How many routed experts a layer of the model has, and the key that says so: the
     built-in MoE decoder's `model.n_experts`, or a transformers MoE checkpoint's config."""

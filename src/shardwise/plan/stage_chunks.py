@@ -40,9 +40,21 @@ def interleaved_bytes(job: Job, layout: Layout, stage: int, block: float, edge: 
     and the end it holds (the first chunk's embedding, the last one's head) its `edge`."""
     p, v = layout.pp, layout.pp_virtual
     cut = chunk_blocks(job.spec, p, v, job.seq_len, job.pp_split)[stage]
-    ends = (0 if stage == 0 else None, v - 1 if stage == p - 1 else None)
-    per_chunk = tuple(block * len(c) + edge * (k in ends) for k, c in enumerate(cut))
-    return interleaved_peak(p, layout.micro_batches(job), v, stage, per_chunk)
+    head, tail = (edge if stage == 0 else 0.0), (edge if stage == p - 1 else 0.0)
+    chunks = [block * len(c) for c in cut]
+    return interleaved_held(p, layout.micro_batches(job), v, stage, chunks, head, tail)
+
+
+def interleaved_held(
+    p: int, m: int, v: int, stage: int, chunks: list[float], head: float, tail: float
+) -> float:
+    """`interleaved_peak` of a rank whose chunk k saves `chunks[k]` bytes a micro-batch, its
+    first chunk also `head` (the first stage's embedding: a later stage's received input saves
+    nothing before its blocks) and its last chunk `tail` (the last stage's head and loss)."""
+    per_chunk = list(chunks)
+    per_chunk[0] += head
+    per_chunk[-1] += tail
+    return interleaved_peak(p, m, v, stage, tuple(per_chunk))
 
 
 def interleaved_peak(p: int, m: int, v: int, stage: int, chunk_bytes: tuple[float, ...]) -> float:
