@@ -41,12 +41,7 @@ SP_PIPELINE_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
 
 # OLMoE publishes no base_model_pp_plan, yet its base forward is Llama's (embedding, rotary
 # positions, the layers, the final norm): the plan Llama publishes describes it
-_LLAMA_STAGES = {
-    "embed_tokens": (["input_ids"], ["inputs_embeds"]),
-    "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
-    "norm": (["hidden_states"], ["hidden_states"]),
-}
-_UNPUBLISHED = {"olmoe": _LLAMA_STAGES}
+_UNPUBLISHED = {"olmoe": "llama"}
 
 
 def check_hf_pipeline(model_type: str, tied: bool, pp: int) -> None:
@@ -68,7 +63,11 @@ def check_hf_pipeline(model_type: str, tied: bool, pp: int) -> None:
 
 def _plan(base: nn.Module) -> tuple[list[str], str, list[str]]:
     """(modules before the layers, the layers' name, modules after) of the published plan."""
-    plan = base.config.base_model_pp_plan or _UNPUBLISHED.get(base.config.model_type)
+    plan = base.config.base_model_pp_plan
+    if not plan and base.config.model_type in _UNPUBLISHED:
+        from transformers import CONFIG_MAPPING
+
+        plan = CONFIG_MAPPING[_UNPUBLISHED[base.config.model_type]].base_model_pp_plan
     names = list(plan)
     layers = next(n for n, (inputs, _) in plan.items() if "attention_mask" in inputs)
     i = names.index(layers)
