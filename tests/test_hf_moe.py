@@ -313,12 +313,11 @@ def test_what_is_not_built_is_refused_with_the_key(world, extra, world_size, mes
         derive(load_config(None, _lm(world, "mixtral", *extra)), world_size)
 
 
-def test_olmoe_and_qwen3_moe_tp_is_refused(world):
-    """OLMoE publishes a tp plan of gathered outputs (its q/k norms span every head), Qwen3-MoE
-    one with `replicated_with_grad_allreduce` norms: both refused with sp too. (OLMoE publishes
-    no base_model_pp_plan either, but its stages are Llama's: pp runs.)"""
+def test_olmoe_tp_is_refused(world):
+    """OLMoE publishes a tp plan of gathered outputs (its q/k norms span every head, which a
+    split would cut): refused with sp too. (OLMoE publishes no base_model_pp_plan either, but
+    its stages are Llama's: pp runs. Qwen3-MoE's per-head norms run under tp + sp:
+    tests/test_hf_moe_parallel.py.)"""
     sp = ["--parallel.tp=2", "--parallel.sp=true"]
     with pytest.raises(ConfigError, match=r"OlmoeForCausalLM publishes a plan with entries"):
         derive(load_config(None, _lm(world, "olmoe", *sp)), 2)
-    with pytest.raises(ConfigError, match=r"Qwen3MoeForCausalLM publishes a plan with entries"):
-        derive(load_config(None, _lm(world, "qwen3_moe", *sp)), 2)

@@ -16,13 +16,17 @@ tests/test_hf_moe.py (2 layers, 4 experts, top-2):
   same shape, pp 2 x tp 2 + sp on 4 ranks, each stage's layers rotating by the whole
   sequence's positions although they receive s/tp tokens (parallel/pipeline_hf.py
   `HFStages.shard_sequence`); Mistral's attends within a sliding window of 16 of the 32
-  tokens, the mask each stage builds over the gathered sequence (`_window_mask`).
+  tokens, the mask each stage builds over the gathered sequence (`_window_mask`);
+- Qwen3 (dense, heads 16 wide on a 32-wide model) and Qwen3-MoE: their per-head q and k
+  RMSNorms stay whole on every tp rank, which norms its own heads only, so their gradients are
+  summed over tp (the plan's `replicated_with_grad_allreduce`): dense tp 2 without sp, tp 2 +
+  sp beside dp 2 under ZeRO-1, Qwen3-MoE tp 2 + sp, and both in pp 2 x tp 2 + sp.
 
 Each must reproduce one process's losses, gradient norms, parameters and expert loads in fp32,
 and explain must price their model states exactly; in bf16, pp 2 reproduces one bf16 process
 bit for bit and tp 2 + sp within a bound derived below. What does not run is refused before
 launch: ZeRO-2/3 with pp, more virtual stages than layers, selective recomputation (OLMoE's tp
-plan and tp without sp: tests/test_hf_moe.py)."""
+plan and an MoE class's tp without sp: tests/test_hf_moe.py)."""
 
 from __future__ import annotations
 
@@ -76,6 +80,8 @@ CASES = {  # name: (checkpoint, world size, extra overrides)
     "qwen2_moe4_ep2_pp2_interleaved": ("qwen2_moe4", 4, [*PP2, *IL, *EP2]),
     "mixtral4_pp2_interleaved": ("mixtral4", 4, [*PP2, *IL]),
     "mixtral4_pp2_interleaved_m2": ("mixtral4", 4, [*PP2, *IL[:2]]),
+    "qwen3_moe_tp2": ("qwen3_moe", 2, TP2),
+    "qwen3_moe_pp2_tp2": ("qwen3_moe", 4, [*PP2, *TP2]),
 }
 LAYERS = {"qwen2_moe4": 4, "mixtral4": 4}  # the checkpoints of `deep`; the others have 2
 BF16 = ["--precision.compute=bf16"]
@@ -87,6 +93,11 @@ DENSE = {  # no experts: no loads to compare
     "qwen2_pp2_tp2": ("qwen2", 4, [*PP2, *TP2]),
     "llama_pp2_tp2": ("llama", 4, [*PP2, *TP2]),
     "mistral_pp2_tp2": ("mistral", 4, [*PP2, *TP2]),
+}
+QWEN3 = {  # per-head q/k norms whole on every tp rank, their gradients summed over tp
+    "qwen3_tp2_nosp": ("qwen3", 2, TP2[:1]),
+    "qwen3_tp2_zero1": ("qwen3", 4, [*TP2, *Z1]),
+    "qwen3_pp2_tp2": ("qwen3", 4, [*PP2, *TP2]),
 }
 STATES = ("params", "grads", "master", "optimizer")
 
@@ -108,8 +119,9 @@ def _save(world, name: str, make, like: str = "qwen2_moe") -> None:  # noqa: F81
 
 @pytest.fixture(scope="module")
 def dense(world):  # noqa: F811
-    """Dense Qwen2, Llama and Mistral checkpoints of the MoE checkpoints' shape and tokenizer
-    (untied heads, as pp needs); Mistral's sliding window (16) is shorter than the sequence."""
+    """Dense Qwen2, Llama, Mistral and Qwen3 checkpoints of the MoE checkpoints' shape and
+    tokenizer (untied heads, as pp needs); Mistral's sliding window (16) is shorter than the
+    sequence; Qwen3's 4 heads are 16 wide (64 channels on a 32-wide model)."""
     shape = {k: v for k, v in COMMON.items() if k != "num_experts_per_tok"}
     _save(world, "qwen2", lambda v: transformers.Qwen2Config(vocab_size=v, **shape))
     _save(world, "llama", lambda v: transformers.LlamaConfig(vocab_size=v, **shape))
@@ -118,6 +130,7 @@ def dense(world):  # noqa: F811
         "mistral",
         lambda v: transformers.MistralConfig(vocab_size=v, sliding_window=16, **shape),
     )
+    _save(world, "qwen3", lambda v: transformers.Qwen3Config(vocab_size=v, head_dim=16, **shape))
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +153,7 @@ def _layers(config, n: int):
 @pytest.fixture(scope="module")
 def runs(world, dense, deep):  # noqa: F811
     worlds: dict[int, dict] = {1: {}, 2: {}, 4: {}}
-    for name, (ckpt, size, extra) in {**CASES, **DENSE}.items():
+    for name, (ckpt, size, extra) in {**CASES, **DENSE, **QWEN3}.items():
         worlds[1][ckpt] = {"overrides": _lm(world, ckpt, *STEPS)}
         worlds[size][name] = {"overrides": _lm(world, ckpt, *STEPS, *extra)}
     for name, (ckpt, size, extra, alone) in BF16_CASES.items():
@@ -196,6 +209,21 @@ def test_dense_pp2_tp2_sp_reproduces_one_process(runs, name):
         assert one["losses"] != runs[1]["llama"][0]["losses"]
 
 
+@pytest.mark.parametrize("name", list(QWEN3))
+def test_qwen3_tp2_reproduces_one_process(runs, name):
+    """A dense Qwen3 checkpoint in tp 2 without sp, tp 2 + sp beside dp 2 (ZeRO-1) and pp 2 x
+    tp 2 + sp (its stages cut by the plan Qwen3 publishes, as Qwen2's): losses,
+    gradient norms and parameters within 1e-5 as `test_layouts_reproduce_one_process` says
+    why. Each rank norms its own heads' q and k with the whole per-head weights; were their
+    gradients not summed over tp (a `replica`, as a replicated weight is without sp), each
+    rank would step them by its heads' half of the gradient and the parameters would part."""
+    ckpt, size, _ = QWEN3[name]
+    one, ranks = runs[1][ckpt][0], runs[size][name]
+    assert len(ranks) == size and one["losses"][-1] < one["losses"][0]
+    assert_reproduces(name, ranks, one, sharded=True)
+    assert all(rank["records"][-1]["comm_bytes"]["tp"] > 0 for rank in ranks)
+
+
 # (case, the case it must equal bit for bit, whether the gradient norms must too)
 SAME_BITS = [
     ("qwen2_moe_pp2_gpipe", "qwen2_moe_pp2", True),
@@ -224,7 +252,7 @@ def test_schedule_recompute_and_zero_change_no_bit(runs, name, like, norms):
             ]
 
 
-@pytest.mark.parametrize("name", [*CASES, *DENSE, "qwen2_moe_tp2_bf16"])
+@pytest.mark.parametrize("name", [*CASES, *DENSE, *QWEN3, "qwen2_moe_tp2_bf16"])
 def test_explain_prices_the_layout(world, runs, name):  # noqa: F811
     """explain cuts and splits the meta model as training does: rank 0's params, grads, master
     and optimizer bytes and buffers equal the measured ones (ZeRO-3 under ep x tp: a root's
@@ -236,7 +264,8 @@ def test_explain_prices_the_layout(world, runs, name):  # noqa: F811
     none of the head's, the loss's or the final norm's, and the MoE layers' MLPs whole), and
     with ep its ep calls (5 per MoE layer of the stage and micro-batch, whatever the routing).
     Under ZeRO-1/3 its dp bytes and calls equal rank 0's."""
-    ckpt, size, extra = {**CASES, **DENSE}[name] if name not in BF16_CASES else BF16_CASES[name][:3]
+    cases = {**CASES, **DENSE, **QWEN3}
+    ckpt, size, extra = cases[name] if name not in BF16_CASES else BF16_CASES[name][:3]
     cfg = load_config(None, _lm(world, ckpt, *STEPS, *extra))
     pred = explain_record(cfg, size, get_hardware("cpu", calibrate=False))
     got = runs[size][name][0]["records"][-1]

@@ -62,6 +62,9 @@ class ModelSpec:
     # 32 heads of 128 on a 2048-wide model); 0: dim / n_heads. Kept apart from `head_dim` so a
     # `dataclasses.replace` of dim or n_heads re-derives the width of a spec that set none
     head_dim_override: int = 0
+    # hf only: an RMSNorm over each head's q and k (Qwen3's q_norm/k_norm, head_dim wide), kept
+    # whole on every tp rank, which norms only its own heads: gradients summed over tp
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:

@@ -317,6 +317,7 @@ def _hf_spec(cfg: Config, config, text, labels: tuple[str, ...], limit: int | No
         vocab_size=int(getattr(text, "vocab_size", 0) or 0),
         max_seq_len=int(limit or cfg.data.seq_len),
         head_dim_override=_hf_head_dim(text),
+        qk_norm=_hf_qk_norm(text),
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         source=m.init_from,
         task=m.task,
@@ -330,3 +331,11 @@ def _hf_head_dim(text) -> int:
     width = int(getattr(text, "head_dim", 0) or 0)
     heads, dim = getattr(text, "num_attention_heads", 0) or 0, getattr(text, "hidden_size", 0) or 0
     return width if width and heads and width * heads != dim else 0
+
+
+def _hf_qk_norm(text) -> bool:
+    """Whether a checkpoint's class norms each head's q and k with a weight its published tp
+    plan keeps whole on every rank, its gradient summed over tp (Qwen3's q_norm and k_norm:
+    `replicated_with_grad_allreduce`, models/tp_plans.py)."""
+    plan = getattr(text, "base_model_tp_plan", None) or {}
+    return any(kind == "replicated_with_grad_allreduce" for kind in plan.values())

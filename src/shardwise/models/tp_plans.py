@@ -10,7 +10,9 @@ A pattern matches a module path segment by segment (``*`` is one segment). Kinds
 * ``vocab``   — the vocabulary split: an embedding (masked lookup + sum) or the output head
   (logits stay split; the loss is vocabulary-parallel);
 * ``positions`` — a learned position table: with sequence parallelism each rank looks up
-  its own chunk of positions.
+  its own chunk of positions;
+* ``partial`` — kept whole on every rank, which uses it on its own heads only (Qwen3's
+  per-head q/k norms): its gradients are summed over tp.
 
 Everything else is replicated. ``divide`` names integer attributes of foreign attention
 modules that count heads or widths and so shrink by t (GPT-2's split size).
@@ -82,6 +84,7 @@ _HF_KINDS = {
     "rowwise": "row",
     "colwise_gather_output": "vocab",
     "embedding_rowwise": "vocab",
+    "replicated_with_grad_allreduce": "partial",
 }
 
 
@@ -142,6 +145,8 @@ def _foreign_layers(model: nn.Module, published: dict[str, str]) -> str:
     for name, module in model.named_modules():
         for pattern, kind in published.items():
             if name.count(".") != pattern.count(".") or not fnmatch.fnmatchcase(name, pattern):
+                continue
+            if _HF_KINDS.get(kind) == "partial":  # kept whole: its own forward runs
                 continue
             want = nn.Embedding if kind == "embedding_rowwise" else nn.Linear
             if hasattr(module, "lora_A"):  # a peft LoRA layer: its base is what is split

@@ -32,12 +32,15 @@ from shardwise.parallel.context_hf import CONTEXT, CONTEXT_HOLDER
 
 # model_type -> its base forward is exactly its published plan plus rotary positions; each
 # checked against one process (tests/test_hf_models.py; MoE: tests/test_hf_moe_parallel.py)
-PIPELINE_TYPES = ("llama", "mistral", "qwen2", "phi3", "gpt_neox", "mixtral", "qwen2_moe", "olmoe")
+PIPELINE_TYPES = (
+    *("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox"),
+    *("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"),
+)
 # model_type -> its stages under tp + sp checked against one process (each stage's layers
 # number the whole sequence, `_Layer`; Mistral's attend within a sliding window shorter than
 # the sequence): tests/test_hf_moe_parallel.py. Every class the checkpoint family runs under
 # tp + sp; one added there stays refused over stages until it is checked and listed here
-SP_PIPELINE_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+SP_PIPELINE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 # OLMoE publishes no base_model_pp_plan, yet its base forward is Llama's (embedding, rotary
 # positions, the layers, the final norm): the plan Llama publishes describes it

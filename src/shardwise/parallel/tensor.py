@@ -307,6 +307,9 @@ def apply_tensor_parallel(
             s.vocab(path, m, own)
         elif kind == "positions":
             s.positions(m)
+        elif kind == "partial":  # whole here, used on this rank's heads only
+            for p in m.parameters():
+                p.tp_kind = "partial"
         elif kind != "replicate":
             raise ValueError(f"unknown tensor-parallel kind {kind!r} for {path}")
     for parent in sorted(shared):

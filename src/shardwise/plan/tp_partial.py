@@ -61,7 +61,8 @@ def tp_partial(
     `held` = (blocks, embedding, head) (default: the whole model), `blocks` the indices of
     its blocks (default: counted, `moe_layers_of`): with sp the norms (and GPT-2's
     row-layer biases and positions) saw only a sequence chunk; kv heads shared by several
-    ranks' query heads (t > kv) always; with sp an MoE layer's whole parameters
+    ranks' query heads (t > kv) and per-head q/k norms (`spec.qk_norm`) always; with sp an
+    MoE layer's whole parameters
     (`moe_partial`). LoRA: the adapters only, the rest being frozen (lora_traffic.
     lora_partial, of the stage's blocks)."""
     spec, out = job.spec, 0
@@ -80,4 +81,6 @@ def tp_partial(
             out += spec.max_seq_len * spec.dim
     if spec.n_kv_heads % t:
         out += 2 * layers * spec.head_dim * spec.dim
+    if spec.qk_norm:  # each rank's per-head q and k norms saw its own heads only
+        out += 2 * layers * spec.head_dim
     return out

@@ -54,7 +54,7 @@ HF_CAUSAL_LM = Family(
     # tp + sp: the dense classes split by their published plan (tests/test_hf_sp.py); the MoE
     # classes' attention by it, the router and experts whole on every tp rank
     # (tests/test_hf_moe_parallel.py)
-    sp_model_types=("llama", "mistral", "qwen2", "mixtral", "qwen2_moe"),
+    sp_model_types=("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"),
     pipeline="checkpoint",
     recompute="checkpoint_blocks",
     zero_units="blocks",  # at its repeated block class (`_no_split_modules`)
