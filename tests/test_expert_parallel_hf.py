@@ -1,5 +1,5 @@
 """Expert parallelism (parallel.ep) of Hugging Face MoE checkpoints (`model.name=hf`): the
-stacked experts of transformers' Mixtral, Qwen2-MoE (with its shared expert) and OLMoE classes
+stacked experts of transformers' Mixtral, Qwen2-MoE (with its shared expert), Qwen3-MoE and OLMoE classes
 split over the ep ranks, each rank reading only its experts' rows from the per-expert tensors,
 the rows exchanged inside our experts forward (models/hf/experts.py). fp32, the tiny
 checkpoints of tests/test_hf_moe.py (4 experts): ep 2 on 2 ranks (ZeRO-0 and ZeRO-3) and ep 4
@@ -27,6 +27,7 @@ EP2 = {  # name: (checkpoint, extra overrides on 2 ranks)
     "mixtral_ep2": ("mixtral", ["--parallel.ep=2"]),
     "qwen2_moe_ep2_z3": ("qwen2_moe", ["--parallel.ep=2", "--parallel.zero=3"]),
     "olmoe_ep2_z1": ("olmoe", ["--parallel.ep=2", "--parallel.zero=1"]),
+    "qwen3_moe_ep2": ("qwen3_moe", ["--parallel.ep=2"]),
 }
 
 EP4 = {  # name: (checkpoint, extra overrides on 4 ranks)
