@@ -1,10 +1,10 @@
 """Expert parallelism (parallel.ep) of Hugging Face MoE checkpoints (`model.name=hf`): the
-stacked experts of transformers' Mixtral, Qwen2-MoE (with its shared expert), Qwen3-MoE and OLMoE classes
-split over the ep ranks, each rank reading only its experts' rows from the per-expert tensors,
-the rows exchanged inside our experts forward (models/hf/experts.py). fp32, the tiny
-checkpoints of tests/test_hf_moe.py (4 experts): ep 2 on 2 ranks (ZeRO-0 and ZeRO-3) and ep 4
-on 4 ranks (one expert a rank) must reproduce one process's losses, parameters (gathered to
-full shape) and expert loads; a dense checkpoint is refused."""
+stacked experts of transformers' Mixtral, Qwen2-MoE (with its shared expert), Qwen3-MoE and
+OLMoE classes split over the ep ranks, each rank reading only its experts' rows from the
+per-expert tensors, the rows exchanged inside our experts forward (models/hf/experts.py).
+fp32, the tiny checkpoints of tests/test_hf_moe.py (4 experts): ep 2 on 2 ranks (ZeRO-0 and
+ZeRO-3) and ep 4 on 4 ranks (one expert a rank) must reproduce one process's losses,
+parameters (gathered to full shape) and expert loads; a dense checkpoint is refused."""
 
 from __future__ import annotations
 
