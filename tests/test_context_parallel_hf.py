@@ -3,7 +3,8 @@ model's own attention calls the cp kernels through transformers' attention regis
 rotary embedding reads the global positions.
 
 fp32, 6 steps at seq_len 64 of `hf-llama-tiny` (2 layers, 4 query and 2 k/v heads: the k/v
-repeat is exercised) and of Llama, Mistral and Qwen2 checkpoints made here (`model.name=hf`):
+repeat is exercised) and of Llama, Mistral, Qwen2 and Qwen3 checkpoints made here
+(`model.name=hf`; Qwen3's q and k normed per head, 16 channels wide):
 every cp layout must reproduce the single process's losses and final parameters, for the
 reason tests/test_context_parallel.py gives (each rank's loss is its zig-zag part of the
 sequence over the global token count, gradients summed over dp, which holds the cp ranks).
@@ -12,8 +13,8 @@ records each, LoRA, 4 steps) through the checkpoint of tests/test_instruct.py (`
 and the preset: cp 2 and 4, ring and Ulysses, must reproduce the single process's losses,
 gradient norms and parameters, each query attending within its own record and RoPE reading
 positions within the record, and the planner must predict their cp traffic exactly.
-Composed (dp 1 in the 4-rank world): cp 2 x tp 2 ring on the preset and on the Llama, Mistral
-and Qwen2 checkpoints (each rank's cp kernels get its n_heads / tp heads), cp 2 x pp 2 ring on
+Composed (dp 1 in the 4-rank world): cp 2 x tp 2 ring on the preset and on the Llama, Mistral,
+Qwen2 and Qwen3 checkpoints (each rank's cp kernels get its n_heads / tp heads), cp 2 x pp 2 ring on
 the checkpoints and Ulysses on Llama's (its stages rotate by the global positions of the
 rank's zig-zag part and exchange activations of the local length) must reproduce the single
 process's losses, gradient norms and parameters; under tp the planner must predict cp, tp
@@ -22,6 +23,8 @@ category and the cp, pp and dp traffic. One 4-rank world runs every multi-rank c
 process the references."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -55,6 +58,8 @@ CHECKPOINTS = {
     "llama": transformers.LlamaConfig,
     "mistral": transformers.MistralConfig,  # its 4096-token window covers the 64 tokens
     "qwen2": transformers.Qwen2Config,
+    # q/k normed per head before RoPE; heads 16 wide on the 128-wide model
+    "qwen3": functools.partial(transformers.Qwen3Config, head_dim=16),
 }
 CP2, ULYSSES, CP4 = ["--parallel.cp=2"], ["--parallel.cp_mode=ulysses"], ["--parallel.cp=4"]
 PRESET_CASES = {
@@ -74,6 +79,7 @@ COMPOSED_CASES = {
     "mistral_cp2_pp2_ring": [*CP2, *PP2],
     "qwen2_cp2_tp2_ring": [*CP2, *TP2],  # q/k/v biases split with their heads
     "qwen2_cp2_pp2_ring": [*CP2, *PP2],
+    "qwen3_cp2_tp2_ring": [*CP2, *TP2],  # its per-head q/k norms' gradients summed over tp
 }
 # packed rows: the checkpoint (model.name=hf) in every mode, the preset at each degree
 PACKED_CASES = {

@@ -1,6 +1,7 @@
 """Context parallelism inside transformers' own attention: Llama-style causal LMs
-(`model.name=hf-llama-*`, and `model.name=hf` with a Llama, Mistral or Qwen2 checkpoint) split
-the sequence with the kernels of parallel/context_comm.py, their modelling code untouched.
+(`model.name=hf-llama-*`, and `model.name=hf` with a Llama, Mistral, Qwen2 or Qwen3
+checkpoint) split the sequence with the kernels of parallel/context_comm.py, their modelling
+code untouched.
 
 transformers' attention modules call the function its registry (`AttentionInterface`) holds
 under `config._attn_implementation`, with q [B, H, S, D] and k/v [B, KV, S, D] after RoPE.

@@ -61,7 +61,7 @@ HF_CAUSAL_LM = Family(
     # Llama-style attention: RoPE from position_ids, attention through transformers' registry
     # with the plain 1/sqrt(D) scale (parallel/context_hf.py)
     context_parallel=True,
-    cp_model_types=("llama", "mistral", "qwen2"),
+    cp_model_types=("llama", "mistral", "qwen2", "qwen3"),
     # cp x tp and cp x pp: its stages rotate by the global positions (parallel/pipeline_hf.py;
     # tests/test_context_parallel_hf.py)
     cp_composes=True,
