@@ -1,5 +1,5 @@
 """`precision.fp8` on transformers' causal LMs: the decoder layers' q/k/v/o and gate/up/down
-projections of the hf-llama presets and of Llama, Mistral and Qwen2 checkpoints
+projections of the hf-llama presets and of Llama, Mistral, Qwen2 and Qwen3 checkpoints
 (`model.name=hf`) train in FP8 through torchao (numerics mode on CPU), as the built-in
 decoders' block linears do (tests/test_fp8.py); embeddings, lm_head and norms keep bf16.
 
@@ -37,7 +37,10 @@ from shardwise.plan.hardware import get_hardware  # noqa: E402
 from shardwise.plan.layout import Job, Layout  # noqa: E402
 from shardwise.training.validate import derive  # noqa: E402
 from support.compare import SMALL, VOCAB, case, max_rel  # noqa: E402
-from test_context_parallel_hf import SHAPE  # noqa: E402 (the checkpoints' shape: SMALL's, the BPE's vocabulary)
+from test_context_parallel_hf import (  # noqa: E402 (the checkpoints: SMALL's shape, the BPE's vocabulary)
+    CHECKPOINTS,
+    SHAPE,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -138,10 +141,10 @@ def test_only_the_decoder_layers_projections_convert(lora: bool) -> None:
     assert not any(is_fp8(m) for n, m in model.named_modules() if "lm_head" in n)
 
 
-@pytest.mark.parametrize("config_class", ["LlamaConfig", "MistralConfig", "Qwen2Config"])
-def test_checkpoints_convert_the_decoder_layers_projections(tmp_path, config_class) -> None:
-    path = tmp_path / config_class
-    _save(path, getattr(transformers, config_class))
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_checkpoints_convert_the_decoder_layers_projections(tmp_path, name) -> None:
+    path = tmp_path / name
+    _save(path, CHECKPOINTS[name])
     cfg = load_config(None, _checkpoint(path)["overrides"])
     spec = derive(cfg, 1).spec
     fp8 = _converted(build_on_meta(spec), family_of(spec))

@@ -71,7 +71,7 @@ HF_CAUSAL_LM = Family(
     # precision.fp8: the decoder layers' projections of the model types tested against bf16
     # and one process (tests/test_fp8_hf.py); tp's per-slice scales are not checked here
     fp8_linear=hf_block_linear,
-    fp8_model_types=("llama", "mistral", "qwen2"),
+    fp8_model_types=("llama", "mistral", "qwen2", "qwen3"),
     # `export --format hf` writes its persistent buffers (GLM-4-MoE's routing biases) back
     # from the run's checkpoint, as the intake read them (models/hf/buffers.py); one the
     # checkpoint lacks is refused there, before the export writes any file
