@@ -86,6 +86,11 @@ _HF_KINDS = {
     "embedding_rowwise": "vocab",
     "replicated_with_grad_allreduce": "partial",
 }
+# the classes whose `replicated_with_grad_allreduce` entries (the per-head q/k norms) were
+# checked against one process (tests/test_hf_moe_parallel.py); another class may keep other
+# weights under that kind whose partial gradients the engine would not sum (Apertus's
+# activation parameters act on split features): its plan stays refused
+_PARTIAL_TYPES = ("qwen3", "qwen3_moe")
 
 
 def hf_plan(model: nn.Module, published: dict[str, str] | None = None) -> TPPlan:
@@ -121,7 +126,15 @@ def checkpoint_plan(model: nn.Module) -> TPPlan:
     if moe:  # the experts stay whole on every tp rank (Megatron-Core's expert tp size 1)
         published = {p: k for p, k in published.items() if "experts" not in p.split(".")}
     inner = [p for p, kind in published.items() if kind == "colwise_gather_output" and "." in p]
-    unknown = sorted({kind for kind in published.values() if kind not in _HF_KINDS})
+    partial_ok = model_type in _PARTIAL_TYPES
+    unknown = sorted(
+        {
+            k
+            for k in published.values()
+            if _HF_KINDS.get(k, "partial") == "partial" and not partial_ok
+        }
+        | {k for k in published.values() if k not in _HF_KINDS}
+    )
     why = ""
     if not published:
         why = "publishes no tensor-parallel plan (base_model_tp_plan)"
