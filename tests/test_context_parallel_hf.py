@@ -80,6 +80,7 @@ COMPOSED_CASES = {
     "qwen2_cp2_tp2_ring": [*CP2, *TP2],  # q/k/v biases split with their heads
     "qwen2_cp2_pp2_ring": [*CP2, *PP2],
     "qwen3_cp2_tp2_ring": [*CP2, *TP2],  # its per-head q/k norms' gradients summed over tp
+    "qwen3_cp2_pp2_ring": [*CP2, *PP2],
 }
 # packed rows: the checkpoint (model.name=hf) in every mode, the preset at each degree
 PACKED_CASES = {

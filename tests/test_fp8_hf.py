@@ -1,7 +1,9 @@
 """`precision.fp8` on transformers' causal LMs: the decoder layers' q/k/v/o and gate/up/down
 projections of the hf-llama presets and of Llama, Mistral, Qwen2 and Qwen3 checkpoints
-(`model.name=hf`) train in FP8 through torchao (numerics mode on CPU), as the built-in
-decoders' block linears do (tests/test_fp8.py); embeddings, lm_head and norms keep bf16.
+(`model.name=hf`) become FP8 layers through torchao (numerics mode on CPU), as the built-in
+decoders' block linears do (tests/test_fp8.py); embeddings, lm_head and norms keep bf16. The
+training runs below are the preset's and a Llama checkpoint's; the other checkpoints' layers
+are checked to convert alike.
 
 References and tolerances, those of tests/test_fp8.py for the same reasons:
 * FP8 against bf16, one process, 50 steps of `hf-llama-tiny` (2 layers): the final loss

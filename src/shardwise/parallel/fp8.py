@@ -57,7 +57,7 @@ def check_fp8(cfg: Config, spec: ModelSpec, family: Family, tp: int) -> None:
     elif family.fp8_linear is None:
         why = (
             f"model.name='{cfg.model.name}' is {family.kind}, whose FP8 training is not tested "
-            "(the built-in decoders', the hf-llama presets' and Llama, Mistral and Qwen2 "
+            "(the built-in decoders', the hf-llama presets' and Llama, Mistral, Qwen2 and Qwen3 "
             "checkpoints' is)"
         )
     elif cfg.precision.compute != "bf16":

@@ -31,7 +31,8 @@ from shardwise.models.hf.window import sliding_window, window_mask
 from shardwise.parallel.context_hf import CONTEXT, CONTEXT_HOLDER
 
 # model_type -> its base forward is exactly its published plan plus rotary positions; each
-# checked against one process (tests/test_hf_models.py; MoE: tests/test_hf_moe_parallel.py)
+# checked against one process (tests/test_hf_models.py; MoE and Qwen3: pp 2 x tp 2 + sp,
+# tests/test_hf_moe_parallel.py)
 PIPELINE_TYPES = (
     *("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox"),
     *("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"),

@@ -234,8 +234,8 @@ def check_context_parallel(cfg: Config, spec: ModelSpec, family: Family, tp: int
         why = (
             f"model.name='{cfg.model.name}' is {family.kind}, for which context parallelism "
             "is not built (the dense shardwise decoders and gpt2 presets, the hf-llama presets "
-            "and Llama, Mistral and Qwen2 checkpoints have it). Fix: --parallel.cp=1, or one "
-            "of those models."
+            "and Llama, Mistral, Qwen2 and Qwen3 checkpoints have it). Fix: --parallel.cp=1, "
+            "or one of those models."
         )
     elif layout := _cp_layout_refusal(cfg, spec, family, tp, pp):
         why = layout
@@ -271,7 +271,8 @@ def _cp_layout_refusal(cfg: Config, spec: ModelSpec, family: Family, tp: int, pp
         return (
             f"parallel.tp={tp} and parallel.pp={pp}: cp for model.name='{cfg.model.name}' "
             f"({family.kind}) is checked with data parallelism and ZeRO only; the built-in "
-            "decoders and transformers' Llama, Mistral and Qwen2 compose cp with tp and pp. "
+            "decoders and transformers' Llama, Mistral, Qwen2 and Qwen3 compose cp with tp and "
+            "pp. "
             "Fix: --parallel.tp=1 --parallel.pp=1."
         )
     if s % (2 * cp):

@@ -28,7 +28,7 @@ def _export_buffers(spec: ModelSpec, buffers: dict, dtype: str) -> dict:
     return export_buffers(spec, model, buffers)
 
 
-# transformers' Llama, Mistral and Qwen2 decoder layers: attention's q/k/v/o and the MLP's
+# transformers' Llama, Mistral, Qwen2 and Qwen3 decoder layers: attention's q/k/v/o and the MLP's
 # gate/up/down projections (peft's LoRA keeps the frozen one as `.base_layer`); embeddings,
 # lm_head and the norms keep the compute dtype
 _BLOCK_LINEAR = re.compile(
