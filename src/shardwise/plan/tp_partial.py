@@ -79,8 +79,8 @@ def tp_partial(
             out += 2 * layers * spec.dim
         if block.learned_positions and first:
             out += spec.max_seq_len * spec.dim
-    if spec.n_kv_heads % t:
-        out += 2 * layers * spec.head_dim * spec.dim
+    if spec.n_kv_heads % t:  # each rank keeps the whole k and v projections (plan/shapes.py)
+        out += 2 * layers * spec.n_kv_heads * spec.head_dim * spec.dim
     if spec.qk_norm:  # each rank's per-head q and k norms saw its own heads only
         out += 2 * layers * spec.head_dim
     return out
