@@ -40,7 +40,9 @@ HELPERS = {
 # stays: it is the one run of `--verify-remedy` here. cuda_profile.py measures on a GPU; its
 # CPU smoke (~30 s: a profile, the peer loop, four short trains) drives what
 # tests/test_profile.py tests. cuda_speed.py's smoke runs in tests/test_cuda_run.py, through
-# benchmarks/cuda_run.sh with the GPU machine's missing packages blocked.
+# benchmarks/cuda_run.sh with the GPU machine's missing packages blocked. data_prepare and
+# data_prepare_memory (7-9 s each) run `shardwise data prepare` and `datasets` on a corpus they
+# build: the command's streaming, shards, resume and refusals are tests/test_data_prepare*.py's.
 ELSEWHERE = {
     "fault_soak.py", "cpu_malloc.py", "default_job.py", "cuda_profile.py",
     "resnet_dp.py", "ddp_vs_torch.py", "checkpoint_async.py",
@@ -49,7 +51,7 @@ ELSEWHERE = {
     "zero_vs_peers.py", "pipeline_bubble.py", "pp_vs_torch.py",
     "soak_kill_saves.py",  # its smoke run is tests/test_checkpoint_safety.py's soak test
     "compile_speed.py",  # compiles through the harness as tests/test_compile.py does
-    "cuda_speed.py",
+    "cuda_speed.py", "data_prepare.py", "data_prepare_memory.py",
 }  # fmt: skip
 # the slowest smoke runs first, dealt alternately to the two runners so both finish together
 SLOW_FIRST = ["profile_remedies.py", "ledger_overhead.py"]
