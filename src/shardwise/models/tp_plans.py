@@ -126,15 +126,8 @@ def checkpoint_plan(model: nn.Module) -> TPPlan:
     if moe:  # the experts stay whole on every tp rank (Megatron-Core's expert tp size 1)
         published = {p: k for p, k in published.items() if "experts" not in p.split(".")}
     inner = [p for p, kind in published.items() if kind == "colwise_gather_output" and "." in p]
-    partial_ok = model_type in _PARTIAL_TYPES
-    unknown = sorted(
-        {
-            k
-            for k in published.values()
-            if _HF_KINDS.get(k, "partial") == "partial" and not partial_ok
-        }
-        | {k for k in published.values() if k not in _HF_KINDS}
-    )
+    known = {k: v for k, v in _HF_KINDS.items() if v != "partial" or model_type in _PARTIAL_TYPES}
+    unknown = sorted({kind for kind in published.values() if kind not in known})
     why = ""
     if not published:
         why = "publishes no tensor-parallel plan (base_model_tp_plan)"
