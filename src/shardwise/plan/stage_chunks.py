@@ -40,19 +40,19 @@ def interleaved_bytes(job: Job, layout: Layout, stage: int, block: float, edge: 
     and the end it holds (the first chunk's embedding, the last one's head) its `edge`."""
     p, v = layout.pp, layout.pp_virtual
     cut = chunk_blocks(job.spec, p, v, job.seq_len, job.pp_split)[stage]
-    head, tail = (edge if stage == 0 else 0.0), (edge if stage == p - 1 else 0.0)
+    front, tail = (edge if stage == 0 else 0.0), (edge if stage == p - 1 else 0.0)
     chunks = [block * len(c) for c in cut]
-    return interleaved_held(p, layout.micro_batches(job), v, stage, chunks, head, tail)
+    return interleaved_held(p, layout.micro_batches(job), v, stage, chunks, front, tail)
 
 
 def interleaved_held(
-    p: int, m: int, v: int, stage: int, chunks: list[float], head: float, tail: float
+    p: int, m: int, v: int, stage: int, chunks: list[float], front: float, tail: float
 ) -> float:
     """`interleaved_peak` of a rank whose chunk k saves `chunks[k]` bytes a micro-batch, its
-    first chunk also `head` (the first stage's embedding: a later stage's received input saves
+    first chunk also `front` (the first stage's embedding: a later stage's received input saves
     nothing before its blocks) and its last chunk `tail` (the last stage's head and loss)."""
     per_chunk = list(chunks)
-    per_chunk[0] += head
+    per_chunk[0] += front
     per_chunk[-1] += tail
     return interleaved_peak(p, m, v, stage, tuple(per_chunk))
 

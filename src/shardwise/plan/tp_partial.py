@@ -62,9 +62,8 @@ def tp_partial(
     its blocks (default: counted, `moe_layers_of`): with sp the norms (and GPT-2's
     row-layer biases and positions) saw only a sequence chunk; kv heads shared by several
     ranks' query heads (t > kv) and per-head q/k norms (`spec.qk_norm`) always; with sp an
-    MoE layer's whole parameters
-    (`moe_partial`). LoRA: the adapters only, the rest being frozen (lora_traffic.
-    lora_partial, of the stage's blocks)."""
+    MoE layer's whole parameters (`moe_partial`). LoRA: the adapters only, the rest being
+    frozen (lora_traffic.lora_partial, of the stage's blocks)."""
     spec, out = job.spec, 0
     layers, first, last = (spec.n_layers, True, True) if held is None else held
     if job.finetune.lora:

@@ -272,8 +272,7 @@ def _cp_layout_refusal(cfg: Config, spec: ModelSpec, family: Family, tp: int, pp
             f"parallel.tp={tp} and parallel.pp={pp}: cp for model.name='{cfg.model.name}' "
             f"({family.kind}) is checked with data parallelism and ZeRO only; the built-in "
             "decoders and transformers' Llama, Mistral, Qwen2 and Qwen3 compose cp with tp and "
-            "pp. "
-            "Fix: --parallel.tp=1 --parallel.pp=1."
+            "pp. Fix: --parallel.tp=1 --parallel.pp=1."
         )
     if s % (2 * cp):
         return (
