@@ -74,7 +74,16 @@ def interleaved_peak(p: int, m: int, v: int, stage: int, chunk_bytes: tuple[floa
 def _replayed_peak(p: int, m: int, v: int, stage: int, chunk_bytes: tuple[float, ...]) -> float:
     """`interleaved_peak` by replaying rank `stage`'s plan of m micro-batches."""
     held = peak = 0.0
-    for action in build_plan("interleaved", p, m, v)[stage]:
-        held += chunk_bytes[action.chunk] * (1 if action.kind is Pass.F else -1)
+    for chunk, sign in _passes(p, m, v)[stage]:
+        held += sign * chunk_bytes[chunk]
         peak = max(peak, held)
     return peak
+
+
+@lru_cache(maxsize=256)
+def _passes(p: int, m: int, v: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per rank, its interleaved passes in order as (local chunk, +1 forward / -1 backward):
+    built once per (p, m, v), not per candidate (a search prices thousands whose chunks'
+    bytes differ and whose schedules repeat)."""
+    plan = build_plan("interleaved", p, m, v)
+    return tuple(tuple((a.chunk, 1 if a.kind is Pass.F else -1) for a in rank) for rank in plan)
