@@ -127,6 +127,12 @@ class ModelSpec:
         return self.arch in TRANSFORMER_ARCHS
 
 
+def own_head_dim(width: int, heads: int, hidden: int) -> int:
+    """A Hugging Face config's `head_dim` where it is a width of its own (head_dim · heads is
+    not hidden_size: Mistral-Nemo, Qwen3, Gemma), as `head_dim_override`; 0 (derived) else."""
+    return width if width and heads and width * heads != hidden else 0
+
+
 def _require_positive(spec: ModelSpec, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(spec, name)

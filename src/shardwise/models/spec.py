@@ -9,7 +9,7 @@ import dataclasses
 from shardwise.config import Config, ModelConfig
 from shardwise.data.callables import is_import_path
 from shardwise.errors import ConfigError
-from shardwise.models.presets import PRESETS, RESNET_ARCHS, ModelSpec, preset
+from shardwise.models.presets import PRESETS, RESNET_ARCHS, ModelSpec, own_head_dim, preset
 
 
 def spec_from_config(cfg: Config, labels: tuple[str, ...] | None = None) -> ModelSpec:
@@ -330,7 +330,7 @@ def _hf_head_dim(text) -> int:
     Gemma); 0 (derived) otherwise."""
     width = int(getattr(text, "head_dim", 0) or 0)
     heads, dim = getattr(text, "num_attention_heads", 0) or 0, getattr(text, "hidden_size", 0) or 0
-    return width if width and heads and width * heads != dim else 0
+    return own_head_dim(width, heads, dim)
 
 
 def _hf_qk_norm(text) -> bool:

@@ -22,6 +22,7 @@ from shardwise.finetune.lora import is_path_pattern, target_matches
 from shardwise.models import PRESETS, ModelSpec, preset
 from shardwise.models.families import family_of
 from shardwise.models.moe import is_moe_block
+from shardwise.models.presets import own_head_dim
 
 Entry = tuple  # (elements, trainable) or (elements, trainable, bytes per element if not compute)
 
@@ -251,6 +252,9 @@ def spec_from_hf_config(path: str) -> ModelSpec:
         names = [k for k, f in keys.items() if f in missing]
         raise ConfigError(f"model config '{path}' lacks {names}. Fix: a complete config.json.")
     fields.setdefault("tie_embeddings", tied)
+    if arch == "decoder":  # a head width of its own (Mistral-Nemo: 32 heads of 128 on 5120)
+        width = int(cfg.get("head_dim") or 0)
+        fields["head_dim_override"] = own_head_dim(width, fields["n_heads"], fields["dim"])
     return ModelSpec(arch, **fields)  # type: ignore[arg-type]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardwise.models.hf.rule import Rule, unsupported
+from shardwise.models.presets import own_head_dim
 
 _L = r"blocks\.(\d+)\."
 RULES = (
@@ -38,9 +39,7 @@ def fields(cfg: dict, path: str | Path) -> dict:
         raise unsupported(path, f"hidden_act={cfg['hidden_act']!r}")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise unsupported(path, "attention/MLP biases")
-    # a head width of its own (head_dim * heads != hidden_size) is the spec's head_dim_override
-    head_dim = cfg.get("head_dim") or 0
-    own = head_dim if head_dim and head_dim * heads != cfg["hidden_size"] else 0
+    own = own_head_dim(cfg.get("head_dim") or 0, heads, cfg["hidden_size"])
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise unsupported(path, f"RoPE scaling {rope}")
