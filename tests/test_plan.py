@@ -245,25 +245,18 @@ def test_a_checkpoints_units_are_the_planned_ones(tmp_path, kind, tied):
     from shardwise.plan.shapes import spec_from_hf_config
 
     shape = dict(vocab_size=96, max_position_embeddings=64, tie_word_embeddings=tied)
+    decoder = dict(
+        hidden_size=32,
+        intermediate_size=88,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **shape,
+    )
     if kind == "llama":
-        config = transformers.LlamaConfig(
-            hidden_size=32,
-            intermediate_size=88,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            **shape,
-        )
+        config = transformers.LlamaConfig(**decoder)
     elif kind == "mistral_head_dim":
-        config = transformers.MistralConfig(
-            hidden_size=32,
-            intermediate_size=88,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            **shape,
-        )
+        config = transformers.MistralConfig(head_dim=16, **decoder)
     else:
         config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **shape)
     config.save_pretrained(tmp_path)  # the config alone: a meta build reads no weights
