@@ -120,12 +120,12 @@ def test_the_hf_export_is_llama_with_head_dim_and_gives_our_logits(tmp_path):
 
 def test_a_checkpoint_configs_head_dim_is_read_where_it_is_its_own():
     from shardwise.models.hf import llama
-    from shardwise.models.spec import _hf_head_dim
+    from shardwise.models.spec import hf_head_dim
 
     qwen3 = {"hidden_size": 2048, "num_attention_heads": 32, "head_dim": 128}
-    assert _hf_head_dim(SimpleNamespace(**qwen3)) == 128
-    assert _hf_head_dim(SimpleNamespace(**{**qwen3, "head_dim": 64})) == 0  # = 2048 / 32
-    assert _hf_head_dim(SimpleNamespace(hidden_size=2048, num_attention_heads=32)) == 0
+    assert hf_head_dim(SimpleNamespace(**qwen3)) == 128
+    assert hf_head_dim(SimpleNamespace(**{**qwen3, "head_dim": 64})) == 0  # = 2048 / 32
+    assert hf_head_dim(SimpleNamespace(hidden_size=2048, num_attention_heads=32)) == 0
     cfg = {
         **qwen3,
         "num_hidden_layers": 2,
@@ -134,6 +134,26 @@ def test_a_checkpoint_configs_head_dim_is_read_where_it_is_its_own():
         "num_key_value_heads": 4,
     }
     assert llama.fields(cfg, "x")["head_dim_override"] == 128
+
+
+def test_plan_reads_a_qwen3_config_jsons_head_width_and_qk_norms(tmp_path):
+    """`plan --model config.json` of a family priced from its real modules (Qwen3) keeps the
+    config's own head width and its per-head q/k norms, as the spec `train` makes of the same
+    checkpoint does: the plan's spec read 64 / 4 = 16 and no q/k norms before."""
+    transformers = pytest.importorskip("transformers")
+    from shardwise.plan.shapes import spec_from_hf_config
+
+    transformers.Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=96,
+    ).save_pretrained(tmp_path)
+    spec = spec_from_hf_config(str(tmp_path / "config.json"))
+    assert (spec.arch, spec.head_dim, spec.q_dim, spec.qk_norm) == ("hf", 32, 128, True)
 
 
 @pytest.mark.parametrize(

@@ -316,8 +316,8 @@ def _hf_spec(cfg: Config, config, text, labels: tuple[str, ...], limit: int | No
         ffn_dim=int(getattr(text, "intermediate_size", 0) or 0),
         vocab_size=int(getattr(text, "vocab_size", 0) or 0),
         max_seq_len=int(limit or cfg.data.seq_len),
-        head_dim_override=_hf_head_dim(text),
-        qk_norm=_hf_qk_norm(text),
+        head_dim_override=hf_head_dim(text),
+        qk_norm=hf_qk_norm(text),
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         source=m.init_from,
         task=m.task,
@@ -325,7 +325,7 @@ def _hf_spec(cfg: Config, config, text, labels: tuple[str, ...], limit: int | No
     )
 
 
-def _hf_head_dim(text) -> int:
+def hf_head_dim(text) -> int:
     """A checkpoint config's head_dim where it is not hidden_size / num_attention_heads (Qwen3,
     Gemma); 0 (derived) otherwise."""
     width = int(getattr(text, "head_dim", 0) or 0)
@@ -333,7 +333,7 @@ def _hf_head_dim(text) -> int:
     return own_head_dim(width, heads, dim)
 
 
-def _hf_qk_norm(text) -> bool:
+def hf_qk_norm(text) -> bool:
     """Whether a checkpoint's class norms each head's q and k with a weight its published tp
     plan keeps whole on every rank, its gradient summed over tp (Qwen3's q_norm and k_norm:
     `replicated_with_grad_allreduce`, models/tp_plans.py)."""

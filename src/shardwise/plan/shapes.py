@@ -23,6 +23,7 @@ from shardwise.models import PRESETS, ModelSpec, preset
 from shardwise.models.families import family_of
 from shardwise.models.moe import is_moe_block
 from shardwise.models.presets import own_head_dim
+from shardwise.models.spec import hf_head_dim, hf_qk_norm
 
 Entry = tuple  # (elements, trainable) or (elements, trainable, bytes per element if not compute)
 
@@ -285,6 +286,8 @@ def real_spec(path: Path, cfg: dict) -> ModelSpec:
         ffn_dim=int(getattr(text, "intermediate_size", 0) or getattr(text, "ffn_dim", 0) or 0),
         vocab_size=int(getattr(text, "vocab_size", 0) or 0),
         max_seq_len=int(getattr(text, "max_position_embeddings", 0) or 2048),
+        head_dim_override=hf_head_dim(text),
+        qk_norm=hf_qk_norm(text),
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         source=str(path.parent),
     )
