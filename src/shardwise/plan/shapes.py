@@ -253,9 +253,9 @@ def spec_from_hf_config(path: str) -> ModelSpec:
         names = [k for k, f in keys.items() if f in missing]
         raise ConfigError(f"model config '{path}' lacks {names}. Fix: a complete config.json.")
     fields.setdefault("tie_embeddings", tied)
-    if arch == "decoder":  # a head width of its own (Mistral-Nemo: 32 heads of 128 on 5120)
-        width = int(cfg.get("head_dim") or 0)
-        fields["head_dim_override"] = own_head_dim(width, fields["n_heads"], fields["dim"])
+    # a head width of its own (Mistral-Nemo: 32 heads of 128 on 5120; GPT-2 configs have none)
+    width = int(cfg.get("head_dim") or 0)
+    fields["head_dim_override"] = own_head_dim(width, fields["n_heads"], fields["dim"])
     return ModelSpec(arch, **fields)  # type: ignore[arg-type]
 
 
