@@ -24,9 +24,10 @@ from support.compare import case, max_param_diff, max_rel
 
 pytestmark = pytest.mark.slow
 
-# micro-batches of 4 rows in every case, so dp2 ZeRO-3 (4 rows a rank) and pp2 (2 micro-batches
-# of 4) compile the one-process plain run's block graph again and inductor's on-disk cache
-# serves it: a graph of new shapes costs ~13 kernels of C++ (~0.7 s each) on each rank
+# micro-batches of 4 rows, so dp2 ZeRO-3 (4 rows a rank) compiles the one-process plain run's
+# block graph again and inductor's on-disk cache serves it: a graph of new shapes costs ~13
+# kernels of C++ (~0.7 s each) on each rank. pp2 keeps 4 micro-batches of 2 rows: with 2 the
+# first stage's order (F F B B) would be GPipe's, and 1F1B's forward after a backward untested
 STEPS = ["--train.steps=6", "--train.micro_batch=4"]
 ON = "--train.compile=blocks"
 ONE = {  # one process: (what it adds to the config)
@@ -39,7 +40,7 @@ ONE = {  # one process: (what it adds to the config)
 TWO = {  # two ranks, compared with the one-process eager run of the plain config
     "zero3": ["--parallel.zero=3"],
     "tp_sp": ["--parallel.tp=2", "--parallel.sp=true"],
-    "pp_1f1b": ["--parallel.pp=2"],
+    "pp_1f1b": ["--parallel.pp=2", "--train.micro_batch=2"],
 }
 
 
