@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from shardwise.distributed.store import free_port
+from shardwise.distributed.store import listening_store
 
 BASE = ["--log.tensorboard=false", "--log.progress=off", "--log.every=1000000"]
 
@@ -91,9 +91,15 @@ def _train_case(case: dict, run, fit) -> dict:
     }
 
 
+# how long a rank waits for the world's store and for its peers' keys
+STORE_TIMEOUT_S = 300.0
+
+
 def _worker(
     rank: int, world: int, port: int, cases: list[dict], out_dir: str, env: dict[str, str]
 ) -> None:
+    import datetime
+
     import torch.distributed as dist
 
     # a rank forks from the server with the server's environment: take the caller's
@@ -109,7 +115,9 @@ def _worker(
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     results = []
     for i, case in enumerate(cases):
         results.append(_or_error(_run_case, case, os.path.join(out_dir, f"case{i}")))
@@ -138,9 +146,12 @@ def _start_method() -> str:
 
 
 def run_world(nproc: int, cases: list[dict]) -> list[list[dict]]:
-    """Run `cases` on `nproc` ranks; returns results[case][rank]."""
+    """Run `cases` on `nproc` ranks; returns results[case][rank]. The world's store is hosted
+    here, on a loopback port the kernel picks and held until the ranks are done: no other
+    process can take the port between choosing and binding it."""
+    store = listening_store("127.0.0.1", 0, STORE_TIMEOUT_S)
     with tempfile.TemporaryDirectory() as out_dir:
-        args = (nproc, free_port(), cases, out_dir, dict(os.environ))
+        args = (nproc, store.port, cases, out_dir, dict(os.environ))
         mp.start_processes(_worker, args=args, nprocs=nproc, start_method=_start_method())
         per_rank = [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(nproc)]
     return [[per_rank[r][i] for r in range(nproc)] for i in range(len(cases))]
