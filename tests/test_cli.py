@@ -51,8 +51,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+def _run(cmd: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess[str]:
+    env = {**_env(), **env}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc
@@ -64,10 +65,24 @@ def _records(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """`shardwise train --nproc 2`: the CLI spawns its two ranks itself."""
+    """`shardwise train --nproc 2`: the CLI spawns its two ranks itself (with a temporary
+    directory of its own: nothing may be left in it, see below)."""
     run_dir = tmp_path_factory.mktemp("local") / "run"
-    proc = _run([SHARDWISE, "train", "--nproc", "2", *TINY, f"--run.dir={run_dir}"])
+    scratch = run_dir.parent / "tmp"
+    scratch.mkdir()
+    cmd = [SHARDWISE, "train", "--nproc", "2", *TINY, f"--run.dir={run_dir}"]
+    proc = _run(cmd, TMPDIR=str(scratch))
     return run_dir, proc.stdout
+
+
+def test_a_local_launch_leaves_nothing_in_the_temporary_directory(local_run) -> None:
+    """torch elastic makes a folder for its ranks' error files per launch and never removes
+    it: a user's /tmp would fill with one per job. The launcher removes it, and the ranks'
+    forkserver its socket. (torch's compile cache, which importing TorchDynamo creates there
+    and every torch process shares, is not the launch's.)"""
+    run_dir, _ = local_run
+    left = [p.name for p in (run_dir.parent / "tmp").iterdir()]
+    assert [name for name in left if not name.startswith("torchinductor_")] == []
 
 
 def test_train_prints_the_plan_and_one_line_per_step(local_run: tuple[Path, str]) -> None:

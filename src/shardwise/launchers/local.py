@@ -6,7 +6,9 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -198,6 +200,7 @@ def launch_local(
         local_addr="127.0.0.1",  # the ranks' MASTER_ADDR: their own store on loopback too
         max_restarts=max_restarts,
         monitor_interval=0.2,
+        logs_specs=scratch_logs(),
         # a signal to this agent is forwarded to the ranks, which finish their step and save
         # (training/preempt.py) before torch elastic would kill them
         shutdown_timeout=SHUTDOWN_GRACE_S,
@@ -245,6 +248,15 @@ def _first_line(message: object) -> str:
     return text.splitlines()[0][:400] if text else ""
 
 
+def scratch_logs():
+    """torch elastic's folder for one launch (its ranks' error files), a temporary one that
+    `run_elastic` removes when the launch ends: torch's default is a new folder in the
+    temporary directory per launch, never removed."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    return DefaultLogsSpecs(log_dir=tempfile.mkdtemp(prefix="shardwise-elastic-"))
+
+
 def run_elastic(
     config: LaunchConfig,
     cfg: Config,
@@ -255,7 +267,8 @@ def run_elastic(
     """Run this node's torch elastic agent with `rank_process_main` as every rank's entry; a
     failure becomes one ShardwiseError (the ranks print their own messages). `local`: every
     rank is on this machine, so a hang report in run.dir is printed here, not by a rank.
-    `derived`: the job layer's run description, handed to every rank (restarted ones too)."""
+    `derived`: the job layer's run description, handed to every rank (restarted ones too).
+    `config.logs_specs` is a `scratch_logs()` folder: it is removed at the end."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -303,3 +316,4 @@ def run_elastic(
     finally:
         quiet.removeFilter(drop)
         agent.removeFilter(note)
+        shutil.rmtree(config.logs_specs.root_log_dir, ignore_errors=True)

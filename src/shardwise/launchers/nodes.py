@@ -189,6 +189,7 @@ def _launch_config(cfg: Config, nodes: Nodes, addr: str, max_restarts: int) -> L
     from torch.distributed.launcher.api import LaunchConfig
 
     from shardwise.launchers import rendezvous
+    from shardwise.launchers.local import scratch_logs
 
     return LaunchConfig(
         min_nodes=nodes.nnodes,
@@ -209,6 +210,7 @@ def _launch_config(cfg: Config, nodes: Nodes, addr: str, max_restarts: int) -> L
         local_addr=addr,
         max_restarts=max_restarts,
         monitor_interval=0.2,
+        logs_specs=scratch_logs(),
     )
 
 
