@@ -6,6 +6,7 @@ one-process run: the same with 130."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -57,22 +58,34 @@ def _final_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
     return {k: slices.read_tensor(ckpt, k, index) for k in index["tensors"]}
 
 
-def _interrupt(run_dir: Path, nproc: int, sig: int, extra=()) -> tuple[int, int, str]:
+def _interrupt(
+    run_dir: Path, nproc: int, sig: int, extra=(), group: bool = False
+) -> tuple[int, int, str]:
     """Start a run, signal it once it has logged 20 steps; (exit status, the steps it had
-    logged when signalled, what it printed to stderr)."""
-    # Ctrl-C as from a terminal: a shell's background job inherits SIGINT ignored, and Python
-    # then keeps ignoring it (no KeyboardInterrupt), which is not the case under test
+    logged when signalled, what it printed to stderr). `group`: signal every process of the
+    job (its own process group), as Slurm does, instead of the launcher alone."""
+
+    def as_from_a_terminal() -> None:
+        # Ctrl-C as from a terminal: a shell's background job inherits SIGINT ignored, and
+        # Python then keeps ignoring it (no KeyboardInterrupt), which is not the case under test
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if group:
+            os.setsid()
+
     proc = subprocess.Popen(
         _cmd(run_dir, nproc, *extra),
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=as_from_a_terminal,
     )
     deadline = time.monotonic() + 300  # a hang guard: a busy machine may start slowly
     while _steps_logged(run_dir) < 20:
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
         time.sleep(0.05)
-    proc.send_signal(sig)
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     logged = _steps_logged(run_dir)  # read after sending: the stop can only come later
     _, err = proc.communicate(timeout=300)
     return proc.returncode, logged, err
@@ -89,10 +102,13 @@ def _stopped_at(run: Path, err: str, sig: int) -> int:
 
 
 def test_sigterm_saves_the_step_and_the_rerun_ends_bitwise_equal(tmp_path):
+    """SIGTERM to every process of a 2-rank job, as Slurm's requeue sends it: the launcher
+    waits for its ranks to save the step (the server they fork from outlives the signal), and
+    the rerun ends bitwise equal to the uninterrupted run."""
     straight = subprocess.run(_cmd(tmp_path / "straight", 2, "--parallel.zero=2"), timeout=300)
     assert straight.returncode == 0
     run = tmp_path / "stopped"
-    status, logged, err = _interrupt(run, 2, signal.SIGTERM, ["--parallel.zero=2"])
+    status, logged, err = _interrupt(run, 2, signal.SIGTERM, ["--parallel.zero=2"], group=True)
     assert status == 143
     last = _stopped_at(run, err, signal.SIGTERM)
     # at the next step boundary: the ranks take the signal in the step's one reduction

@@ -14,21 +14,31 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-def rank_pids(launcher_pid: int) -> list[int]:
-    """The rank processes torch elastic started under `launcher_pid` (its spawned children)."""
+def _children(pid: int) -> list[tuple[int, bytes]]:
+    """(pid, command line) of each live child of `pid`."""
     out = []
-    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+    for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             children = (task / "children").read_text().split()
         except OSError:
             continue
         for child in children:
             try:
-                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+                out.append((int(child), Path(f"/proc/{child}/cmdline").read_bytes()))
             except OSError:
                 continue
-            if b"spawn_main" in cmdline:
-                out.append(int(child))
+    return out
+
+
+def rank_pids(launcher_pid: int) -> list[int]:
+    """The rank processes torch elastic started under `launcher_pid`: the children of the
+    forkserver it started for them (or, where ranks are spawned, its spawned children)."""
+    out = []
+    for pid, cmdline in _children(launcher_pid):
+        if b"forkserver import main" in cmdline:
+            out += [child for child, _ in _children(pid)]
+        elif b"spawn_main" in cmdline:
+            out.append(pid)
     return sorted(out)
 
 

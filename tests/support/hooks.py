@@ -198,3 +198,13 @@ def disk_full_at_second_save(run) -> None:
         return write(path, tensors)
 
     io.write_shard = fills_up
+
+
+def record_environment(run) -> None:
+    """Write the environment this rank sees to run.dir/environment-rank<R>.json."""
+    import json
+    import os
+
+    Path(run.cfg.run.dir, f"environment-rank{run.topo.rank}.json").write_text(
+        json.dumps(dict(os.environ))
+    )

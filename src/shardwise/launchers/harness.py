@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from shardwise.distributed.store import listening_store
+from shardwise.launchers.rank_start import PRELOAD, start_method
 
 BASE = ["--log.tensorboard=false", "--log.progress=off", "--log.every=1000000"]
 
@@ -128,21 +129,8 @@ def _worker(
 
 
 # Ranks fork from a server process that imported torch and the training code once, for all
-# the worlds this process starts (a spawned rank spends ~5 s CPU importing them per world)
-_PRELOAD = [
-    "torch",
-    "torch._dynamo",
-    "shardwise.training.runtime",
-    "shardwise.training.loop",
-    __name__,
-]
-
-
-def _start_method() -> str:
-    if "forkserver" not in mp.get_all_start_methods():
-        return "spawn"
-    mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)  # before its first start
-    return "forkserver"
+# the worlds this process starts; `_worker` hands them the caller's environment
+_PRELOAD = [*PRELOAD, __name__]
 
 
 def run_world(nproc: int, cases: list[dict]) -> list[list[dict]]:
@@ -152,7 +140,7 @@ def run_world(nproc: int, cases: list[dict]) -> list[list[dict]]:
     store = listening_store("127.0.0.1", 0, STORE_TIMEOUT_S)
     with tempfile.TemporaryDirectory() as out_dir:
         args = (nproc, store.port, cases, out_dir, dict(os.environ))
-        mp.start_processes(_worker, args=args, nprocs=nproc, start_method=_start_method())
+        mp.start_processes(_worker, args=args, nprocs=nproc, start_method=start_method(_PRELOAD))
         per_rank = [pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes()) for r in range(nproc)]
     return [[per_rank[r][i] for r in range(nproc)] for i in range(len(cases))]
 

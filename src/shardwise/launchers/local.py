@@ -3,6 +3,7 @@ external `torchrun` / `srun` already started. No launcher protocol of our own.""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -21,6 +22,7 @@ from shardwise.distributed.watchdog import EXIT_HANG, LOCAL_LAUNCH_ENV, REPORT
 from shardwise.errors import ReportedError, ShardwiseError
 from shardwise.launchers import rendezvous
 from shardwise.launchers.process_exit import skip_exit_collection
+from shardwise.launchers.rank_start import PRELOAD, as_rank, fresh_forkserver
 from shardwise.training.lock import HELD_ENV, acquire, release
 from shardwise.training.preempt import Preempted, preempt_code
 
@@ -156,6 +158,7 @@ def rank_process_main(
 ) -> None:
     """`rank_main` as the whole of a process torch elastic starts: the process ends with it,
     without the exit-time garbage collections (launchers/process_exit.py)."""
+    as_rank()
     skip_exit_collection()
     rank_main(cfg_dict, hook, local, derived)
 
@@ -284,7 +287,9 @@ def run_elastic(
     agent.addFilter(note)
     started = time.time()
     try:
-        elastic_launch(config, rank_process_main)(cfg.to_dict(), hook, local, derived)
+        with fresh_forkserver([*PRELOAD, __name__]) as method:
+            config = dataclasses.replace(config, start_method=method)
+            elastic_launch(config, rank_process_main)(cfg.to_dict(), hook, local, derived)
     except SignalException as exc:  # the agent was signalled; its ranks saved and stopped
         # while the handler is still held here: torch leaves its keep-alive thread running
         rendezvous.stop_heartbeats()
