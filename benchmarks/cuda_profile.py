@@ -285,13 +285,14 @@ def main() -> int:
         sys.exit("benchmarks/cuda_profile.py needs a CUDA device (or --smoke).")
     a.ledger_rounds = a.ledger_rounds or 0
     preamble()
-    folder = Path(tempfile.mkdtemp(prefix="cuda-profile-"))
-    if a.verify:
-        verify_cause(a, folder)
-    elif not a.ledger_only:
-        profile_and_peer(a, folder)
-    if a.ledger_rounds:
-        ledger_cost(a, folder)
+    with tempfile.TemporaryDirectory(prefix="cuda-profile-") as scratch:  # runs' folders
+        folder = Path(scratch)
+        if a.verify:
+            verify_cause(a, folder)
+        elif not a.ledger_only:
+            profile_and_peer(a, folder)
+        if a.ledger_rounds:
+            ledger_cost(a, folder)
     return 0
 
 

@@ -333,13 +333,14 @@ def main() -> int:
     elif not torch.cuda.is_available():
         sys.exit("benchmarks/cuda_speed.py needs a CUDA device (or --smoke).")
     preamble()
-    root = Path(tempfile.mkdtemp(prefix="cuda-speed-"))
-    out = a.out or root
+    out = a.out or Path(tempfile.mkdtemp(prefix="cuda-speed-"))  # kept: the results
     out.mkdir(parents=True, exist_ok=True)
     (out / "cuda_speed.jsonl").write_text("")  # this run's rows only
-    facts = {s: shape_facts(a, root, s) for s in {False, bool(a.llama3_layers)}}
-    results = Results(out, {s: f[0] for s, f in facts.items()}, [])
-    run_all(a, root, results, {s: f[1] for s, f in facts.items()})
+    with tempfile.TemporaryDirectory(prefix="cuda-speed-runs-") as scratch:  # runs' folders
+        root = Path(scratch)
+        facts = {s: shape_facts(a, root, s) for s in {False, bool(a.llama3_layers)}}
+        results = Results(out, {s: f[0] for s, f in facts.items()}, [])
+        run_all(a, root, results, {s: f[1] for s, f in facts.items()})
     share = results.shares[False]
     print(f"model {a.model}, seq {a.seq}, micro {a.micro}, global batch {a.global_batch}, "
           f"{a.precision}; attention {share:.1%} of the 6N+12Lhs FLOPs")  # fmt: skip

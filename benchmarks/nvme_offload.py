@@ -48,7 +48,13 @@ def main() -> int:
     args = parser.parse_args()
     steps, rounds = (3, 1) if args.smoke else (args.steps, args.rounds)
     size = [] if args.smoke else ["--model.n_layers=8", "--model.dim=512", "--model.ffn_dim=1408"]
-    folder = args.nvme_dir or tempfile.mkdtemp(prefix="nvme-bench-")
+    if args.nvme_dir:
+        return measure(args, steps, rounds, size, args.nvme_dir)
+    with tempfile.TemporaryDirectory(prefix="nvme-bench-") as scratch:  # removed at the end
+        return measure(args, steps, rounds, size, scratch)
+
+
+def measure(args, steps: int, rounds: int, size: list[str], folder: str) -> int:
     engines = [
         ("host", ["--memory.offload=optimizer"], None),
         (

@@ -45,9 +45,12 @@ def test_the_device_site_hides_the_missing_packages_and_shardwise_still_imports(
 def test_cuda_run_smoke_leaves_every_result_in_out_without_torchao(tmp_path):
     """`bash benchmarks/cuda_run.sh --smoke` as on the GPU machine (its missing packages
     blocked): exit 0, every file in $OUT (at most 8 come back), the runs in their order, and
-    the FP8 row skipped in one line naming torchao."""
-    out = tmp_path / "out"
+    the FP8 row skipped in one line naming torchao; the scripts' run folders removed from the
+    temporary directory (a machine that runs them often would fill up)."""
+    out, scratch = tmp_path / "out", tmp_path / "tmp"
+    scratch.mkdir()
     env = _env(OUT=str(out), PYTHON=sys.executable, CUDA_RUN_SITE=str(tmp_path / "site"))
+    env["TMPDIR"] = str(scratch)
     proc = subprocess.run(
         ["bash", "benchmarks/cuda_run.sh", "--smoke"],
         cwd=ROOT,
@@ -58,6 +61,8 @@ def test_cuda_run_smoke_leaves_every_result_in_out_without_torchao(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     names = {p.name for p in out.iterdir()}
+    # (torch's compile cache, shared by every torch process, may be created there)
+    assert [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")] == []
     assert FILES | {"published.jsonl"} == names and len(names) <= 8
     env_txt = (out / "env.txt").read_text()
     assert "torchao missing" in env_txt and "datasets missing" in env_txt
