@@ -150,16 +150,16 @@ def _gloo_timings(nbytes: int, reps: int, calls: int) -> dict[str, float]:
 
     import torch.distributed as dist
 
-    from shardwise.distributed.store import free_port
+    from shardwise.distributed.store import listening_store
 
-    port = free_port()
+    # on loopback only, at a port the kernel picks and this process holds from the start
+    store = listening_store("127.0.0.1", 0, 60.0)
     peer = multiprocessing.get_context("spawn").Process(
-        target=_gloo_peer, args=(port, nbytes, reps, calls), daemon=True
+        target=_gloo_peer, args=(store.port, nbytes, reps, calls), daemon=True
     )
     peer.start()
     try:
         timeout = datetime.timedelta(seconds=60)
-        store = dist.TCPStore("127.0.0.1", port, 2, True, timeout)
         return _gloo_ops(dist.ProcessGroupGloo(store, 0, 2, timeout), nbytes, reps, calls)
     finally:
         peer.join(timeout=60)
