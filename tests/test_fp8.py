@@ -246,3 +246,24 @@ def test_torchaos_enum_notice_is_dropped_and_nothing_else(caplog):
         log.warning("%s is an Enum subclass and is now natively supported by torch.compile", "E")
         log.warning("some other pytree warning")
     assert [r.getMessage() for r in caplog.records] == ["some other pytree warning"]
+
+
+def test_torchaos_optional_kernel_warnings_are_dropped_and_nothing_else(caplog):
+    """torchao's wheel warns on every import that two optional kernel libraries failed to load
+    (an MX-FP8 build for CPython 3.10, SM90 CUTLASS kernels), which precision.fp8 does not
+    use: shardwise drops those two and lets every other torchao warning through (another
+    library of its own failing to load included)."""
+    import logging
+
+    import shardwise  # noqa: F401 (installs the filter)
+
+    log, site = logging.getLogger("torchao"), "/venv/lib/python3.11/site-packages/torchao"
+    with caplog.at_level(logging.WARNING, logger="torchao"):
+        log.warning(f"Failed to load {site}/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: nope")
+        log.warning(f"Failed to load {site}/_C_cutlass_90a.abi3.so: Could not load")
+        log.warning(f"Failed to load {site}/_C.abi3.so: undefined symbol")
+        log.warning("some other torchao warning")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"Failed to load {site}/_C.abi3.so: undefined symbol",
+        "some other torchao warning",
+    ]
