@@ -201,10 +201,14 @@ def disk_full_at_second_save(run) -> None:
 
 
 def record_environment(run) -> None:
-    """Write the environment this rank sees to run.dir/environment-rank<R>.json."""
+    """Write what this rank starts with to run.dir/environment-rank<R>.json: its environment,
+    its parent's process id and the actions of the signals that stop a job (before training
+    installs its own)."""
     import json
     import os
+    import signal
 
-    Path(run.cfg.run.dir, f"environment-rank{run.topo.rank}.json").write_text(
-        json.dumps(dict(os.environ))
-    )
+    stops = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP", "SIGQUIT")
+    actions = {name: repr(signal.getsignal(getattr(signal, name))) for name in stops}
+    seen = {"env": dict(os.environ), "ppid": os.getppid(), "signals": actions}
+    Path(run.cfg.run.dir, f"environment-rank{run.topo.rank}.json").write_text(json.dumps(seen))

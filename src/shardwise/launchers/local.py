@@ -3,6 +3,7 @@ external `torchrun` / `srun` already started. No launcher protocol of our own.""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib
 import logging
@@ -27,6 +28,7 @@ from shardwise.training.lock import HELD_ENV, acquire, release
 from shardwise.training.preempt import Preempted, preempt_code
 
 SHUTDOWN_GRACE_S = SIGNAL_GRACE_S  # torch elastic's wait for signalled ranks to save and exit
+SCRATCH_PREFIX = "shardwise-elastic-"  # torch elastic's folder for one launch (`scratch_logs`)
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -160,7 +162,10 @@ def rank_process_main(
     without the exit-time garbage collections (launchers/process_exit.py)."""
     as_rank()
     skip_exit_collection()
-    rank_main(cfg_dict, hook, local, derived)
+    try:
+        rank_main(cfg_dict, hook, local, derived)
+    finally:  # a rank forked from the launch's server ends without Python's shutdown
+        atexit._run_exitfuncs()
 
 
 class _DropAll(logging.Filter):
@@ -192,28 +197,28 @@ def launch_local(
         # Opting out gives every attempt a fresh store hosted by its rank 0.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex[:8],
-        # torch's c10d rendezvous with its stores on loopback only (launchers/rendezvous.py)
-        rdzv_backend=rendezvous.register(),
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        local_addr="127.0.0.1",  # the ranks' MASTER_ADDR: their own store on loopback too
-        max_restarts=max_restarts,
-        monitor_interval=0.2,
-        logs_specs=scratch_logs(),
-        # a signal to this agent is forwarded to the ranks, which finish their step and save
-        # (training/preempt.py) before torch elastic would kill them
-        shutdown_timeout=SHUTDOWN_GRACE_S,
-    )
     # one live job per run.dir: refused before any rank starts (the job layer normally holds
     # it already); the ranks (restarted ones too) know the lock is held
     held = [] if os.environ.get(HELD_ENV) == "1" else acquire(cfg)
     os.environ[HELD_ENV] = "1"
     os.environ[BIND_ENV] = "1"
-    try:
+    try:  # (the config makes its scratch folder: only for a job that is not refused)
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=uuid.uuid4().hex[:8],
+            # torch's c10d rendezvous with its stores on loopback only (launchers/rendezvous.py)
+            rdzv_backend=rendezvous.register(),
+            rdzv_endpoint=f"127.0.0.1:{free_port()}",
+            local_addr="127.0.0.1",  # the ranks' MASTER_ADDR: their own store on loopback too
+            max_restarts=max_restarts,
+            monitor_interval=0.2,
+            logs_specs=scratch_logs(),
+            # a signal to this agent is forwarded to the ranks, which finish their step and save
+            # (training/preempt.py) before torch elastic would kill them
+            shutdown_timeout=SHUTDOWN_GRACE_S,
+        )
         run_elastic(config, cfg, hook, local=True, derived=derived)
     finally:
         if held:
@@ -257,7 +262,7 @@ def scratch_logs():
     temporary directory per launch, never removed."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
-    return DefaultLogsSpecs(log_dir=tempfile.mkdtemp(prefix="shardwise-elastic-"))
+    return DefaultLogsSpecs(log_dir=tempfile.mkdtemp(prefix=SCRATCH_PREFIX))
 
 
 def run_elastic(
@@ -321,4 +326,6 @@ def run_elastic(
     finally:
         quiet.removeFilter(drop)
         agent.removeFilter(note)
-        shutil.rmtree(config.logs_specs.root_log_dir, ignore_errors=True)
+        logs = Path(config.logs_specs.root_log_dir)
+        if logs.name.startswith(SCRATCH_PREFIX):  # a folder `scratch_logs` made, none other
+            shutil.rmtree(logs, ignore_errors=True)

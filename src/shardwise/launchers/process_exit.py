@@ -16,6 +16,10 @@ flushes), and C++ destructors. What no longer runs are the finalizers of objects
 reference cycle keeps alive at exit, which Python's data model does not promise to run for
 objects alive at interpreter exit either; a job closes what it writes before it returns
 (checkpoints committed, metrics and trackers closed).
+
+Ranks forked from a launch's server (launchers/rank_start.py) skip the shutdown altogether:
+the forkserver ends its children straight after their function returns. `rank_process_main`
+runs the exit handlers first, so those still run.
 """
 
 from __future__ import annotations

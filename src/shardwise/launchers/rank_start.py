@@ -12,8 +12,13 @@ its ranks itself. Where the platform has no forkserver, ranks are spawned.
 A launch's server ignores the signals that stop a job. Slurm's requeue and a `kill` of the
 job's process group signal every process, the server too; the agent learns how each rank
 ended through the server, so a server gone at the first signal would have it stop waiting
-while the ranks still finish their step and save. The server ends with the agent instead (its
-pipe closes), and every rank takes the signals' usual actions back as it starts (`as_rank`).
+while the ranks still finish their step and save. A forked rank takes the signals' usual
+actions back at once (a fork hook the server registers; SIGINT, which the forkserver resets
+to ignored, in `as_rank`). The server ends when the agent does: each rank closes the server's
+pipe it inherits (`as_rank`), so the server sees the agent's end close it, and the ranks then
+get the SIGINT torch elastic asks for when their parent dies, as spawned ranks got it from the
+agent's death. A forked rank ends without Python's shutdown (the forkserver's children exit
+straight after their function returns): `rank_process_main` runs the exit handlers itself.
 """
 
 from __future__ import annotations
@@ -28,14 +33,9 @@ from contextlib import contextmanager
 PRELOAD = ["torch", "torch._dynamo", "shardwise.training.runtime", "shardwise.training.loop"]
 # set only while `fresh_forkserver` starts its server, which imports this module first
 SERVER_ENV = "SHARDWISE_RANK_SERVER"
-# what stops a job (training/preempt.py saves on the first three), and a rank's usual action
-STOP_SIGNALS = {
-    signal.SIGTERM: signal.SIG_DFL,
-    signal.SIGINT: signal.default_int_handler,
-    signal.SIGUSR1: signal.SIG_DFL,
-    signal.SIGHUP: signal.SIG_DFL,
-    signal.SIGQUIT: signal.SIG_DFL,
-}
+# what stops a job besides SIGINT (training/preempt.py saves on SIGTERM, SIGUSR1, SIGINT); the
+# forkserver itself ignores SIGINT and resets it to ignored in its children
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
 
 
 def start_method(preload: list[str]) -> str:
@@ -78,18 +78,31 @@ def fresh_forkserver(preload: list[str]) -> Iterator[str]:
 
 
 def as_rank() -> None:
-    """The stop signals' usual actions, in a rank forked from a launch's server (which ignores
-    them); what a spawned rank has anyway."""
-    for sig, action in STOP_SIGNALS.items():
-        signal.signal(sig, action)
+    """In a rank forked from a launch's server: the usual SIGINT action (the forkserver left it
+    ignored), and the server's pipe closed, so the server ends with the agent. What a
+    spawned rank has anyway."""
+    from multiprocessing import forkserver
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    alive = forkserver._forkserver._forkserver_alive_fd
+    if alive is not None:  # (a spawned rank has none)
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
+
+
+def _usual_stop_actions() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _server_ignores_stop_signals() -> None:
     """At import, in a launch's server only (the variable is set just for its start, and taken
-    out of its environment here, so its ranks do not inherit it)."""
+    out of its environment here, so its ranks do not inherit it): ignore the stop signals, and
+    give each forked rank their usual actions back as it is forked."""
     if os.environ.pop(SERVER_ENV, None) == "1":
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        os.register_at_fork(after_in_child=_usual_stop_actions)
 
 
 _server_ignores_stop_signals()
