@@ -4,8 +4,9 @@ A forkserver's children inherit the server's environment from when it started, s
 left by an earlier launch or by the harness would hand the ranks stale variables: each launch
 starts its own, and its ranks see the launching process's environment as it is at the launch,
 without the variable that marks the server, with the stop signals' usual actions (the server
-ignores them). And the server must not outlive the launcher: ranks whose launcher died (an
-OOM kill, a SIGKILL) stop, as spawned ranks did, instead of training on unsupervised."""
+ignores them), and their exit handlers run. And the server must not outlive the launcher:
+ranks whose launcher died (an OOM kill, a SIGKILL) stop, as spawned ranks did, instead of
+training on unsupervised."""
 
 from __future__ import annotations
 
@@ -62,6 +63,8 @@ def test_ranks_see_their_launchs_environment_and_the_usual_signal_actions(tmp_pa
         usual = {name: "<Handlers.SIG_DFL: 0>" for name in s["signals"]}
         usual["SIGINT"] = repr(signal.default_int_handler)
         assert s["signals"] == usual
+    # the forkserver ends its children without Python's shutdown: the rank ran them itself
+    assert [(run_dir / f"exited-rank{r}").read_text() for r in (0, 1)] == ["atexit"] * 2
 
 
 def _running(pid: int) -> bool:

@@ -203,7 +203,8 @@ def disk_full_at_second_save(run) -> None:
 def record_environment(run) -> None:
     """Write what this rank starts with to run.dir/environment-rank<R>.json: its environment,
     its parent's process id and the actions of the signals that stop a job (before training
-    installs its own)."""
+    installs its own); an exit handler writes run.dir/exited-rank<R> as the process ends."""
+    import atexit
     import json
     import os
     import signal
@@ -212,3 +213,5 @@ def record_environment(run) -> None:
     actions = {name: repr(signal.getsignal(getattr(signal, name))) for name in stops}
     seen = {"env": dict(os.environ), "ppid": os.getppid(), "signals": actions}
     Path(run.cfg.run.dir, f"environment-rank{run.topo.rank}.json").write_text(json.dumps(seen))
+    # and, as the rank's process ends, that its exit handlers ran
+    atexit.register(Path(run.cfg.run.dir, f"exited-rank{run.topo.rank}").write_text, "atexit")
