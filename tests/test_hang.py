@@ -5,7 +5,6 @@ groups of a 3-D mesh)."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from shardwise.distributed.comm import TraceEntry
 from shardwise.distributed.hangreport import compose, disagreements, groups
 from shardwise.distributed.watchdog import Watchdog
 from support.compare import SMALL
+from support.faultjob import job_env
 
 # Short, so the tests stop quickly, but not so short that a rank starved of CPU on a loaded
 # 2-core machine (several ranks per core) looks hung.
@@ -42,14 +42,7 @@ def _start(hook: str, run_dir: Path, *extra: str) -> subprocess.Popen:
     ]
     cmd = [sys.executable, "-m", "support.faultjob", HOOKS + hook, "2", *args]
     with (run_dir / "job.out").open("w") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
-
-
-def _env() -> dict[str, str]:
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=job_env())
 
 
 @pytest.fixture(scope="module")

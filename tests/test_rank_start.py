@@ -23,6 +23,7 @@ import pytest
 
 from shardwise.launchers.rank_start import SERVER_ENV
 from support.chaos import rank_pids
+from support.faultjob import job_env
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +42,11 @@ TINY = ["--model.n_layers=1", "--data.seq_len=16", "--train.global_batch=4"]
 TINY += ["--log.progress=off", "--log.tensorboard=false", "--run.device=cpu"]
 
 
-def _env() -> dict[str, str]:
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    return {k: v for k, v in os.environ.items() if k not in launcher}
-
-
 def test_ranks_see_their_launchs_environment_and_the_usual_signal_actions(tmp_path):
     run_dir = tmp_path / "run"
     args = [*TINY, "--train.steps=1", f"--run.dir={run_dir}"]
     cmd = [sys.executable, "-c", SCRIPT, "support.hooks:record_environment", "2", *args]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out.decode()[-3000:]
     seen = [json.loads((run_dir / f"environment-rank{r}.json").read_text()) for r in (0, 1)]
@@ -81,7 +77,7 @@ def test_ranks_stop_when_their_launcher_is_killed(tmp_path):
     cmd = [sys.executable, "-m", "shardwise.cli.main", "train", "--nproc", "2", *args]
     proc = subprocess.Popen(
         cmd,
-        env=_env(),
+        env=job_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

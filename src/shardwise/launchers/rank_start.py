@@ -28,6 +28,7 @@ import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
+from multiprocessing import forkserver
 
 # what every rank imports before its first step
 PRELOAD = ["torch", "torch._dynamo", "shardwise.training.runtime", "shardwise.training.loop"]
@@ -48,8 +49,6 @@ def start_method(preload: list[str]) -> str:
 
 
 def _stop_server() -> None:
-    from multiprocessing import forkserver
-
     forkserver._forkserver._stop()  # closes its pipe and waits for it; nothing if not running
 
 
@@ -63,8 +62,6 @@ def fresh_forkserver(preload: list[str]) -> Iterator[str]:
     if method != "forkserver":
         yield method
         return
-    from multiprocessing import forkserver
-
     _stop_server()  # one started earlier (an earlier launch, the harness) has an older environment
     os.environ[SERVER_ENV] = "1"
     try:
@@ -81,8 +78,6 @@ def as_rank() -> None:
     """In a rank forked from a launch's server: the usual SIGINT action (the forkserver left it
     ignored), and the server's pipe closed, so the server ends with the agent. What a
     spawned rank has anyway."""
-    from multiprocessing import forkserver
-
     signal.signal(signal.SIGINT, signal.default_int_handler)
     alive = forkserver._forkserver._forkserver_alive_fd
     if alive is not None:  # (a spawned rank has none)
