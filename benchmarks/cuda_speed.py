@@ -303,7 +303,8 @@ def run_all(a: argparse.Namespace, root: Path, results: Results, flops: dict) ->
 
 def publish(a: argparse.Namespace, results: Results) -> None:
     """`--row FILE`: each measured run of the preset as a published row (the Llama-3 shape
-    is no preset, so its rows are not)."""
+    is no preset, so its rows are not); a compiled or FP8 run's layout says so (`compile`,
+    `float8`, as the record's other sources write it) and its id is suffixed with it."""
     from shardwise.distributed import device as dev
 
     device = dev.detect().name
@@ -313,6 +314,12 @@ def publish(a: argparse.Namespace, results: Results) -> None:
         cells = results.cells(run, r)[:7]
         row = published_row(a, r["step_s"], r["mfu"], r["peak_bytes"], device, cells)
         row["source"] = row["source"].replace("cuda_profile.py", f"cuda_speed.py ({run.name})")
+        if run.compile != "false":  # each row says what it ran, under an id of its own
+            row["id"] += "-compiled"
+            row["layout"]["compile"] = True
+        if run.fp8 != "none":
+            row["id"] += f"-fp8{run.fp8}"
+            row["layout"]["float8"] = run.fp8
         with a.row.open("a") as f:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
         print(f"published row {row['id']} ({run.name}) appended to {a.row}")

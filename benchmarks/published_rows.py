@@ -263,12 +263,14 @@ def _llama3(row: dict) -> str:
 
 
 def _shardwise(row: dict) -> Case | str:
-    """shardwise's own runs on a GPU (benchmarks/cuda_profile.py): a preset model, priced as
-    `explain` prices it (our engine, the catalog's entry for the card)."""
+    """shardwise's own runs on a GPU (benchmarks/cuda_profile.py, cuda_speed.py): a preset
+    model, priced as `explain` prices it (our engine, the catalog's entry for the card), with
+    `train.compile=blocks` and `precision.fp8` where the row's layout says it ran them."""
     m, lay = row["model"], row["layout"]
     job = Job(
         preset(m["preset"]), CATALOG[row["hardware"]["gpu"]], row["hardware"]["n_gpus"],
         m["seq_len"], lay["global_batch"], row["precision"], row["precision"],
+        fp8=lay.get("float8") or "none", compiled=bool(lay.get("compile")),
     )  # fmt: skip
     layout = Layout(dp=lay["dp"], micro_batch=lay["micro_batch"], recompute=lay["recompute"])
     return Case(row, job, layout, row["measured"]["step_time_s"])

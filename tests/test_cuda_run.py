@@ -83,9 +83,13 @@ def test_cuda_run_smoke_leaves_every_result_in_out_without_torchao(tmp_path):
     assert "torchao missing" in skipped[0] and all(r["run"] in skipped[0] for r in fp8)
     assert "| eager " in (out / "cuda_speed.log").read_text()
     assert "| PyTorch AMP (peer)" in (out / "cuda_profile.log").read_text()
-    published = (out / "published.jsonl").read_text().splitlines()
-    sources = [json.loads(line)["source"] for line in published]
+    published = [json.loads(line) for line in (out / "published.jsonl").read_text().splitlines()]
+    sources = [row["source"] for row in published]
     assert any("cuda_speed.py (eager)" in s for s in sources), sources
+    compiled = [r for r in published if "(compiled blocks)" in r["source"]]
+    assert [(r["id"].endswith("-compiled"), r["layout"]["compile"]) for r in compiled] == [
+        (True, True)
+    ]
     assert any("cuda_profile.py" in s for s in sources), sources
 
 

@@ -299,6 +299,51 @@ def test_a_gpu_run_of_ours_is_written_as_a_row_the_record_reads(runs, monkeypatc
     assert runs.stated_memory(cases)[0][1:3] == ("allocated", 12.0)
 
 
+def test_compiled_and_fp8_runs_of_ours_are_rows_that_say_so(runs, monkeypatch, tmp_path):
+    """`benchmarks/cuda_speed.py --row` writes its eager, compiled and FP8 runs of one config
+    under ids of their own, each layout naming what ran (`compile`, `float8`), and the record
+    prices each so: the same config compiled is a different job (a row priced as eager would
+    be compared with the wrong prediction), FP8 at the card's FP8 peak."""
+    import argparse
+
+    from shardwise.distributed import device as dev
+    from shardwise.plan import hardware
+
+    cuda_speed = bench_module("cuda_speed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hardware, "detect_hardware", lambda: hardware.get_hardware("h200"))
+    h200 = dev.DeviceInfo("cuda", "nccl", torch.device("cpu"), "NVIDIA H200")
+    monkeypatch.setattr(dev, "detect", lambda *_: h200)
+    a = argparse.Namespace(
+        model="125m", seq=1024, micro=8, global_batch=16, precision="bf16", steps=5, warmup=2,
+        row=tmp_path / "published.jsonl",
+    )  # fmt: skip
+    results = cuda_speed.Results(tmp_path, {}, [])
+    measured = {"status": "measured", "mfu": 0.4, "peak_bytes": 2**30, "breaks": 0}
+    for name, compile_, fp8, step in (
+        ("eager", "false", "none", 0.09), ("compiled blocks", "blocks", "none", 0.08),
+        ("compiled + FP8 tensorwise", "blocks", "tensorwise", 0.07),
+    ):  # fmt: skip
+        run = cuda_speed.Run(name, "ours", compile_, fp8)
+        results.add(run, {**measured, "step_s": step, "wall_s": 1.0, "estimate_s": 1.0})
+    cuda_speed.publish(a, results)
+    rows = [json.loads(line) for line in a.row.read_text().splitlines()]
+    base = "shardwise-h200-125m-1g-s1024-mb8"
+    assert [r["id"] for r in rows] == [base, f"{base}-compiled", f"{base}-compiled-fp8tensorwise"]
+    assert [(r["layout"].get("compile"), r["layout"].get("float8")) for r in rows] == [
+        (None, None), (True, None), (True, "tensorwise")
+    ]  # fmt: skip
+    cases, skipped = runs.split_cases(rows)
+    assert not skipped
+    assert [(c.job.compiled, c.job.fp8) for c in cases] == [
+        (False, "none"), (True, "none"), (True, "tensorwise")
+    ]  # fmt: skip
+    hw = cases[2].job.hardware
+    assert gpu.linear_peak(hw, cases[2].job) == hw.peak["fp8"] > hw.peak["bf16"]
+    eager, _, fp8 = (runs.predict(c)[0] for c in cases)
+    assert fp8 < eager
+
+
 def _norm(x):
     """torchtitan's RMSNorm (its weight left out: ones): computed in fp32, cast back."""
     x32 = x.float()
