@@ -55,9 +55,11 @@ BOUNDS = {
 
 
 def with_params(case: Case, params: dict[str, dict[str, float]] | None) -> Case:
-    if not params:
-        return case
+    """`case` priced with the fitted `params` of its card's chip; a card of a chip without a
+    fit (a B200: no calibration row) keeps its catalog entry."""
     hw = case.job.hardware
+    if not params or CHIP.get(hw.name) not in params:
+        return case
     hw = hw.with_overrides(**params[CHIP[hw.name]])
     return dataclasses.replace(case, job=dataclasses.replace(case.job, hardware=hw))
 

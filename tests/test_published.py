@@ -344,6 +344,18 @@ def test_compiled_and_fp8_runs_of_ours_are_rows_that_say_so(runs, monkeypatch, t
     assert fp8 < eager
 
 
+def test_calibrating_leaves_cards_without_a_fit_as_the_catalog_has_them(runs):
+    """`published_runs.py --calibrate` fits the chips that have calibration rows and prices
+    every row with them; a card whose chip has none (the B200 rows) keeps its catalog entry
+    instead of stopping the run."""
+    cases, _ = runs.split_cases(runs.load_rows())
+    b200 = next(c for c in cases if c.job.hardware.name == "b200")
+    h100 = next(c for c in cases if c.job.hardware.name == "h100-sxm")
+    params = {"h100": {"matmul_eff": 0.5}}
+    assert runs.with_params(b200, params) is b200
+    assert runs.with_params(h100, params).job.hardware.matmul_eff == 0.5
+
+
 def _norm(x):
     """torchtitan's RMSNorm (its weight left out: ones): computed in fp32, cast back."""
     x32 = x.float()
