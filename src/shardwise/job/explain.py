@@ -16,6 +16,7 @@ from shardwise.job.fake import meta_model
 from shardwise.job.predict import predict_config
 from shardwise.models.expert_lora import adapted_weights
 from shardwise.optim import EIGHT_BIT
+from shardwise.parallel.fp8 import fp8_price_note
 from shardwise.plan.gpu import ALIGN, misaligned
 from shardwise.plan.hardware import Hardware, detect_hardware
 from shardwise.plan.layout import BYTES
@@ -129,6 +130,8 @@ def _warnings(cfg: Config, d: Derived, hw: Hardware, record: dict) -> list[str |
         cpu_precision_warning(cfg.precision.compute, hw),
         alignment_warning(d.spec, cfg.precision.compute, hw, d.tp),
     ]
+    compiled = cfg.train.compile != "false"
+    warnings.append(fp8_price_note(cfg.precision.fp8, compiled, hw.name == "cpu"))
     if d.cp > 1:
         warnings.append(
             f"shardwise: parallel.cp={d.cp} ({cfg.parallel.cp_mode}) is priced as dp x cp = "

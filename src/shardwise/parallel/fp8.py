@@ -187,12 +187,54 @@ def fp8_matmul(
     return y + bias.to(y.dtype)
 
 
-def fp8_summary(recipe: str, converted: int, emulated: bool) -> str:
-    """One log line: the recipe, how many layers convert, and whether the matmuls are real."""
+# eager FP8's step over eager bf16's, the 1b decoder on one H200 (benchmarks/RESULTS.md, "Speed
+# on one GPU": 949.6 / 370.1 and 899.3 / 370.1 ms in two runs): each cast, scale and amax its
+# own kernel; compiled blocks fuse them and the same run took 0.71x AMP's step
+EAGER_FP8_SLOWDOWN = "2.4-2.6x"
+
+
+# compiled FP8 rowwise's step over tensorwise's, the same H200 runs (334.5 / 271.0, 334.4 / 269.2)
+ROWWISE_SLOWDOWN = "1.24x"
+
+
+def fp8_price_note(recipe: str, compiled: bool, on_cpu: bool) -> str | None:
+    """What `explain` cannot price of FP8 on a GPU: the casts. It prices the blocks' GEMMs at
+    the card's FP8 peak; the casts, scales and amax reductions around them are not in the step
+    time, which matters most where they run unfused (eager) and for rowwise's per-row scales."""
+    if recipe == "none" or on_cpu:
+        return None
+    missing = []
+    if not compiled:
+        missing.append(
+            "without train.compile=blocks each cast runs as its own kernel: an eager "
+            f"tensorwise step took {EAGER_FP8_SLOWDOWN} the bf16 step's time (predicted: "
+            "faster than bf16). Fix: --train.compile=blocks"
+        )
+    if recipe == "rowwise":
+        missing.append(f"rowwise's per-row scales took {ROWWISE_SLOWDOWN} tensorwise's step")
+    if not missing:
+        return None
+    return (
+        f"shardwise: precision.fp8={recipe}: the step time prices the FP8 GEMMs at the card's "
+        "FP8 peak, not the casts around them; on an H200 (the 1b decoder, "
+        f"benchmarks/RESULTS.md): {'; '.join(missing)}."
+    )
+
+
+def fp8_summary(recipe: str, converted: int, emulated: bool, compiled: bool = True) -> str:
+    """One log line: the recipe, how many layers convert, whether the matmuls are real, and,
+    for real FP8 without compiled blocks, that the unfused casts make the step slower."""
     how = (
         "numerics mode: torchao emulate=True, FP8 casts and scales exact, matmuls in fp32, "
         "no speed-up"
         if emulated
         else "FP8 tensor cores"
     )
-    return f"shardwise: precision.fp8={recipe}: {converted} block linear layer(s) in FP8 ({how})"
+    line = f"shardwise: precision.fp8={recipe}: {converted} block linear layer(s) in FP8 ({how})"
+    if emulated or compiled:
+        return line
+    return (
+        f"{line}. Without compiled blocks each FP8 cast and scale runs as its own kernel: on an "
+        f"H200 such a step took {EAGER_FP8_SLOWDOWN} the bf16 step's time. Fix: "
+        "--train.compile=blocks (compiled, the FP8 step took 0.73x the eager bf16 one)"
+    )

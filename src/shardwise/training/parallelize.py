@@ -86,7 +86,9 @@ def _apply_fp8(
     """precision.fp8: swap the family's block linears (parallel/fp8.py); rank 0 says which."""
     fp8 = apply_fp8(model, derived.family, run_cfg.precision.fp8, info)
     if fp8 and comm.topo.rank == 0:
-        print(fp8_summary(run_cfg.precision.fp8, fp8, fp8_emulated(info, "")), file=sys.stderr)
+        compiled = run_cfg.train.compile != "false"
+        line = fp8_summary(run_cfg.precision.fp8, fp8, fp8_emulated(info, ""), compiled)
+        print(line, file=sys.stderr)
 
 
 def _tp_plan(model: nn.Module, derived: Derived) -> TPPlan | None:
