@@ -115,10 +115,10 @@ def _layer(job: Job, layout: Layout) -> float:
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_compiled_over_eager_is_the_counted_passes_ratio(sp):
-    """An eager framework's block costs, beyond the same block compiled, exactly the bytes
-    plan/eager.py counts over the one-pass-per-op count, at the kernel model's bandwidth (the
-    fixed cost per kernel set to 0 here, so the ratio of the element-wise times is the ratio of
-    the bytes)."""
+    """An eager framework's block costs, beyond the same block compiled, EAGER_SHARE of the
+    bytes plan/eager.py counts over the one-pass-per-op count, at the kernel model's bandwidth
+    (the fixed cost per kernel set to 0 here, so the ratio of the element-wise times is the
+    ratio of the bytes)."""
     hw = H100.with_overrides(kernel_s=0.0)
     tp = 2 if sp else 1
     layout = Layout(dp=8 // tp, tp=tp, sp=sp, zero=3, micro_batch=2, recompute="none")
@@ -133,21 +133,30 @@ def test_compiled_over_eager_is_the_counted_passes_ratio(sp):
         for b in (0, 1)
     )
     extra = _layer(eager_job, layout) - _layer(compiled_job, layout)
-    assert extra == pytest.approx(counted / bw - fused, rel=1e-9)
-    assert (extra + fused) / fused == pytest.approx(counted / (fused * bw), rel=1e-9)
+    assert extra == pytest.approx(peers.EAGER_SHARE * (counted / bw - fused), rel=1e-9)
     assert counted / (fused * bw) > 3  # eager moves several times the fused bytes
 
 
 def test_engine_data_decides_which_count_prices_a_job():
-    """Our engine keeps the fused count (kept off: peers.Deviations.eager_elementwise says
-    why), compiled or not; a framework whose data says it runs eager pays the eager count
-    unless compiled; in the published record that is torchtitan alone, and its rows that
-    state `compile: false`."""
+    """Our engine's eager blocks keep the fused count (its eager run calibrates it:
+    peers.Deviations.eager_elementwise says why) and its compiled blocks cost EAGER_SHARE of
+    the eager count's excess less, as much as an eager framework's cost more than compiled
+    (the measured H200 pair sets the share); under FP8, whose casts are not priced, ours get
+    no discount; a framework whose data says it runs eager pays the excess unless compiled;
+    in the published record that is torchtitan alone, and its rows that state
+    `compile: false`."""
     layout = Layout(dp=8, zero=3, micro_batch=2, recompute="selective")
     ours = Job(LLAMA_8B, H100, 8, 8192, 16, "bf16", "bf16")
-    assert _layer(ours, layout) == _layer(dataclasses.replace(ours, compiled=True), layout)
     theirs = peers.run_by(ours, EAGER)
-    assert _layer(theirs, layout) > _layer(dataclasses.replace(theirs, compiled=True), layout)
+    compiled = dataclasses.replace(ours, compiled=True)
+    gain = _layer(ours, layout) - _layer(compiled, layout)
+    assert gain > 0
+    assert gain == pytest.approx(
+        _layer(theirs, layout) - _layer(dataclasses.replace(theirs, compiled=True), layout)
+    )
+    assert _layer(dataclasses.replace(theirs, compiled=True), layout) == _layer(ours, layout)
+    fp8 = dataclasses.replace(ours, fp8="tensorwise")
+    assert _layer(fp8, layout) == _layer(dataclasses.replace(fp8, compiled=True), layout)
 
     rows = bench_module("published_rows")
     eager_ones = [n for n, d in rows.FRAMEWORKS.items() if d.eager_elementwise]
@@ -168,3 +177,23 @@ def test_engine_data_decides_which_count_prices_a_job():
         "torchtitan-llama3-70b-64g-a100-fsdp64-fullac": False,
         "foundry-h100-sxm-13b-8g-s2048-mb2": False,
     }
+
+
+def test_the_measured_share_predicts_torchtitans_held_out_eager_over_compiled():
+    """EAGER_SHARE comes from our H200 pair alone; torchtitan's Llama 3.1 8B runs eager and
+    compiled on 8 and 128 H100s (held out, another framework, another card) then come out at
+    their measured step-time ratio within 3 %: the two rows of a pair are the same job but for
+    the element-wise kernels, so the ratio tests the share with the rest of the model cancelling
+    out (the whole eager count, a share of 1, predicts 1.27 for a measured 1.16)."""
+    rows = bench_module("published_rows")
+    runs = bench_module("published_runs")
+    by_id = {r["id"]: r for r in rows.load_rows()}
+    for n in (8, 128):
+        eager, compiled = (
+            rows.make_case(by_id[f"torchtitan-llama3.1-8b-{n}g-fsdp{tag}"])
+            for tag in ("", "-compile")
+        )
+        measured = eager.measured_s / compiled.measured_s
+        predicted = runs.predict(eager)[0] / runs.predict(compiled)[0]
+        assert 1.1 < measured < 1.2
+        assert predicted == pytest.approx(measured, rel=0.03), n

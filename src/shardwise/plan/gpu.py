@@ -72,7 +72,7 @@ def _elementwise_seconds(
     c: int,
     sp: bool,
     backward: bool = False,
-    eager: bool = False,
+    excess: float = 0.0,
 ) -> float:
     """Seconds of a block's element-wise kernels in forward (or `backward`): the elements
     they read + write at the achieved bandwidth, and a fixed cost each. Norms and residual adds
@@ -84,14 +84,15 @@ def _elementwise_seconds(
     the gradient and writes two (5 to 3), RoPE rotates the gradients back (2 to 2). An MoE
     block's SwiGLU runs on its routed rows and shared experts, and its routing adds
     moe.routing_bytes. This is the fused count (a compiled block, or hand-fused kernels);
-    `eager`: each op of the module's code its own kernel (plan/eager.py)."""
+    `excess`: plus that many times what the eager count (each op of the module's code its own
+    kernel: plan/eager.py) costs beyond it (peers.elementwise_excess)."""
+    if excess:
+        fused = _elementwise_seconds(hw, spec, t, tokens, c, sp, backward)
+        return fused + excess * (_eager_seconds(hw, spec, t, tokens, c, sp, backward) - fused)
     h, f = spec.dim, moe.act_width(spec)
     routing, routing_kernels = moe.routing_bytes(spec, tokens, c, backward)
     spec = moe.dense_spec(spec)  # norms, residuals and RoPE as the dense decoder's
     bw = hw.hbm_bw * hw.mem_eff
-    if eager:
-        moved, kernels = eager_bytes(spec, f, t, tokens, c, sp, backward)
-        return (moved + routing) / bw + (kernels + routing_kernels) * hw.kernel_s
     hidden = tokens * h / (t if sp else 1)
     elems = 2 * (3 if backward else 2) * hidden  # two norms
     if backward:  # two residual adds, each with its bias (and dropout)
@@ -114,6 +115,18 @@ def _elementwise_seconds(
         kernels += 1
     kernels += routing_kernels
     return (c * elems + routing) / bw + kernels * hw.kernel_s
+
+
+def _eager_seconds(
+    hw: Hardware, spec, t: int, tokens: float, c: int, sp: bool, backward: bool
+) -> float:
+    """`_elementwise_seconds` by the eager count: each op of the module's code its own kernel
+    (plan/eager.py), an MoE block's routing as in the fused count."""
+    routing, routing_kernels = moe.routing_bytes(spec, tokens, c, backward)
+    f, dense = moe.act_width(spec), moe.dense_spec(spec)
+    moved, kernels = eager_bytes(dense, f, t, tokens, c, sp, backward)
+    bw = hw.hbm_bw * hw.mem_eff
+    return (moved + routing) / bw + (kernels + routing_kernels) * hw.kernel_s
 
 
 def _attention(hw: Hardware, spec, t, b, s, c, peak, unfused: bool) -> tuple:
@@ -159,25 +172,25 @@ def block_seconds(
     unfused: bool = False,
     linear=None,
     ep: int = 1,
-    eager: bool = False,
+    excess: float = 0.0,
 ):
     """(forward, backward, attention forward) seconds of one block for a micro-batch of `b`
     sequences of `s` tokens on one tensor-parallel rank; `linear`: the linear layers' peak
     FLOP/s where it is not `peak` (precision.fp8: `linear_peak`); `ep`: the expert-parallel
-    degree an MoE block's experts are split over; `eager`: element-wise ops priced as eager
-    PyTorch runs them (peers.eager_elementwise)."""
+    degree an MoE block's experts are split over; `excess`: the element-wise ops' share of the
+    eager count beyond the fused one (peers.elementwise_excess)."""
     tokens, linear = b * s, linear or peak
     gemm = sum(_gemm(hw, c, *g, linear) for g in _gemms(spec, t, tokens, ep))
     # backward: the input gradient and the weight gradient, each as big as the forward GEMM
     gemm_bwd = sum(backward_gemm_seconds(hw, spec, t, tokens, c, linear, ep))
-    ew = _elementwise_seconds(hw, spec, t, tokens, c, sp, eager=eager)
-    ew_bwd = _elementwise_seconds(hw, spec, t, tokens, c, sp, backward=True, eager=eager)
+    ew = _elementwise_seconds(hw, spec, t, tokens, c, sp, excess=excess)
+    ew_bwd = _elementwise_seconds(hw, spec, t, tokens, c, sp, backward=True, excess=excess)
     attn_f, attn_b = _attention(hw, spec, t, b, s, c, peak, unfused)
     return gemm + ew + attn_f, gemm_bwd + ew_bwd + attn_b, attn_f
 
 
 def op_recompute_seconds(
-    hw: Hardware, spec, t, b, s, c, sp: bool, peak: float, eager: bool = False
+    hw: Hardware, spec, t, b, s, c, sp: bool, peak: float, excess: float = 0.0
 ) -> float:
     """What per-op selective checkpointing (activations.op_sac_terms) runs again in backward:
     the matmuls it did not keep (every second one) and the forward's element-wise kernels."""
@@ -186,7 +199,7 @@ def op_recompute_seconds(
         _gemm(hw, c, tokens, n / t if column else n, k if column else k / t, peak)
         for _, k, n, column in act.linears(spec)[1::2]
     )
-    return redo + _elementwise_seconds(hw, spec, t, tokens, c, sp, eager=eager)
+    return redo + _elementwise_seconds(hw, spec, t, tokens, c, sp, excess=excess)
 
 
 def head_seconds(hw: Hardware, spec, t: int, tokens: float, c: int, peak: float) -> float:
@@ -234,13 +247,13 @@ def _layer_seconds(hw: Hardware, job, layout, spec) -> float:
     """`layer_seconds` of one block shaped as `spec`."""
     s, b, t = job.seq_len, layout.micro_batch, layout.tp
     peak, linear = hw.peak[job.precision], linear_peak(hw, job)
-    unfused, eager = peers.of(job).unfused_attention, peers.eager_elementwise(job)
+    unfused, excess = peers.of(job).unfused_attention, peers.elementwise_excess(job)
     fwd, bwd, attn = block_seconds(
-        hw, spec, t, b, s, job.bc, layout.sp, peak, unfused, linear, layout.ep, eager
+        hw, spec, t, b, s, job.bc, layout.sp, peak, unfused, linear, layout.ep, excess
     )
     redo = {"full": fwd, "selective": attn}.get(layout.recompute, 0.0)
     if layout.recompute == "selective" and peers.of(job).selective_ops:
-        redo = op_recompute_seconds(hw, spec, t, b, s, job.bc, layout.sp, linear, eager)
+        redo = op_recompute_seconds(hw, spec, t, b, s, job.bc, layout.sp, linear, excess)
     per_layer = fwd + bwd + redo
     if job.finetune.lora:  # frozen weights: no weight gradient (a third of the GEMM time)
         per_layer -= _weight_grad(hw, spec, t, b * s, job.bc, linear, layout.ep)

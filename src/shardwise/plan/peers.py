@@ -98,11 +98,12 @@ class Deviations:
     # a block's element-wise ops run as plain eager PyTorch, a kernel per op of the module's
     # code (plan/eager.py), unless the run compiles its blocks (Job.compiled), instead of the
     # one pass per op that compiled blocks and hand-fused kernels run (Megatron-LM's apex and
-    # jit fusions, DeepSpeed's, llm-foundry's). Off for shardwise's own engine although it
-    # runs eager: priced so, its one GPU run (the H200 calibration row) comes out 34 % slow
-    # with the kernel parameters fitted to the record, and refitted they price llm-foundry's
-    # H100 rows worse (held-out MAPE 7.9 -> 9.6 %). The count matches a trace of our block
-    # (tests/test_plan_eager.py); the bandwidth it is priced at was fitted on fused blocks
+    # jit fusions, DeepSpeed's, llm-foundry's). Such a block pays EAGER_SHARE of the eager
+    # count's excess over the fused count (`elementwise_excess`). Off for shardwise's own
+    # engine although it runs eager: its eager H200 run is the GH100 fit's calibration row,
+    # priced with the fused count (priced with the eager count it comes out 34 % slow, and
+    # refitted the kernel parameters price llm-foundry's H100 rows worse); its compiled blocks
+    # are priced below that instead
     eager_elementwise: bool = False
 
 
@@ -125,6 +126,31 @@ def eager_elementwise(job: Job) -> bool:
     """Whether `job`'s blocks run each element-wise op as its own eager PyTorch kernel: a
     framework that runs them so (`Deviations.eager_elementwise`), not compiled this time."""
     return of(job).eager_elementwise and not job.compiled
+
+
+# The share of the eager count's excess over the fused count (plan/eager.py against
+# gpu._elementwise_seconds) that eager element-wise kernels cost, measured: the 1b decoder in
+# bf16 on one H200 stepped 370.1 ms eager and 304.1 / 302.5 ms with compiled blocks (two runs,
+# benchmarks/RESULTS.md "Speed on one GPU"), a gap of 66.8 ms against the 122.2 ms the count
+# prices at the GH100 fit: 0.547. The count alone overshoots (kernels of one op chain overlap
+# on the GPU, launches hide behind running kernels); held out, torchtitan's Llama 3.1 8B eager
+# rows on 8 and 128 H100s come out +0.9 % and -2.6 % with it (+11.5 % and +7.7 % at 1).
+EAGER_SHARE = 0.55
+
+
+def elementwise_excess(job: Job) -> float:
+    """How many times the eager count's excess over the fused count `job`'s blocks pay on a
+    GPU: EAGER_SHARE where a framework runs them eagerly (not compiled this time);
+    -EAGER_SHARE for shardwise's own engine with compiled blocks (its eager cost is in the
+    fused count's calibration: compiling takes away what eager paid beyond it), except under
+    precision.fp8, whose casts around each FP8 GEMM are not priced and on the measured H200
+    run cost about what compiling saved (compiled FP8 measured 270 ms; priced 254 ms without
+    the discount, 187 ms with it); 0 otherwise."""
+    if eager_elementwise(job):
+        return EAGER_SHARE
+    if of(job) is NONE and job.compiled and job.fp8 == "none":
+        return -EAGER_SHARE
+    return 0.0
 
 
 def run_by(job: Job, deviations: Deviations) -> PeerJob:
