@@ -7,7 +7,8 @@ same model trained by a plain PyTorch loop (`torch.autocast(bf16)` over fp32 par
 AdamW: benchmarks/cuda_profile.py's peer); and `shardwise explain`'s prediction for the config.
 Per run: the median step after the warm-up steps, MFU under two FLOP conventions (shardwise's
 6N + 12·L·h·s per token, attention included, and the 6N of the scaling-law papers), the
-allocator's peak (`max_memory_allocated`), and the ratio to the peer of the same shape.
+allocator's peak (`max_memory_allocated`), the ratio to the peer of the same shape, and the
+planner's step for the run's own keys on this card (`explain` in process) with its ratio.
 Where the card has FP8 tensor cores (compute capability 8.9+: H100, H200, L40S) and torchao is
 installed, three more runs train with `precision.fp8` (torchao float8: the blocks' linear
 layers in FP8): compiled blocks (where inductor fuses the casts into their neighbours) with
@@ -168,6 +169,23 @@ def estimate_s(a: argparse.Namespace, run: Run, flops: float, peak: float | None
     return start + (compile_s if run.compile == "blocks" else 0.0) + step * (a.warmup + a.steps)
 
 
+def priced_s(a: argparse.Namespace, run: Run, folder: Path) -> float | None:
+    """The planner's step for `run`'s keys on this machine's card, `explain` in this process
+    (no start-up), beside each run of ours; None where it cannot price them (a card without
+    FP8 peak for an FP8 run: the CPU of a smoke run)."""
+    from shardwise.config import load_config
+    from shardwise.errors import ConfigError
+    from shardwise.job.explain import explain_record
+    from shardwise.plan.hardware import detect_hardware
+
+    keys = [*overrides(a, folder), *shape_args(a, run.llama3)]
+    keys += [f"--train.compile={run.compile}", f"--precision.fp8={run.fp8}"]
+    try:
+        return explain_record(load_config(None, keys), 1, detect_hardware()).get("step_time_s")
+    except ConfigError:
+        return None
+
+
 def train(a: argparse.Namespace, run: Run, folder: Path, timeout: float) -> dict:
     """One `shardwise train` run: median step after the warm-up, MFU and peak allocation."""
     steps = a.warmup + a.steps
@@ -186,6 +204,7 @@ def train(a: argparse.Namespace, run: Run, folder: Path, timeout: float) -> dict
         "mfu": statistics.median(r["mfu"] for r in records) if records[0]["mfu"] else None,
         "peak_bytes": max(r["mem_bytes"].get("device_peak", 0) for r in records) or None,
         "breaks": every[0].get("compile", {}).get("graph_breaks"),  # the first step says
+        "plan_s": priced_s(a, run, folder),
     }
 
 
@@ -208,6 +227,7 @@ def measure(a: argparse.Namespace, run: Run, folder: Path, timeout: float) -> di
             "step_s": plan["step_time_s"],
             "mfu": plan.get("mfu"),
             "peak_bytes": plan["mem_bytes"]["total"],
+            "plan_s": plan["step_time_s"],
         }
     except (Exception, SystemExit) as exc:  # SystemExit: cuda_profile.shardwise() exits
         return {"status": "failed", "reason": f"{type(exc).__name__}: {str(exc)[-400:]}"}
@@ -242,12 +262,12 @@ class Results:
             "" if run.kind == "plan" else _pct(mfu * (1 - share) if mfu else None),
             _gb(r["peak_bytes"]), f"{r['step_s'] / them:.3f}" if them else "-",
             "-" if r.get("breaks") is None else str(r["breaks"]),
-            f"{r['wall_s']:.0f} / {r['estimate_s']:.0f}",
+            f"{r['wall_s']:.0f} / {r['estimate_s']:.0f}", _planned(r),
         ]  # fmt: skip
 
     def markdown(self) -> str:
         header = ["run", "step ms", "MFU 6N+12Lhs", "MFU 6N", "peak", "/ peer", "graph breaks"]
-        header.append("wall s / est.")
+        header += ["wall s / est.", "planner ms (/ step)"]
         done = [self.cells(run, r) for run, r in self.rows if r["status"] == "measured"]
         lines = [table(header, done)]
         why: dict[tuple[str, str], list[str]] = {}  # one line per reason
@@ -299,6 +319,12 @@ def run_all(a: argparse.Namespace, root: Path, results: Results, flops: dict) ->
         prepared = prepared or run.kind == "ours"
         print(f"== {run.name}: {r['status']} in {r['wall_s']:.0f} s", flush=True)
         results.add(run, r)
+
+
+def _planned(r: dict) -> str:
+    """The planner's step for a row and its ratio to the row's measured step ("-": none)."""
+    plan = r.get("plan_s")
+    return f"{plan * 1e3:.1f} ({plan / r['step_s']:.2f})" if plan else "-"
 
 
 def publish(a: argparse.Namespace, results: Results) -> None:

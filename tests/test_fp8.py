@@ -301,3 +301,11 @@ def test_a_real_fp8_run_without_compiled_blocks_is_told_the_fix():
     assert "FP8 tensor cores" in eager and "Fix: --train.compile=blocks" in eager
     assert "Fix" not in fp8_module.fp8_summary("tensorwise", 168, emulated=False, compiled=True)
     assert "Fix" not in fp8_module.fp8_summary("tensorwise", 168, emulated=True, compiled=False)
+    # where training would refuse compiled blocks, the line says why instead of the fix
+    why = "memory.recompute=selective recomputes parts inside each block. Fix: --memory..."
+    for line in (
+        fp8_module.fp8_summary("tensorwise", 168, emulated=False, compiled=False, refused=why),
+        fp8_module.fp8_price_note("tensorwise", compiled=False, on_cpu=False, refused=why),
+    ):
+        assert "--train.compile=blocks" not in line.split("without train.compile=blocks")[-1]
+        assert "refused here (memory.recompute=selective recomputes" in line

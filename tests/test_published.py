@@ -338,10 +338,12 @@ def test_compiled_and_fp8_runs_of_ours_are_rows_that_say_so(runs, monkeypatch, t
     assert [(c.job.compiled, c.job.fp8) for c in cases] == [
         (False, "none"), (True, "none"), (True, "tensorwise")
     ]  # fmt: skip
+    # only the eager run calibrates: the others are priced from it, not fitted to
+    assert [runs.calibration(r) for r in rows] == [True, False, False]
     hw = cases[2].job.hardware
     assert gpu.linear_peak(hw, cases[2].job) == hw.peak["fp8"] > hw.peak["bf16"]
-    eager, _, fp8 = (runs.predict(c)[0] for c in cases)
-    assert fp8 < eager
+    eager, compiled, fp8 = (runs.predict(c)[0] for c in cases)
+    assert compiled < eager and fp8 < eager
 
 
 def test_calibrating_leaves_cards_without_a_fit_as_the_catalog_has_them(runs):

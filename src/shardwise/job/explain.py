@@ -20,6 +20,7 @@ from shardwise.parallel.fp8 import fp8_price_note
 from shardwise.plan.gpu import ALIGN, misaligned
 from shardwise.plan.hardware import Hardware, detect_hardware
 from shardwise.plan.layout import BYTES
+from shardwise.training.checks import compile_refusal
 from shardwise.training.metrics import human_bytes
 from shardwise.training.validate import Derived, derive
 
@@ -130,8 +131,8 @@ def _warnings(cfg: Config, d: Derived, hw: Hardware, record: dict) -> list[str |
         cpu_precision_warning(cfg.precision.compute, hw),
         alignment_warning(d.spec, cfg.precision.compute, hw, d.tp),
     ]
-    compiled = cfg.train.compile != "false"
-    warnings.append(fp8_price_note(cfg.precision.fp8, compiled, hw.name == "cpu"))
+    compiled, refused = cfg.train.compile != "false", compile_refusal(cfg, d.family)
+    warnings.append(fp8_price_note(cfg.precision.fp8, compiled, hw.name == "cpu", refused))
     if d.cp > 1:
         warnings.append(
             f"shardwise: parallel.cp={d.cp} ({cfg.parallel.cp_mode}) is priced as dp x cp = "

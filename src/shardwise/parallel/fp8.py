@@ -197,10 +197,18 @@ EAGER_FP8_SLOWDOWN = "2.4-2.6x"
 ROWWISE_SLOWDOWN = "1.24x"
 
 
-def fp8_price_note(recipe: str, compiled: bool, on_cpu: bool) -> str | None:
+def _compile_advice(refused: str) -> str:
+    """The fix for unfused FP8 casts, or why it is not available to this job."""
+    if refused:
+        return f"compiled blocks, which fuse them, are refused here ({refused.split('. Fix')[0]})"
+    return "Fix: --train.compile=blocks"
+
+
+def fp8_price_note(recipe: str, compiled: bool, on_cpu: bool, refused: str = "") -> str | None:
     """What `explain` cannot price of FP8 on a GPU: the casts. It prices the blocks' GEMMs at
     the card's FP8 peak; the casts, scales and amax reductions around them are not in the step
-    time, which matters most where they run unfused (eager) and for rowwise's per-row scales."""
+    time, which matters most where they run unfused (eager) and for rowwise's per-row scales.
+    `refused`: why this job's blocks cannot be compiled ("" when they can)."""
     if recipe == "none" or on_cpu:
         return None
     missing = []
@@ -208,7 +216,7 @@ def fp8_price_note(recipe: str, compiled: bool, on_cpu: bool) -> str | None:
         missing.append(
             "without train.compile=blocks each cast runs as its own kernel: an eager "
             f"tensorwise step took {EAGER_FP8_SLOWDOWN} the bf16 step's time (predicted: "
-            "faster than bf16). Fix: --train.compile=blocks"
+            f"faster than bf16). {_compile_advice(refused)}"
         )
     if recipe == "rowwise":
         missing.append(f"rowwise's per-row scales took {ROWWISE_SLOWDOWN} tensorwise's step")
@@ -221,9 +229,12 @@ def fp8_price_note(recipe: str, compiled: bool, on_cpu: bool) -> str | None:
     )
 
 
-def fp8_summary(recipe: str, converted: int, emulated: bool, compiled: bool = True) -> str:
+def fp8_summary(
+    recipe: str, converted: int, emulated: bool, compiled: bool = True, refused: str = ""
+) -> str:
     """One log line: the recipe, how many layers convert, whether the matmuls are real, and,
-    for real FP8 without compiled blocks, that the unfused casts make the step slower."""
+    for real FP8 without compiled blocks, that the unfused casts make the step slower, with
+    the fix (or, `refused`, why compiled blocks are not available to this job)."""
     how = (
         "numerics mode: torchao emulate=True, FP8 casts and scales exact, matmuls in fp32, "
         "no speed-up"
@@ -233,8 +244,10 @@ def fp8_summary(recipe: str, converted: int, emulated: bool, compiled: bool = Tr
     line = f"shardwise: precision.fp8={recipe}: {converted} block linear layer(s) in FP8 ({how})"
     if emulated or compiled:
         return line
+    fix = _compile_advice(refused)
+    if not refused:
+        fix += " (compiled, the FP8 step took 0.73x the eager bf16 one)"
     return (
         f"{line}. Without compiled blocks each FP8 cast and scale runs as its own kernel: on an "
-        f"H200 such a step took {EAGER_FP8_SLOWDOWN} the bf16 step's time. Fix: "
-        "--train.compile=blocks (compiled, the FP8 step took 0.73x the eager bf16 one)"
+        f"H200 such a step took {EAGER_FP8_SLOWDOWN} the bf16 step's time. {fix}"
     )

@@ -85,10 +85,12 @@ def _elementwise_seconds(
     block's SwiGLU runs on its routed rows and shared experts, and its routing adds
     moe.routing_bytes. This is the fused count (a compiled block, or hand-fused kernels);
     `excess`: plus that many times what the eager count (each op of the module's code its own
-    kernel: plan/eager.py) costs beyond it (peers.elementwise_excess)."""
+    kernel: plan/eager.py) costs beyond it (peers.elementwise_excess); a negative `excess`
+    (our compiled blocks) takes at most all of it off, never below nothing."""
     if excess:
         fused = _elementwise_seconds(hw, spec, t, tokens, c, sp, backward)
-        return fused + excess * (_eager_seconds(hw, spec, t, tokens, c, sp, backward) - fused)
+        eager = _eager_seconds(hw, spec, t, tokens, c, sp, backward)
+        return max(0.0, fused + excess * (eager - fused))
     h, f = spec.dim, moe.act_width(spec)
     routing, routing_kernels = moe.routing_bytes(spec, tokens, c, backward)
     spec = moe.dense_spec(spec)  # norms, residuals and RoPE as the dense decoder's

@@ -73,7 +73,7 @@ class Job:
     compressions: tuple[str, ...] = ("none",)
     nvme_chunk: int = 1 << 22  # memory.nvme_buffer_mb in fp32 elements (optimizer+nvme)
     # train.compile=blocks: TorchInductor fuses each block's element-wise chains (a GPU's
-    # kernel model prices one pass per op instead of eager's kernel per op: plan/eager.py)
+    # kernel model prices them below eager ones: peers.elementwise_excess)
     compiled: bool = False
 
     @property

@@ -142,10 +142,11 @@ def elementwise_excess(job: Job) -> float:
     """How many times the eager count's excess over the fused count `job`'s blocks pay on a
     GPU: EAGER_SHARE where a framework runs them eagerly (not compiled this time);
     -EAGER_SHARE for shardwise's own engine with compiled blocks (its eager cost is in the
-    fused count's calibration: compiling takes away what eager paid beyond it), except under
-    precision.fp8, whose casts around each FP8 GEMM are not priced and on the measured H200
-    run cost about what compiling saved (compiled FP8 measured 270 ms; priced 254 ms without
-    the discount, 187 ms with it); 0 otherwise."""
+    fused count's calibration: compiling takes away what eager paid beyond it, at most the
+    whole element-wise time: gpu._elementwise_seconds), except under precision.fp8, whose
+    casts around each FP8 GEMM are not priced and on the measured H200 run cost about what
+    compiling saved (compiled FP8 measured 270 ms; priced 254 ms without the discount, 213 ms
+    with it); 0 otherwise."""
     if eager_elementwise(job):
         return EAGER_SHARE
     if of(job) is NONE and job.compiled and job.fp8 == "none":

@@ -42,6 +42,8 @@ def invalid(job: Job, lay: Layout) -> str | None:
     ours = peers.of(job) is peers.NONE
     if ours and lay.tp > 1 and job.fp8 != "none" and not fam.fp8_tensor_parallel:
         return "FP8 with tp on this model family (per-slice scales unchecked)"
+    if ours and job.compiled and (why := _compile_refused(lay)):  # as training refuses it
+        return why  # (training/checks.compile_refusal)
     if lay.tp > 1 and spec.n_experts and not lay.sp:  # (training/checks_layout.py refuses it too)
         return "MoE tp without sp (every tp rank would run every token's experts)"
     if lay.ep > 1 and not (fam.expert_parallel and spec.n_experts):
@@ -83,6 +85,17 @@ def invalid(job: Job, lay: Layout) -> str | None:
         return "heads not divisible by cp (Ulysses)"
     if lay.cp > 1 and (spec.dropout or spec.attn_dropout or job.packed):
         return "cp with dropout or packed rows"
+    return None
+
+
+def _compile_refused(lay: Layout) -> str | None:
+    """Why compiled blocks cannot run in `lay` (training/checks.compile_refusal's layouts)."""
+    if lay.recompute == "selective":
+        return "compiled blocks with selective recompute"
+    if lay.pp > 1 and lay.pp_schedule == "zb":
+        return "compiled blocks with the zb schedule"
+    if lay.cp > 1:
+        return "compiled blocks with cp"
     return None
 
 

@@ -58,6 +58,13 @@ def check_compile(cfg: Config, family: Family) -> None:
     """train.compile=blocks: the families and layouts whose compiled blocks are tested."""
     if cfg.train.compile == "false":
         return
+    if why := compile_refusal(cfg, family):
+        fix = "" if "Fix:" in why else " Fix: --train.compile=false."
+        raise ConfigError(f"train.compile={cfg.train.compile}: {why}.{fix}")
+
+
+def compile_refusal(cfg: Config, family: Family) -> str:
+    """Why this job's blocks cannot be compiled ("" when train.compile=blocks would run)."""
     why = ""
     if not family.compiles:
         why = (
@@ -74,9 +81,7 @@ def check_compile(cfg: Config, family: Family) -> None:
         why = "parallel.pp_schedule=zb splits each linear layer's backward in two, untraced"
     elif cfg.parallel.cp > 1:
         why = f"parallel.cp={cfg.parallel.cp} attends with communicating kernels, untraced"
-    if why:
-        fix = "" if "Fix:" in why else " Fix: --train.compile=false."
-        raise ConfigError(f"train.compile={cfg.train.compile}: {why}.{fix}")
+    return why
 
 
 def check_loss_chunk_count(n: int) -> None:

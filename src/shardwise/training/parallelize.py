@@ -30,6 +30,7 @@ from shardwise.parallel.sync_batchnorm import apply_sync_batchnorm
 from shardwise.parallel.tensor import TensorParallel, apply_tensor_parallel, keep_tp_marks
 from shardwise.parallel.zero import ZeroEngine, apply_zero
 from shardwise.parallel.zero_units import Sharding
+from shardwise.training.checks import compile_refusal
 from shardwise.training.validate import Derived
 
 
@@ -86,8 +87,12 @@ def _apply_fp8(
     """precision.fp8: swap the family's block linears (parallel/fp8.py); rank 0 says which."""
     fp8 = apply_fp8(model, derived.family, run_cfg.precision.fp8, info)
     if fp8 and comm.topo.rank == 0:
-        compiled = run_cfg.train.compile != "false"
-        line = fp8_summary(run_cfg.precision.fp8, fp8, fp8_emulated(info, ""), compiled)
+        compiled, refused = (
+            run_cfg.train.compile != "false",
+            compile_refusal(run_cfg, derived.family),
+        )
+        emulated = fp8_emulated(info, "")
+        line = fp8_summary(run_cfg.precision.fp8, fp8, emulated, compiled, refused)
         print(line, file=sys.stderr)
 
 
