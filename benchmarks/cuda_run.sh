@@ -19,8 +19,8 @@
 #       bash benchmarks/cuda_run.sh --smoke              # rehearsal on a CPU (docs/profile.md)
 #
 # PYTHON (default python3) runs everything; CUDA_RUN_SITE (default: a new temporary folder)
-# receives the wheels; CUDA_SPEED_BUDGET_S (default 390) is cuda_speed.py's --budget-s (by its
-# estimates all runs but compiled FP8 rowwise fit, which runs if the others beat theirs);
+# receives the wheels; CUDA_SPEED_BUDGET_S (default 390) is cuda_speed.py's --budget-s (its
+# estimates, from the first H200 runs rounded up, fit every run in it; they took ~300 s);
 # cuda_profile.py gets what is left before the deadline (~80 s needed by the same kind of
 # estimate: a profile, `explain` and the peer), and is skipped with under 60 s.
 set -uo pipefail

@@ -15,8 +15,8 @@ layers in FP8): compiled blocks (where inductor fuses the casts into their neigh
 `tensorwise` and `rowwise`, and eager `tensorwise` (the unfused casts' cost); the MFU columns
 keep the bf16 peak as denominator, so an FP8 run's MFU above the bf16 run's is its speed-up.
 Last, `--llama3-layers K` (default 8; 0: off) trains a Llama-3-8B-shaped decoder (dim 4096,
-32 heads, 8 kv heads, ffn 14336) trimmed to K layers, on the data's own vocabulary, eager,
-beside its own AMP peer.
+32 heads, 8 kv heads, ffn 14336) trimmed to K layers, on the data's own vocabulary, eager
+beside its own AMP peer, then with compiled blocks and compiled FP8 tensorwise.
 
 The runs go in that order, the most wanted first, each written to `--out DIR` as soon as it
 is measured (`cuda_speed.jsonl`: one object per run, measured, skipped or failed;
@@ -59,23 +59,22 @@ LLAMA3_SMOKE = [
     "--model.ffn_dim=224",
 ]
 
-# Seconds a run is estimated to take on one H100/H200, for --budget-s. Sources: the H200 run
-# of 2026-11-26 (benchmarks/history/cuda_profile.md: the 1b decoder's eager step 362 ms at
-# 40.6 % MFU, AMP's 376 ms), priced here at 35 % MFU to err long; about a minute for the first
-# compile of the 1b block's forward and backward (a fresh machine has no inductor cache; the
-# figure maintainers gave for this block, not measured by this script yet); start-up
-# (interpreter, torch and CUDA initialisation, the model's init on the device) and FP8's
-# compile and eager casts are assumptions, not measured on a GPU. The data's first
-# preparation (a 32000-token BPE on the stdlib, then encoding) took 44 s on this project's
-# 2-core CPU. Each run prints its estimate beside its wall time: the first GPU run checks them.
+# Seconds a run is estimated to take on one H100/H200, for --budget-s, from the two H200 runs
+# of 2026-11-29 (benchmarks/history/cuda_speed.md: each row's wall time beside the estimate it
+# had then), rounded up to err long: a `shardwise train` of the 1b preset took 20-25 s eager
+# (about 17 s before its first step), 29-33 s with compiled blocks (the compile 8-13 s on a
+# fresh inductor cache), 27-47 s compiled with FP8 (its compile up to ~25 s), the peer 12-18 s;
+# the data's first preparation (a 32000-token BPE on the stdlib, then encoding) took ~5 s on
+# that machine's 16 cores; eager FP8's step was 2.4-2.6x eager bf16's. Steps are priced at 35 %
+# MFU (measured 40-49 %). Each run prints its estimate beside its wall time.
 ESTIMATE = {
-    "start_s": 20.0,  # a `shardwise train` process before its first step (assumed)
-    "peer_start_s": 10.0,  # the peer in this process: build and init only (assumed)
-    "compile_s": 60.0,  # first compile of one block shape, forward and backward
-    "fp8_compile_s": 90.0,  # the same with torchao's casts in the graph (assumed: 1.5x)
-    "prepare_s": 45.0,  # the data's first preparation (measured on CPU, see above)
-    "mfu": 0.35,  # below the 40.6 % measured, so estimates err long
-    "fp8_eager_slowdown": 2.0,  # eager float8 runs its casts unfused (assumed: 2x the step)
+    "start_s": 20.0,  # a `shardwise train` process before its first step
+    "peer_start_s": 12.0,  # the peer in this process: build and init only
+    "compile_s": 20.0,  # first compile of one block shape, forward and backward
+    "fp8_compile_s": 30.0,  # the same with torchao's casts in the graph
+    "prepare_s": 10.0,  # the data's first preparation
+    "mfu": 0.35,  # below the 40-49 % measured, so estimates err long
+    "fp8_eager_slowdown": 2.6,  # eager float8 runs its casts unfused
     "smoke_s": 15.0,  # any --smoke run on a CPU
 }
 
@@ -94,7 +93,8 @@ class Run:
 def plan_runs(a: argparse.Namespace) -> list[Run]:
     """Every run, the most wanted first: the bf16 table (eager, compiled, the peer, the
     planner), then FP8 (compiled first: eager float8 runs its casts unfused, so one eager
-    recipe shows that cost), then the Llama-3 shape with its own peer."""
+    recipe shows that cost), then the Llama-3 shape with its own peer, compiled and with FP8
+    (those two not in --smoke)."""
     runs = [
         Run("eager", "ours"),
         Run("compiled blocks", "ours", "blocks"),
@@ -112,6 +112,11 @@ def plan_runs(a: argparse.Namespace) -> list[Run]:
         shape += f", {a.llama3_layers} layer(s)"
         runs += [Run(f"{shape}: eager", "ours", llama3=True)]
         runs += [Run(f"{shape}: PyTorch AMP (peer)", "peer", llama3=True)]
+        if not a.smoke:  # a CPU's compile of it says nothing and takes the smoke's time
+            runs += [Run(f"{shape}: compiled blocks", "ours", "blocks", llama3=True)]
+            runs += [
+                Run(f"{shape}: compiled + FP8 tensorwise", "ours", "blocks", "tensorwise", True)
+            ]
     return runs
 
 
@@ -304,9 +309,10 @@ def run_all(a: argparse.Namespace, root: Path, results: Results, flops: dict) ->
         est = estimate_s(a, run, flops[run.llama3], peak)
         if run.kind == "ours" and not prepared and peak:
             est += ESTIMATE["prepare_s"]  # the first `train` prepares the data
-        need = est  # the Llama-3 shape's run goes only with time for its peer (the ratio)
-        if run.llama3 and run.kind == "ours":
-            need += sum(estimate_s(a, r, flops[True], peak) for r in runs[i + 1 :] if r.llama3)
+        need = est  # the Llama-3 shape's eager run goes only with time for its peer (the ratio)
+        if run.llama3 and run.kind == "ours" and run.compile == "false":
+            later = [r for r in runs[i + 1 :] if r.llama3 and r.kind == "peer"]
+            need += sum(estimate_s(a, r, flops[True], peak) for r in later)
         left = a.budget_s - (time.monotonic() - start)
         why = skip_reason(a, run, need, left, fp8, results.rows)
         if why:

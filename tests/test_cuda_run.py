@@ -156,3 +156,21 @@ def test_a_failed_run_is_a_row_and_the_next_run_still_starts(monkeypatch, tmp_pa
     md = (tmp_path / "cuda_speed.md").read_text()
     assert "shardwise train exited 2: error: boom" in md and "CUDA out of memory" in md
     assert "shardwise explain failed (1)" in md and "has no result to compare" in md
+
+
+def test_the_llama3_shape_runs_eager_with_its_peer_then_compiled_and_with_fp8(monkeypatch):
+    """The trimmed Llama-3-8B shape is measured as the 1b preset is: eager beside its own AMP
+    peer (the pair first, so a short budget keeps the ratio), then compiled blocks and
+    compiled FP8 tensorwise; --smoke keeps the pair only (a CPU's compile of it says
+    nothing)."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import cuda_speed
+
+    for smoke, want in (
+        (False, ["eager", "PyTorch AMP (peer)", "compiled blocks", "compiled + FP8 tensorwise"]),
+        (True, ["eager", "PyTorch AMP (peer)"]),
+    ):
+        runs = cuda_speed.plan_runs(argparse.Namespace(smoke=smoke, llama3_layers=8))
+        assert [r.name.split(": ")[-1] for r in runs if r.llama3] == want
