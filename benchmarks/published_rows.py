@@ -5,7 +5,8 @@ framework that ran it differs from shardwise, the job is a `plan/peers.PeerJob` 
 framework's `Deviations`, data beside the record (`published/frameworks.toml`). Knobs a source
 does not state (micro-batch, interleaving depth) are the planner's choice, as `plan` makes it
 when those keys are not pinned. A row the planner cannot price says why. The MoE rows'
-adapters are in published_moe.py. Used by published_runs.py and tests/test_published.py.
+adapters are in published_moe.py. Used by published_runs.py, tests/test_published.py and
+tests/test_published_ours.py.
 """
 
 from __future__ import annotations
