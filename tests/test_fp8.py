@@ -302,10 +302,14 @@ def test_a_real_fp8_run_without_compiled_blocks_is_told_the_fix():
     assert "Fix" not in fp8_module.fp8_summary("tensorwise", 168, emulated=False, compiled=True)
     assert "Fix" not in fp8_module.fp8_summary("tensorwise", 168, emulated=True, compiled=False)
     # where training would refuse compiled blocks, the line says why instead of the fix
-    why = "memory.recompute=selective recomputes parts inside each block. Fix: --memory..."
+    from shardwise.training.checks import compile_refusal
+
+    cfg = load_config(None, ["--memory.recompute=selective"])
+    why = compile_refusal(cfg, derive(cfg, 1).family)
     for line in (
         fp8_module.fp8_summary("tensorwise", 168, emulated=False, compiled=False, refused=why),
         fp8_module.fp8_price_note("tensorwise", compiled=False, on_cpu=False, refused=why),
     ):
         assert "--train.compile=blocks" not in line.split("without train.compile=blocks")[-1]
-        assert "refused here (memory.recompute=selective recomputes" in line
+        assert "refused here: memory.recompute=selective recomputes" in line
+        assert "Fix: --memory.recompute=full" in line  # the way such a job can compile

@@ -206,8 +206,9 @@ def test_the_measured_share_predicts_torchtitans_held_out_eager_over_compiled():
 
 def test_the_search_leaves_out_layouts_whose_blocks_training_would_not_compile():
     """With train.compile=blocks training refuses selective recomputation, the zb schedule
-    and cp (training/checks.compile_refusal), so the planner does not offer those layouts for
-    our compiled blocks, which it now prices faster; uncompiled, they stay."""
+    under pp, cp, and families whose blocks it does not compile (an MoE model;
+    training/checks.compile_refusal), so the planner does not offer those layouts for our
+    compiled blocks, which it now prices faster; uncompiled, they stay."""
     ours = Job(LLAMA_8B, H100, 8, 8192, 16, "bf16", "bf16")
     compiled = dataclasses.replace(ours, compiled=True)
     refused = {
@@ -218,3 +219,8 @@ def test_the_search_leaves_out_layouts_whose_blocks_training_would_not_compile()
     for layout, why in refused.items():
         assert valid.invalid(ours, layout) is None, layout
         assert why in valid.invalid(compiled, layout), layout
+    assert valid.invalid(compiled, Layout(dp=8, micro_batch=2, pp_schedule="zb")) is None
+    moe = Job(preset("moe-1b"), H100, 8, 2048, 16, "bf16", "bf16")
+    assert valid.invalid(moe, Layout(dp=8, micro_batch=2)) is None
+    moe_compiled = dataclasses.replace(moe, compiled=True)
+    assert "does not compile" in valid.invalid(moe_compiled, Layout(dp=8, micro_batch=2))

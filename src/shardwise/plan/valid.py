@@ -42,7 +42,7 @@ def invalid(job: Job, lay: Layout) -> str | None:
     ours = peers.of(job) is peers.NONE
     if ours and lay.tp > 1 and job.fp8 != "none" and not fam.fp8_tensor_parallel:
         return "FP8 with tp on this model family (per-slice scales unchecked)"
-    if ours and job.compiled and (why := _compile_refused(lay)):  # as training refuses it
+    if ours and job.compiled and (why := _compile_refused(lay, fam)):  # as training refuses it
         return why  # (training/checks.compile_refusal)
     if lay.tp > 1 and spec.n_experts and not lay.sp:  # (training/checks_layout.py refuses it too)
         return "MoE tp without sp (every tp rank would run every token's experts)"
@@ -88,8 +88,11 @@ def invalid(job: Job, lay: Layout) -> str | None:
     return None
 
 
-def _compile_refused(lay: Layout) -> str | None:
-    """Why compiled blocks cannot run in `lay` (training/checks.compile_refusal's layouts)."""
+def _compile_refused(lay: Layout, fam: Family) -> str | None:
+    """Why compiled blocks cannot run in `lay` for a model of `fam` (what
+    training/checks.compile_refusal refuses)."""
+    if not fam.compiles:
+        return "compiled blocks of a model family that does not compile them"
     if lay.recompute == "selective":
         return "compiled blocks with selective recompute"
     if lay.pp > 1 and lay.pp_schedule == "zb":
