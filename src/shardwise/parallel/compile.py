@@ -33,6 +33,21 @@ def apply_compile(model: nn.Module, family: Family, mode: str) -> int:
     return compiled
 
 
+def untraced(family: Family, recompute: str, pp: int, pp_schedule: str, cp: int) -> str | None:
+    """What keeps a job's blocks from compiling (None: nothing): the one rule training
+    (training/checks.compile_refusal, with each case's message) and the planner's search
+    (plan/valid.py) share."""
+    if not family.compiles:
+        return "a model family that does not compile them"
+    if recompute == "selective":
+        return "selective recompute"
+    if pp > 1 and pp_schedule == "zb":
+        return "the zb schedule"
+    if cp > 1:
+        return "cp"
+    return None
+
+
 def compile_summary() -> dict[str, object]:
     """What Dynamo did in this process so far: graphs compiled, graph breaks by reason (the
     first 80 characters), recompilations past the first graph of a code object."""

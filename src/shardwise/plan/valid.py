@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from shardwise.errors import ConfigError
 from shardwise.models.families import Family, family_of
+from shardwise.parallel.compile import untraced
 from shardwise.parallel.recompute import PLANS
 from shardwise.plan import peers
 from shardwise.plan.layout import Job, Layout
@@ -42,8 +43,9 @@ def invalid(job: Job, lay: Layout) -> str | None:
     ours = peers.of(job) is peers.NONE
     if ours and lay.tp > 1 and job.fp8 != "none" and not fam.fp8_tensor_parallel:
         return "FP8 with tp on this model family (per-slice scales unchecked)"
-    if ours and job.compiled and (why := _compile_refused(lay, fam)):  # as training refuses it
-        return why  # (training/checks.compile_refusal)
+    untraceable = untraced(fam, lay.recompute, lay.pp, lay.pp_schedule, lay.cp)
+    if ours and job.compiled and untraceable:  # training refuses it (training/checks.py)
+        return f"compiled blocks with {untraceable}"
     if lay.tp > 1 and spec.n_experts and not lay.sp:  # (training/checks_layout.py refuses it too)
         return "MoE tp without sp (every tp rank would run every token's experts)"
     if lay.ep > 1 and not (fam.expert_parallel and spec.n_experts):
@@ -85,20 +87,6 @@ def invalid(job: Job, lay: Layout) -> str | None:
         return "heads not divisible by cp (Ulysses)"
     if lay.cp > 1 and (spec.dropout or spec.attn_dropout or job.packed):
         return "cp with dropout or packed rows"
-    return None
-
-
-def _compile_refused(lay: Layout, fam: Family) -> str | None:
-    """Why compiled blocks cannot run in `lay` for a model of `fam` (what
-    training/checks.compile_refusal refuses)."""
-    if not fam.compiles:
-        return "compiled blocks of a model family that does not compile them"
-    if lay.recompute == "selective":
-        return "compiled blocks with selective recompute"
-    if lay.pp > 1 and lay.pp_schedule == "zb":
-        return "compiled blocks with the zb schedule"
-    if lay.cp > 1:
-        return "compiled blocks with cp"
     return None
 
 

@@ -10,6 +10,7 @@ from shardwise.config import Config, FinetuneConfig
 from shardwise.errors import ConfigError
 from shardwise.models import ModelSpec
 from shardwise.models.families import Family
+from shardwise.parallel.compile import untraced
 
 
 def check_packing(cfg: Config, family: Family, pp: int) -> None:
@@ -65,23 +66,25 @@ def check_compile(cfg: Config, family: Family) -> None:
 
 def compile_refusal(cfg: Config, family: Family) -> str:
     """Why this job's blocks cannot be compiled ("" when train.compile=blocks would run)."""
-    why = ""
-    if not family.compiles:
-        why = (
-            f"model.name='{cfg.model.name}' is {family.kind}, whose compiled blocks are not "
-            "tested yet (the built-in decoders and the hf-* presets are)"
-        )
-    elif cfg.memory.recompute == "selective":
-        why = (
+    par = cfg.parallel
+    case = untraced(family, cfg.memory.recompute, par.pp, par.pp_schedule, par.cp)
+    if case is None:
+        return ""
+    return {
+        "selective recompute": (
             "memory.recompute=selective recomputes parts inside each block, and torch.compile "
             "cannot trace that recomputation. Fix: --memory.recompute=full (it wraps the "
             "compiled block) or none"
-        )
-    elif cfg.parallel.pp_schedule == "zb" and cfg.parallel.pp > 1:
-        why = "parallel.pp_schedule=zb splits each linear layer's backward in two, untraced"
-    elif cfg.parallel.cp > 1:
-        why = f"parallel.cp={cfg.parallel.cp} attends with communicating kernels, untraced"
-    return why
+        ),
+        "the zb schedule": (
+            "parallel.pp_schedule=zb splits each linear layer's backward in two, untraced"
+        ),
+        "cp": f"parallel.cp={par.cp} attends with communicating kernels, untraced",
+    }.get(
+        case,
+        f"model.name='{cfg.model.name}' is {family.kind}, whose compiled blocks are not "
+        "tested yet (the built-in decoders and the hf-* presets are)",
+    )
 
 
 def check_loss_chunk_count(n: int) -> None:
