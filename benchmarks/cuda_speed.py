@@ -235,7 +235,6 @@ def measure(a: argparse.Namespace, run: Run, folder: Path, timeout: float) -> di
             "step_s": plan["step_time_s"],
             "mfu": plan.get("mfu"),
             "peak_bytes": plan["mem_bytes"]["total"],
-            "plan_s": plan["step_time_s"],
         }
     except (Exception, SystemExit) as exc:  # SystemExit: cuda_profile.shardwise() exits
         return {"status": "failed", "reason": f"{type(exc).__name__}: {str(exc)[-400:]}"}
