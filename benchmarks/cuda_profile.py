@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -103,9 +103,23 @@ def predicted(a: argparse.Namespace, folder: Path) -> dict:
     return json.loads(proc.stdout)
 
 
-def peer(a: argparse.Namespace, folder: Path, n_steps: int, extra: Sequence[str] = ()) -> dict:
+def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The peer's loss: the sum of token cross-entropies over fp32 logits."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="sum")
+
+
+def peer(
+    a: argparse.Namespace,
+    folder: Path,
+    n_steps: int,
+    extra: Sequence[str] = (),
+    build: Callable | None = None,
+    compile_loss: bool = False,
+) -> dict:
     """Plain PyTorch AMP on the same model (`extra`: overrides of its shape), data order and
-    AdamW settings."""
+    AdamW settings. `build(spec, seq, device)`: another implementation of the model (another
+    framework's, at the same widths), which must hold the same parameter count; `compile_loss`:
+    the loss compiled (as torchtitan's trainer does with its blocks compiled)."""
     from shardwise.config import load_config
     from shardwise.data import GlobalSampler, load_data, split_for_rank
     from shardwise.distributed import device as dev
@@ -118,9 +132,19 @@ def peer(a: argparse.Namespace, folder: Path, n_steps: int, extra: Sequence[str]
     d = derive(cfg, 1)
     info = dev.detect(cfg.run.device)
     data = load_data(data_spec(cfg, d.spec.vocab_size), "train")
-    with torch.device(info.device):
-        model = build_model(d.spec)
-    init_weights(model, cfg.train.seed)
+    if build is None:
+        with torch.device(info.device):
+            model = build_model(d.spec)
+        init_weights(model, cfg.train.seed)
+    else:
+        torch.manual_seed(cfg.train.seed)
+        model = build(d.spec, d.tokens_per_sample, info.device)
+        with torch.device("meta"):
+            want = sum(p.numel() for p in build_model(d.spec).parameters())
+        have = sum(p.numel() for p in model.parameters())
+        if have != want:
+            raise ValueError(f"the peer's model holds {have:,} parameters, ours {want:,}")
+    loss_fn = torch.compile(summed_loss) if compile_loss else summed_loss
     fused = info.type == "cuda"
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.train.lr, weight_decay=cfg.optim.weight_decay, fused=fused
@@ -136,7 +160,7 @@ def peer(a: argparse.Namespace, folder: Path, n_steps: int, extra: Sequence[str]
             x, y = (t.to(info.device) for t in data.get_batch(micro))
             with torch.autocast(info.type, dtype=dtype or torch.float32, enabled=bool(dtype)):
                 logits = model(x)
-            loss = F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), reduction="sum")
+            loss = loss_fn(logits, y)
             (loss / count).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

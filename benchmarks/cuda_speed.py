@@ -16,7 +16,11 @@ layers in FP8): compiled blocks (where inductor fuses the casts into their neigh
 keep the bf16 peak as denominator, so an FP8 run's MFU above the bf16 run's is its speed-up.
 Last, `--llama3-layers K` (default 8; 0: off) trains a Llama-3-8B-shaped decoder (dim 4096,
 32 heads, 8 kv heads, ffn 14336) trimmed to K layers, on the data's own vocabulary, eager
-beside its own AMP peer, then with compiled blocks and compiled FP8 tensorwise.
+beside its own AMP peer, then with compiled blocks and compiled FP8 tensorwise. Where
+torchtitan 0.3.0 is installed (benchmarks/gpu_wheels.sh), its Llama 3 model at the preset's
+widths trains in the peer's loop, compiled, eager and compiled with FP8 rowwise (the recipes
+its converter offers), each beside our run of the same compile and FP8 as a ratio
+(benchmarks/torchtitan_peer.py says what is torchtitan's in those rows).
 
 The runs go in that order, the most wanted first, each written to `--out DIR` as soon as it
 is measured (`cuda_speed.jsonl`: one object per run, measured, skipped or failed;
@@ -46,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+import torchtitan_peer
 from common import add_smoke, preamble, table
 from cuda_profile import _gb, _pct, add_run_args, overrides, peer, predicted, published_row
 from cuda_profile import stream as stream_cli
@@ -81,10 +86,10 @@ ESTIMATE = {
 
 @dataclass(frozen=True)
 class Run:
-    """One row: ours (`shardwise train`), the AMP peer, or the planner's prediction."""
+    """One row: ours (`shardwise train`), the AMP peer, torchtitan, or the planner's step."""
 
     name: str
-    kind: str  # "ours" | "peer" | "plan"
+    kind: str  # "ours" | "peer" | "plan" | "titan" (torchtitan's model: torchtitan_peer.py)
     compile: str = "false"
     fp8: str = "none"
     llama3: bool = False
@@ -92,21 +97,28 @@ class Run:
 
 def plan_runs(a: argparse.Namespace) -> list[Run]:
     """Every run, the most wanted first: the bf16 table (eager, compiled, the peer, the
-    planner), then FP8 (compiled first: eager float8 runs its casts unfused, so one eager
-    recipe shows that cost), then the Llama-3 shape with its own peer, compiled and with FP8
-    (those two not in --smoke)."""
+    planner), torchtitan compiled and eager, then FP8 (compiled first: eager float8 runs its
+    casts unfused, so one eager recipe shows that cost) and torchtitan's FP8 (rowwise: the
+    recipes its converter offers), then the Llama-3 shape with its own peer, compiled and
+    with FP8. --smoke leaves out what a CPU's compile would only slow: torchtitan compiled,
+    the Llama-3 shape compiled."""
     runs = [
         Run("eager", "ours"),
         Run("compiled blocks", "ours", "blocks"),
         Run("PyTorch AMP (peer)", "peer"),
         Run("planner (explain, eager)", "plan"),
     ]
+    if not a.smoke:
+        runs += [Run("torchtitan: compiled blocks", "titan", "blocks")]
+    runs += [Run("torchtitan: eager", "titan")]
     fp8 = [
         Run("compiled + FP8 tensorwise", "ours", "blocks", "tensorwise"),
         Run("compiled + FP8 rowwise", "ours", "blocks", "rowwise"),
         Run("eager + FP8 tensorwise", "ours", "false", "tensorwise"),
     ]
     runs += [r for r in fp8 if r.compile == "false"][:1] if a.smoke else fp8  # a CPU: one
+    if not a.smoke:
+        runs += [Run("torchtitan: compiled + FP8 rowwise", "titan", "blocks", "rowwise")]
     if a.llama3_layers:
         shape = "Llama-3 ratios, tiny widths" if a.smoke else "Llama-3-8B widths"
         shape += f", {a.llama3_layers} layer(s)"
@@ -170,7 +182,7 @@ def estimate_s(a: argparse.Namespace, run: Run, flops: float, peak: float | None
     if run.fp8 != "none" and run.compile == "false":
         step *= e["fp8_eager_slowdown"]
     compile_s = e["fp8_compile_s"] if run.fp8 != "none" else e["compile_s"]
-    start = e["peer_start_s"] if run.kind == "peer" else e["start_s"]
+    start = e["peer_start_s"] if run.kind in ("peer", "titan") else e["start_s"]
     return start + (compile_s if run.compile == "blocks" else 0.0) + step * (a.warmup + a.steps)
 
 
@@ -223,9 +235,15 @@ def measure(a: argparse.Namespace, run: Run, folder: Path, timeout: float) -> di
     try:
         if run.kind == "ours":
             return train(a, run, folder, timeout)
-        if run.kind == "peer":
+        if run.kind in ("peer", "titan"):
+            build, compiled = None, run.compile == "blocks"
+            if run.kind == "titan":
+
+                def build(spec, seq, device):
+                    return torchtitan_peer.build(spec, seq, device, compiled, run.fp8)
+
             try:
-                r = peer(a, folder, a.warmup + a.steps, shape_args(a, run.llama3))
+                r = peer(a, folder, a.warmup + a.steps, shape_args(a, run.llama3), build, compiled)
             finally:  # the next `shardwise train` needs the device's memory
                 dev.release_cached_memory(dev.detect())
             return {"status": "measured", **r}
@@ -272,11 +290,24 @@ class Results:
             f"{r['wall_s']:.0f} / {r['estimate_s']:.0f}", _planned(r),
         ]  # fmt: skip
 
+    def against_torchtitan(self) -> list[str]:
+        """A line per torchtitan row with a run of ours of the same compile and FP8: the
+        ratio of our step to torchtitan's (below 1: ours is faster)."""
+        measured = [(run, r) for run, r in self.rows if r["status"] == "measured"]
+        lines = []
+        for titan, t in ((run, r) for run, r in measured if run.kind == "titan"):
+            same = (titan.compile, titan.fp8, titan.llama3)
+            for run, r in measured:
+                if run.kind == "ours" and (run.compile, run.fp8, run.llama3) == same:
+                    ratio = r["step_s"] / t["step_s"]
+                    lines.append(f"{run.name} / {titan.name}: {ratio:.3f}")
+        return lines
+
     def markdown(self) -> str:
         header = ["run", "step ms", "MFU 6N+12Lhs", "MFU 6N", "peak", "/ peer", "graph breaks"]
         header += ["wall s / est.", "planner ms (/ step)"]
         done = [self.cells(run, r) for run, r in self.rows if r["status"] == "measured"]
-        lines = [table(header, done)]
+        lines = [table(header, done), *self.against_torchtitan()]
         why: dict[tuple[str, str], list[str]] = {}  # one line per reason
         for run, r in self.rows:
             if r["status"] != "measured":
@@ -288,8 +319,12 @@ class Results:
 
 
 def skip_reason(a: argparse.Namespace, run: Run, need: float, left: float, fp8: str, rows) -> str:
-    """Why `run` does not start ("" when it does): FP8 unavailable (`fp8`), its shape's own
-    run without a result (a peer with nothing to compare), or `need` seconds over `left`."""
+    """Why `run` does not start ("" when it does): torchtitan or FP8 unavailable (`fp8`), its
+    shape's own run without a result (a peer with nothing to compare), or `need` seconds over
+    `left`."""
+    titan = torchtitan_peer.unavailable() if run.kind == "titan" else ""
+    if titan:
+        return titan
     if run.fp8 != "none" and fp8:
         return fp8
     if need > left:

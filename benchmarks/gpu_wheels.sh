@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu_wheels.sh
 #
-# Only torchao: `import shardwise`, the bf16 runs, the peer and the profile need nothing more
+# torchao: `import shardwise`, the bf16 runs, the peer and the profile need nothing more
 # there (checked by tests/test_cuda_run.py with the missing packages blocked). torchao 0.18.0:
 # the float8 training API parallel/fp8.py calls (Float8LinearConfig.from_recipe_name,
 # convert_to_float8_training, float8_linear.matmul_with_hp_or_float8_args), the version
@@ -13,9 +13,18 @@
 # min_torch_version gate), so 2.11 is the oldest torch it runs on. Its compiled kernels (mxfp8,
 # cutlass) may not load under CUDA 13 and are not used: float8 training is Python over
 # torch._scaled_mm.
+#
+# And torchtitan 0.3.0 for cuda_speed.py's torchtitan rows (benchmarks/torchtitan_peer.py
+# builds with that release's model API), without its declared dependencies (its `datasets<4.8`
+# pin and its trainer's data and logging stack are not what its model code imports): only
+# those its model code imports, spmd_types and tyro (with tyro's docstring_parser, typeguard and
+# a typing_extensions new enough for typeguard). torch's CUDA wheels bring the triton it also
+# imports. Checked on CPU: the same files in a --target folder train its eager and compiled
+# rows of the smoke's shape.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=(torchao==0.18.0)
+WHEELS=(torchao==0.18.0 torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0
+    typeguard==4.6.1 typing_extensions==4.16.0)
 MAX_MIB=32  # everything that travels is capped at 64 MiB: leave room for the tree
 mkdir -p .whl
 rm -f .whl/*.whl

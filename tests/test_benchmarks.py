@@ -19,6 +19,7 @@ HELPERS = {
     "published_case.py",
     "published_rows.py",
     "published_moe.py",
+    "torchtitan_peer.py",
 }
 # Smoke runs left to `make bench-smoke` (every script), not this suite, to keep it under 15
 # minutes on 2 cores: each launches `shardwise train` (fault_soak: a reference, a signalled

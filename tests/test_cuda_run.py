@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / "tests" / "support" / "device_site"
@@ -74,7 +75,8 @@ def test_cuda_run_smoke_leaves_every_result_in_out_without_torchao(tmp_path):
         "PyTorch AMP (peer)",
         "planner (explain, eager)",
     ]
-    assert all(r["status"] == "measured" for r in rows if "FP8" not in r["run"]), rows
+    mine = [r for r in rows if "FP8" not in r["run"] and "torchtitan" not in r["run"]]
+    assert all(r["status"] == "measured" for r in mine), rows
     # each run of ours has the planner's step for its own keys beside it
     measured = [r for r in rows if r["status"] == "measured"]
     ours = [r for r in measured if "AMP" not in r["run"] and "planner" not in r["run"]]
@@ -84,8 +86,12 @@ def test_cuda_run_smoke_leaves_every_result_in_out_without_torchao(tmp_path):
     assert fp8 and all(r["status"] == "skipped" for r in fp8)
     assert [r["run"] for r in rows if "Llama-3" in r["run"]] == order[-2:]
     skipped = [x for x in (out / "cuda_speed.md").read_text().splitlines() if "skipped" in x]
-    assert len(skipped) == 1 and skipped[0].startswith("skipped: ")
-    assert "torchao missing" in skipped[0] and all(r["run"] in skipped[0] for r in fp8)
+    assert len(skipped) == 2 and all(line.startswith("skipped: ") for line in skipped)
+    assert skipped[0] == (
+        "skipped: torchtitan: eager: torchtitan not installed"
+        " (benchmarks/gpu_wheels.sh fetches 0.3.0)"
+    )
+    assert "torchao missing" in skipped[1] and all(r["run"] in skipped[1] for r in fp8)
     assert "| eager " in (out / "cuda_speed.log").read_text()
     assert "| PyTorch AMP (peer)" in (out / "cuda_profile.log").read_text()
     published = [json.loads(line) for line in (out / "published.jsonl").read_text().splitlines()]
@@ -112,11 +118,17 @@ def test_cuda_speed_skips_what_does_not_fit_its_budget(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "cuda_speed.jsonl").read_text().splitlines()]
-    assert len(rows) >= 7 and all(r["status"] == "skipped" for r in rows), rows
-    assert all("left of --budget-s 0" in r["reason"] for r in rows), rows
-    assert "FP8" in rows[4]["run"]
+    assert len(rows) >= 8 and all(r["status"] == "skipped" for r in rows), rows
+    # torchtitan, not installed here, says so first; every other run names the budget
+    titan = [r for r in rows if r["run"].startswith("torchtitan")]
+    assert [r["reason"] for r in titan] == [
+        "torchtitan not installed (benchmarks/gpu_wheels.sh fetches 0.3.0)"
+    ]
+    assert all("left of --budget-s 0" in r["reason"] for r in rows if r not in titan), rows
+    assert "FP8" in rows[5]["run"]
     skipped = [x for x in (tmp_path / "cuda_speed.md").read_text().splitlines() if "skipped" in x]
-    assert skipped and all("left of --budget-s 0" in x for x in skipped)
+    budget = [x for x in skipped if "torchtitan not installed" not in x]
+    assert len(budget) == len(skipped) - 1 and all("left of --budget-s 0" in x for x in budget)
 
 
 def test_a_failed_run_is_a_row_and_the_next_run_still_starts(monkeypatch, tmp_path):
@@ -176,3 +188,65 @@ def test_the_llama3_shape_runs_eager_with_its_peer_then_compiled_and_with_fp8(mo
     ):
         runs = cuda_speed.plan_runs(argparse.Namespace(smoke=smoke, llama3_layers=8))
         assert [r.name.split(": ")[-1] for r in runs if r.llama3] == want
+
+
+def test_torchtitan_rows_come_after_the_bf16_table_and_say_how_they_compare(monkeypatch):
+    """torchtitan's rows are planned right after the bf16 table (compiled first: the pair
+    the speed goal compares) and its FP8 after ours; each measured torchtitan row is set
+    beside our run of the same compile and FP8 as a ratio of steps."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import cuda_speed
+
+    runs = cuda_speed.plan_runs(argparse.Namespace(smoke=False, llama3_layers=0))
+    names = [r.name for r in runs]
+    assert names[4:6] == ["torchtitan: compiled blocks", "torchtitan: eager"]
+    assert names.index("torchtitan: compiled + FP8 rowwise") > names.index("compiled + FP8 rowwise")
+    smoke = cuda_speed.plan_runs(argparse.Namespace(smoke=True, llama3_layers=0))
+    assert [r.name for r in smoke if r.kind == "titan"] == ["torchtitan: eager"]
+    results = cuda_speed.Results(Path("/nonexistent"), {}, [])
+    step = {"compiled blocks": 0.30, "torchtitan: compiled blocks": 0.32, "eager": 0.37}
+    step["torchtitan: eager"] = 0.40
+    by_name = {r.name: r for r in runs}
+    results.rows = [(by_name[n], {"status": "measured", "step_s": s}) for n, s in step.items()]
+    assert results.against_torchtitan() == [
+        "compiled blocks / torchtitan: compiled blocks: 0.938",
+        "eager / torchtitan: eager: 0.925",
+    ]
+
+
+def test_torchtitan_of_another_release_is_refused_by_name(monkeypatch):
+    """torchtitan_peer.py builds with one release's model-config API: another installed
+    release (or none) is a skipped row that names the version found and the one wanted."""
+    import importlib.metadata
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import torchtitan_peer
+
+    assert torchtitan_peer.unavailable().startswith("torchtitan not installed")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.2.0")
+    assert torchtitan_peer.unavailable() == (
+        "torchtitan 0.2.0 installed; this script builds with 0.3.0's model API"
+    )
+
+
+@pytest.mark.slow
+def test_the_peer_trains_another_implementation_of_the_same_widths_only(monkeypatch, tmp_path):
+    """The peer's `build` hook (how torchtitan's model enters its loop): a model of the same
+    parameter count trains in the peer's loop; one of another count is refused by its
+    numbers, so a row never compares different models."""
+    import argparse
+
+    from shardwise.models import build_model
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import cuda_profile
+
+    a = argparse.Namespace(
+        model="tiny", seq=64, micro=2, global_batch=4, precision="bf16", warmup=1
+    )  # fmt: skip
+    r = cuda_profile.peer(a, tmp_path, 2, build=lambda spec, seq, device: build_model(spec))
+    assert r["step_s"] > 0 and r["device"] == "cpu"
+    with pytest.raises(ValueError, match=r"the peer's model holds 16 parameters, ours 1,787,008"):
+        cuda_profile.peer(a, tmp_path, 2, build=lambda spec, seq, device: torch.nn.Linear(3, 4))

