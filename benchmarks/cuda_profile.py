@@ -65,12 +65,14 @@ def shardwise(args: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
-def stream(args: list[str], timeout: float | None = None) -> tuple[int, str]:
-    """`shardwise ARGS` with its output passed on line by line as it comes (a GPU machine's
-    caller sees progress, and a timeout keeps what was printed); (exit status, last lines).
-    Past `timeout` seconds the run is killed (exit -9)."""
+def stream(
+    args: list[str], timeout: float | None = None, program: Sequence[str] = ("-c", CLI)
+) -> tuple[int, str]:
+    """`shardwise ARGS` (or another `program` of this Python's) with its output passed on line
+    by line as it comes (a GPU machine's caller sees progress, and a timeout keeps what was
+    printed); (exit status, last lines). Past `timeout` seconds the run is killed (exit -9)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-c", CLI, *args]
+    cmd = [sys.executable, *program, *args]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
@@ -115,11 +117,13 @@ def peer(
     extra: Sequence[str] = (),
     build: Callable | None = None,
     compile_loss: bool = False,
+    amp: bool = True,
 ) -> dict:
     """Plain PyTorch AMP on the same model (`extra`: overrides of its shape), data order and
     AdamW settings. `build(spec, seq, device)`: another implementation of the model (another
     framework's, at the same widths), which must hold the same parameter count; `compile_loss`:
-    the loss compiled (as torchtitan's trainer does with its blocks compiled)."""
+    the loss compiled (as torchtitan's trainer does with its blocks compiled); `amp=False`: no
+    autocast (a model whose own wrapping computes in bf16: torchtitan's FSDP2 policy)."""
     from shardwise.config import load_config
     from shardwise.data import GlobalSampler, load_data, split_for_rank
     from shardwise.distributed import device as dev
@@ -158,7 +162,9 @@ def peer(
         t0 = time.perf_counter()
         for micro in split_for_rank(sampler.global_indices(step), 0, 1, d.micro_batch):
             x, y = (t.to(info.device) for t in data.get_batch(micro))
-            with torch.autocast(info.type, dtype=dtype or torch.float32, enabled=bool(dtype)):
+            with torch.autocast(
+                info.type, dtype=dtype or torch.float32, enabled=amp and bool(dtype)
+            ):
                 logits = model(x)
             loss = loss_fn(logits, y)
             (loss / count).backward()

@@ -42,7 +42,7 @@ left() { echo $((DEADLINE - SECONDS)); }
     if compgen -G ".whl/*.whl" > /dev/null; then
         echo "installing into $SITE:" .whl/*.whl
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target "$SITE" .whl/*.whl || echo "install failed: the FP8 runs will say why"
+            --target "$SITE" .whl/*.whl || echo "install failed: the FP8 and torchtitan runs will say why"
     else
         echo "no .whl/ here (bash benchmarks/gpu_wheels.sh): nothing installed"
     fi

@@ -18,12 +18,14 @@ Last, `--llama3-layers K` (default 8; 0: off) trains a Llama-3-8B-shaped decoder
 32 heads, 8 kv heads, ffn 14336) trimmed to K layers, on the data's own vocabulary, eager
 beside its own AMP peer, then with compiled blocks and compiled FP8 tensorwise. Where
 torchtitan 0.3.0 is installed (benchmarks/gpu_wheels.sh), its Llama 3 model at the preset's
-widths trains in the peer's loop, compiled, eager and compiled with FP8 rowwise (the recipes
-its converter offers), each beside our run of the same compile and FP8 as a ratio
+widths, parallelised and initialised by its own functions (its FSDP2 bf16 precision, its
+compiled blocks and float8), trains in the peer's loop and data order, each run in a process
+of its own: compiled and eager after the planner's row, compiled FP8 rowwise (the recipes its
+converter offers) last; each is set beside our run of the same compile and FP8 as a ratio
 (benchmarks/torchtitan_peer.py says what is torchtitan's in those rows).
 
-The runs go in that order, the most wanted first, each written to `--out DIR` as soon as it
-is measured (`cuda_speed.jsonl`: one object per run, measured, skipped or failed;
+The runs go in `plan_runs`' order, the most wanted first, each written to `--out DIR` as soon
+as it is measured (`cuda_speed.jsonl`: one object per run, measured, skipped or failed;
 `cuda_speed.md`: the table so far), so a run cut short still leaves every finished row.
 `--budget-s S` skips a run whose estimated time (printed beside its wall time: see ESTIMATE)
 no longer fits in what is left of S seconds, and says which were skipped and why; a failed
@@ -40,6 +42,7 @@ the script runs, its numbers mean nothing. benchmarks/cuda_run.sh runs it on a G
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -98,10 +101,10 @@ class Run:
 def plan_runs(a: argparse.Namespace) -> list[Run]:
     """Every run, the most wanted first: the bf16 table (eager, compiled, the peer, the
     planner), torchtitan compiled and eager, then FP8 (compiled first: eager float8 runs its
-    casts unfused, so one eager recipe shows that cost) and torchtitan's FP8 (rowwise: the
-    recipes its converter offers), then the Llama-3 shape with its own peer, compiled and
-    with FP8. --smoke leaves out what a CPU's compile would only slow: torchtitan compiled,
-    the Llama-3 shape compiled."""
+    casts unfused, so one eager recipe shows that cost), then the Llama-3 shape with its own
+    peer, compiled and with FP8, last torchtitan's compiled FP8 (rowwise: the recipes its
+    converter offers). --smoke leaves out what a CPU's compile would only slow: torchtitan
+    compiled, the Llama-3 shape compiled, FP8 but one eager run."""
     runs = [
         Run("eager", "ours"),
         Run("compiled blocks", "ours", "blocks"),
@@ -117,8 +120,6 @@ def plan_runs(a: argparse.Namespace) -> list[Run]:
         Run("eager + FP8 tensorwise", "ours", "false", "tensorwise"),
     ]
     runs += [r for r in fp8 if r.compile == "false"][:1] if a.smoke else fp8  # a CPU: one
-    if not a.smoke:
-        runs += [Run("torchtitan: compiled + FP8 rowwise", "titan", "blocks", "rowwise")]
     if a.llama3_layers:
         shape = "Llama-3 ratios, tiny widths" if a.smoke else "Llama-3-8B widths"
         shape += f", {a.llama3_layers} layer(s)"
@@ -129,6 +130,8 @@ def plan_runs(a: argparse.Namespace) -> list[Run]:
             runs += [
                 Run(f"{shape}: compiled + FP8 tensorwise", "ours", "blocks", "tensorwise", True)
             ]
+    if not a.smoke:
+        runs += [Run("torchtitan: compiled + FP8 rowwise", "titan", "blocks", "rowwise")]
     return runs
 
 
@@ -182,7 +185,7 @@ def estimate_s(a: argparse.Namespace, run: Run, flops: float, peak: float | None
     if run.fp8 != "none" and run.compile == "false":
         step *= e["fp8_eager_slowdown"]
     compile_s = e["fp8_compile_s"] if run.fp8 != "none" else e["compile_s"]
-    start = e["peer_start_s"] if run.kind in ("peer", "titan") else e["start_s"]
+    start = e["peer_start_s"] if run.kind == "peer" else e["start_s"]  # titan: a process
     return start + (compile_s if run.compile == "blocks" else 0.0) + step * (a.warmup + a.steps)
 
 
@@ -228,6 +231,23 @@ def train(a: argparse.Namespace, run: Run, folder: Path, timeout: float) -> dict
     }
 
 
+def torchtitan(a: argparse.Namespace, run: Run, folder: Path, timeout: float) -> dict:
+    """One torchtitan row, in a process of its own (torchtitan_peer.py says why)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / "torchtitan.json"
+    args = [f"--model={a.model}", f"--seq={a.seq}", f"--micro={a.micro}"]
+    args += [f"--global-batch={a.global_batch}", f"--precision={a.precision}"]
+    args += [f"--steps={a.steps}", f"--warmup={a.warmup}", f"--compile={run.compile}"]
+    args += [f"--fp8={run.fp8}", f"--shape={json.dumps(shape_args(a, run.llama3))}"]
+    args += [f"--folder={folder}", f"--json={out}"]
+    program = [str(Path(__file__).with_name("torchtitan_peer.py"))]
+    rc, tail = stream_cli(args, timeout, program)
+    if rc:
+        how = f"killed after {timeout:.0f} s (the budget)" if rc == -9 else f"exited {rc}"
+        return {"status": "failed", "reason": f"torchtitan_peer.py {how}: {tail}"}
+    return {"status": "measured", **json.loads(out.read_text())}
+
+
 def measure(a: argparse.Namespace, run: Run, folder: Path, timeout: float) -> dict:
     """Run one row; a failure is a row that says why, and the next run still starts."""
     from shardwise.distributed import device as dev
@@ -235,16 +255,13 @@ def measure(a: argparse.Namespace, run: Run, folder: Path, timeout: float) -> di
     try:
         if run.kind == "ours":
             return train(a, run, folder, timeout)
-        if run.kind in ("peer", "titan"):
-            build, compiled = None, run.compile == "blocks"
-            if run.kind == "titan":
-
-                def build(spec, seq, device):
-                    return torchtitan_peer.build(spec, seq, device, compiled, run.fp8)
-
+        if run.kind == "titan":
+            return torchtitan(a, run, folder, timeout)
+        if run.kind == "peer":
             try:
-                r = peer(a, folder, a.warmup + a.steps, shape_args(a, run.llama3), build, compiled)
+                r = peer(a, folder, a.warmup + a.steps, shape_args(a, run.llama3))
             finally:  # the next `shardwise train` needs the device's memory
+                gc.collect()
                 dev.release_cached_memory(dev.detect())
             return {"status": "measured", **r}
         plan = predicted(a, folder)
@@ -307,7 +324,7 @@ class Results:
         header = ["run", "step ms", "MFU 6N+12Lhs", "MFU 6N", "peak", "/ peer", "graph breaks"]
         header += ["wall s / est.", "planner ms (/ step)"]
         done = [self.cells(run, r) for run, r in self.rows if r["status"] == "measured"]
-        lines = [table(header, done), *self.against_torchtitan()]
+        lines = [table(header, done), "", *self.against_torchtitan()]
         why: dict[tuple[str, str], list[str]] = {}  # one line per reason
         for run, r in self.rows:
             if r["status"] != "measured":

@@ -1,50 +1,68 @@
-"""torchtitan's Llama 3 at the widths of a shardwise decoder, for cuda_speed.py's torchtitan rows.
+"""torchtitan's Llama 3 at the widths of a shardwise decoder: cuda_speed.py's torchtitan rows.
 
-torchtitan (the PyTorch team's reference trainer) is not a library with a stable model API: its
-0.3.0 release builds a Llama 3 from a tree of per-module configs (`Llama3Model.Config`), so this
-file builds the tree the way its own presets do (`llama3._build_llama3_layers`, a private helper
-of that release: the version is checked, not guessed) at the decoder's widths: layers, width,
-heads, kv heads, SwiGLU hidden width, vocabulary, RMSNorm eps and RoPE base (no frequency
-scaling: ours has none), untied head, fused qkv projection as torchtitan builds it. Attention
-is SDPA, as ours (0.3.0 defaults to FlexAttention, which needs compiling to be fast and block
-masks; its SDPA module is swapped in per layer, the documented way to keep SDPA).
+torchtitan (the PyTorch team's reference trainer) has no stable model API: its 0.3.0 release
+builds a Llama 3 from a tree of per-module configs (`Llama3Model.Config`), so this file builds
+the tree as its own presets do (`llama3._build_llama3_layers`, a private helper of that
+release: the version is checked, not guessed) at the decoder's widths: layers, width, heads,
+kv heads, SwiGLU hidden width, vocabulary, RMSNorm eps and RoPE base (no frequency scaling:
+ours has none), untied head, its fused qkv projection. The parameter count must equal ours.
+Attention is SDPA, as ours: 0.3.0 builds language models on FlexAttention (fast only compiled,
+with block masks) and refuses "sdpa" by name there, so its SDPA module is put in each layer's
+config by hand; it asks for cuDNN, then Flash, then the math kernel, which may differ from
+the kernel our SDPA call gets.
 
-What torchtitan's trainer does on one device and this peer does too: its `init_weights`;
-`apply_compile` (each transformer block compiled with `fullgraph=True`) and its loss compiled
-when compile is on (its default `compile.components`: model and loss; on plain tensors its
-`cross_entropy_loss` is the peer's sum of token cross-entropies over fp32 logits); its float8
-converter (`Float8LinearConverter`: rowwise recipes only in 0.3.0; the head left in bf16
-through `filter_fqns`, as ours and torchtitan's large presets do); autocast bf16 over fp32
-parameters (its mixed precision without FSDP) and fused AdamW. Not its trainer, data loader or
-config registry: the loop, data order and AdamW settings are the AMP peer's
-(cuda_profile.peer), so the rows differ only in the model code, its compile and its FP8.
+What torchtitan's trainer does on one device, done here by its own functions: float8 through
+its converter (`Float8LinearConverter`: rowwise recipes only in 0.3.0; the head left in bf16
+through `filter_fqns`, as ours); `parallelize_llama` on a one-rank mesh, which compiles each
+block (`apply_compile`, `fullgraph=True`) and applies FSDP2 whatever the rank count, for its
+mixed precision (bf16 parameters in compute, fp32 gradients reduced and fp32 master weights: no
+autocast); its `init_weights`; its loss compiled with the blocks (its default
+`compile.components`; on plain tensors its `cross_entropy_loss` is the AMP peer's sum of token
+cross-entropies over fp32 logits); fused AdamW. Left out: activation checkpointing (its
+trainer's default is selective; ours runs without recomputation, so torchtitan does too) and
+its trainer, data loader and config registry: the loop, data order and AdamW settings are the
+AMP peer's (cuda_profile.peer), so the rows differ in the model code, its precision path, its
+compile and its FP8.
 
-On the GPU machine its wheels (and the few its model code imports: spmd_types, tyro) come from
-benchmarks/gpu_wheels.sh; torch's CUDA wheels bring triton, which its MoE code imports.
+cuda_speed.py runs each row as `python benchmarks/torchtitan_peer.py ... --json FILE`, a
+process of its own: torchtitan's global switches (dynamo's and inductor's configs), its
+compiled modules' memory and any import failure of a release built against another torch end
+with it, under the run's timeout. On the GPU machine its wheels (and the few its model code
+imports: spmd_types, tyro) come from benchmarks/gpu_wheels.sh; torch's CUDA wheels bring
+triton, which it imports too. On a CPU (the smoke) torchtitan's mesh would still ask for CUDA:
+its device type is set to "cpu" there.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
+import importlib.util
+import json
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 VERSION = "0.3.0"  # the model-config API this file builds with
 
 
 def unavailable() -> str:
-    """Why the torchtitan rows cannot run here ("" when they can)."""
+    """Why the torchtitan rows cannot run here ("" when they can), without importing it: a
+    release that fails to import says so in its own row."""
     try:
         found = importlib.metadata.version("torchtitan")
     except importlib.metadata.PackageNotFoundError:
         return f"torchtitan not installed (benchmarks/gpu_wheels.sh fetches {VERSION})"
+    except Exception as exc:  # unreadable metadata: the same outcome, said
+        return f"torchtitan's metadata: {type(exc).__name__}: {exc}"
     if found != VERSION:
         return f"torchtitan {found} installed; this script builds with {VERSION}'s model API"
-    try:
-        import torchtitan.models.llama3  # noqa: F401
-    except ImportError as exc:  # a module its model code imports at load
-        return f"torchtitan {VERSION} does not import: {exc}"
+    if importlib.util.find_spec("torchtitan") is None:
+        return f"torchtitan {VERSION}'s metadata is here but not its package"
     return ""
 
 
@@ -74,7 +92,7 @@ def model_config(spec, seq: int, fp8: str, compile_: bool):
         n_kv_heads=spec.n_kv_heads,
         hidden_dim=spec.ffn_dim,
         rope=rope,
-        attn_backend="flex",  # 0.3.0 refuses "sdpa" here; swapped below, layer by layer
+        attn_backend="flex",  # refuses "sdpa"; replaced below, layer by layer
     )
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
@@ -104,18 +122,63 @@ def model_config(spec, seq: int, fp8: str, compile_: bool):
 
 
 def build(spec, seq: int, device: torch.device, compile_: bool, fp8: str) -> nn.Module:
-    """torchtitan's model for `spec`, initialised by its own `init_weights`, blocks compiled by
-    its `apply_compile` when `compile_`; it must hold exactly the decoder's parameter count."""
-    from torchtitan.config import CompileConfig
-    from torchtitan.distributed.compile import apply_compile
-    from torchtitan.distributed.parallel_dims import ParallelDims
+    """torchtitan's model for `spec`, parallelised by its `parallelize_llama` on a one-rank
+    mesh (compiled blocks when `compile_`, FSDP2's bf16 mixed precision) and initialised by
+    its own `init_weights`, as its trainer does."""
+    import torchtitan.distributed.parallel_dims as dims
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.models.llama3 import parallelize_llama
 
+    if not dist.is_initialized():  # one rank: an in-memory store, no socket
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if device.type == "cpu":
+        dims.device_type = "cpu"  # it assumes an accelerator (the smoke's CPU has none)
+    one = dims.ParallelDims.from_config(ParallelismConfig(), 1)
     with torch.device("meta"):
         model = model_config(spec, seq, fp8, compile_).build()
+    parallelize_llama(
+        model,
+        parallel_dims=one,
+        training=TrainingConfig(),  # mixed precision: bf16 parameters, fp32 reduce
+        parallelism=ParallelismConfig(),
+        compile_config=CompileConfig(enable=compile_),
+        ac_config=None,
+        dump_folder=tempfile.mkdtemp(prefix="torchtitan-"),
+    )
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
-    if compile_:
-        one = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
-        apply_compile(model, compile_config=CompileConfig(enable=True), parallel_dims=one)
     return model.train()
+
+
+def main() -> int:
+    """One torchtitan row in this process: its result as JSON in --json FILE."""
+    from cuda_profile import add_run_args, peer
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_run_args(p, warmup=3)
+    p.add_argument("--compile", choices=["false", "blocks"], default="false")
+    p.add_argument("--fp8", choices=["none", "rowwise", "rowwise_with_gw_hp"], default="none")
+    p.add_argument("--shape", default="[]", help="JSON list: overrides of the model's shape")
+    p.add_argument("--folder", type=Path, required=True, help="the run's folder")
+    p.add_argument("--json", type=Path, required=True, help="where the result goes")
+    a = p.parse_args()
+    compiled = a.compile == "blocks"
+
+    def titan(spec, seq, device):
+        return build(spec, seq, device, compiled, a.fp8)
+
+    extra = json.loads(a.shape)
+    try:
+        r = peer(a, a.folder, a.warmup + a.steps, extra, titan, compile_loss=compiled, amp=False)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    a.json.write_text(json.dumps(r))
+    print(f"torchtitan: {r['step_s'] * 1e3:.1f} ms a step", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

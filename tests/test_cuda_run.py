@@ -111,7 +111,7 @@ def test_cuda_speed_skips_what_does_not_fit_its_budget(tmp_path):
     proc = subprocess.run(
         [*cmd, "--out", str(tmp_path)],
         cwd=ROOT,
-        env=_env(SHARDWISE_BLOCK_MODULES="none"),  # torchao importable: FP8 is planned too
+        env=_env(SHARDWISE_BLOCK_MODULES="torchtitan"),  # torchao importable: FP8 is planned
         capture_output=True,
         text=True,
         timeout=300,
@@ -132,10 +132,10 @@ def test_cuda_speed_skips_what_does_not_fit_its_budget(tmp_path):
 
 
 def test_a_failed_run_is_a_row_and_the_next_run_still_starts(monkeypatch, tmp_path):
-    """On a borrowed GPU one broken run must not cost the rest: a `shardwise train` that exits
-    non-zero, a peer that raises and a planner that exits each become a failed row with its
-    reason, every later run still starts, and the Llama-3 peer is skipped (its own run
-    failed)."""
+    """On a borrowed GPU one broken run must not cost the rest: a `shardwise train` or a
+    torchtitan process that exits non-zero, a peer that raises and a planner that exits each
+    become a failed row with its reason, every later run still starts, and the Llama-3 peer is
+    skipped (its own run failed)."""
     import argparse
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -143,8 +143,8 @@ def test_a_failed_run_is_a_row_and_the_next_run_still_starts(monkeypatch, tmp_pa
 
     started = []
 
-    def broken_cli(args, timeout):
-        started.append(args[0])
+    def broken_cli(args, timeout, program=()):
+        started.append(Path(program[0]).name if program else args[0])
         return 2, "error: boom"
 
     def broken_peer(*args, **kwargs):
@@ -157,6 +157,7 @@ def test_a_failed_run_is_a_row_and_the_next_run_still_starts(monkeypatch, tmp_pa
     monkeypatch.setattr(cuda_speed, "peer", broken_peer)
     monkeypatch.setattr(cuda_speed, "predicted", broken_plan)
     monkeypatch.setattr(cuda_speed, "fp8_unavailable", lambda smoke: "")
+    monkeypatch.setattr(cuda_speed.torchtitan_peer, "unavailable", lambda: "")
     a = argparse.Namespace(
         model="tiny", seq=64, micro=2, global_batch=4, precision="bf16", steps=2, warmup=1,
         llama3_layers=1, smoke=True, budget_s=1e6,
@@ -164,12 +165,14 @@ def test_a_failed_run_is_a_row_and_the_next_run_still_starts(monkeypatch, tmp_pa
     results = cuda_speed.Results(tmp_path, {False: 0.0, True: 0.0}, [])
     cuda_speed.run_all(a, tmp_path, results, {False: 1.0, True: 1.0})
     status = {run.name: r["status"] for run, r in results.rows}
-    assert len(started) == 4  # eager, compiled, FP8, the Llama-3 shape: each one started
-    assert list(status.values()).count("failed") == 6, status
+    # eager, compiled, torchtitan, FP8, the Llama-3 shape: each one started
+    assert started == ["train", "train", "torchtitan_peer.py", "train", "train"]
+    assert list(status.values()).count("failed") == 7, status
     assert list(status.values())[-1] == "skipped"
     md = (tmp_path / "cuda_speed.md").read_text()
     assert "shardwise train exited 2: error: boom" in md and "CUDA out of memory" in md
     assert "shardwise explain failed (1)" in md and "has no result to compare" in md
+    assert "torchtitan_peer.py exited 2: error: boom" in md
 
 
 def test_the_llama3_shape_runs_eager_with_its_peer_then_compiled_and_with_fp8(monkeypatch):
@@ -224,7 +227,13 @@ def test_torchtitan_of_another_release_is_refused_by_name(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import torchtitan_peer
 
-    assert torchtitan_peer.unavailable().startswith("torchtitan not installed")
+    def absent(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", absent)
+    assert torchtitan_peer.unavailable() == (
+        "torchtitan not installed (benchmarks/gpu_wheels.sh fetches 0.3.0)"
+    )
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.2.0")
     assert torchtitan_peer.unavailable() == (
         "torchtitan 0.2.0 installed; this script builds with 0.3.0's model API"
