@@ -20,8 +20,9 @@
 #
 # PYTHON (default python3) runs everything; CUDA_RUN_SITE (default: a new temporary folder)
 # receives the wheels; CUDA_SPEED_BUDGET_S (default 430) is cuda_speed.py's --budget-s (its
-# estimates, from the first H200 runs rounded up, fit the eleven rows of ours and the AMP
-# peer's in 390 s, which took ~300 s; torchtitan's three rows are estimated at ~100 s more);
+# estimates, from the first H200 runs rounded up, come to ~410 s for the eleven rows of ours
+# and the AMP peer's, which took ~300 s, and ~125 s for torchtitan's three; a row starts while
+# its own estimate fits what is left, so at the measured pace all fit, torchtitan's FP8 last);
 # cuda_profile.py gets what is left before the deadline (~80 s needed by the same kind of
 # estimate: a profile, `explain` and the peer), and is skipped with under 60 s.
 set -uo pipefail
