@@ -22,7 +22,9 @@
 # receives the wheels; CUDA_SPEED_BUDGET_S (default 430) is cuda_speed.py's --budget-s (its
 # estimates, from the first H200 runs rounded up, come to ~410 s for the eleven rows of ours
 # and the AMP peer's, which took ~300 s, and ~125 s for torchtitan's three; a row starts while
-# its own estimate fits what is left, so at the measured pace all fit, torchtitan's FP8 last);
+# its own estimate fits what is left, so at the measured pace all fit, torchtitan's FP8 last;
+# a cuda_speed.py that takes its whole budget leaves cuda_profile.py under its ~80 s: the
+# speed rows come first);
 # cuda_profile.py gets what is left before the deadline (~80 s needed by the same kind of
 # estimate: a profile, `explain` and the peer), and is skipped with under 60 s.
 set -uo pipefail

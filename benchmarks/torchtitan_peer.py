@@ -19,9 +19,11 @@ mixed precision (bf16 parameters in compute, fp32 gradients reduced and fp32 mas
 autocast); its `init_weights`; its loss compiled with the blocks (its default
 `compile.components`; on plain tensors its `cross_entropy_loss` is the AMP peer's sum of token
 cross-entropies over fp32 logits); fused AdamW. Left out: activation checkpointing (its
-trainer's default is selective; ours runs without recomputation, so torchtitan does too) and
-its trainer, data loader and config registry: the loop, data order and AdamW settings are the
-AMP peer's (cuda_profile.peer), so the rows differ in the model code, its precision path, its
+trainer's default is selective; ours runs without recomputation, so torchtitan does too);
+its trainer, data loader and config registry, and with them its gradient clipping (max norm
+1.0: per-step work it would pay), its garbage-collection schedule and its training context
+(which, on one rank, change no number): the loop, data order and AdamW settings are the AMP
+peer's (cuda_profile.peer), so the rows differ in the model code, its precision path, its
 compile and its FP8.
 
 cuda_speed.py runs each row as `python benchmarks/torchtitan_peer.py ... --json FILE`, a
@@ -29,8 +31,9 @@ process of its own: torchtitan's global switches (dynamo's and inductor's config
 compiled modules' memory and any import failure of a release built against another torch end
 with it, under the run's timeout. On the GPU machine its wheels (and the few its model code
 imports: spmd_types, tyro) come from benchmarks/gpu_wheels.sh; torch's CUDA wheels bring
-triton, which it imports too. On a CPU (the smoke) torchtitan's mesh would still ask for CUDA:
-its device type is set to "cpu" there.
+triton, which it imports too. 0.3.0 needs torch >= 2.12 (its FSDP code imports an API 2.11
+lacks): on an older torch the rows are skipped in one line that says so. On a CPU (the smoke)
+torchtitan's mesh would still ask for CUDA: its device type is set to "cpu" there.
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ import importlib.metadata
 import importlib.util
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -48,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 VERSION = "0.3.0"  # the model-config API this file builds with
+NEEDS_TORCH = "2.12"  # the oldest torch whose FSDP API that release imports
 
 
 def unavailable() -> str:
@@ -63,6 +66,13 @@ def unavailable() -> str:
         return f"torchtitan {found} installed; this script builds with {VERSION}'s model API"
     if importlib.util.find_spec("torchtitan") is None:
         return f"torchtitan {VERSION}'s metadata is here but not its package"
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):  # imported by its FSDP code at load
+        return (
+            f"torchtitan {VERSION} needs torch >= {NEEDS_TORCH} (its FSDP code imports "
+            f"torch.distributed.fsdp.DataParallelMeshDims); this torch is {torch.__version__}"
+        )
     return ""
 
 
@@ -121,10 +131,12 @@ def model_config(spec, seq: int, fp8: str, compile_: bool):
     return converter.convert(cfg)
 
 
-def build(spec, seq: int, device: torch.device, compile_: bool, fp8: str) -> nn.Module:
+def build(
+    spec, seq: int, device: torch.device, compile_: bool, fp8: str, folder: Path
+) -> nn.Module:
     """torchtitan's model for `spec`, parallelised by its `parallelize_llama` on a one-rank
     mesh (compiled blocks when `compile_`, FSDP2's bf16 mixed precision) and initialised by
-    its own `init_weights`, as its trainer does."""
+    its own `init_weights`, as its trainer does; `folder`: the row's, its dump folder."""
     import torchtitan.distributed.parallel_dims as dims
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.models.llama3 import parallelize_llama
@@ -144,7 +156,7 @@ def build(spec, seq: int, device: torch.device, compile_: bool, fp8: str) -> nn.
         parallelism=ParallelismConfig(),
         compile_config=CompileConfig(enable=compile_),
         ac_config=None,
-        dump_folder=tempfile.mkdtemp(prefix="torchtitan-"),
+        dump_folder=str(folder),
     )
     model.to_empty(device=device)
     with torch.no_grad():
@@ -164,10 +176,12 @@ def main() -> int:
     p.add_argument("--folder", type=Path, required=True, help="the run's folder")
     p.add_argument("--json", type=Path, required=True, help="where the result goes")
     a = p.parse_args()
+    if a.precision != "bf16":  # its mixed precision (TrainingConfig's default) is bf16
+        sys.exit(f"torchtitan rows train in bf16 only, not --precision {a.precision}")
     compiled = a.compile == "blocks"
 
     def titan(spec, seq, device):
-        return build(spec, seq, device, compiled, a.fp8)
+        return build(spec, seq, device, compiled, a.fp8, a.folder)
 
     extra = json.loads(a.shape)
     try:

@@ -240,6 +240,34 @@ def test_torchtitan_of_another_release_is_refused_by_name(monkeypatch):
     )
 
 
+def test_torchtitan_on_a_torch_without_its_fsdp_api_is_a_skipped_row(monkeypatch):
+    """torchtitan 0.3.0 imports an FSDP API that torch 2.11 (the GPU machine's) lacks: there
+    its rows are skipped in one line naming the torch it needs and the one found, not three
+    failed imports (the release found and its package stand in for an installed one); a
+    precision other than bf16, which its mixed precision is, is skipped before any of it."""
+    import argparse
+    import importlib.metadata
+    import importlib.util
+
+    import torch.distributed.fsdp as fsdp
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import cuda_speed
+    import torchtitan_peer
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.3.0")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    monkeypatch.delattr(fsdp, "DataParallelMeshDims", raising=False)
+    assert torchtitan_peer.unavailable() == (
+        "torchtitan 0.3.0 needs torch >= 2.12 (its FSDP code imports "
+        f"torch.distributed.fsdp.DataParallelMeshDims); this torch is {torch.__version__}"
+    )
+    run = cuda_speed.Run("torchtitan: eager", "titan")
+    a = argparse.Namespace(precision="fp32", budget_s=1e6)
+    why = cuda_speed.skip_reason(a, run, 1.0, 1e6, "", [])
+    assert why == "torchtitan rows train in bf16 (its mixed precision), not fp32"
+
+
 @pytest.mark.slow
 def test_the_peer_trains_another_implementation_of_the_same_widths_only(monkeypatch, tmp_path):
     """The peer's `build` hook (how torchtitan's model enters its loop): a model of the same
