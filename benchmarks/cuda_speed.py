@@ -309,7 +309,8 @@ class Results:
 
     def against_torchtitan(self) -> list[str]:
         """A line per torchtitan row with a run of ours of the same compile and FP8: the
-        ratio of our step to torchtitan's (below 1: ours is faster)."""
+        ratio of our step to torchtitan's (below 1: ours is faster); then what its rows say
+        of themselves (torchtitan_peer.stand_in)."""
         measured = [(run, r) for run, r in self.rows if r["status"] == "measured"]
         lines = []
         for titan, t in ((run, r) for run, r in measured if run.kind == "titan"):
@@ -318,7 +319,8 @@ class Results:
                 if run.kind == "ours" and (run.compile, run.fp8, run.llama3) == same:
                     ratio = r["step_s"] / t["step_s"]
                     lines.append(f"{run.name} / {titan.name}: {ratio:.3f}")
-        return lines
+        notes = {r["note"] for run, r in measured if run.kind == "titan" and r.get("note")}
+        return lines + sorted(notes)
 
     def markdown(self) -> str:
         header = ["run", "step ms", "MFU 6N+12Lhs", "MFU 6N", "peak", "/ peer", "graph breaks"]

@@ -19,8 +19,9 @@
 # pin and its trainer's data and logging stack are not what its model code imports): only
 # those its model code imports, spmd_types and tyro (with tyro's docstring_parser, typeguard and
 # a typing_extensions new enough for typeguard). torch's CUDA wheels bring the triton it also
-# imports. 0.3.0 needs torch >= 2.12 (its FSDP code imports torch.distributed.fsdp.
-# DataParallelMeshDims): under the 2.11 above its rows are skipped in one line that says so.
+# imports. 0.3.0 supports torch >= 2.12 (its FSDP code imports torch.distributed.fsdp.
+# DataParallelMeshDims): under the 2.11 above a stand-in class takes that name
+# (benchmarks/torchtitan_peer.py, stand_in) and its rows say so.
 # Checked on CPU under torch 2.13: the same files in a --target folder train its eager and
 # compiled rows of the smoke's shape.
 set -euo pipefail

@@ -31,8 +31,11 @@ process of its own: torchtitan's global switches (dynamo's and inductor's config
 compiled modules' memory and any import failure of a release built against another torch end
 with it, under the run's timeout. On the GPU machine its wheels (and the few its model code
 imports: spmd_types, tyro) come from benchmarks/gpu_wheels.sh; torch's CUDA wheels bring
-triton, which it imports too. 0.3.0 needs torch >= 2.12 (its FSDP code imports an API 2.11
-lacks): on an older torch the rows are skipped in one line that says so. On a CPU (the smoke)
+triton, which it imports too. 0.3.0 needs torch >= 2.12: its FSDP code imports one type
+2.11 (the GPU machine's) lacks, so on 2.11 a stand-in class takes that name (`stand_in`; on
+one rank it is never built: every other torch name this path uses was checked against
+2.11.0's sources), and each row says so below the table; an older torch is skipped in one
+line. On a CPU (the smoke)
 torchtitan's mesh would still ask for CUDA: its device type is set to "cpu" there.
 """
 
@@ -51,6 +54,9 @@ from torch import nn
 
 VERSION = "0.3.0"  # the model-config API this file builds with
 NEEDS_TORCH = "2.12"  # the oldest torch whose FSDP API that release imports
+# the older torch it runs on with a stand-in for that one name (`stand_in`), read, not guessed:
+# every torch name this path imports or calls, checked against 2.11.0's sources
+STAND_IN_TORCH = "2.11"
 
 
 def unavailable() -> str:
@@ -68,12 +74,36 @@ def unavailable() -> str:
         return f"torchtitan {VERSION}'s metadata is here but not its package"
     import torch.distributed.fsdp as fsdp
 
-    if not hasattr(fsdp, "DataParallelMeshDims"):  # imported by its FSDP code at load
+    minor = ".".join(torch.__version__.split(".")[:2])
+    if not hasattr(fsdp, "DataParallelMeshDims") and minor != STAND_IN_TORCH:
         return (
             f"torchtitan {VERSION} needs torch >= {NEEDS_TORCH} (its FSDP code imports "
-            f"torch.distributed.fsdp.DataParallelMeshDims); this torch is {torch.__version__}"
+            f"torch.distributed.fsdp.DataParallelMeshDims; {STAND_IN_TORCH} runs it with a "
+            f"stand-in); this torch is {torch.__version__}"
         )
     return ""
+
+
+def stand_in() -> str:
+    """On torch 2.11, a class under the one name torchtitan 0.3.0 imports from a newer torch
+    (torch.distributed.fsdp.DataParallelMeshDims, 2.12): its FSDP code names it in
+    annotations and builds one only for a multi-dimensional data-parallel mesh, never on one
+    rank (its `resolve_fsdp_mesh` passes None there). What the row then says of itself ("":
+    nothing stood in)."""
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        return ""
+
+    class DataParallelMeshDims:
+        """Stands in for torch 2.12's type; never built on one rank."""
+
+    fsdp.DataParallelMeshDims = DataParallelMeshDims
+    return (
+        f"torchtitan {VERSION} on torch {torch.__version__}, older than the {NEEDS_TORCH} it "
+        "supports: a stand-in for torch.distributed.fsdp.DataParallelMeshDims, which it imports "
+        "and on one rank never builds"
+    )
 
 
 def model_config(spec, seq: int, fp8: str, compile_: bool):
@@ -137,6 +167,7 @@ def build(
     """torchtitan's model for `spec`, parallelised by its `parallelize_llama` on a one-rank
     mesh (compiled blocks when `compile_`, FSDP2's bf16 mixed precision) and initialised by
     its own `init_weights`, as its trainer does; `folder`: the row's, its dump folder."""
+    stand_in()  # before torchtitan imports it
     import torchtitan.distributed.parallel_dims as dims
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.models.llama3 import parallelize_llama
@@ -184,12 +215,13 @@ def main() -> int:
         return build(spec, seq, device, compiled, a.fp8, a.folder)
 
     extra = json.loads(a.shape)
+    note = stand_in()  # what the row says of itself, if anything stood in
     try:
         r = peer(a, a.folder, a.warmup + a.steps, extra, titan, compile_loss=compiled, amp=False)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    a.json.write_text(json.dumps(r))
+    a.json.write_text(json.dumps({**r, "note": note} if note else r))
     print(f"torchtitan: {r['step_s'] * 1e3:.1f} ms a step", flush=True)
     return 0
 

@@ -240,11 +240,12 @@ def test_torchtitan_of_another_release_is_refused_by_name(monkeypatch):
     )
 
 
-def test_torchtitan_on_a_torch_without_its_fsdp_api_is_a_skipped_row(monkeypatch):
-    """torchtitan 0.3.0 imports an FSDP API that torch 2.11 (the GPU machine's) lacks: there
-    its rows are skipped in one line naming the torch it needs and the one found, not three
-    failed imports (the release found and its package stand in for an installed one); a
-    precision other than bf16, which its mixed precision is, is skipped before any of it."""
+def test_torchtitan_on_an_older_torch_runs_with_a_stand_in_or_is_skipped(monkeypatch):
+    """torchtitan 0.3.0 imports one FSDP type that torch 2.11 (the GPU machine's) lacks: on
+    2.11 a stand-in class takes the name and each row says so below the table; an older torch
+    is one skipped line naming the torch it needs and the one found, not three failed imports
+    (the release found and its package stand in for an installed one); a precision other
+    than bf16, which its mixed precision is, is skipped before any of it."""
     import argparse
     import importlib.metadata
     import importlib.util
@@ -258,10 +259,23 @@ def test_torchtitan_on_a_torch_without_its_fsdp_api_is_a_skipped_row(monkeypatch
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.3.0")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
     monkeypatch.delattr(fsdp, "DataParallelMeshDims", raising=False)
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cu128")
     assert torchtitan_peer.unavailable() == (
         "torchtitan 0.3.0 needs torch >= 2.12 (its FSDP code imports "
-        f"torch.distributed.fsdp.DataParallelMeshDims); this torch is {torch.__version__}"
+        "torch.distributed.fsdp.DataParallelMeshDims; 2.11 runs it with a stand-in); "
+        "this torch is 2.10.0+cu128"
     )
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    assert torchtitan_peer.unavailable() == ""
+    note = torchtitan_peer.stand_in()
+    assert isinstance(fsdp.DataParallelMeshDims, type)
+    assert note.startswith("torchtitan 0.3.0 on torch 2.11.0+cu130, older than the 2.12")
+    assert torchtitan_peer.stand_in() == ""  # the name is there now: nothing stands in again
+    results = cuda_speed.Results(Path("/nonexistent"), {}, [])
+    rows = [("torchtitan: eager", "titan"), ("eager", "ours")]
+    results.rows = [(cuda_speed.Run(n, k), {"status": "measured", "step_s": 0.4}) for n, k in rows]
+    results.rows[0][1]["note"] = note
+    assert results.against_torchtitan() == ["eager / torchtitan: eager: 1.000", note]
     run = cuda_speed.Run("torchtitan: eager", "titan")
     a = argparse.Namespace(precision="fp32", budget_s=1e6)
     why = cuda_speed.skip_reason(a, run, 1.0, 1e6, "", [])
