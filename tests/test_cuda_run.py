@@ -135,7 +135,8 @@ def test_a_failed_run_is_a_row_and_the_next_run_still_starts(monkeypatch, tmp_pa
     """On a borrowed GPU one broken run must not cost the rest: a `shardwise train` or a
     torchtitan process that exits non-zero, a peer that raises and a planner that exits each
     become a failed row with its reason, every later run still starts, and the Llama-3 peer is
-    skipped (its own run failed)."""
+    skipped (its own run failed); after a failed torchtitan row the next torchtitan row is
+    skipped (it would fail alike: the smoke plans one, so the full plan is run too)."""
     import argparse
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -173,6 +174,22 @@ def test_a_failed_run_is_a_row_and_the_next_run_still_starts(monkeypatch, tmp_pa
     assert "shardwise train exited 2: error: boom" in md and "CUDA out of memory" in md
     assert "shardwise explain failed (1)" in md and "has no result to compare" in md
     assert "torchtitan_peer.py exited 2: error: boom" in md
+    started.clear()
+    a.smoke, a.llama3_layers = False, 0
+    full = cuda_speed.Results(tmp_path, {False: 0.0}, [])
+    monkeypatch.setattr(cuda_speed, "estimate_s", lambda *args: 1.0)
+    cuda_speed.run_all(a, tmp_path, full, {False: 1.0})
+    titan = [(run.name, r.get("reason", "")) for run, r in full.rows if run.kind == "titan"]
+    assert [name for name, _ in titan] == [
+        "torchtitan: compiled blocks",
+        "torchtitan: eager",
+        "torchtitan: compiled + FP8 rowwise",
+    ]
+    assert "exited 2" in titan[0][1]
+    assert [reason for _, reason in titan[1:]] == [
+        "an earlier torchtitan row failed (its reason is above)"
+    ] * 2
+    assert started.count("torchtitan_peer.py") == 1
 
 
 def test_the_llama3_shape_runs_eager_with_its_peer_then_compiled_and_with_fp8(monkeypatch):
