@@ -342,13 +342,13 @@ def skip_reason(a: argparse.Namespace, run: Run, need: float, left: float, fp8: 
     earlier torchtitan row failed (the next would fail alike, at the cost of the rows after
     it), its shape's own run without a result (a peer with nothing to compare), or `need`
     seconds over `left`."""
-    if run.kind == "titan" and a.precision != "bf16":
-        return f"torchtitan rows train in bf16 (its mixed precision), not {a.precision}"
-    titan = torchtitan_peer.unavailable() if run.kind == "titan" else ""
-    if titan:
-        return titan
-    if run.kind == "titan" and any(r.kind == "titan" and m["status"] == "failed" for r, m in rows):
-        return "an earlier torchtitan row failed (its reason is above)"
+    if run.kind == "titan":
+        if a.precision != "bf16":
+            return f"torchtitan rows train in bf16 (its mixed precision), not {a.precision}"
+        if why := torchtitan_peer.unavailable():
+            return why
+        if any(r.kind == "titan" and m["status"] == "failed" for r, m in rows):
+            return "an earlier torchtitan row failed (its reason is above)"
     if run.fp8 != "none" and fp8:
         return fp8
     if need > left:

@@ -198,10 +198,11 @@ ROWWISE_SLOWDOWN = "1.24x"
 
 
 def _compile_advice(refused: str) -> str:
-    """The fix for unfused FP8 casts, or why it is not available to this job."""
+    """The fix for unfused FP8 casts, or why it is not available to this job (a sentence
+    without its full stop: each caller ends it)."""
     if refused:
-        return f"Compiled blocks, which fuse them, are refused here: {refused.rstrip('.')}."
-    return "Fix: --train.compile=blocks."
+        return f"Compiled blocks, which fuse them, are refused here: {refused.rstrip('.')}"
+    return "Fix: --train.compile=blocks"
 
 
 def fp8_price_note(recipe: str, compiled: bool, on_cpu: bool, refused: str = "") -> str | None:
@@ -216,7 +217,7 @@ def fp8_price_note(recipe: str, compiled: bool, on_cpu: bool, refused: str = "")
         missing.append(
             "without train.compile=blocks each cast runs as its own kernel: an eager "
             f"tensorwise step took {EAGER_FP8_SLOWDOWN} the bf16 step's time (predicted: "
-            f"faster than bf16). {_compile_advice(refused).rstrip('.')}"
+            f"faster than bf16). {_compile_advice(refused)}"
         )
     if recipe == "rowwise":
         missing.append(f"rowwise's per-row scales took {ROWWISE_SLOWDOWN} tensorwise's step")
@@ -246,8 +247,8 @@ def fp8_summary(
         return line
     fix = _compile_advice(refused)
     if not refused:
-        fix = fix.rstrip(".") + " (compiled, the FP8 step took 0.73x the eager bf16 one)."
+        fix += " (compiled, the FP8 step took 0.73x the eager bf16 one)"
     return (
         f"{line}. Without compiled blocks each FP8 cast and scale runs as its own kernel: on an "
-        f"H200 such a step took {EAGER_FP8_SLOWDOWN} the bf16 step's time. {fix}"
+        f"H200 such a step took {EAGER_FP8_SLOWDOWN} the bf16 step's time. {fix}."
     )
