@@ -209,6 +209,8 @@ def main() -> int:
     a = p.parse_args()
     if a.precision != "bf16":  # its mixed precision (TrainingConfig's default) is bf16
         sys.exit(f"torchtitan rows train in bf16 only, not --precision {a.precision}")
+    if why := unavailable():  # (cuda_speed.py skips such rows; this is for a run by hand)
+        sys.exit(why)
     compiled = a.compile == "blocks"
 
     def titan(spec, seq, device):
