@@ -136,6 +136,8 @@ def peer(
     d = derive(cfg, 1)
     info = dev.detect(cfg.run.device)
     data = load_data(data_spec(cfg, d.spec.vocab_size), "train")
+    with torch.device("meta"):  # ours, shapes only: the parameter count and FLOPs
+        shape = build_model(d.spec)
     if build is None:
         with torch.device(info.device):
             model = build_model(d.spec)
@@ -143,8 +145,7 @@ def peer(
     else:
         torch.manual_seed(cfg.train.seed)
         model = build(d.spec, d.tokens_per_sample, info.device)
-        with torch.device("meta"):
-            want = sum(p.numel() for p in build_model(d.spec).parameters())
+        want = sum(p.numel() for p in shape.parameters())
         have = sum(p.numel() for p in model.parameters())
         if have != want:
             raise ValueError(f"the peer's model holds {have:,} parameters, ours {want:,}")
@@ -172,8 +173,7 @@ def peer(
         opt.zero_grad(set_to_none=True)
         dev.synchronize(info)
         times.append(time.perf_counter() - t0)
-    with torch.device("meta"):
-        flops = flops_per_token(build_model(d.spec), d) * d.tokens_per_step
+    flops = flops_per_token(shape, d) * d.tokens_per_step
     step = statistics.median(times[a.warmup :])
     peak = info.peak_flops(cfg.precision.compute)
     return {
